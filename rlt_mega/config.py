@@ -1,0 +1,372 @@
+"""Typed configuration: dataclasses with one source of defaults, strict YAML, dotted overrides.
+
+A config file is a nested mapping whose sections mirror :class:`Config`. Loading is strict:
+an unknown key is an error that names it and suggests the closest valid key (a typo such as
+``train.stpes`` must never become a silent default), a value of the wrong type is an error
+that names the expected type, and impossible combinations are rejected in ``__post_init__``
+with a message that says how to fix them. Every such error is a :class:`ConfigError`.
+
+Overrides on the command line use dotted paths: ``train.steps=100 model.memory_block=4``.
+Values are parsed as YAML scalars (``true``, ``1e-3``, ``null``, ``[1, 2]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that says what is wrong and how to fix it."""
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ConfigError(message)
+
+
+@dataclass
+class ModelConfig:
+    """The RLT architecture (DESIGN section 1). Encoder and decoder both have ``n_layers``."""
+
+    vocab_size: int = 260
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None: equal to n_heads (no GQA)
+    ffn_hidden: Optional[int] = None  # None: SwiGLU 8/3 * d rounded up to a multiple of 64
+    memory_block: int = 1  # C: memory is committed in blocks of C positions
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    share_weights: bool = True  # encoder block i and decoder block i share self-attn + MLP
+    tie_embeddings: bool = False
+    qkv_bias: bool = False  # biases on self-attention q/k/v (Qwen2 layout)
+    init_std: float = 0.02
+    max_seq_len: int = 2048
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.ffn_hidden is None:
+            self.ffn_hidden = 64 * ((8 * self.d_model // 3 + 63) // 64)
+        _check(self.vocab_size >= 2, f"model.vocab_size={self.vocab_size}: must be at least 2")
+        _check(self.d_model >= 1 and self.n_layers >= 1 and self.n_heads >= 1,
+               "model.d_model, model.n_layers and model.n_heads must be positive")
+        _check(self.d_model % self.n_heads == 0,
+               f"model.n_heads={self.n_heads} does not divide model.d_model={self.d_model}: "
+               f"choose n_heads among the divisors of d_model (e.g. "
+               f"{[h for h in (1, 2, 4, 8, 16, 32) if self.d_model % h == 0]})")
+        _check((self.d_model // self.n_heads) % 2 == 0,
+               f"head dim d_model/n_heads = {self.d_model // self.n_heads} must be even for RoPE: "
+               "change model.d_model or model.n_heads")
+        _check(self.n_kv_heads >= 1 and self.n_heads % self.n_kv_heads == 0,
+               f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads} (GQA)")
+        _check(self.memory_block >= 1,
+               f"model.memory_block (C) = {self.memory_block}: must be >= 1 (1 is dense memory)")
+        _check(self.ffn_hidden >= 1, f"model.ffn_hidden={self.ffn_hidden}: must be positive")
+        _check(self.rope_theta > 0, f"model.rope_theta={self.rope_theta}: must be positive")
+        _check(self.norm_eps > 0, f"model.norm_eps={self.norm_eps}: must be positive")
+        _check(self.max_seq_len >= 1, f"model.max_seq_len={self.max_seq_len}: must be positive")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+@dataclass
+class GeneratedDataConfig:
+    """Seeded arithmetic word problems in GSM8K format (rlt_mega.data.arithmetic)."""
+
+    num_train: int = 20000
+    num_eval: int = 200
+    min_ops: int = 1
+    max_ops: int = 2
+    max_value: int = 20
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        _check(self.num_train >= 1 and self.num_eval >= 0, "data.generated: num_train >= 1, num_eval >= 0")
+        _check(1 <= self.min_ops <= self.max_ops,
+               f"data.generated: need 1 <= min_ops ({self.min_ops}) <= max_ops ({self.max_ops})")
+        _check(self.max_value >= 2, f"data.generated.max_value={self.max_value}: must be >= 2")
+
+
+@dataclass
+class DataConfig:
+    # "generated" (arithmetic problems), a local .jsonl/.json/.txt file or directory, or a hub name.
+    train: str = "generated"
+    eval: Optional[str] = None  # None: a held-out split of the train source
+    hub_config: Optional[str] = None  # e.g. "main" for openai/gsm8k
+    text_field: Optional[str] = None  # None: "text", else question + answer for GSM8K records
+    tokenizer: str = "byte"  # "byte" or a path to a tokenizers tokenizer.json
+    seq_len: int = 128
+    shuffle: bool = True
+    generated: GeneratedDataConfig = field(default_factory=GeneratedDataConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.seq_len >= 2, f"data.seq_len={self.seq_len}: must be at least 2")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 20
+    schedule: Literal["cosine", "constant"] = "cosine"
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    grad_clip: float = 1.0  # global-norm clipping; 0 disables it
+
+    def __post_init__(self) -> None:
+        _check(self.lr > 0, f"optim.lr={self.lr}: must be positive")
+        _check(0 <= self.min_lr <= self.lr, f"optim.min_lr={self.min_lr}: must be in [0, optim.lr]")
+        _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
+        _check(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables)")
+
+
+@dataclass
+class CheckpointingConfig:
+    """Activation checkpointing (DESIGN section 4); recomputation is exact."""
+
+    decoder: Literal["none", "step", "every_k"] = "none"
+    decoder_k: int = 4  # steps per checkpointed segment when decoder == "every_k"
+    encoder: bool = False  # checkpoint each encoder block
+
+    def __post_init__(self) -> None:
+        _check(self.decoder_k >= 1, f"train.checkpointing.decoder_k={self.decoder_k}: must be >= 1")
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    micro_batch_size: int = 8
+    grad_accum: int = 1
+    seed: int = 0
+    device: str = "auto"  # "auto": cuda when available, else cpu
+    dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast around the forward
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    eval_every: int = 50
+    eval_batches: int = 4
+    log_every: int = 10
+    resume: Optional[str] = None  # None, "auto" (latest checkpoint in checkpoint.dir) or a path
+    max_nonfinite_in_a_row: int = 5  # consecutive skipped non-finite steps before stopping
+
+    def __post_init__(self) -> None:
+        _check(self.steps >= 0, f"train.steps={self.steps}: must be >= 0")
+        _check(self.micro_batch_size >= 1, f"train.micro_batch_size={self.micro_batch_size}: must be >= 1")
+        _check(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum}: must be >= 1")
+        _check(self.log_every >= 1 and self.eval_every >= 0, "train.log_every >= 1, train.eval_every >= 0")
+        _check(self.max_nonfinite_in_a_row >= 1, "train.max_nonfinite_in_a_row must be >= 1")
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    pp: int = 1
+    dp: Optional[int] = None  # None: world_size // (tp * pp)
+    zero_stage: int = 0  # 0: plain data parallel; 1, 2, 3: DeepSpeed ZeRO
+    micro_batches: int = 1  # pipeline micro-batches in flight (M)
+    pp_split: Optional[list] = None  # explicit layers per stage for uneven L, e.g. [3, 2]
+    backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+
+    def __post_init__(self) -> None:
+        _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp={self.tp}, parallel.pp={self.pp}: must be >= 1")
+        _check(self.dp is None or self.dp >= 1, f"parallel.dp={self.dp}: must be >= 1 or null")
+        _check(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage={self.zero_stage}: must be 0, 1, 2 or 3")
+        _check(self.micro_batches >= 1, f"parallel.micro_batches={self.micro_batches}: must be >= 1")
+
+
+@dataclass
+class CheckpointConfig:
+    dir: str = "runs/default/checkpoints"
+    every: int = 100  # steps between checkpoints; 0: only at the end
+    keep: int = 3  # keep the last K checkpoints
+
+    def __post_init__(self) -> None:
+        _check(self.every >= 0, f"checkpoint.every={self.every}: must be >= 0")
+        _check(self.keep >= 1, f"checkpoint.keep={self.keep}: must be >= 1")
+
+
+@dataclass
+class LoggingConfig:
+    dir: str = "runs/default/tb"  # TensorBoard event files
+    progress: bool = True  # tqdm progress bar on rank 0
+    level: str = "INFO"
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def __post_init__(self) -> None:
+        _check(self.data.seq_len <= self.model.max_seq_len,
+               f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
+               "raise model.max_seq_len or lower data.seq_len")
+
+
+# ----------------------------------------------------------------------------------------
+# Strict conversion of plain mappings into dataclasses
+# ----------------------------------------------------------------------------------------
+
+def _type_name(tp: Any) -> str:
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in typing.get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, path: str) -> Any:
+    """Checks ``value`` against the annotation ``tp``; ints are accepted where floats are."""
+    origin = typing.get_origin(tp)
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in typing.get_args(tp):
+            try:
+                return _coerce(value, arg, path)
+            except ConfigError as exc:
+                errors.append(exc)
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    if origin is Literal:
+        if value in typing.get_args(tp):
+            return value
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{path}: expected null, got {value!r}")
+    if dataclasses.is_dataclass(tp):
+        return _from_dict(tp, value, path)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif tp is list or origin is list:
+        if isinstance(value, list):
+            return list(value)
+    elif tp is dict or origin is dict:
+        if isinstance(value, dict):
+            return dict(value)
+    else:  # pragma: no cover - an annotation this loader does not know is a programming error
+        raise TypeError(f"unsupported config annotation {tp!r} at {path}")
+    raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    return f"{hint} Valid keys: {', '.join(sorted(valid))}"
+
+
+def _from_dict(cls: type, data: Any, path: str = ""):
+    if data is None:
+        data = {}
+    where = path or "the config"
+    if isinstance(data, cls):
+        return data
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        full = f"{path}.{key}" if path else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key '{full}'{_suggest(str(key), names)}")
+        kwargs[key] = _coerce(value, hints[key], full)
+    try:
+        return cls(**kwargs)
+    except ConfigError as exc:
+        raise ConfigError(f"{where}: {exc}") if path and not str(exc).startswith(path) else exc
+
+
+def from_dict(data: dict, cls: type = Config):
+    """Builds ``cls`` from a plain mapping, strictly (see the module docstring)."""
+    return _from_dict(cls, data)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _parse_override(item: str) -> tuple[list[str], Any]:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=100)")
+    key, raw = item.split("=", 1)
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override '{item}': empty key; write section.key=value")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"override '{item}': cannot parse the value ({exc.__class__.__name__})") from None
+    return key.split("."), value
+
+
+def apply_overrides(data: dict, overrides: list[str]) -> dict:
+    """Writes dotted ``a.b=value`` overrides into a plain nested mapping."""
+    for item in overrides:
+        parts, value = _parse_override(item)
+        node = data
+        for part in parts[:-1]:
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def read_yaml(path: str | Path) -> dict:
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: the top level must be a mapping of sections")
+    return data
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None, cls: type = Config):
+    """Reads a YAML file (or only defaults when ``path`` is None) and applies dotted overrides."""
+    data = read_yaml(path) if path is not None else {}
+    data = apply_overrides(data, list(overrides or []))
+    return from_dict(data, cls)
+
+
+def save_config(cfg: Any, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

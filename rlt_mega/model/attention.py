@@ -1,0 +1,89 @@
+"""Attention kernels of the three attention kinds: causal encoder self-attention (one batch or
+chunk by chunk with a cache), single-position decoder self-attention over the decoder's own
+K/V, and single-position cross-attention into the visible memory.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from rlt_mega.model.cache import DecoderKV, KVCache
+
+
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+    """Causal attention of queries at positions [start, start + n) to keys [0, start + n).
+
+    q: (B, h, n, Dh); k, v: (B, h_kv, start + n, Dh) -> (B, h, n, Dh).
+    """
+    n, S = q.shape[2], k.shape[2]
+    gqa = q.shape[1] != k.shape[1]
+    if start == 0 and S == n:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    # A chunk after a cached prefix: query i (position start + i) sees keys j <= start + i.
+    q_pos = torch.arange(start, start + n, device=q.device)
+    k_pos = torch.arange(S, device=q.device)
+    mask = k_pos[None, :] <= q_pos[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """q: (B, h_kv, g, Dh) grouped queries of one position; k, v: (B, h_kv, 1 + vis, Dh), all
+    visible (the null slot and the committed memory) -> (B, h_kv, g, Dh)."""
+    return F.scaled_dot_product_attention(q, k, v)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with the probabilities returned; softmax in fp32 (or fp64)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, h_kv, g, S)
+    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+    return torch.matmul(probs, v), probs
+
+
+class DecoderSelfAttention(torch.autograd.Function):
+    """Decoder self-attention at step t over the decoder's K/V of positions [0, t].
+
+    Forward writes this step's k, v into the cache and attends to the cached prefix, so
+    memory grows O(T) over a sequence. Backward recomputes the probabilities (cheap: one
+    query row per head), adds the key/value gradients of [0, t] to the cache's gradient
+    buffer and returns the (now complete) gradient of this step's k and v.
+
+    Under no_grad (sampling, replay) only the forward runs, the same code as in training.
+    Computed in the dtype of q with autocast off, so forward and backward see the same types.
+    """
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
+                layer: int, t: int) -> torch.Tensor:
+        # q: (B, h_kv, g, Dh) grouped; k, v: (B, h_kv, 1, Dh)
+        cache.write(layer, t, k, v)
+        keys, values = cache.view(layer, t + 1)
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            out, _ = _attend(q, keys.to(q.dtype), values.to(q.dtype))
+        ctx.save_for_backward(q)
+        ctx.cache, ctx.layer, ctx.t = cache, layer, t
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (q,) = ctx.saved_tensors
+        cache: DecoderKV = ctx.cache
+        if not isinstance(cache, DecoderKV):
+            raise RuntimeError("decoder self-attention backward needs a DecoderKV cache (dense schedule)")
+        keys, values = cache.view(ctx.layer, ctx.t + 1)
+        keys, values = keys.to(q.dtype), values.to(q.dtype)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        with torch.autocast(device_type=q.device.type, enabled=False):
+            _, probs = _attend(q, keys, values)  # (B, h_kv, g, t + 1)
+            grad_out = grad_out.to(q.dtype)
+            grad_values = torch.matmul(probs.transpose(-1, -2), grad_out)  # (B, h_kv, t + 1, Dh)
+            grad_probs = torch.matmul(grad_out, values.transpose(-1, -2))  # (B, h_kv, g, t + 1)
+            grad_scores = probs * (grad_probs - (grad_probs * probs).sum(-1, keepdim=True))
+            grad_q = torch.matmul(grad_scores, keys) * scale
+            grad_keys = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
+        grad_k, grad_v = cache.accumulate(ctx.layer, ctx.t, grad_keys, grad_values)
+        kv_dtype = cache.k[ctx.layer].dtype
+        return grad_q, grad_k.to(kv_dtype), grad_v.to(kv_dtype), None, None, None

@@ -1,0 +1,91 @@
+"""The state the schedules carry between calls: encoder K/V, decoder K/V, memory K/V.
+
+All buffers are (B, h_kv, capacity, Dh), preallocated once per sequence batch and written in
+place; ``h_kv`` is whatever the projections produce (a tensor-parallel shard holds fewer
+heads), so a buffer is allocated lazily at its first write. Layers are indexed globally; a
+pipeline stage only ever touches its own layers.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+class KVCache:
+    """Self-attention K/V per layer: the encoder's, or the decoder's during sampling/replay."""
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        self.capacity = capacity
+        self.k: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.v: list[Optional[torch.Tensor]] = [None] * num_layers
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: (B, h_kv, n, Dh) for positions start .. start + n - 1. Not recorded by autograd."""
+        end = start + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"cache capacity {self.capacity} exceeded by a write ending at position {end}")
+        if self.k[layer] is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.k[layer] = k.new_zeros(shape)
+            self.v[layer] = v.new_zeros(shape)
+        with torch.no_grad():
+            self.k[layer][:, :, start:end] = k
+            self.v[layer][:, :, start:end] = v
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of positions [0, end): (B, h_kv, end, Dh) views of the buffers."""
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+class DecoderKV(KVCache):
+    """The decoder's own K/V with gradient buffers, for the dense schedule (full BPTT).
+
+    The decoder attends at step t to the keys of every earlier step; keeping those keys in a
+    preallocated buffer rather than concatenating per step keeps memory O(T) instead of
+    O(T^2). Gradients into earlier keys are accumulated here by the attention backward of
+    later steps and handed to the owning step when its own backward runs (see
+    ``attention.DecoderSelfAttention``); the recurrence z_{t-1} -> u_t guarantees that every
+    later step's backward has run by then.
+    """
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        super().__init__(num_layers, capacity)
+        self.grad_k: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.grad_v: list[Optional[torch.Tensor]] = [None] * num_layers
+
+    def accumulate(self, layer: int, t: int, dk: torch.Tensor, dv: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Adds the gradients (B, h_kv, t + 1, Dh) of keys/values [0, t] and returns (and
+        clears) those of position t, which are now complete."""
+        if self.grad_k[layer] is None:
+            shape = self.k[layer].shape
+            # fp32 accumulation even when the keys are bf16.
+            acc_dtype = torch.promote_types(dk.dtype, torch.float32)
+            self.grad_k[layer] = torch.zeros(shape, dtype=acc_dtype, device=dk.device)
+            self.grad_v[layer] = torch.zeros(shape, dtype=acc_dtype, device=dv.device)
+        gk, gv = self.grad_k[layer], self.grad_v[layer]
+        gk[:, :, : t + 1] += dk
+        gv[:, :, : t + 1] += dv
+        out_k = gk[:, :, t:t + 1].clone()
+        out_v = gv[:, :, t:t + 1].clone()
+        gk[:, :, t].zero_()  # cleared so that a second backward (retain_graph) starts from zero
+        gv[:, :, t].zero_()
+        return out_k, out_v
+
+
+class MemoryKV(KVCache):
+    """Cross-attention K/V of the encoder memory per layer, slot 0 holding the null memory:
+    (B, h_kv, 1 + S, Dh). The decoder at position t reads slots [0, 1 + vis(t)).
+
+    Dense schedule: set once per layer from the whole memory (``set``; autograd flows into
+    the encoder). Rollout/replay: a preallocated buffer (``write``) that grows by one memory
+    block per encoder call.
+    """
+
+    def set(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer], self.v[layer] = k, v
+
+    def visible(self, layer: int, vis: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.view(layer, 1 + vis)

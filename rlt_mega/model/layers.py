@@ -1,0 +1,168 @@
+"""Building blocks shared by the encoder and the decoder: RMSNorm, RoPE, attention
+projections, SwiGLU. Plain single-device modules: ``parallel/`` swaps the linear layers for
+megatron-core ones by name, so every projection is an attribute called through ``__call__``
+and head counts are read off the projection's output size (a tensor-parallel shard holds
+``n_heads / tp`` heads and the code below never needs to know).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 and cast back (the Llama/Qwen2 convention)."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding, rotate-half layout (as HF Llama/Qwen2, so imports need no
+    permutation of q/k weights).
+
+    The tables are computed in float64 and kept outside the module's buffers, so that
+    ``model.to(torch.bfloat16)`` cannot round them; they are moved to the input's device
+    once and cast to the input's dtype at use.
+    """
+
+    def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
+        super().__init__()
+        self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
+        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (max_seq_len, Dh) float64 on ``device``."""
+        if device not in self._tables:
+            inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
+                                             / self.head_dim))
+            t = torch.arange(self.max_seq_len, dtype=torch.float64, device=device)
+            emb = torch.outer(t, inv_freq).repeat(1, 2)
+            self._tables[device] = (emb.cos(), emb.sin())
+        return self._tables[device]
+
+    def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
+        """x: (B, h, T, Dh) at positions start .. start + T - 1."""
+        T = x.shape[-2]
+        if start + T > self.max_seq_len:
+            raise ValueError(f"position {start + T - 1} is past model.max_seq_len={self.max_seq_len}: "
+                             "raise model.max_seq_len")
+        cos, sin = self.tables(x.device)
+        # fp32 tables for low-precision inputs (as HF does), then the product in x's dtype.
+        table_dtype = x.dtype if x.dtype == torch.float64 else torch.float32
+        cos = cos[start:start + T].to(table_dtype).to(x.dtype)
+        sin = sin[start:start + T].to(table_dtype).to(x.dtype)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
+class SelfAttentionProj(nn.Module):
+    """The q, k, v, o projections of a shared block's self-attention."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int, head_dim: int, bias: bool) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q = nn.Linear(d, n_heads * head_dim, bias=bias)
+        self.k = nn.Linear(d, n_kv_heads * head_dim, bias=bias)
+        self.v = nn.Linear(d, n_kv_heads * head_dim, bias=bias)
+        self.o = nn.Linear(n_heads * head_dim, d, bias=False)
+
+    def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: (B, T, d) -> q (B, h, T, Dh), k and v (B, h_kv, T, Dh)."""
+        B, T, _ = x.shape
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        return q, k, v
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn: (B, h, T, Dh) -> (B, T, d)."""
+        B, _, T, _ = attn.shape
+        return self.o(attn.transpose(1, 2).reshape(B, T, -1))
+
+
+class CrossAttentionProj(nn.Module):
+    """Cross-attention of the decoder into the encoder memory. No RoPE: the memory already
+    carries its position through the encoder, and the null slot has no position."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.q = nn.Linear(d, n_heads * head_dim, bias=False)
+        self.k = nn.Linear(d, n_kv_heads * head_dim, bias=False)
+        self.v = nn.Linear(d, n_kv_heads * head_dim, bias=False)
+        self.o = nn.Linear(n_heads * head_dim, d, bias=False)
+
+    def kv(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """m: (B, S, d) memory -> k, v (B, h_kv, S, Dh)."""
+        B, S, _ = m.shape
+        k = self.k(m).view(B, S, -1, self.head_dim).transpose(1, 2)
+        v = self.v(m).view(B, S, -1, self.head_dim).transpose(1, 2)
+        return k, v
+
+    def query(self, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, 1, d) -> (B, h, 1, Dh)."""
+        B, T, _ = x.shape
+        return self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+
+    def out(self, attn: torch.Tensor) -> torch.Tensor:
+        """attn: (B, h, T, Dh) -> (B, T, d)."""
+        B, _, T, _ = attn.shape
+        return self.o(attn.transpose(1, 2).reshape(B, T, -1))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d: int, hidden: int) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d, hidden, bias=False)
+        self.up = nn.Linear(d, hidden, bias=False)
+        self.down = nn.Linear(hidden, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class Block(nn.Module):
+    """A shared block: pre-norm self-attention and SwiGLU MLP. Encoder layer i and decoder
+    layer i call the same instance (unless model.share_weights is false)."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int, head_dim: int, ffn_hidden: int,
+                 eps: float, qkv_bias: bool) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(d, eps)
+        self.attn = SelfAttentionProj(d, n_heads, n_kv_heads, head_dim, qkv_bias)
+        self.mlp_norm = RMSNorm(d, eps)
+        self.mlp = SwiGLU(d, ffn_hidden)
+
+
+class CrossBlock(nn.Module):
+    """Decoder-only: pre-norm cross-attention into {null_memory} + committed memory."""
+
+    def __init__(self, d: int, n_heads: int, n_kv_heads: int, head_dim: int, eps: float) -> None:
+        super().__init__()
+        self.cross_norm = RMSNorm(d, eps)
+        self.attn = CrossAttentionProj(d, n_heads, n_kv_heads, head_dim)
+
+
+def group_query(q: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """(B, h, 1, Dh) -> (B, h_kv, g, Dh): the g query heads of a kv head become g rows, so a
+    single-position GQA attention is a plain batched attention without repeating K/V."""
+    B, h, one, Dh = q.shape
+    return q.reshape(B, n_kv, (h // n_kv) * one, Dh)
+
+
+def ungroup_query(out: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """(B, h_kv, g, Dh) -> (B, h, 1, Dh)."""
+    B = out.shape[0]
+    return out.reshape(B, n_heads, 1, out.shape[-1])

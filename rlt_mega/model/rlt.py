@@ -1,0 +1,267 @@
+"""The Recurrent Looped Transformer (DESIGN section 1) on one device.
+
+Encoder (causal, all known tokens at once)::
+
+    h^0 = embed[x];  h^i = block_i(h^{i-1});  m = memory_norm(h^L)
+
+Decoder (recurrent in t)::
+
+    u = embed[x_t] + recur_proj(recur_norm(z_{t-1}))        z_{-1} = z_init
+    for i in 0..L-1:
+        u = u + SelfAttn_i(attn_norm_i(u))      over the decoder's own K/V of positions <= t
+        u = u + Cross_i(cross_norm_i(u))        over {null_memory} + {m_s : s < vis(t)}
+        u = u + MLP_i(mlp_norm_i(u))
+    z_t = u;  logits_t = lm_head(final_norm(z_t))
+
+The pieces are public so that schedules can compose them: ``encode`` (one batch, or a chunk
+with an encoder cache), ``memory_kv`` / ``init_memory`` / ``append_memory``, ``decoder_step``
+(``decoder_input`` + ``decoder_layers``), ``head``. ``forward`` is the dense schedule: the
+encoder in one causal batch, the decoder position by position, full BPTT. Every method that
+touches blocks takes an optional ``layers`` range so a pipeline stage runs only its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rlt_mega.config import CheckpointingConfig, ModelConfig
+from rlt_mega.model.attention import DecoderSelfAttention, cross_attention, encoder_attention
+from rlt_mega.model.cache import DecoderKV, KVCache, MemoryKV
+from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
+
+
+def vis(t: int, C: int) -> int:
+    """Number of memory positions visible to the decoder at position t: C * floor((t+1)/C).
+    A function of the position alone (never of where a prompt ends)."""
+    return C * ((t + 1) // C)
+
+
+class RLT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        d, L, Dh = cfg.d_model, cfg.n_layers, cfg.head_dim
+        self.embed = nn.Embedding(cfg.vocab_size, d)
+
+        def block() -> Block:
+            return Block(d, cfg.n_heads, cfg.n_kv_heads, Dh, cfg.ffn_hidden, cfg.norm_eps, cfg.qkv_bias)
+
+        self.blocks = nn.ModuleList(block() for _ in range(L))
+        # share_weights=False gives the decoder its own copies (an ablation, same code path).
+        self.dec_blocks = None if cfg.share_weights else nn.ModuleList(block() for _ in range(L))
+        self.cross = nn.ModuleList(CrossBlock(d, cfg.n_heads, cfg.n_kv_heads, Dh, cfg.norm_eps) for _ in range(L))
+        self.memory_norm = RMSNorm(d, cfg.norm_eps)
+        self.null_memory = nn.Parameter(torch.empty(d))
+        self.recur_norm = RMSNorm(d, cfg.norm_eps)
+        self.recur_proj = nn.Linear(d, d, bias=False)
+        self.z_init = nn.Parameter(torch.empty(d))
+        self.final_norm = RMSNorm(d, cfg.norm_eps)
+        self.lm_head = nn.Linear(d, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.embed.weight
+        self.rotary = Rotary(Dh, cfg.max_seq_len, cfg.rope_theta)
+        self.checkpointing = CheckpointingConfig()
+        if self.null_memory.device.type != "meta":
+            self.init_weights()
+
+    # ------------------------------------------------------------------ set-up
+    @torch.no_grad()
+    def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
+        """N(0, init_std) for projections and embeddings; the projections that write into the
+        residual stream (o, down, cross o, recur_proj) scaled by 1/sqrt(2 * 2L), since each
+        token's residual stream passes 2L blocks (GPT-2 / Megatron convention). The null memory
+        and z_init are N(0, 1): they live where normalised vectors live."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(4 * self.cfg.n_layers)
+        residual_out = ("attn.o", "mlp.down", "recur_proj")
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name in ("null_memory", "z_init"):
+                p.normal_(0.0, 1.0, generator=generator)
+            elif name.endswith(".bias"):
+                p.zero_()
+            elif any(name.endswith(s + ".weight") or name == s + ".weight" for s in residual_out):
+                p.normal_(0.0, out_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def set_checkpointing(self, cfg: CheckpointingConfig) -> None:
+        self.checkpointing = cfg
+
+    def decoder_block(self, i: int) -> Block:
+        return self.blocks[i] if self.dec_blocks is None else self.dec_blocks[i]
+
+    def _layers(self, layers: Optional[Sequence[int]]) -> Sequence[int]:
+        return range(self.cfg.n_layers) if layers is None else layers
+
+    # ------------------------------------------------------------------ encoder
+    def encoder_layer(self, i: int, h: torch.Tensor, start: int, cache: Optional[KVCache]) -> torch.Tensor:
+        """h: (B, n, d) at positions [start, start + n). With a cache, attends to the cached
+        prefix as well (sampling / replay; no autograd through the cache)."""
+        blk = self.blocks[i]
+        q, k, v = blk.attn.qkv(blk.attn_norm(h))
+        q, k = self.rotary(q, start), self.rotary(k, start)
+        if cache is not None:
+            cache.write(i, start, k, v)
+            k, v = cache.view(i, start + h.shape[1])
+        h = h + blk.attn.out(encoder_attention(q, k, v, start))
+        return h + blk.mlp(blk.mlp_norm(h))
+
+    def encode(self, h: torch.Tensor, start: int = 0, cache: Optional[KVCache] = None,
+               layers: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """Runs encoder layers over h (B, n, d) (the embeddings at the first stage)."""
+        if cache is not None and torch.is_grad_enabled() and h.requires_grad:
+            raise RuntimeError("encoder caches are for the no-grad schedules (rollout, replay); "
+                               "the dense schedule encodes the whole sequence in one batch")
+        for i in self._layers(layers):
+            if self.checkpointing.encoder and torch.is_grad_enabled():
+                h = checkpoint(self.encoder_layer, i, h, start, cache, use_reentrant=False,
+                               preserve_rng_state=False)  # the model draws no random numbers
+            else:
+                h = self.encoder_layer(i, h, start, cache)
+        return h
+
+    # ------------------------------------------------------------------ memory
+    def memory_kv(self, m: torch.Tensor, layers: Optional[Sequence[int]] = None) -> MemoryKV:
+        """Dense schedule: cross K/V of {null} + m (B, T, d) for every layer, with autograd."""
+        mem = MemoryKV(self.cfg.n_layers, capacity=1 + m.shape[1])
+        slots = torch.cat([self.null_memory.to(m.dtype).expand(m.shape[0], 1, -1), m], dim=1)
+        for i in self._layers(layers):
+            mem.set(i, *self.cross[i].attn.kv(slots))
+        return mem
+
+    def init_memory(self, batch_size: int, capacity: int, layers: Optional[Sequence[int]] = None,
+                    dtype: Optional[torch.dtype] = None) -> MemoryKV:
+        """Rollout/replay: an empty memory buffer for ``capacity`` positions with the null slot
+        written."""
+        mem = MemoryKV(self.cfg.n_layers, capacity=1 + capacity)
+        null = self.null_memory.expand(batch_size, 1, -1)
+        if dtype is not None:
+            null = null.to(dtype)
+        for i in self._layers(layers):
+            mem.write(i, 0, *self.cross[i].attn.kv(null))
+        return mem
+
+    def append_memory(self, mem: MemoryKV, m: torch.Tensor, start: int,
+                      layers: Optional[Sequence[int]] = None) -> None:
+        """Rollout/replay: commits memory m (B, n, d) of positions [start, start + n)."""
+        for i in self._layers(layers):
+            mem.write(i, 1 + start, *self.cross[i].attn.kv(m))
+
+    # ------------------------------------------------------------------ decoder
+    def decoder_input(self, e_t: torch.Tensor, z_prev: torch.Tensor) -> torch.Tensor:
+        """e_t: (B, d) embedding of x_t; z_prev: (B, d) -> u (B, 1, d)."""
+        return (e_t + self.recur_proj(self.recur_norm(z_prev))).unsqueeze(1)
+
+    def decoder_layer(self, i: int, u: torch.Tensor, t: int, dec: KVCache, mem: MemoryKV) -> torch.Tensor:
+        """One decoder layer at position t; u: (B, 1, d)."""
+        blk = self.decoder_block(i)
+        q, k, v = blk.attn.qkv(blk.attn_norm(u))  # q (B, h, 1, Dh); k, v (B, h_kv, 1, Dh)
+        q, k = self.rotary(q, t), self.rotary(k, t)
+        a = DecoderSelfAttention.apply(group_query(q, k.shape[1]), k, v, dec, i, t)
+        u = u + blk.attn.out(ungroup_query(a, q.shape[1]))
+
+        cb = self.cross[i]
+        cq = cb.attn.query(cb.cross_norm(u))  # (B, h, 1, Dh)
+        ck, cv = mem.visible(i, vis(t, self.cfg.memory_block))
+        c = cross_attention(group_query(cq, ck.shape[1]), ck, cv)
+        u = u + cb.attn.out(ungroup_query(c, cq.shape[1]))
+        return u + blk.mlp(blk.mlp_norm(u))
+
+    def decoder_layers(self, u: torch.Tensor, t: int, dec: KVCache, mem: MemoryKV,
+                       layers: Optional[Sequence[int]] = None) -> torch.Tensor:
+        for i in self._layers(layers):
+            u = self.decoder_layer(i, u, t, dec, mem)
+        return u
+
+    def decoder_step(self, e_t: torch.Tensor, z_prev: torch.Tensor, t: int, dec: KVCache,
+                     mem: MemoryKV) -> torch.Tensor:
+        """One recurrent step through all layers: (B, d), (B, d) -> z_t (B, d)."""
+        return self.decoder_layers(self.decoder_input(e_t, z_prev), t, dec, mem).squeeze(1)
+
+    def initial_state(self, batch_size: int) -> torch.Tensor:
+        return self.z_init.expand(batch_size, -1)
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        """z: (..., d) -> logits (..., V) in fp32 (fp64 for a float64 model)."""
+        logits = self.lm_head(self.final_norm(z))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))
+
+    # ------------------------------------------------------------------ dense schedule
+    def decode_dense(self, emb: torch.Tensor, mem: MemoryKV, z0: Optional[torch.Tensor] = None
+                     ) -> torch.Tensor:
+        """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d).
+
+        With decoder checkpointing, each segment of k steps is recomputed in backward; the
+        recomputation repeats the forward exactly, so gradients are bit-identical.
+        """
+        B, T, _ = emb.shape
+        dec = DecoderKV(self.cfg.n_layers, capacity=T)
+        z = self.initial_state(B) if z0 is None else z0
+        mode = self.checkpointing.decoder
+        seg = {"none": T, "step": 1, "every_k": self.checkpointing.decoder_k}[mode]
+        use_ckpt = mode != "none" and torch.is_grad_enabled()
+        outs = []
+        for t0 in range(0, T, seg):
+            t1 = min(T, t0 + seg)
+            if use_ckpt:
+                z, zs = checkpoint(self._decode_segment, emb[:, t0:t1], z, t0, dec, mem,
+                                   use_reentrant=False, preserve_rng_state=False)
+            else:
+                z, zs = self._decode_segment(emb[:, t0:t1], z, t0, dec, mem)
+            outs.append(zs)
+        return torch.cat(outs, dim=1)
+
+    def _decode_segment(self, emb: torch.Tensor, z: torch.Tensor, t0: int, dec: KVCache,
+                        mem: MemoryKV) -> tuple[torch.Tensor, torch.Tensor]:
+        zs = []
+        for j in range(emb.shape[1]):
+            z = self.decoder_step(emb[:, j], z, t0 + j, dec, mem)
+            zs.append(z)
+        return z, torch.stack(zs, dim=1)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the
+        distribution of x_{t+1}."""
+        emb = self.embed(tokens)
+        m = self.memory_norm(self.encode(emb))
+        z = self.decode_dense(emb, self.memory_kv(m))
+        return self.head(z)
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Closed-form parameter counts by group (tested against the real module)."""
+    d, V, L, Dh = cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.head_dim
+    q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
+    attn = d * q_out + 2 * d * kv_out + q_out * d + (q_out + 2 * kv_out if cfg.qkv_bias else 0)
+    block = 2 * d + attn + 3 * d * cfg.ffn_hidden
+    cross = d + d * q_out + 2 * d * kv_out + q_out * d
+    counts = {
+        "embed": V * d,
+        "lm_head": 0 if cfg.tie_embeddings else V * d,
+        "blocks": L * block,
+        "decoder_blocks": 0 if cfg.share_weights else L * block,
+        "cross": L * cross,
+        "recurrence": d + d * d + d,  # recur_norm, recur_proj, z_init
+        "memory": d + d,  # memory_norm, null_memory
+        "final_norm": d,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: Optional[int] = None) -> RLT:
+    """Builds an RLT; on the meta device nothing is allocated (sizes only)."""
+    device = torch.device(device)
+    if device.type == "meta":
+        with torch.device("meta"):
+            return RLT(cfg)
+    if seed is not None:
+        torch.manual_seed(seed)
+    return RLT(cfg).to(device)

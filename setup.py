@@ -1,0 +1,34 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="rlt_mega",
+    version="0.1.0",
+    description="Trainer for Recurrent Looped Transformers: pretraining, SFT and GRPO "
+    "with tensor/pipeline/ZeRO parallelism and exact learner log-probabilities.",
+    packages=find_packages(include=["rlt_mega", "rlt_mega.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # torch is installed first and pinned by launch/env.sh; this range is one that
+        # 2.13.0 satisfies, so pip never replaces it.
+        "torch==2.13.0",
+        "megatron-core==0.16.1",
+        "deepspeed==0.19.8",
+        "datasets>=2.18",
+        "tensorboard>=2.14",
+        "pyyaml>=6.0",
+        "safetensors>=0.4",
+        "tokenizers>=0.15",
+        "tqdm>=4.66",
+        "numpy>=1.24",
+    ],
+    extras_require={
+        "test": [
+            "transformers>=4.45",
+            "pytest>=8.0",
+            "pytest-timeout>=2.2",
+            "hypothesis>=6.100",
+            "matplotlib>=3.7",
+        ],
+    },
+    entry_points={"console_scripts": ["rlt-mega=rlt_mega.cli:main"]},
+)
