@@ -1,0 +1,104 @@
+"""Learner log-probabilities of sampled tokens (DESIGN section 3): dense, replay, hybrid.
+
+- ``dense_logprobs``: the dense schedule (``model.forward``, full BPTT) on the rollout's
+  tokens, with grad, under the rollout's processing and dtype.
+- ``replay_logprobs``: the rollout's own schedule re-executed with the current parameters,
+  no grad (``rollout.sampler.replay``): bit-identical to the sampler's mu while the
+  parameters are unchanged.
+- ``hybrid_logprobs``: value = replay, gradient = d dense / d theta.
+
+All three are (B, N) in the rollout's completion layout (``Rollout.mu``), 0 where masked.
+A sampled token outside the current policy's top-k/top-p set has log-prob -inf: its ratio
+is 0, it is counted (support misses), and nothing downstream may turn it into NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rlt_mega.model.rlt import RLT
+from rlt_mega.rollout.processing import process_logits
+from rlt_mega.rollout.sampler import Rollout, completion_positions, precision, replay
+
+
+def dense_logprobs(model: RLT, rollout: Rollout) -> torch.Tensor:
+    """The dense schedule's processed log-probs of the completion tokens, with autograd.
+
+    Runs ``model.forward`` on the inputs of the rollout's steps, tokens (B, num_steps):
+    right padding does not reach earlier positions (everything is causal), and positions are
+    the rollout's own (prompts are left-aligned). -> (B, N) fp32.
+    """
+    s = rollout.schedule
+    device = rollout.tokens.device
+    inputs = rollout.tokens[:, :s.num_steps]  # (B, T): x_t for every step t
+    with precision(s.dtype, device):
+        logits = model(inputs)  # (B, T, V) fp32
+    step, mask = completion_positions(s.prompt_lens, rollout.completion_lens, device)  # (B, N)
+    rows = torch.arange(rollout.batch_size, device=device)[:, None].expand_as(step)
+    picked = logits[rows[mask], step[mask]]  # (M, V), M = number of completion tokens
+    logprobs = process_logits(picked, s.processing)
+    targets = rollout.tokens.gather(1, step + 1)[mask]  # (M,)
+    values = logprobs.gather(1, targets[:, None]).squeeze(1)
+    out = torch.zeros(step.shape, dtype=values.dtype, device=device)
+    return out.masked_scatter(mask, values)
+
+
+def replay_logprobs(model: RLT, rollout: Rollout) -> torch.Tensor:
+    """The rollout schedule re-executed with current parameters (fresh caches), no grad."""
+    return replay(model, rollout)
+
+
+class HybridLogProb(torch.autograd.Function):
+    """Forward returns the replay tensor itself (its value, bit for bit); backward hands the
+    incoming gradient to the dense log-probs unchanged.
+
+    Not ``dense + (replay - dense).detach()``: that sum is rounded in floating point and is
+    not equal to the replay (so on-policy ratios would not be exactly 1).
+    """
+
+    @staticmethod
+    def forward(ctx, dense: torch.Tensor, replay_values: torch.Tensor) -> torch.Tensor:
+        if dense.shape != replay_values.shape:
+            raise ValueError(f"dense log-probs {tuple(dense.shape)} and replay {tuple(replay_values.shape)} "
+                             "must have the same (B, N) layout")
+        return replay_values
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def hybrid_logprobs(dense: torch.Tensor, replay_values: torch.Tensor) -> torch.Tensor:
+    """Value = replay_values (no grad needed on it), gradient = the dense graph's."""
+    return HybridLogProb.apply(dense, replay_values.detach())
+
+
+@torch.no_grad()
+def mismatch_metrics(mu: torch.Tensor, dense: torch.Tensor, replay_values: torch.Tensor,
+                     mask: torch.Tensor) -> dict[str, float]:
+    """Training-inference mismatch over the completion tokens (mask (B, N)).
+
+    - max/mean |dense - replay|: the rounding gap between the schedules (tokens where both
+      are finite).
+    - kl_mu_dense: KL(mu || dense) estimated on the sampled tokens (drawn from mu) with the
+      non-negative, low-variance k3 estimator r - 1 - log r, r = dense/mu; tokens outside
+      dense's support are excluded (counted in support_miss_dense).
+    - support_miss: fraction of sampled tokens with replay log-prob -inf (ratio 0: outside
+      the current policy's top-k/top-p set); support_miss_dense: the same under dense.
+    """
+    mask = mask.bool()
+    num = max(int(mask.sum()), 1)
+    miss_replay = mask & torch.isneginf(replay_values)
+    miss_dense = mask & torch.isneginf(dense)
+    both = mask & ~miss_replay & ~miss_dense
+    gap = (dense.detach() - replay_values).abs()[both]
+    log_r = (dense.detach() - mu)[mask & ~miss_dense]
+    k3 = torch.expm1(log_r) - log_r
+    return {
+        "logprob_diff_max": float(gap.max()) if gap.numel() else 0.0,
+        "logprob_diff_mean": float(gap.mean()) if gap.numel() else 0.0,
+        "kl_mu_dense": float(k3.mean()) if k3.numel() else 0.0,
+        "support_miss": float(miss_replay.sum()) / num,
+        "support_miss_dense": float(miss_dense.sum()) / num,
+        "num_support_miss": float(miss_replay.sum()),
+    }
