@@ -1,0 +1,102 @@
+"""Rollout benchmark (prints figures, asserts nothing).
+
+In one run, side by side on the same model and prompts:
+- rollout tokens/s at each memory block C (deferred memory: the encoder runs once per C
+  generated tokens, on C tokens);
+- replay time / rollout time (the same schedule, tokens forced);
+- hybrid learner step / dense-only learner step (forward + backward of a GRPO loss; the
+  hybrid adds one replay to the dense forward/backward);
+- the bf16 gap max/mean |dense - replay| over the completion tokens where both are finite
+  (fp32 max for reference), and the fraction of sampled tokens that fall outside the dense
+  schedule's top-p set in bf16 (the boundary moves with the rounding gap).
+
+    PYTHONPATH=. python tools/bench/rollout.py            # d=256, L=4, batch 8, 128 new tokens
+    PYTHONPATH=. python tools/bench/rollout.py --d-model 64 --new-tokens 16   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from rlt_mega.config import ModelConfig
+from rlt_mega.learner.grpo import group_advantages, grpo_loss
+from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs, mismatch_metrics, replay_logprobs
+from rlt_mega.model import build_model
+from rlt_mega.rollout import Processing, SamplingParams, generate
+
+
+def timed(fn, repeats: int):
+    best, out = float("inf"), None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn()
+        best = min(best, time.perf_counter() - t0)
+    return best, out
+
+
+def learner_step(model, rollout, hybrid: bool) -> None:
+    dense = dense_logprobs(model, rollout)
+    logp = hybrid_logprobs(dense, replay_logprobs(model, rollout)) if hybrid else dense
+    adv = group_advantages(torch.arange(rollout.batch_size, dtype=torch.float32), group_size=rollout.batch_size)
+    grpo_loss(logp, rollout.mu, adv, rollout.mask, rollout.num_completion_tokens()).loss.backward()
+    model.zero_grad(set_to_none=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--d-model", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--vocab", type=int, default=260)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 16])
+    ap.add_argument("--repeats", type=int, default=2, help="best of N timings")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(17, 41, (args.batch,), generator=g).tolist()  # ragged prompts
+    prompts = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for n in lengths]
+    params = SamplingParams(Processing(temperature=1.0, top_p=0.95), max_new_tokens=args.new_tokens)
+    seeds = list(range(args.batch))
+    print(f"d={args.d_model} L={args.layers} H={args.heads} V={args.vocab} batch={args.batch} "
+          f"new_tokens={args.new_tokens} prompts={min(lengths)}..{max(lengths)} threads={torch.get_num_threads()} "
+          f"device={args.device}")
+    header = (f"{'C':>3} {'rollout tok/s':>14} {'replay/rollout':>15} {'hybrid/dense step':>18} "
+              f"{'fp32 max|d-r|':>14} {'bf16 max|d-r|':>14} {'bf16 mean|d-r|':>15} {'bf16 dense miss':>17}")
+    print(header)
+    for C in args.blocks:
+        cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
+                          memory_block=C, max_seq_len=max(lengths) + args.new_tokens)
+        model = build_model(cfg, device=args.device, seed=0)
+        generate(model, [p[:4] for p in prompts], SamplingParams(max_new_tokens=4), seeds, pad_id=0)  # warm-up
+        t_roll, rollout = timed(lambda: generate(model, prompts, params, seeds, pad_id=0), args.repeats)
+        t_replay, replayed = timed(lambda: replay_logprobs(model, rollout), args.repeats)
+        assert torch.equal(replayed, rollout.mu), "replay is not bit-exact"
+        # Interleaved, so that a busy neighbour on the machine slows both alike.
+        t_dense = t_hybrid = float("inf")
+        for _ in range(args.repeats):
+            t_dense = min(t_dense, timed(lambda: learner_step(model, rollout, hybrid=False), 1)[0])
+            t_hybrid = min(t_hybrid, timed(lambda: learner_step(model, rollout, hybrid=True), 1)[0])
+        with torch.no_grad():
+            gap32 = (dense_logprobs(model, rollout) - rollout.mu)[rollout.mask].abs().max().item()
+        rollout16 = generate(model, prompts, params, seeds, pad_id=0, dtype="bf16")
+        replayed16 = replay_logprobs(model, rollout16)
+        assert torch.equal(replayed16, rollout16.mu), "bf16 replay is not bit-exact"
+        with torch.no_grad():
+            m16 = mismatch_metrics(rollout16.mu, dense_logprobs(model, rollout16), replayed16, rollout16.mask)
+        tokens_per_s = rollout.num_completion_tokens() / t_roll
+        print(f"{C:>3} {tokens_per_s:>14.1f} {t_replay / t_roll:>15.3f} {t_hybrid / t_dense:>18.3f} "
+              f"{gap32:>14.2e} {m16['logprob_diff_max']:>14.2e} {m16['logprob_diff_mean']:>15.2e} "
+              f"{m16['support_miss_dense']:>17.4f}")
+
+
+if __name__ == "__main__":
+    main()
