@@ -57,10 +57,128 @@ def cmd_params(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_sft(args: argparse.Namespace) -> int:
+    from rlt_mega.train import sft
+
+    result = sft.run(_load(args))
+    log.info("done: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+    return 0
+
+
+def cmd_grpo(args: argparse.Namespace) -> int:
+    from rlt_mega.train import grpo
+
+    cfg = _load(args)
+    result = grpo.run(cfg)
+    log.info("done: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+    before, after = result.get("eval/accuracy_before"), result.get("eval/accuracy")
+    if after is not None:
+        shown = "n/a" if before is None else f"{before:.3f}"
+        sys.stdout.write(f"held-out greedy accuracy: before GRPO {shown}, after {after:.3f}\n")
+    sys.stdout.write(f"TensorBoard logs: {cfg.logging.dir}\n")
+    return 0
+
+
+def _inference_model(cfg: Config):
+    """The model of cfg with weights from model.init_from, else the latest checkpoint in
+    checkpoint.dir."""
+    import dataclasses
+
+    from rlt_mega.checkpoint import CheckpointError, CheckpointManager
+    from rlt_mega.data.tokenizer import load_tokenizer
+    from rlt_mega.model import build_model
+    from rlt_mega.parallel.engine import resolve_device
+    from rlt_mega.train.common import load_initial_weights
+
+    if cfg.model.init_from is None:
+        latest = CheckpointManager(cfg.checkpoint.dir).latest()
+        if latest is None:
+            raise CheckpointError(f"no weights: set model.init_from=<checkpoint or export>, or train into "
+                                  f"checkpoint.dir={cfg.checkpoint.dir} first")
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(latest)))
+    device = resolve_device(cfg.train.device)
+    model = build_model(cfg.model, device, seed=cfg.train.seed)
+    load_initial_weights(model, cfg.model, device)
+    return cfg, model, load_tokenizer(cfg.data.tokenizer)
+
+
+def _read_questions(source: str) -> list[str]:
+    """One prompt per line (a JSON object's "question", or the raw line); '-' is stdin."""
+    import json
+
+    lines = sys.stdin.read().splitlines() if source == "-" else open(source).read().splitlines()
+    questions = []
+    for line in lines:
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        questions.append(record["question"] if isinstance(record, dict) and "question" in record else line)
+    return questions
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    import json
+
+    from rlt_mega.train.common import generate_texts, sampling_params
+
+    cfg, model, tokenizer = _inference_model(_load(args))
+    questions = _read_questions(args.input)
+    if not questions:
+        raise ConfigError(f"no prompts in {args.input}")
+    greedy = cfg.sampling.temperature == 0
+    completions = generate_texts(model, tokenizer, questions, sampling_params(cfg, tokenizer, greedy),
+                                 seeds=[cfg.train.seed * 1_000_003 + i for i in range(len(questions))],
+                                 batch_size=cfg.sampling.batch_size, dtype=cfg.train.dtype)
+    for q, c in zip(questions, completions):
+        sys.stdout.write(json.dumps({"question": q, "completion": c}) + "\n")
+    return 0
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import json
+
+    from rlt_mega.data.datasets import DataStats, load_records, pair_of, train_eval_records
+    from rlt_mega.train.common import greedy_accuracy
+
+    cfg, model, tokenizer = _inference_model(_load(args))
+    extract = pair_of(cfg.sft.prompt_field, cfg.sft.answer_field)
+    stats = DataStats()
+    if args.data is not None:
+        records = load_records(args.data, "eval", cfg.data, extract, ["question", "answer"], stats)
+    else:
+        records = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)[1]
+    records = [records[i] for i in range(min(len(records), args.limit or len(records)))]
+    accuracy, completions = greedy_accuracy(model, tokenizer, records, cfg, cfg.train.dtype)
+    if args.output:
+        with open(args.output, "w") as f:
+            for r, c in zip(records, completions):
+                f.write(json.dumps({"question": r["question"], "answer": r["answer"], "completion": c}) + "\n")
+    sys.stdout.write(f"greedy accuracy: {accuracy:.4f} ({round(accuracy * len(records))}/{len(records)})\n")
+    return 0
+
+
+def _generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", "-i", default="-", help="prompts, one per line or jsonl with 'question' ('-': stdin)")
+
+
+def _eval_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", help="GSM8K-format file/dir/hub name (default: data.eval or the held-out split)")
+    p.add_argument("--limit", type=int, default=0, help="evaluate the first N records only")
+    p.add_argument("--output", "-o", help="write question/answer/completion jsonl here")
+
+
 COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "pretrain": (cmd_pretrain, "pretrain an RLT on packed text (the dense schedule)"),
+    "sft": (cmd_sft, "supervised fine-tuning on prompt/answer pairs (loss on answers only)"),
+    "grpo": (cmd_grpo, "GRPO with exact (replayed) log-probabilities"),
+    "generate": (cmd_generate, "sample completions for prompts from a file or stdin (jsonl to stdout)"),
+    "eval": (cmd_eval, "greedy accuracy on a GSM8K-format dataset"),
     "params": (cmd_params, "parameter counts of a config, built on the meta device"),
 }
+EXTRA_ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {"generate": _generate_args, "eval": _eval_args}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +187,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (fn, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         _config_args(p)
+        if name in EXTRA_ARGS:
+            EXTRA_ARGS[name](p)
         p.set_defaults(fn=fn)
     return parser
 

@@ -50,6 +50,9 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on self-attention q/k/v (Qwen2 layout)
     init_std: float = 0.02
     max_seq_len: int = 2048
+    # Weights to start from: a checkpoint directory (step_N), a checkpoint root (its latest
+    # valid checkpoint) or an export. Not part of the architecture; checked against it.
+    init_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -198,6 +201,71 @@ class CheckpointConfig:
 
 
 @dataclass
+class SFTConfig:
+    """Supervised fine-tuning on prompt/answer pairs (loss on answer tokens only)."""
+
+    prompt_field: str = "question"
+    answer_field: str = "answer"
+
+
+@dataclass
+class SamplingConfig:
+    """Logits processing and stopping for ``generate`` and GRPO rollouts (``eval`` is greedy)."""
+
+    temperature: float = 1.0  # 0: greedy
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0  # 1: off
+    max_new_tokens: int = 256
+    stop_strings: list = field(default_factory=list)  # besides the tokenizer's end-of-text token
+    batch_size: int = 32  # prompts per call in ``generate`` and ``eval``
+
+    def __post_init__(self) -> None:
+        _check(self.temperature >= 0, f"sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
+        _check(self.top_k >= 0, f"sampling.top_k={self.top_k}: must be >= 0 (0 disables top-k)")
+        _check(0 < self.top_p <= 1, f"sampling.top_p={self.top_p}: must be in (0, 1] (1 disables top-p)")
+        _check(self.max_new_tokens >= 1, f"sampling.max_new_tokens={self.max_new_tokens}: must be >= 1")
+        _check(self.batch_size >= 1, f"sampling.batch_size={self.batch_size}: must be >= 1")
+        _check(all(isinstance(s, str) and s for s in self.stop_strings),
+               "sampling.stop_strings must be a list of non-empty strings")
+
+
+@dataclass
+class GRPOConfig:
+    """GRPO (DESIGN section 6). One step: prompts_per_step x group_size completions per
+    data-parallel rank, then epochs x minibatches optimizer steps (train.steps counts GRPO
+    steps). Each minibatch is generated as its own batch, so that its replay repeats the
+    rollout's calls with the same batch composition (DESIGN section 3, granularity)."""
+
+    prompts_per_step: int = 8  # per data-parallel rank
+    group_size: int = 8  # G completions per prompt
+    minibatches: int = 1
+    epochs: int = 1
+    advantage: str = "grpo"  # "grpo" ((r - mean) / (std + eps)) or "dr_grpo" (r - mean)
+    advantage_eps: float = 1.0e-6
+    eps_low: float = 0.2
+    eps_high: float = 0.2  # > eps_low: DAPO's clip-higher
+    kl_coef: float = 0.0  # > 0: k3 KL to a frozen copy of the initial model
+    reward: str = "gsm8k"  # "gsm8k" or "module:function" taking (completion text, answer record)
+    eval_every: int = 10  # GRPO steps between held-out greedy accuracy checks; 0: first and last only
+    eval_size: int = 200  # held-out prompts in each check
+
+    def __post_init__(self) -> None:
+        _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1")
+        _check(self.group_size >= 2, f"grpo.group_size={self.group_size}: group advantages need >= 2")
+        _check(self.minibatches >= 1 and self.epochs >= 1, "grpo.minibatches and grpo.epochs must be >= 1")
+        rows = self.prompts_per_step * self.group_size
+        _check(rows % self.minibatches == 0,
+               f"grpo.minibatches={self.minibatches} does not divide prompts_per_step x group_size = {rows}: "
+               f"choose among {[m for m in range(1, rows + 1) if rows % m == 0]}")
+        _check(self.advantage in ("grpo", "dr_grpo"),
+               f"grpo.advantage={self.advantage!r}: expected 'grpo' or 'dr_grpo'")
+        _check(0 <= self.eps_low < 1 and self.eps_high >= 0,
+               f"grpo.eps_low={self.eps_low} must be in [0, 1) and grpo.eps_high={self.eps_high} >= 0")
+        _check(self.kl_coef >= 0, f"grpo.kl_coef={self.kl_coef}: must be >= 0")
+        _check(self.eval_every >= 0 and self.eval_size >= 0, "grpo.eval_every and grpo.eval_size must be >= 0")
+
+
+@dataclass
 class LoggingConfig:
     dir: str = "runs/default/tb"  # TensorBoard event files
     progress: bool = True  # tqdm progress bar on rank 0
@@ -213,6 +281,9 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
         _check(self.data.seq_len <= self.model.max_seq_len,

@@ -10,6 +10,7 @@ into reward 0, logged with the prompt id and counted, so one bad completion neve
 
 from __future__ import annotations
 
+import importlib
 import re
 from fractions import Fraction
 from typing import Callable, Optional, Sequence
@@ -62,6 +63,24 @@ def gsm8k_reward(completion: str, answer: str | int | float) -> float:
 
 
 RewardFn = Callable[[str, object], float]
+REWARDS: dict[str, RewardFn] = {"gsm8k": gsm8k_reward}
+
+
+def resolve_reward(spec: str) -> RewardFn:
+    """A registered reward ("gsm8k") or "package.module:function", a callable taking
+    (completion text, answer) and returning a float."""
+    if spec in REWARDS:
+        return REWARDS[spec]
+    if ":" not in spec:
+        raise ValueError(f"reward {spec!r}: expected one of {sorted(REWARDS)} or 'package.module:function'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        fn = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"reward {spec!r}: cannot import it ({exc})") from None
+    if not callable(fn):
+        raise ValueError(f"reward {spec!r} is not callable")
+    return fn
 
 
 def score(completions: Sequence[str], answers: Sequence[object], prompt_ids: Sequence[object],

@@ -1,0 +1,86 @@
+"""Prompt/answer pairs for SFT, GRPO and evaluation: one prompt format for all three, and a
+seeded, resumable record order.
+
+The prompt is the end-of-text token (the separator pretraining puts before every document),
+then the question and a newline; the answer follows and ends with end-of-text, which is also
+where generation stops. So a model pretrained on ``question\\nanswer`` documents has already
+seen exactly this layout.
+"""
+
+from __future__ import annotations
+
+import datasets
+import torch
+
+from rlt_mega.data.datasets import DataStats
+from rlt_mega.data.tokenizer import Tokenizer
+
+
+def prompt_ids(tokenizer: Tokenizer, question: str) -> list[int]:
+    return [tokenizer.eos_id] + tokenizer.encode(question + "\n")
+
+
+def answer_ids(tokenizer: Tokenizer, answer: str) -> list[int]:
+    return tokenizer.encode(answer) + [tokenizer.eos_id]
+
+
+def tokenize_pairs(records: datasets.Dataset, tokenizer: Tokenizer, max_len: int, stats: DataStats,
+                   source: str = "pairs") -> datasets.Dataset:
+    """(question, answer) records -> ``ids`` (prompt + answer tokens) and ``num_prompt``.
+
+    Pairs longer than max_len + 1 tokens have their answer truncated (the loss then never sees
+    its end-of-text); a prompt that leaves no answer token is skipped and counted.
+    """
+    window = max_len + 1
+
+    def fn(batch: dict) -> dict:
+        out = {"ids": [], "num_prompt": []}
+        for q, a in zip(batch["question"], batch["answer"]):
+            p = prompt_ids(tokenizer, q)
+            ids = (p + answer_ids(tokenizer, a))[:window]
+            out["ids"].append(ids if len(p) < len(ids) else [])
+            out["num_prompt"].append(len(p))
+        return out
+
+    tokenized = records.map(fn, batched=True, remove_columns=records.column_names)
+    too_long = sum(1 for ids in tokenized["ids"] if not ids)
+    if too_long:
+        stats.add(source, {f"prompt of >= {max_len} tokens (raise data.seq_len)": too_long})
+        tokenized = tokenized.filter(lambda ids: bool(ids), input_columns="ids")
+    return tokenized
+
+
+class RecordOrder:
+    """Endless indices into ``num`` records in a seeded order, reshuffled each epoch;
+    ``state_dict`` (epoch, cursor) makes a resumed run draw the same records."""
+
+    def __init__(self, num: int, seed: int, shuffle: bool = True) -> None:
+        if num < 1:
+            raise ValueError("RecordOrder needs at least one record")
+        self.num, self.seed, self.shuffle = num, seed, shuffle
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num, generator=g)
+
+    def take(self, n: int) -> list[int]:
+        """The next n indices; an epoch boundary reshuffles (a batch never straddles it)."""
+        if n > self.num:
+            raise ValueError(f"a batch of {n} records from a dataset of {self.num}: lower the batch size or add data")
+        if self.cursor + n > self.num:
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._permutation()
+        out = self._order[self.cursor:self.cursor + n].tolist()
+        self.cursor += n
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._permutation()

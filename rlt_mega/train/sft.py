@@ -1,0 +1,80 @@
+"""Supervised fine-tuning: prompt/answer pairs (GSM8K format: ``question``, ``answer``, from
+generated problems, a local jsonl or a hub dataset), cross-entropy on the answer tokens only,
+the dense schedule, and the checkpoint/metrics/resume machinery of pretraining (``Trainer``)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import datasets
+import torch
+
+from rlt_mega.config import Config
+from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
+from rlt_mega.data.pairs import RecordOrder, tokenize_pairs
+from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.learner.loss import IGNORE
+from rlt_mega.log import get_logger
+from rlt_mega.train.common import load_initial_weights
+from rlt_mega.train.loop import Trainer
+from rlt_mega.train.pretrain import build_local, check_vocab
+
+log = get_logger(__name__)
+
+
+def sft_batch(rows: dict, pad_id: int) -> dict:
+    """rows: {'ids': [list], 'num_prompt': [int]} -> {'inputs', 'targets'} (B, T), right-padded to
+    the longest row; targets are IGNORE on the prompt and the padding (loss on answers only)."""
+    ids, num_prompt = rows["ids"], rows["num_prompt"]
+    T = max(len(x) for x in ids) - 1
+    inputs = torch.full((len(ids), T), pad_id, dtype=torch.long)
+    targets = torch.full((len(ids), T), IGNORE, dtype=torch.long)
+    for b, (x, p) in enumerate(zip(ids, num_prompt)):
+        x = torch.as_tensor(x, dtype=torch.long)
+        inputs[b, :len(x) - 1] = x[:-1]
+        targets[b, p - 1:len(x) - 1] = x[p:]  # the target at position t is x_{t+1}
+    return {"inputs": inputs, "targets": targets}
+
+
+class SFTBatches:
+    """grad_accum micro-batches of pairs per step (the Trainer's BatchSource)."""
+
+    def __init__(self, data: datasets.Dataset, batch_size: int, grad_accum: int, seed: int, pad_id: int,
+                 shuffle: bool = True, order: Optional[RecordOrder] = None) -> None:
+        self.data, self.batch_size, self.grad_accum, self.pad_id = data, batch_size, grad_accum, pad_id
+        self.order = order or RecordOrder(len(data), seed, shuffle)
+
+    def next_micro_batches(self) -> list[dict]:
+        return [sft_batch(self.data[self.order.take(self.batch_size)], self.pad_id) for _ in range(self.grad_accum)]
+
+    def state_dict(self) -> dict:
+        return self.order.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.order.load_state_dict(state)
+
+
+def run(cfg: Config) -> dict:
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    check_vocab(cfg, tokenizer)
+    stats = DataStats()
+    extract = pair_of(cfg.sft.prompt_field, cfg.sft.answer_field)
+    train_recs, eval_recs = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)
+    train = tokenize_pairs(train_recs, tokenizer, cfg.data.seq_len, stats, f"{cfg.data.train} [train]")
+    evald = tokenize_pairs(eval_recs, tokenizer, cfg.data.seq_len, stats, "eval")
+    log.info("data: %d train pairs, %d eval pairs (answers truncated to data.seq_len=%d); %s", len(train),
+             len(evald), cfg.data.seq_len, stats.summary())
+    batches = SFTBatches(train, cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.seed,
+                         tokenizer.pad_id, cfg.data.shuffle)
+    model, engine, device = build_local(cfg)
+    load_initial_weights(model, cfg.model, device)
+
+    num_eval = min(len(evald), cfg.train.eval_batches * cfg.train.micro_batch_size)
+
+    def eval_batches() -> list[dict]:
+        size = cfg.train.micro_batch_size
+        return [sft_batch(evald[start:start + size], tokenizer.pad_id) for start in range(0, num_eval, size)]
+
+    result = Trainer(cfg, engine, batches, eval_batches).run()
+    result["data/skipped"] = stats.total
+    return result

@@ -1,0 +1,98 @@
+"""SFT (loss on answer tokens only) and the inference commands (`eval`, `generate`) through the CLI."""
+
+import io
+import json
+
+import pytest
+import torch
+
+from rlt_mega.cli import main
+from rlt_mega.data.pairs import RecordOrder, answer_ids, prompt_ids
+from rlt_mega.data.tokenizer import byte_level
+from rlt_mega.learner.loss import IGNORE
+from rlt_mega.metrics import read_metrics
+from rlt_mega.train.sft import sft_batch
+
+TINY = ["model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.memory_block=2", "model.max_seq_len=160",
+        "data.seq_len=128", "logging.progress=false"]
+
+
+def test_sft_batch_puts_loss_on_answer_tokens_only():
+    tok = byte_level()
+    p1, a1 = prompt_ids(tok, "2+3?"), answer_ids(tok, "#### 5")
+    p2, a2 = prompt_ids(tok, "a longer question?"), answer_ids(tok, "#### 17")
+    mb = sft_batch({"ids": [p1 + a1, p2 + a2], "num_prompt": [len(p1), len(p2)]}, pad_id=tok.pad_id)
+    inputs, targets = mb["inputs"], mb["targets"]
+    assert inputs.shape == targets.shape == (2, len(p2) + len(a2) - 1)
+    for b, (p, a) in enumerate([(p1, a1), (p2, a2)]):
+        assert (targets[b, :len(p) - 1] == IGNORE).all()  # no loss on the prompt
+        assert targets[b, len(p) - 1:len(p) + len(a) - 1].tolist() == a  # answer + end-of-text
+        assert (targets[b, len(p) + len(a) - 1:] == IGNORE).all()  # nor on padding
+        assert inputs[b, :len(p) + len(a) - 1].tolist() == (p + a)[:-1]
+    assert tok.decode(a1) == "#### 5" and a1[-1] == tok.eos_id and p1[0] == tok.eos_id
+
+
+def test_record_order_resumes_and_reshuffles():
+    order = RecordOrder(10, seed=3)
+    first = [order.take(4) for _ in range(2)]
+    state = order.state_dict()
+    later = [order.take(4) for _ in range(3)]
+    again = RecordOrder(10, seed=3)
+    again.load_state_dict(state)
+    assert [again.take(4) for _ in range(3)] == later
+    assert len(set(first[0] + first[1])) == 8  # no repeats within an epoch
+    with pytest.raises(ValueError, match="batch of 11"):
+        order.take(11)
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory):
+    """A short SFT run on generated problems; shared by the tests below."""
+    root = tmp_path_factory.mktemp("sft")
+    args = ["sft", *TINY, "data.generated.num_train=64", "data.generated.num_eval=8", "train.steps=12",
+            "train.micro_batch_size=4", "train.eval_every=6", "train.log_every=3", "optim.warmup_steps=2",
+            f"checkpoint.dir={root / 'ckpt'}", f"logging.dir={root / 'tb'}"]
+    assert main(args) == 0
+    return root
+
+
+def test_sft_trains_and_checkpoints(sft_run):
+    records = read_metrics(sft_run / "tb")
+    losses = [r["train/loss"] for r in records if "train/loss" in r]
+    evals = [r["eval/loss"] for r in records if "eval/loss" in r]
+    assert len(losses) == 4 and len(evals) == 2
+    assert losses[-1] < losses[0] and evals[-1] < evals[0]
+    assert (sft_run / "ckpt" / "step_00000012" / "model.safetensors").is_file()
+
+
+def test_eval_and_generate_from_the_sft_checkpoint(sft_run, tmp_path, capsys, monkeypatch):
+    common = [*TINY, f"model.init_from={sft_run / 'ckpt'}", "data.generated.num_eval=8",
+              "sampling.max_new_tokens=12", "sampling.batch_size=3"]
+    out = tmp_path / "eval.jsonl"
+    assert main(["eval", *common, "--output", str(out)]) == 0
+    assert "greedy accuracy:" in capsys.readouterr().out
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(rows) == 8 and all("completion" in r for r in rows)
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("Mia has 3 apples.\n" + json.dumps({"question": "q?"}) + "\n"))
+    assert main(["generate", *common, "sampling.temperature=0.8"]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["question"] for r in lines] == ["Mia has 3 apples.", "q?"]
+
+
+def test_init_from_refuses_another_memory_block(sft_run, capsys):
+    args = ["eval", *[a for a in TINY if "memory_block" not in a], "model.memory_block=4",
+            f"model.init_from={sft_run / 'ckpt'}", "--limit", "2"]
+    assert main(args) == 2
+    assert "model.memory_block (saved 2, config 4)" in capsys.readouterr().err
+
+
+def test_sft_from_a_local_jsonl(tmp_path):
+    data = tmp_path / "pairs.jsonl"
+    lines = [json.dumps({"question": f"What is {i} + 1?", "answer": f"{i} + 1 = {i + 1}\n#### {i + 1}"})
+             for i in range(20)]
+    data.write_text("\n".join(lines + ["not json", json.dumps({"question": "no answer"})]) + "\n")
+    args = ["sft", *TINY, f"data.train={data}", "train.steps=2", "train.micro_batch_size=4", "train.eval_every=0",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}"]
+    assert main(args) == 0
+    assert torch.load(tmp_path / "ckpt" / "step_00000002" / "trainer.pt", weights_only=False)["state"]["step"] == 2
