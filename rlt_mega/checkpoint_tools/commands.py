@@ -36,6 +36,20 @@ def export_path(src: str | Path, out_dir: str | Path, *, dtype: str = "auto",
                                 "`rlt-mega import`")
 
 
+def shard_size(text: str) -> int:
+    """argparse type of --max-shard-size: bytes, or a number with KB/MB/GB/TB (powers of 1000,
+    as huggingface_hub counts them)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    number, unit = (text[:-2], text[-2:].upper()) if text[-2:].upper() in units else (text, None)
+    try:
+        value = int(float(number) * units[unit]) if unit else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes or a size such as 500MB or 5GB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the shard size must be positive")
+    return value
+
+
 def _tokenizer_of(export_dir: Path):
     tok = read_manifest(export_dir).get("tokenizer")
     return export_dir if isinstance(tok, list) and tok else tok
@@ -45,7 +59,7 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="an RLT export directory (or a training checkpoint)")
     p.add_argument("out_dir", help="the export directory to write")
     p.add_argument("--dtype", default="auto", help="auto (as stored), fp32, bf16 or fp16")
-    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
+    p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, tokenizer.json or 'byte'")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
 
@@ -63,7 +77,7 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the RLT-only weights (cross q/k/v, ...)")
     p.add_argument("--dtype", default="auto", help="auto (as stored), fp32, bf16 or fp16")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
-    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
+    p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
     p.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer files")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
 

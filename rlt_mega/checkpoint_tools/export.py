@@ -126,7 +126,7 @@ def check_tensors(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, where: s
             src = file_of[name] if file_of else where
             raise CheckpointFormatError(
                 f"{src}: tensor '{name}' has shape {tuple(shape)}, but the config "
-                f"({_config_summary(cfg)}) needs {expected[name]}: the weights and config.json "
+                f"({_config_summary(cfg)}) needs {expected[name]}: the weights and the config "
                 "do not belong together")
 
 
