@@ -234,17 +234,22 @@ def open_export(path: str | Path) -> tuple[ModelConfig, dict, SafetensorsDir]:
     cfg = read_config(path)
     manifest = read_manifest(path)
     st = SafetensorsDir(path)
-    shapes = {n: st.shape(n) for n in st.names()}
-    check_tensors(shapes, cfg, str(path), st.file_of)
-    listed = manifest["tensors"]
-    if set(listed) != set(shapes):
-        diff = sorted(set(listed) ^ set(shapes))
-        raise CheckpointFormatError(f"{path / MANIFEST_NAME}: lists other tensors than the safetensors files "
-                                    f"hold (e.g. {diff[:5]}): the files come from different exports")
-    for name in shapes:
-        if dtype_name(st.dtype(name)) != listed[name].get("dtype"):
-            raise CheckpointFormatError(f"{st.file_of[name]}: tensor '{name}' is {dtype_name(st.dtype(name))}, "
-                                        f"but {MANIFEST_NAME} says {listed[name].get('dtype')}")
+    try:
+        shapes = {n: st.shape(n) for n in st.names()}
+        check_tensors(shapes, cfg, str(path), st.file_of)
+        listed = manifest["tensors"]
+        if set(listed) != set(shapes):
+            diff = sorted(set(listed) ^ set(shapes))
+            raise CheckpointFormatError(f"{path / MANIFEST_NAME}: lists other tensors than the safetensors "
+                                        f"files hold (e.g. {diff[:5]}): the files come from different exports")
+        for name in shapes:
+            if dtype_name(st.dtype(name)) != listed[name].get("dtype"):
+                raise CheckpointFormatError(f"{st.file_of[name]}: tensor '{name}' is "
+                                            f"{dtype_name(st.dtype(name))}, but {MANIFEST_NAME} says "
+                                            f"{listed[name].get('dtype')}")
+    except BaseException:
+        st.close()
+        raise
     return cfg, manifest, st
 
 
@@ -253,7 +258,8 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", *,
                   dtype: Optional[str | torch.dtype] = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
     """Loads an export directory -> (cfg, state dict of RLT(cfg) with tied aliases restored).
 
-    ``keys`` loads only those names (a pipeline stage loads its own layers); ``verify``
+    ``keys`` loads only those names (a pipeline stage loads its own layers; a tied alias brings
+    its stored tensor along, e.g. lm_head.weight -> embed.weight as well); ``verify``
     compares every loaded tensor with its sha256; ``dtype`` casts floating tensors.
     """
     cast = parse_dtype(dtype)
