@@ -9,6 +9,8 @@ import argparse
 import json
 from pathlib import Path
 
+from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.checkpoint_tools import training
 from rlt_mega.checkpoint_tools.export import (
     DEFAULT_MAX_SHARD_SIZE, MANIFEST_NAME, export_state_dict, load_exported, read_manifest,
 )
@@ -17,23 +19,28 @@ from rlt_mega.checkpoint_tools.hf_import import import_hf
 from rlt_mega.checkpoint_tools.inspect_ckpt import format_report, inspect_path
 
 # The errors a user can fix from the message alone; the CLI prints them without a traceback.
-USER_ERRORS = (CheckpointFormatError, FileExistsError, FileNotFoundError)
+USER_ERRORS = (CheckpointFormatError, CheckpointError, FileExistsError, FileNotFoundError)
 
 
 def export_path(src: str | Path, out_dir: str | Path, *, dtype: str = "auto",
                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer=None,
                 overwrite: bool = False) -> Path:
-    """Exports ``src`` (an export directory: re-exported, e.g. in bf16 or with other shard
-    sizes) into ``out_dir``."""
+    """Exports ``src`` into ``out_dir``: a training checkpoint (a step directory, or the newest
+    valid one under checkpoint.dir), or an export directory (re-exported, e.g. in bf16 or with
+    other shard sizes)."""
     src = Path(src)
+    if training.is_training_checkpoint(src):
+        run_cfg, sd, source = training.load_training_weights(src)
+        return export_state_dict(sd, run_cfg.model, out_dir, tokenizer=tokenizer or training.tokenizer_of(run_cfg),
+                                 max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite)
     if (src / MANIFEST_NAME).is_file():
         cfg, sd = load_exported(src)  # verified: shapes and sha256
         source = {"kind": "export", "path": str(src.resolve()), "from": read_manifest(src).get("source")}
         return export_state_dict(sd, cfg, out_dir, tokenizer=tokenizer if tokenizer else _tokenizer_of(src),
                                  max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite)
-    raise CheckpointFormatError(f"{src}: nothing to export: expected an RLT export directory "
-                                f"(with {MANIFEST_NAME}); a Hugging Face checkpoint is converted with "
-                                "`rlt-mega import`")
+    raise CheckpointFormatError(f"{src}: nothing to export: expected a training checkpoint (step_N/ with "
+                                f"manifest.json, or checkpoint.dir) or an RLT export directory (with "
+                                f"{MANIFEST_NAME}); a Hugging Face checkpoint is converted with `rlt-mega import`")
 
 
 def shard_size(text: str) -> int:
@@ -56,7 +63,7 @@ def _tokenizer_of(export_dir: Path):
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("src", help="an RLT export directory (or a training checkpoint)")
+    p.add_argument("src", help="a training checkpoint (step_N/ or checkpoint.dir for the newest) or an export")
     p.add_argument("out_dir", help="the export directory to write")
     p.add_argument("--dtype", default="auto", help="auto (as stored), fp32, bf16 or fp16")
     p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")

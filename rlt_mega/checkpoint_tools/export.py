@@ -103,6 +103,15 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in build_model(cfg, "meta").state_dict().items()}
 
 
+def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> RLT:
+    """RLT(cfg) with uninitialised storage (no init cost), ready to be loaded into. Re-ties the
+    head: ``to_empty`` gives each module a new Parameter when leaving the meta device."""
+    model = build_model(cfg, "meta").to_empty(device=device)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model
+
+
 def _config_summary(cfg: ModelConfig) -> str:
     return ", ".join(f"{f}={getattr(cfg, f)}" for f in SHAPE_FIELDS)
 

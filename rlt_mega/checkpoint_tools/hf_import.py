@@ -24,9 +24,9 @@ import torch
 
 from rlt_mega.config import ConfigError, ModelConfig
 from rlt_mega.log import get_logger
-from rlt_mega.model import build_model
 from rlt_mega.checkpoint_tools.export import (
-    CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, TOKENIZER_FILES, export_state_dict, expected_shapes, parse_dtype,
+    CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, TOKENIZER_FILES, empty_model, export_state_dict, expected_shapes,
+    parse_dtype, tied_aliases,
 )
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError, SafetensorsDir, read_json
 
@@ -173,7 +173,7 @@ def convert_hf(hf_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
         if not out_dtype.is_floating_point:
             raise _unsupported(st.file_of["model.embed_tokens.weight"], f"weights of dtype {out_dtype}")
         # The RLT-only weights: the model's own initialisation, seeded, independent of the global RNG.
-        model = build_model(cfg, "meta").to_empty(device="cpu")
+        model = empty_model(cfg)
         model.init_weights(generator=torch.Generator().manual_seed(seed))
         sd = {n: t.detach() for n, t in model.state_dict().items()}
         with torch.no_grad():
@@ -183,8 +183,8 @@ def convert_hf(hf_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
             sd = {n: t.to(out_dtype) for n, t in sd.items()}
             for hf_name, rlt_name in names.items():
                 sd[rlt_name] = st.get(hf_name).to(out_dtype)
-        if cfg.tie_embeddings:
-            sd["lm_head.weight"] = sd["embed.weight"]
+        for alias, stored in tied_aliases(cfg).items():
+            sd[alias] = sd[stored]
     source = {"kind": "hf_import", "path": str(hf_dir.resolve()), "model_type": hf["model_type"],
               "architectures": hf.get("architectures"), "seed": seed,
               "zero_initialised": ["cross.*.attn.o.weight", "recur_proj.weight"]}

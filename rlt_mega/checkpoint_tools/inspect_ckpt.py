@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 from rlt_mega.model import param_counts
+from rlt_mega.checkpoint_tools import training
 from rlt_mega.checkpoint_tools.export import (
-    CONFIG_NAME, MANIFEST_NAME, open_export, tied_aliases, verify_export,
+    CONFIG_NAME, MANIFEST_NAME, check_tensors, open_export, tied_aliases, verify_export,
 )
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError, SafetensorsDir, dtype_name, read_json
 from rlt_mega.checkpoint_tools.hf_import import SUPPORTED, check_hf_tensors, hf_model_config, hf_names
@@ -43,12 +44,15 @@ def _tensor_summary(st: SafetensorsDir, names: list[str]) -> dict[str, Any]:
 def detect_kind(path: Path) -> str:
     if (path / MANIFEST_NAME).is_file():
         return "export"
+    if training.is_training_checkpoint(path):
+        return "training_checkpoint"
     if (path / CONFIG_NAME).is_file():
         model_type = read_json(path / CONFIG_NAME, "").get("model_type")
         if model_type in SUPPORTED:
             return "hf"
     raise CheckpointFormatError(
         f"{path}: not a checkpoint this tool knows: an RLT export has {MANIFEST_NAME} and {CONFIG_NAME}, "
+        f"a training checkpoint step_N/ has manifest.json and config.yaml (or give checkpoint.dir), "
         f"a Hugging Face checkpoint has {CONFIG_NAME} with model_type in {sorted(SUPPORTED)}")
 
 
@@ -65,6 +69,25 @@ def inspect_export(path: Path, verify: bool = True) -> dict[str, Any]:
     report["checks"] = {"shapes": "ok"}
     if verify:
         report["checks"]["sha256"] = f"ok ({len(verify_export(path))} tensors)"
+    return report
+
+
+def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, Any]:
+    """A step directory (or the newest valid one under a checkpoint root)."""
+    step_dir, run_cfg, manifest = training.read_checkpoint(path, check_files=verify)
+    cfg, layout = run_cfg.model, training.layout_of(manifest)
+    report = {"path": str(step_dir), "kind": "training_checkpoint", "step": manifest.get("step"),
+              "layout": layout, "config": dataclasses.asdict(cfg), "param_counts": param_counts(cfg),
+              "files": [{"name": n, "bytes": m["size"]} for n, m in manifest["files"].items()],
+              "checks": {}}
+    if training.holds_full_model(layout):
+        with SafetensorsDir(step_dir) as st:
+            check_tensors({n: st.shape(n) for n in st.names()}, cfg, str(step_dir), st.file_of)
+            summary = _tensor_summary(st, st.names())
+        report.update(num_tensors=summary["num_tensors"], dtypes=summary["dtypes"], tied=tied_aliases(cfg))
+        report["checks"]["shapes"] = "ok"
+    if verify:
+        report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
     return report
 
 
@@ -86,7 +109,11 @@ def inspect_path(path: str | Path, verify: bool = True) -> dict[str, Any]:
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: not a directory")
     kind = detect_kind(path)
-    return inspect_export(path, verify) if kind == "export" else inspect_hf(path)
+    if kind == "export":
+        return inspect_export(path, verify)
+    if kind == "training_checkpoint":
+        return inspect_training_checkpoint(path, verify)
+    return inspect_hf(path)
 
 
 def _human(n: int) -> str:
@@ -110,9 +137,10 @@ def format_report(report: dict[str, Any]) -> str:
     lines += [f"  {k}: {v}" for k, v in report["config"].items()]
     lines.append(f"parameters{as_rlt}:")
     lines += [f"  {k:<15} {v:>14,d}  ({_human(v)})" for k, v in report["param_counts"].items()]
-    lines.append(f"tensors: {report['num_tensors']} stored"
-                 + (f", tied: {report['tied']}" if report.get("tied") else ""))
-    lines.append("dtypes: " + ", ".join(f"{k} ({_human(v)} parameters)" for k, v in report["dtypes"].items()))
+    if "num_tensors" in report:
+        lines.append(f"tensors: {report['num_tensors']} stored"
+                     + (f", tied: {report['tied']}" if report.get("tied") else ""))
+        lines.append("dtypes: " + ", ".join(f"{k} ({_human(v)} parameters)" for k, v in report["dtypes"].items()))
     lines.append("files: " + ", ".join(f"{f['name']} ({_human(f['bytes'])}B)" for f in report["files"]))
     if report.get("tokenizer"):
         lines.append(f"tokenizer: {report['tokenizer']}")
