@@ -210,5 +210,5 @@ def test_commands_print_and_fail_cleanly(tmp_path, capsys):
     assert report["dtypes"] == {"bfloat16": param_counts(tiny())["total"]}
     assert report["source"]["kind"] == "export" and report["source"]["from"] == {"kind": "model"}
     (out / "config.json").unlink()
-    assert commands.main("inspect", [str(out)]) == 1
+    assert commands.main("inspect", [str(out)]) == 2
     assert "config.json: missing" in capsys.readouterr().err

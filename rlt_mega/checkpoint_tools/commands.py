@@ -116,7 +116,7 @@ COMMANDS = {
 
 def main(name: str, argv: list[str] | None = None) -> int:
     """Entry point of one command as a stand-alone script (tools/*.py): a user error is one
-    line on stderr and exit status 1, not a traceback."""
+    line on stderr and exit status 2 (as `rlt-mega`), not a traceback."""
     import sys
 
     add_arguments, run, help_text = COMMANDS[name]
@@ -126,7 +126,7 @@ def main(name: str, argv: list[str] | None = None) -> int:
     try:
         text = run(args)
     except USER_ERRORS as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 1
+        sys.stderr.write(f"rlt-mega {name}: error: {exc}\n")
+        return 2
     sys.stdout.write(text + "\n")
     return 0
