@@ -12,13 +12,14 @@ import sys
 from typing import Callable
 
 from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.checkpoint_tools import commands as checkpoint_tools
 from rlt_mega.config import Config, ConfigError, load_config
 from rlt_mega.data.datasets import DataError
 from rlt_mega.log import get_logger, setup_logging
 
 log = get_logger(__name__)
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError)
+USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError, *checkpoint_tools.USER_ERRORS)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -181,6 +182,16 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
 EXTRA_ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {"generate": _generate_args, "eval": _eval_args}
 
 
+def _tool(run: Callable[[argparse.Namespace], str]) -> Callable[[argparse.Namespace], int]:
+    """A checkpoint tool (export, import, inspect): its own arguments, no run config."""
+
+    def fn(args: argparse.Namespace) -> int:
+        sys.stdout.write(run(args) + "\n")
+        return 0
+
+    return fn
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rlt-mega", description="Train Recurrent Looped Transformers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,6 +201,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name in EXTRA_ARGS:
             EXTRA_ARGS[name](p)
         p.set_defaults(fn=fn)
+    for name, (add_arguments, run, help_text) in checkpoint_tools.COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add_arguments(p)
+        p.set_defaults(fn=_tool(run))
     return parser
 
 

@@ -60,6 +60,10 @@ class DataStats:
 Extract = Callable[[dict], dict]
 
 
+class BadRecord(Exception):
+    """Raised by an extractor for a record to skip; the message is the counted reason."""
+
+
 def text_of(text_field: Optional[str]) -> Extract:
     """Pretraining text: ``text_field``, else ``text``, else GSM8K's question + answer."""
 
@@ -67,15 +71,15 @@ def text_of(text_field: Optional[str]) -> Extract:
         if text_field is not None:
             text = rec.get(text_field)
             if text is None:
-                raise KeyError(f"missing field '{text_field}'")
+                raise BadRecord(f"missing field '{text_field}'")
         elif "text" in rec:
             text = rec["text"]
         elif "question" in rec and "answer" in rec:
             text = f"{rec['question']}\n{rec['answer']}"
         else:
-            raise KeyError("missing field 'text' (or 'question' and 'answer')")
+            raise BadRecord("missing field 'text' (or 'question' and 'answer')")
         if not isinstance(text, str):
-            raise KeyError("text field is not a string")
+            raise BadRecord("text field is not a string")
         return {"text": text}
 
     return extract
@@ -85,7 +89,7 @@ def pair_of(prompt_field: str = "question", answer_field: str = "answer") -> Ext
     def extract(rec: dict) -> dict:
         for name in (prompt_field, answer_field):
             if not isinstance(rec.get(name), str):
-                raise KeyError(f"missing field '{name}'")
+                raise BadRecord(f"missing field '{name}'")
         return {"question": rec[prompt_field], "answer": rec[answer_field]}
 
     return extract
@@ -120,8 +124,8 @@ def _apply(extract: Extract, columns: list[str]):
             try:
                 fields = extract(rec)
                 reason = _check_record(fields)
-            except KeyError as exc:
-                fields, reason = {}, str(exc).strip("'\"")
+            except BadRecord as exc:
+                fields, reason = {}, str(exc)
             _append(out, columns, reason, fields)
         return out
 
@@ -176,6 +180,8 @@ def load_records(source: str, split: str, cfg: DataConfig, extract: Extract, col
                  stats: DataStats) -> datasets.Dataset:
     """Good records of ``source`` as a Dataset with ``columns``; bad ones skipped and counted."""
     raw = _raw(source, split, cfg)
+    if len(raw) == 0:
+        raise DataError(f"dataset {source} [{split}] is empty: check the path")
     ds = raw.map(_apply(extract, columns), batched=True, remove_columns=raw.column_names)
     reasons = Counter(r for r in ds[BAD] if r)
     if reasons:

@@ -209,24 +209,28 @@ class RLT(nn.Module):
         mode = self.checkpointing.decoder
         seg = {"none": T, "step": 1, "every_k": self.checkpointing.decoder_k}[mode]
         use_ckpt = mode != "none" and torch.is_grad_enabled()
+        # unbind once: indexing emb[:, t] per step would make backward build a (B, T, d) zero
+        # gradient per step, O(T^2) work
+        steps = emb.unbind(1)
         zs: list[torch.Tensor] = []
         for t0 in range(0, T, seg):
             t1 = min(T, t0 + seg)
             if use_ckpt:
-                out = checkpoint(self._decode_segment, emb, z, t0, t1, dec, mem,
+                out = checkpoint(self._decode_segment, steps[t0:t1], z, t0, dec, mem,
                                  use_reentrant=False, preserve_rng_state=False)  # no randomness inside
             else:
-                out = self._decode_segment(emb, z, t0, t1, dec, mem)
+                out = self._decode_segment(steps[t0:t1], z, t0, dec, mem)
             zs.extend(out)
             z = out[-1]
         return torch.stack(zs, dim=1)
 
-    def _decode_segment(self, emb: torch.Tensor, z: torch.Tensor, t0: int, t1: int, dec: KVCache,
+    def _decode_segment(self, embs: tuple[torch.Tensor, ...], z: torch.Tensor, t0: int, dec: KVCache,
                         mem: MemoryKV) -> tuple[torch.Tensor, ...]:
-        """Steps t0 .. t1 - 1 from z_{t0 - 1}; returns z_{t0} .. z_{t1 - 1}, each (B, d)."""
+        """Steps t0 .. t0 + len(embs) - 1 from z_{t0 - 1}; embs[j]: (B, d) embedding of x_{t0+j}.
+        Returns z_{t0} ..., each (B, d)."""
         zs = []
-        for t in range(t0, t1):
-            z = self.decoder_step(emb[:, t], z, t, dec, mem)
+        for j, e in enumerate(embs):
+            z = self.decoder_step(e, z, t0 + j, dec, mem)
             zs.append(z)
         return tuple(zs)
 

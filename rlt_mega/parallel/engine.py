@@ -177,4 +177,4 @@ def check_layout(directory: Path, layout: dict) -> None:
     if saved is not None and saved != layout:
         raise CheckpointError(f"checkpoint {directory} was written with layout {saved}, this run has {layout}: "
                               "resume on the same layout, or export it and start from the export "
-                              "(model.init_from) to change layout")
+                              "(train.init_from) to change layout")

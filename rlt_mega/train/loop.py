@@ -98,7 +98,8 @@ class Trainer:
         bar = tqdm(total=cfg.steps, initial=self.state.step, disable=not (self.cfg.logging.progress and self.rank == 0),
                    desc="train", dynamic_ncols=True)
         window_tokens, window_start, last = 0, time.perf_counter(), {}
-        while self.state.step < cfg.steps:
+        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.state.step + cfg.stop_after)
+        while self.state.step < end:
             with self.timers("data"):
                 micro_batches = self.batches.next_micro_batches()
             with self.timers("step"):
@@ -121,7 +122,7 @@ class Trainer:
                 window_tokens, window_start = 0, time.perf_counter()
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 last["eval/loss"] = self.evaluate(step)
-            if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0 and step < cfg.steps:
+            if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0 and step < end:
                 self.save()
         bar.close()
         if self.state.step > 0 and (not self.state.last_checkpoint

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from rlt_mega.checkpoint_tools.export import init_from
 from rlt_mega.config import Config
 from rlt_mega.data.datasets import BatchIterator, DataStats, pack, text_of, train_eval_records
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
@@ -46,6 +47,10 @@ def build_local(cfg: Config) -> tuple[RLT, LocalEngine, torch.device]:
     """Model and single-device engine, seeded by train.seed."""
     device = resolve_device(cfg.train.device)
     model = build_model(cfg.model, device, seed=cfg.train.seed)
+    if cfg.train.init_from:
+        # Weights only. When train.resume=auto finds a checkpoint, the engine's load replaces
+        # them, so a restarted job continues from its own checkpoints.
+        init_from(model, cfg.train.init_from)
     model.set_checkpointing(cfg.train.checkpointing)
     return model, LocalEngine(model, cfg.optim, cfg.train, device), device
 
