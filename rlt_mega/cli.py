@@ -81,26 +81,10 @@ def cmd_grpo(args: argparse.Namespace) -> int:
 
 
 def _inference_model(cfg: Config):
-    """The model of cfg with weights from model.init_from, else the latest checkpoint in
-    checkpoint.dir."""
-    import dataclasses
-
-    from rlt_mega.checkpoint import CheckpointError, CheckpointManager
     from rlt_mega.data.tokenizer import load_tokenizer
-    from rlt_mega.model import build_model
-    from rlt_mega.parallel.engine import resolve_device
-    from rlt_mega.train.common import load_initial_weights
+    from rlt_mega.train.common import inference_model
 
-    if cfg.model.init_from is None:
-        latest = CheckpointManager(cfg.checkpoint.dir).latest()
-        if latest is None:
-            raise CheckpointError(f"no weights: set model.init_from=<checkpoint or export>, or train into "
-                                  f"checkpoint.dir={cfg.checkpoint.dir} first")
-        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=str(latest)))
-    device = resolve_device(cfg.train.device)
-    model = build_model(cfg.model, device, seed=cfg.train.seed)
-    load_initial_weights(model, cfg.model, device)
-    return cfg, model, load_tokenizer(cfg.data.tokenizer)
+    return cfg, inference_model(cfg), load_tokenizer(cfg.data.tokenizer)
 
 
 def _read_questions(source: str) -> list[str]:

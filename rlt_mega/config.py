@@ -50,9 +50,6 @@ class ModelConfig:
     qkv_bias: bool = False  # biases on self-attention q/k/v (Qwen2 layout)
     init_std: float = 0.02
     max_seq_len: int = 2048
-    # Weights to start from: a checkpoint directory (step_N), a checkpoint root (its latest
-    # valid checkpoint) or an export. Not part of the architecture; checked against it.
-    init_from: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:

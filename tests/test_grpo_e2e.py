@@ -3,6 +3,7 @@ ratio is exactly 1 at every step, a learnable reward rises, and a resumed run en
 uninterrupted one does."""
 
 import json
+from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
@@ -46,6 +47,7 @@ def test_grpo_cli_learns_a_reward_and_logs_every_metric(tmp_path, prompts, capsy
         assert all(key in r for key in METRICS), sorted(set(METRICS) - set(r))
         assert r["ratio/onpolicy_max_dev"] == 0.0  # first minibatch: value = replay = mu, bit for bit
         assert r["support/miss_fraction"] == 0.0 and r["mismatch/logprob_diff_max"] < 1e-4
+        assert 0.0 <= r["mismatch/kl_mu_dense"] < 1e-6  # on-policy: only the schedules' rounding
     rewards = [r["reward/mean"] for r in records]
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     assert last > 0.03 and last > 5 * first, rewards
@@ -75,3 +77,26 @@ def test_grpo_resume_continues_exactly(tmp_path, prompts):
 def test_grpo_refuses_a_bad_reward(tmp_path, prompts, capsys):
     assert main(grpo_args(tmp_path, prompts, "bad", "train.steps=1", "grpo.reward=nowhere")) == 2
     assert "reward 'nowhere'" in capsys.readouterr().err
+
+
+def _gsm8k_dir():
+    for base in (Path(__file__).resolve().parents[1] / ".." / "shared", Path("/work/shared")):
+        if (base / "data" / "gsm8k" / "test.jsonl").is_file():
+            return base / "data" / "gsm8k"
+    return None
+
+
+@pytest.mark.skipif(_gsm8k_dir() is None, reason="no local GSM8K copy (../shared/data/gsm8k)")
+def test_grpo_on_real_gsm8k_records(tmp_path):
+    """The GSM8K data path of configs/grpo_gsm8k.yaml (a local copy instead of the hub), on a
+    tiny untrained model: real prompts, the GSM8K reward, held-out accuracy."""
+    args = ["grpo", "--config", "configs/grpo_gsm8k.yaml", f"data.train={_gsm8k_dir()}", "data.tokenizer=byte",
+            "model.vocab_size=260", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
+            "model.ffn_hidden=64", "model.max_seq_len=1024", "train.dtype=fp32", "train.device=cpu", "train.steps=1",
+            "train.checkpointing.decoder=none", "train.checkpointing.encoder=false", "grpo.prompts_per_step=2",
+            "grpo.group_size=2", "grpo.minibatches=2", "grpo.eval_size=2", "sampling.max_new_tokens=4",
+            "logging.progress=false", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}"]
+    assert main(args) == 0
+    records = read_metrics(tmp_path / "tb")
+    assert [r["eval/accuracy"] for r in records if "eval/accuracy" in r] == [0.0, 0.0]
+    assert [r["ratio/onpolicy_max_dev"] for r in records if "reward/mean" in r] == [0.0]

@@ -66,7 +66,7 @@ def test_sft_trains_and_checkpoints(sft_run):
 
 
 def test_eval_and_generate_from_the_sft_checkpoint(sft_run, tmp_path, capsys, monkeypatch):
-    common = [*TINY, f"model.init_from={sft_run / 'ckpt'}", "data.generated.num_eval=8",
+    common = [*TINY, f"checkpoint.dir={sft_run / 'ckpt'}", "data.generated.num_eval=8",
               "sampling.max_new_tokens=12", "sampling.batch_size=3"]
     out = tmp_path / "eval.jsonl"
     assert main(["eval", *common, "--output", str(out)]) == 0
@@ -80,11 +80,18 @@ def test_eval_and_generate_from_the_sft_checkpoint(sft_run, tmp_path, capsys, mo
     assert [r["question"] for r in lines] == ["Mia has 3 apples.", "q?"]
 
 
-def test_init_from_refuses_another_memory_block(sft_run, capsys):
-    args = ["eval", *[a for a in TINY if "memory_block" not in a], "model.memory_block=4",
-            f"model.init_from={sft_run / 'ckpt'}", "--limit", "2"]
-    assert main(args) == 2
-    assert "model.memory_block (saved 2, config 4)" in capsys.readouterr().err
+def test_eval_from_an_export_equals_eval_from_the_checkpoint(sft_run, tmp_path, capsys):
+    """SFT -> export -> train.init_from: the path the demo takes from SFT into GRPO."""
+    assert main(["export", str(sft_run / "ckpt"), str(tmp_path / "export")]) == 0
+    common = [*TINY, "data.generated.num_eval=8", "sampling.max_new_tokens=12"]
+    assert main(["eval", *common, f"checkpoint.dir={sft_run / 'ckpt'}", "--limit", "4",
+                 "--output", str(tmp_path / "a.jsonl")]) == 0
+    assert main(["eval", *common, f"train.init_from={tmp_path / 'export'}", "--limit", "4",
+                 "--output", str(tmp_path / "b.jsonl")]) == 0
+    assert (tmp_path / "a.jsonl").read_text() == (tmp_path / "b.jsonl").read_text()
+    capsys.readouterr()
+    assert main(["eval", *TINY, f"checkpoint.dir={tmp_path / 'nothing'}", "--limit", "2"]) == 2
+    assert "no weights" in capsys.readouterr().err
 
 
 def test_sft_from_a_local_jsonl(tmp_path):

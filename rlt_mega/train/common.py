@@ -1,79 +1,47 @@
-"""Pieces shared by SFT, GRPO, ``generate`` and ``eval``: starting weights, sampling
+"""Pieces shared by GRPO, ``generate`` and ``eval``: the model with trained weights, sampling
 parameters from the config, batched generation of text and greedy GSM8K accuracy."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-import torch
-import yaml
-from safetensors.torch import load_model
-
-from rlt_mega.checkpoint import CheckpointError, CheckpointManager, verify
+from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.checkpoint_tools.training import is_training_checkpoint, load_training_weights
 from rlt_mega.config import Config, ModelConfig
 from rlt_mega.data.pairs import prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
-from rlt_mega.model import RLT
+from rlt_mega.model import RLT, build_model
+from rlt_mega.parallel.engine import resolve_device
 from rlt_mega.rollout import Processing, SamplingParams, generate
 from rlt_mega.rollout.rewards import gsm8k_reward, score
+from rlt_mega.train.pretrain import build_local
 
 log = get_logger(__name__)
 
-# Fields of ModelConfig that do not change what the weights compute.
-_NOT_ARCHITECTURE = {"init_from", "max_seq_len", "init_std"}
-
-
-def resolve_weights(path: str) -> Path:
-    """A directory holding model.safetensors: the path itself, or the latest valid
-    checkpoint under a checkpoint root."""
-    p = Path(path).expanduser()
-    if (p / "model.safetensors").is_file():
-        if (p / "manifest.json").is_file():
-            verify(p)  # a training checkpoint: checksums first
-        return p
-    if p.is_dir():
-        latest = CheckpointManager(p).latest()
-        if latest is not None:
-            return latest
-    raise CheckpointError(f"model.init_from={path}: neither a directory with model.safetensors nor a checkpoint "
-                          "root with a valid checkpoint (a distributed checkpoint must be exported first)")
-
-
-def _saved_model_config(directory: Path) -> Optional[dict]:
-    if (directory / "config.yaml").is_file():
-        return (yaml.safe_load((directory / "config.yaml").read_text()) or {}).get("model")
-    if (directory / "config.json").is_file():
-        data = json.loads((directory / "config.json").read_text())
-        return data.get("model", data)
-    return None
-
-
-def load_initial_weights(model: RLT, cfg: ModelConfig, device: torch.device) -> Optional[Path]:
-    """Loads model.init_from (if set) into ``model``, after checking that the saved model
-    config agrees on every architectural field: the memory block C, for one, is part of the
-    model but not of any weight's shape, so a shape check alone would not catch it."""
-    if cfg.init_from is None:
-        return None
-    directory = resolve_weights(cfg.init_from)
-    saved = _saved_model_config(directory)
-    if saved is not None:
-        ours = dataclasses.asdict(cfg)
-        diff = {k: (saved[k], ours[k]) for k in saved if k in ours and k not in _NOT_ARCHITECTURE
-                and saved[k] != ours[k]}
-        if diff:
-            raise CheckpointError(f"model.init_from={directory}: its model differs from this config in "
-                                  + ", ".join(f"model.{k} (saved {a!r}, config {b!r})" for k, (a, b) in diff.items())
-                                  + ": use the saved values")
+def inference_model(cfg: Config) -> RLT:
+    """The model of ``cfg`` for generate/eval: weights from train.init_from (an export), else
+    from the newest valid training checkpoint in checkpoint.dir."""
+    if cfg.train.init_from:
+        return build_local(cfg)[0]
+    if not is_training_checkpoint(Path(cfg.checkpoint.dir)):
+        raise CheckpointError(f"no weights: set train.init_from=<export directory>, or train into "
+                              f"checkpoint.dir={cfg.checkpoint.dir} first")
+    saved_cfg, state, source = load_training_weights(cfg.checkpoint.dir)
+    model = build_model(cfg.model, resolve_device(cfg.train.device))
+    for f in dataclasses.fields(ModelConfig):  # as train.init_from does: shapes must agree (below)
+        if getattr(saved_cfg.model, f.name) != getattr(cfg.model, f.name):
+            log.warning("checkpoint %s: model.%s is %s there but %s in this config", source["path"], f.name,
+                        getattr(saved_cfg.model, f.name), getattr(cfg.model, f.name))
     try:
-        load_model(model, str(directory / "model.safetensors"), strict=True, device=str(device))
+        model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
-        raise CheckpointError(f"model.init_from={directory}: the weights do not fit this model: {exc}") from None
-    log.info("initial weights from %s", directory)
-    return directory
+        raise CheckpointError(f"checkpoint {source['path']}: its weights do not fit model.* of this config "
+                              f"(use the checkpoint's own config.yaml): {exc}") from None
+    log.info("weights from %s (step %s)", source["path"], source.get("step"))
+    return model
 
 
 def sampling_params(cfg: Config, tokenizer: Tokenizer, greedy: bool = False) -> SamplingParams:

@@ -14,7 +14,8 @@ One step, as named phases (each timed into the metrics):
 
 Metrics (TensorBoard + metrics.jsonl): reward, accuracy, ratio min/mean/max, clip fraction,
 support misses, max/mean |dense - replay|, KL(mu || dense), rollout and learner tokens/s,
-phase times, held-out greedy accuracy.
+phase times, held-out greedy accuracy. ``ratio/onpolicy_max_dev`` is max |ratio - 1| on the
+first minibatch of each step, which the exactness contract makes exactly 0.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from rlt_mega.metrics import Metrics, Timers
 from rlt_mega.model import RLT
 from rlt_mega.rollout import Rollout, generate, replay
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
-from rlt_mega.train.common import greedy_accuracy, load_initial_weights, max_new_tokens_for, sampling_params
+from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampling_params
 from rlt_mega.train.pretrain import build_local, check_vocab
 
 log = get_logger(__name__)
@@ -180,7 +181,9 @@ class GRPOTrainer:
             "support/miss_fraction": sum(m["support_miss"] for m in ms) / max(tokens, 1),
             "mismatch/logprob_diff_max": max(m["logprob_diff_max"] for m in ms),
             "mismatch/logprob_diff_mean": sum(m["logprob_diff_mean"] * m["num_tokens"] for m in ms) / max(tokens, 1),
-            "mismatch/kl_mu_dense": sum(m["kl_mu_dense"] * m["num_tokens"] for m in ms) / max(tokens, 1),
+            # On the on-policy minibatch only: later ones were sampled before an update, so their
+            # KL(mu || dense) would mix the policy's own drift into the schedule mismatch.
+            "mismatch/kl_mu_dense": first["kl_mu_dense"],
             "mismatch/support_miss_dense": sum(m["support_miss_dense"] * m["num_tokens"] for m in ms) / max(tokens, 1),
         }
         if self.reference is not None:
@@ -277,8 +280,8 @@ def run(cfg: Config) -> dict:
                                                ["question", "answer"], stats, seed=cfg.train.seed)
     # The engine's LR schedule counts optimizer steps: epochs x minibatches per GRPO step.
     updates = cfg.train.steps * cfg.grpo.epochs * cfg.grpo.minibatches
-    model, engine, device = build_local(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=updates)))
-    load_initial_weights(model, cfg.model, device)
+    # train.init_from (e.g. the export of an SFT run), when set, is applied by build_local.
+    model, engine, _ = build_local(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=updates)))
     reference = None
     if cfg.grpo.kl_coef > 0:
         reference = copy.deepcopy(model).requires_grad_(False)  # frozen copy of the initial policy

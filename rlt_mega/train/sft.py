@@ -15,7 +15,6 @@ from rlt_mega.data.pairs import RecordOrder, tokenize_pairs
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.loss import IGNORE
 from rlt_mega.log import get_logger
-from rlt_mega.train.common import load_initial_weights
 from rlt_mega.train.loop import Trainer
 from rlt_mega.train.pretrain import build_local, check_vocab
 
@@ -66,8 +65,7 @@ def run(cfg: Config) -> dict:
              len(evald), cfg.data.seq_len, stats.summary())
     batches = SFTBatches(train, cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.seed,
                          tokenizer.pad_id, cfg.data.shuffle)
-    model, engine, device = build_local(cfg)
-    load_initial_weights(model, cfg.model, device)
+    _, engine, _ = build_local(cfg)  # train.init_from, when set, is applied here
 
     num_eval = min(len(evald), cfg.train.eval_batches * cfg.train.micro_batch_size)
 

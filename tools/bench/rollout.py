@@ -10,8 +10,8 @@ In one run, side by side on the same model and prompts:
   (fp32 max for reference), and the fraction of sampled tokens that fall outside the dense
   schedule's top-p set in bf16 (the boundary moves with the rounding gap).
 
-    PYTHONPATH=. python tools/bench/rollout.py            # d=256, L=4, batch 8, 128 new tokens
-    PYTHONPATH=. python tools/bench/rollout.py --d-model 64 --new-tokens 16   # a quick look
+    PYTHONPATH=. python tools/bench/rollout.py     # configs/small_cpu.yaml (d=256, L=4), batch 8, 128 new tokens
+    PYTHONPATH=. python tools/bench/rollout.py --new-tokens 16 --blocks 4 model.d_model=64   # a quick look
 """
 
 from __future__ import annotations
@@ -21,7 +21,9 @@ import time
 
 import torch
 
-from rlt_mega.config import ModelConfig
+import dataclasses
+
+from rlt_mega.config import load_config
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs, mismatch_metrics, replay_logprobs
 from rlt_mega.model import build_model
@@ -47,10 +49,8 @@ def learner_step(model, rollout, hybrid: bool) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--d-model", type=int, default=256)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--heads", type=int, default=4)
-    ap.add_argument("--vocab", type=int, default=260)
+    ap.add_argument("--config", default="configs/small_cpu.yaml", help="its model section is benchmarked")
+    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.d_model=64")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 16])
@@ -60,21 +60,22 @@ def main() -> None:
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    base = load_config(args.config, args.overrides).model
+    vocab = base.vocab_size
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(17, 41, (args.batch,), generator=g).tolist()  # ragged prompts
-    prompts = [torch.randint(0, args.vocab, (n,), generator=g).tolist() for n in lengths]
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     params = SamplingParams(Processing(temperature=1.0, top_p=0.95), max_new_tokens=args.new_tokens)
     seeds = list(range(args.batch))
-    print(f"d={args.d_model} L={args.layers} H={args.heads} V={args.vocab} batch={args.batch} "
+    print(f"{args.config}: d={base.d_model} L={base.n_layers} H={base.n_heads}/{base.n_kv_heads} V={vocab} batch={args.batch} "
           f"new_tokens={args.new_tokens} prompts={min(lengths)}..{max(lengths)} threads={torch.get_num_threads()} "
           f"device={args.device}")
     header = (f"{'C':>3} {'rollout tok/s':>14} {'replay/rollout':>15} {'hybrid/dense step':>18} "
               f"{'fp32 max|d-r|':>14} {'bf16 max|d-r|':>14} {'bf16 mean|d-r|':>15} {'bf16 dense miss':>17}")
     print(header)
     for C in args.blocks:
-        cfg = ModelConfig(vocab_size=args.vocab, d_model=args.d_model, n_layers=args.layers, n_heads=args.heads,
-                          memory_block=C, max_seq_len=max(lengths) + args.new_tokens)
+        cfg = dataclasses.replace(base, memory_block=C, max_seq_len=max(base.max_seq_len, max(lengths) + args.new_tokens))
         model = build_model(cfg, device=args.device, seed=0)
         generate(model, [p[:4] for p in prompts], SamplingParams(max_new_tokens=4), seeds, pad_id=0)  # warm-up
         t_roll, rollout = timed(lambda: generate(model, prompts, params, seeds, pad_id=0), args.repeats)
