@@ -16,6 +16,7 @@ from rlt_mega.checkpoint_tools import commands as checkpoint_tools
 from rlt_mega.config import Config, ConfigError, load_config
 from rlt_mega.data.datasets import DataError
 from rlt_mega.log import get_logger, setup_logging
+from rlt_mega.plan import cli as plan_cli
 
 log = get_logger(__name__)
 
@@ -81,6 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         _config_args(p)
         p.set_defaults(fn=fn)
+    plan_cli.register(sub)
     for name, (add_arguments, run, help_text) in checkpoint_tools.COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p)

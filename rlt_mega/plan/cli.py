@@ -57,11 +57,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def register(subparsers) -> argparse.ArgumentParser:
-    """Adds ``plan`` to an ``argparse`` subparsers object; the handler is ``args.func``."""
+    """Adds ``plan`` to an ``argparse`` subparsers object; the handler is ``args.fn``."""
     parser = subparsers.add_parser("plan", help=HELP, description=__doc__,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
-    parser.set_defaults(func=run_plan)
+    parser.set_defaults(fn=run_plan)
     return parser
 
 
@@ -91,7 +91,7 @@ def run_plan(args, out=None) -> int:
         plans, considered = plan_layouts(cfg.model, hw, cfg.data.seq_len, args.global_batch,
                                          dtype=cfg.train.dtype)
     except ConfigError as exc:
-        sys.stderr.write(f"rlt-mega plan: {exc}\n")
+        sys.stderr.write(f"rlt-mega plan: error: {exc}\n")
         return 2
     if args.json:
         out.write(json.dumps({"hardware": vars(hw), "considered": considered, "fit": len(plans),

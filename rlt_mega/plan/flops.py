@@ -27,6 +27,7 @@ checkpointed piece (an encoder block; a decoder segment's last step) is not reco
 
 from __future__ import annotations
 
+import functools
 from dataclasses import asdict, dataclass
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
@@ -46,6 +47,7 @@ class FlopRow:
         return self.forward + self.backward + self.recompute
 
 
+@functools.lru_cache(maxsize=None)
 def attention_pairs(T: int, C: int) -> dict[str, int]:
     """Query-key pairs per sequence: encoder causal (half and full square), decoder self
     (sum over t of t + 1) and cross (sum over t of 1 + vis(t))."""

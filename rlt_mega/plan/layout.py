@@ -54,9 +54,15 @@ class Layout:
     # flash: fused kernel that skips masked tiles and recomputes scores in backward (GPU);
     # math: the plain matmul-softmax-matmul composition (what flop_counter sees on CPU).
     attention_kernel: AttentionKernel = "flash"
-    # The trainer holds the fp32 logits (B, T, V) until the optimizer step
-    # (``logits = model(x); loss = ce(logits, y); loss.backward(); opt.step()``).
-    keep_logits: bool = True
+    # The trainer holds the fp32 logits (B, T, V) through the backward (``logits = model(x)``
+    # kept in a variable); the engine's ``lm_loss`` does not: only the loss's log-softmax stays.
+    keep_logits: bool = False
+    # CUDA's fused RMSNorm saves its input and rstd only; on CPU torch decomposes it and the
+    # normalised x is saved as well.
+    fused_rms_norm: bool = True
+    # foreach AdamW (the CUDA default) takes sqrt(v) of all parameters at once; the for-loop
+    # implementation (the CPU default) one tensor at a time.
+    foreach_optimizer: bool = True
     rollout_batch: int = 0  # sequences in one sampling batch (0: micro_batch_size)
     rollout_len: int = 0  # prompt + completion positions (0: seq_len)
     buckets: ZeroBuckets = field(default_factory=ZeroBuckets)

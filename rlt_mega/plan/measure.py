@@ -14,34 +14,19 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 
-def training_step(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
-                  optimizer: torch.optim.Optimizer) -> float:
-    """One step the way the cost model assumes a trainer writes it: the logits and the loss
-    stay referenced until the optimizer step is done."""
-    logits = model(tokens)  # (B, T, V) fp32
-    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    value = loss.item()
-    del logits, loss
-    return value
-
-
-def peak_step_memory(model: nn.Module, tokens: torch.Tensor, targets: torch.Tensor,
-                     optimizer: torch.optim.Optimizer,
-                     step: Callable[..., float] = training_step) -> dict[str, int]:
-    """Peak bytes of tensor storages during one training step, after a first (untracked)
-    step has created the optimizer state: the steady state of a long run."""
-    step(model, tokens, targets, optimizer)
+def peak_step_memory(step: Callable[[], object], *tracked, device: torch.device | str = "cpu"
+                     ) -> dict[str, int]:
+    """Peak bytes of tensor storages during one call of ``step``, after a first (untracked)
+    call has created the optimizer state: the steady state of a long run. ``tracked`` are the
+    objects that exist before (model, optimizer, input tensors), as MemTracker needs them."""
+    step()
     tracker = _PeakTracker()
-    tracker.track_external(model, optimizer, tokens, targets)
+    tracker.track_external(*tracked)
     with tracker:
-        step(model, tokens, targets, optimizer)
-    snap = tracker.get_tracker_snapshot("peak")[tokens.device]
+        step()
+    snap = tracker.get_tracker_snapshot("peak")[torch.device(device)]
     return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
 
 
@@ -127,11 +112,10 @@ def zero_probe(rank: int, world_size: int, port: int, model_cfg: dict, cases: li
                 if i == 1:  # measure the steady state only
                     tracker.reset_mod_stats()
                     tracker._peak_mem = {}
-                logits = engine(tokens)
-                loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+                loss = F.cross_entropy(engine(tokens).flatten(0, 1), targets.flatten())
                 engine.backward(loss)
                 engine.step()
-                del logits, loss
+                del loss
         zero_opt = engine.optimizer
         inner = zero_opt.optimizer
         moments = sum(t.numel() for s in inner.state.values() for t in s.values()

@@ -6,14 +6,13 @@ tests/test_costmodel.py). Per position and layer, with a = activation bytes (4 f
 q = H Dh / tp, kv = H_kv Dh / tp, F = ffn / tp, H = heads / tp:
 
   each RMSNorm     its input kept at 4 bytes (fp32: the residual itself; bf16: the fp32
-                   upcast that ``pow`` saves), the normalised x and the output at a bytes,
-                   and the fp32 rsqrt
+                   upcast that ``pow`` saves), the fp32 rstd, the output at a bytes (saved by
+                   the next matmul) and, unless fp32 uses the fused CUDA kernel, the
+                   normalised x at a bytes
   encoder block    2 norms; q and k after RoPE, v (a (2q + 2kv)); the attention output and
-                   its fp32 log-sum-exp (a q + 4 H); SwiGLU gate, silu, up, product (4 a F);
-                   RoPE cos/sin slices of (T, Dh) per call (4 Dh a / B)
+                   its fp32 log-sum-exp (a q + 4 H); SwiGLU gate, silu, up, product (4 a F)
   decoder block    3 norms; q after RoPE (the custom attention saves only q), its output,
-                   the cross query and the cross output + lse (4 a q + 4 H); SwiGLU (4 a F);
-                   RoPE slices (4 Dh a / B)
+                   the cross query and the cross output + lse (4 a q + 4 H); SwiGLU (4 a F)
   decoder input    recur_norm (its input is z_{t-1})
   memory           memory_norm; the slots {null} + m (a d (T+1)/T); the memory K/V of every
                    layer (2 a kv (T+1)/T), which cross-attention saves as views
@@ -41,7 +40,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from rlt_mega.config import ModelConfig
+from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.params import rank_param_counts, rank_tensor_numels, stage_layers
 
@@ -87,30 +86,36 @@ def zero_partition_numel(numels: list[int], dp: int, stage: int) -> int:
     return -(-sum(numels) // align) * align // dp
 
 
-def _norm(d: int, a: int) -> float:
-    return 4 * d + 2 * a * d + 4
+def _norm(d: int, a: int, fused: bool, output_saved: bool = True) -> float:
+    """Bytes per position one RMSNorm keeps (input, rstd, normalised x, output)."""
+    normalised = 0 if (fused and a == 4) else a * d
+    return 4 * d + 4 + normalised + (a * d if output_saved else 0)
 
 
-def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, float]:
-    """Bytes per position of one micro-batch saved at the end of the forward, by item."""
-    a, B, T, tp = layout.act_bytes, layout.micro_batch_size, layout.seq_len, layout.tp
-    d, Dh = cfg.d_model, cfg.head_dim
+def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
+                         checkpointing: CheckpointingConfig | None = None) -> dict[str, float]:
+    """Bytes per position of one micro-batch saved at the end of the forward, by item
+    (under ``checkpointing`` instead of the layout's when given)."""
+    a, T, tp = layout.act_bytes, layout.seq_len, layout.tp
+    d, Dh, fused = cfg.d_model, cfg.head_dim, layout.fused_rms_norm
     q, kv = cfg.n_heads * Dh / tp, cfg.n_kv_heads * Dh / tp
     f, h = cfg.ffn_hidden / tp, cfg.n_heads / tp
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     first, last = stage == 0, stage == layout.pp - 1
-    ck = layout.checkpointing
-    rope = 4 * Dh * a / B
-    enc_block = 2 * _norm(d, a) + a * (2 * q + 2 * kv) + 4 * h + 4 * a * f + rope
-    dec_block = 3 * _norm(d, a) + 4 * a * q + 4 * h + 4 * a * f + rope
-    dec_input = _norm(d, a) if first else 0.0
+    ck = checkpointing or layout.checkpointing
+    norm = _norm(d, a, fused)
+    enc_block = 2 * norm + a * (2 * q + 2 * kv) + 4 * h + 4 * a * f
+    dec_block = 3 * norm + 4 * a * q + 4 * h + 4 * a * f
+    dec_input = norm if first else 0.0
     seg = {"none": T, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
     items = {
         "encoder": n * (a * d if ck.encoder else enc_block),
         "decoder": n * dec_block + dec_input if ck.decoder == "none" else a * d / seg,
-        "memory": (4 * d + a * d + 4 if last else 0.0) + (a * d + n * 2 * a * kv) * (T + 1) / T,
+        # memory_norm's output goes into the slots' cat, which saves nothing
+        "memory": (_norm(d, a, fused, output_saved=False) if last else 0.0)
+        + (a * d + n * 2 * a * kv) * (T + 1) / T,
         "decoder_kv": n * 2 * a * kv,
-        "head": _norm(d, a) if last else 0.0,
+        "head": norm if last else 0.0,
         "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
         "tokens": 8 * (first + last),  # int64 inputs and targets
     }
@@ -125,7 +130,7 @@ def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[st
     """Bytes per position that one recomputed piece materialises in the backward, expressed
     per position of the micro-batch (multiply by B T)."""
     ck = layout.checkpointing
-    full = activation_per_token(cfg, layout.replace(checkpointing=type(ck)()), stage)
+    full = activation_per_token(cfg, layout, stage, CheckpointingConfig())
     T = layout.seq_len
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     seg = {"none": 0, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
@@ -163,7 +168,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
         zero_buffers += buckets.reduce_bucket_size * w * (2 if buckets.overlap_comm and zero < 3 else 1)
     if zero == 3:
         zero_buffers += buckets.stage3_prefetch_bucket_size * w
-    rope_tables = 2 * cfg.max_seq_len * cfg.head_dim * 8  # float64 cos/sin, one per device
+    rope_tables = 2 * cfg.max_seq_len * cfg.head_dim * a  # cos/sin cached per device and dtype
 
     act = activation_per_token(cfg, layout, stage)
     rec = recompute_per_token(cfg, layout, stage)
@@ -202,8 +207,10 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     # The optimizer step. ZeRO-0: the full gradients and foreach Adam's sqrt(v) temporary.
     # ZeRO-1: DeepSpeed flattens this rank's partition of the (still full) gradients. ZeRO-2/3:
     # the gradient partition, its flat fp32 copy and Adam's temporary on the partition.
+    numels = rank_tensor_numels(cfg, tp, pp, stage, layout.pp_split)
+    adam_temp = 4 * (psi if layout.foreach_optimizer else 2 * max(numels))
     if zero == 0:
-        step_extra = psi * w + 4 * psi + (4 * psi if w != 4 else 0)
+        step_extra = psi * w + adam_temp + (4 * psi if w != 4 else 0)
     elif zero == 1:
         step_extra = psi * w + part * w
     else:

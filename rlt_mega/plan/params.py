@@ -13,6 +13,7 @@ stage holds null_memory: it feeds the null slot of the stage's own cross-attenti
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 from rlt_mega.config import ConfigError, ModelConfig
@@ -38,6 +39,11 @@ def check_tp(cfg: ModelConfig, tp: int) -> None:
 
 def stage_layers(n_layers: int, pp: int, pp_split: Optional[Sequence[int]] = None) -> list[range]:
     """Layer indices of each pipeline stage: contiguous, L/P each, or ``pp_split``."""
+    return list(_stage_layers(n_layers, pp, None if pp_split is None else tuple(pp_split)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layers(n_layers: int, pp: int, pp_split: Optional[tuple[int, ...]]) -> tuple[range, ...]:
     if pp_split is not None:
         if len(pp_split) != pp or sum(pp_split) != n_layers or min(pp_split) < 1:
             raise ConfigError(f"parallel.pp_split={list(pp_split)} must have pp={pp} positive entries "
@@ -49,7 +55,7 @@ def stage_layers(n_layers: int, pp: int, pp_split: Optional[Sequence[int]] = Non
                               f"among its divisors or give parallel.pp_split (layers per stage)")
         sizes = [n_layers // pp] * pp
     starts = [sum(sizes[:s]) for s in range(pp)]
-    return [range(a, a + n) for a, n in zip(starts, sizes)]
+    return tuple(range(a, a + n) for a, n in zip(starts, sizes))
 
 
 def block_params(cfg: ModelConfig, tp: int = 1) -> int:

@@ -235,7 +235,11 @@ def explain(plans: list[Plan], cfg: ModelConfig, hw: Hardware) -> str:
                 "sequence or a smaller global batch.")
     best = plans[0]
     b = best.breakdown
-    lines = [f"Best: {best.describe()}: {b['total']:.2f} s/step, {best.tokens_per_s:,.0f} tokens/s, "
+    lines = [f"Assumptions: {hw.mfu:.0%} of {hw.peak_tflops_bf16:g} (bf16) / {hw.peak_tflops_fp32:g} (fp32) "
+             f"TFLOP/s on large matmuls; HBM {hw.hbm_eff:.0%} of {hw.hbm_gbps:g} GB/s; collectives "
+             f"{hw.intra_gbps:g} GB/s + {hw.intra_latency_us:g} us in a node, {hw.inter_gbps:g} GB/s + "
+             f"{hw.inter_latency_us:g} us across; no overlap; {hw.usable_fraction:.0%} of memory usable.",
+             f"Best: {best.describe()}: {b['total']:.2f} s/step, {best.tokens_per_s:,.0f} tokens/s, "
              f"MFU {best.mfu:.1%}, peak {best.peak_memory / 1e9:.1f} GB of "
              f"{hw.capacity_bytes / 1e9:.1f} GB usable.",
              f"  time: decoder {b['decoder']:.2f} s ({b['ticks']:,} ring ticks x "
@@ -255,6 +259,14 @@ def explain(plans: list[Plan], cfg: ModelConfig, hw: Hardware) -> str:
                      f"{eager * 1e3:.2f} ms per tick (fwd+bwd) against {(b['decoder_tick_fwd'] + b['decoder_tick_bwd']) * 1e3:.2f} ms "
                      f"of GPU work: capture the decoder step in a CUDA graph (or pass --launch-us).")
     lay = best.layout
+    w = 4 if lay.dtype == "fp32" else 2
+    peak = (hw.peak_tflops_fp32 if lay.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
+    ridge = peak * hw.mfu / (hw.hbm_gbps * 1e9 * hw.hbm_eff)
+    intensity = 2 * lay.micro_batch_size / w  # FLOP per weight byte of a decoder matmul
+    lines.append(f"  B={lay.micro_batch_size} rows per position: {intensity:g} FLOP per weight byte against a "
+                 f"ridge of {ridge:.0f}: " + ("weight-bandwidth bound, so more rows are nearly free and "
+                                              "tensor parallelism (which splits the weights) pays"
+                                              if intensity < ridge else "compute bound"))
     for label, differs in (("tensor parallel", lambda p: p.layout.tp != lay.tp),
                            ("pipeline", lambda p: p.layout.pp != lay.pp),
                            ("ZeRO stage", lambda p: p.layout.zero_stage != lay.zero_stage),
@@ -266,6 +278,10 @@ def explain(plans: list[Plan], cfg: ModelConfig, hw: Hardware) -> str:
             lines.append(f"  no other {label} choice fits.")
             continue
         ratio = alt.step_time / best.step_time
+        if ratio < 1.005:
+            lines.append(f"  best other {label}: {alt.describe()}: the same time, peak "
+                         f"{alt.peak_memory / 1e9:.1f} GB (ties go to less memory).")
+            continue
         why = max(("decoder", "encoder_head", "data_parallel", "optimizer"),
                   key=lambda k: alt.breakdown[k] - b[k])
         lines.append(f"  best other {label}: {alt.describe()}: {ratio:.2f}x the time "
