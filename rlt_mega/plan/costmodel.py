@@ -148,7 +148,7 @@ def format_report(rep: dict) -> str:
         lines.append(f"    peak {_gib(mem['peak'])} in {mem['peak_phase']} ({phases})")
         ro = mem["rollout"]
         lines.append(f"    rollout K/V caches ({ro['batch']} x {ro['positions']} positions): "
-                     f"{_gib(ro['kv_caches'])}; with weights {_gib(ro['total'])}")
+                     f"{_gib(ro['kv_caches'])}; with the resident training state {_gib(ro['total'])}")
         comm = ", ".join(f"{g} {_gib(c['bytes'])} in {c['messages']:,} messages"
                          for g, c in r["comm"].items() if c["group_size"] > 1) or "none"
         lines.append(f"    communication per step: {comm}")

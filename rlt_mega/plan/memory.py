@@ -218,7 +218,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     phases["optimizer_step"] = static + step_extra + in_flight * tok * (retained + logits_kept)
 
     rollout = rollout_memory(cfg, layout, stage)
-    rollout["total"] = weights + rope_tables + rollout["kv_caches"]
+    rollout["total"] = static + rollout["kv_caches"]  # GRPO is colocated: training state stays
     return MemoryReport(stage=stage, weights=weights, gradients=grads_after, master_weights=master,
                         optimizer_states=moments, zero_buffers=zero_buffers, rope_tables=rope_tables,
                         activations={k: v * tok for k, v in act.items()}, phases=phases, rollout=rollout,
