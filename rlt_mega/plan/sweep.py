@@ -21,8 +21,9 @@ subprocess, with logging.dir and checkpoint.dir inside its own directory; a run 
 ``result.json`` exists is not run again (a sweep can be resumed). Compute is the cost
 model's training FLOPs per token (forward + backward, no recomputation: the MFU
 convention) times the tokens trained. Peak memory is the peak resident set size of the run's
-process (on CPU it includes the Python and torch runtime, a few hundred MB), beside the cost
-model's prediction for the step itself.
+process (on CPU it includes the Python and torch runtime, a few hundred MB), and the
+trainer's own ``train/peak_memory_bytes`` metric when it logs one, beside the cost model's
+prediction for the step itself.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from rlt_mega.plan.memory import estimate_memory
 
 log = get_logger(__name__)
 
+PEAK_METRIC = "train/peak_memory_bytes"
 SWEEP_KEYS = {"base", "out", "overrides", "grid", "label", "launcher", "env", "title", "smooth"}
 
 
@@ -231,6 +233,8 @@ def summarize_run(sweep: Sweep, run: Run, result: dict) -> dict:
         "eval_loss": evals[-1] if evals else float("nan"),
         "tokens_per_s": sum(speeds) / len(speeds) if speeds else float("nan"),
         "peak_rss_mb": result.get("peak_rss_mb", float("nan")),
+        # a trainer that logs its device peak (e.g. torch.cuda.max_memory_allocated) wins over RSS
+        "peak_memory_mb": max((r[PEAK_METRIC] for r in records if PEAK_METRIC in r), default=float("nan")) / 2 ** 20,
         "predicted_step_mb": predicted_peak_bytes(cfg) / 2 ** 20,
         "wall_s": result.get("wall_s", float("nan")),
         "status": "ok" if result.get("returncode") == 0 else f"exit {result.get('returncode')}",
