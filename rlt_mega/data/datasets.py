@@ -99,9 +99,19 @@ def _check_record(out: dict) -> str:
     values = [v for v in out.values() if isinstance(v, str)]
     if any("\ufffd" in v for v in values):
         return "invalid utf-8"
+    if not all(_encodable(v) for v in values):  # a JSON "\ud800" escape: Arrow cannot store it
+        return "invalid unicode (lone surrogate)"
     if any(not v.strip() for v in values):
         return "empty text"
     return ""
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _apply(extract: Extract, columns: list[str]):
@@ -116,7 +126,7 @@ def _apply(extract: Extract, columns: list[str]):
                 line = rec["_line"]
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
                     rec = None
                 if not isinstance(rec, dict):
                     _append(out, columns, "invalid utf-8" if "\ufffd" in line else "malformed json line")
