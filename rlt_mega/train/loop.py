@@ -17,7 +17,8 @@ from typing import Callable, Optional, Protocol
 import torch
 from tqdm import tqdm
 
-from rlt_mega.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch,
+                                 rng_state, set_rng_state)
 from rlt_mega.config import Config, save_config
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
@@ -79,14 +80,19 @@ class Trainer:
             if self.cfg.train.resume == "auto":
                 log.info("train.resume=auto: no checkpoint in %s, starting fresh", self.cfg.checkpoint.dir)
             return
+        check_resume_config(path, self.cfg)
         self.engine.load(path)
-        saved = torch.load(path / "trainer.pt", weights_only=False)
-        self.state = TrainState(**saved["state"])
+        saved = load_torch(path / "trainer.pt")
+        try:
+            self.state = TrainState(**saved["state"])
+            self.batches.load_state_dict(saved["data"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold this trainer's state "
+                                  f"({type(exc).__name__}: {exc})") from None
         self.state.last_checkpoint = str(path)
-        self.batches.load_state_dict(saved["data"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(load_torch(rng_file))
         log.info("resumed from %s at step %d", path, self.state.step)
 
     # ------------------------------------------------------------------ the loop
