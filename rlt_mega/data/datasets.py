@@ -171,9 +171,15 @@ def _raw(source: str, split: str, cfg: DataConfig) -> datasets.Dataset:
         return datasets.Dataset.from_list(generate_problems(num, seed, g.min_ops, g.max_ops, g.max_value))
     path = _local_file(source, split)
     if path is not None:
+        if path.stat().st_size == 0:  # the text builder fails on an empty file
+            raise DataError(f"dataset {path} [{split}] is empty: check the path")
+        try:
+            raw = datasets.load_dataset("text", data_files=str(path), split="train", encoding_errors="replace")
+        except Exception as exc:  # the builder wraps whatever went wrong in DatasetGenerationError
+            cause = exc.__cause__ or exc
+            raise DataError(f"cannot read {path}: {type(cause).__name__}: {cause}") from None
         if path.suffix == ".txt":
-            return datasets.load_dataset("text", data_files=str(path), split="train", encoding_errors="replace")
-        raw = datasets.load_dataset("text", data_files=str(path), split="train", encoding_errors="replace")
+            return raw
         raw = raw.rename_column("text", "_line")
         return raw.filter(lambda line: bool(line.strip()), input_columns="_line")  # blank lines: not data
     if source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".txt")):
