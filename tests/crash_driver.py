@@ -14,9 +14,14 @@ Environment:
     RLT_CRASH_MARKER=<path>         written when the pause begins (the test polls for it)
     RLT_CRASH_STEP_SLEEP=<seconds>  sleep after every optimizer step, so that a kill at a random
                                     moment lands in the middle of the run on any machine
+    RLT_CRASH_KILL=<rank>:<step>    under a launcher: that rank SIGKILLs itself as it fetches the
+                                    batches of <step>, in the first attempt only (torchrun's
+                                    TORCHELASTIC_RESTART_COUNT=0), while the other ranks go on
+                                    into the step's collectives
 """
 
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -26,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlt_mega.checkpoint import CheckpointManager  # noqa: E402
 from rlt_mega.cli import main  # noqa: E402
 from rlt_mega.parallel.engine import LocalEngine  # noqa: E402
+from rlt_mega.train.pretrain import PackedBatches  # noqa: E402
 
 
 def _pause_forever() -> None:
@@ -64,10 +70,28 @@ def install_step_sleep(seconds: float) -> None:
     LocalEngine.train_step = train_step
 
 
+def install_rank_kill(rank: int, step: int) -> None:
+    if int(os.environ.get("RANK", "0")) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    original = PackedBatches.next_micro_batches
+    fetched = [0]
+
+    def next_micro_batches(self):
+        fetched[0] += 1  # counts from the step the run starts (or resumes) at
+        if fetched[0] == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self)
+
+    PackedBatches.next_micro_batches = next_micro_batches
+
+
 if __name__ == "__main__":
     if os.environ.get("RLT_CRASH_PAUSE"):
         phase, step = os.environ["RLT_CRASH_PAUSE"].split(":")
         install_pause(phase, int(step), torn=os.environ.get("RLT_CRASH_TORN") == "1")
     if os.environ.get("RLT_CRASH_STEP_SLEEP"):
         install_step_sleep(float(os.environ["RLT_CRASH_STEP_SLEEP"]))
+    if os.environ.get("RLT_CRASH_KILL"):
+        rank, step = os.environ["RLT_CRASH_KILL"].split(":")
+        install_rank_kill(int(rank), int(step))
     sys.exit(main(sys.argv[1:]))
