@@ -1,0 +1,29 @@
+"""Entry point of one rank: runs the scenarios listed in a JSON file, in order."""
+
+import json
+import sys
+import traceback
+from pathlib import Path
+
+from tests.parallel import scenarios
+from tests.parallel.launch import key
+
+
+def main() -> None:
+    spec, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    import os
+
+    rank = int(os.environ["RANK"])
+    results = {}
+    out = out_dir / f"rank{rank}.json"
+    for name, args in json.loads(spec.read_text()):
+        try:
+            results[key(name, args)] = getattr(scenarios, name)(**args)
+        except Exception:  # recorded; the test that reads it fails with this traceback
+            results[key(name, args)] = {"error": traceback.format_exc()}
+        out.write_text(json.dumps(results))
+    scenarios.shutdown()
+
+
+if __name__ == "__main__":
+    main()
