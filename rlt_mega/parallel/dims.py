@@ -153,7 +153,7 @@ class ParallelDims:
     pp_group: object = field(repr=False, default=None)
     dp_group: object = field(repr=False, default=None)
     mp_group: object = field(repr=False, default=None)  # tp x pp: "model parallel" in DeepSpeed's words
-    embed_group: object = field(repr=False, default=None)  # first + last stage (tied embeddings)
+    embed_group: object = field(repr=False, default=None)  # first + last stage (tied embeddings); None elsewhere
     pp_ranks: list = field(default_factory=list)  # global rank of every stage of my pipeline
     dp_ranks: list = field(default_factory=list)
 
@@ -178,7 +178,7 @@ class ParallelDims:
                    stage_layers=split_layers(model.n_layers, pp, parallel.pp_split),
                    tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
                    dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
-                   embed_group=ps.get_embedding_group())
+                   embed_group=ps.get_embedding_group(check_initialized=False))
         dims.pp_ranks = dist.get_process_group_ranks(dims.pp_group)
         dims.dp_ranks = dist.get_process_group_ranks(dims.dp_group)
         assert dims.rank == dims.tp_rank + tp * (dims.dp_rank + dp * dims.pp_rank), "unexpected megatron rank order"

@@ -26,6 +26,8 @@ def free_port() -> int:
 def run_ranks(nprocs: int, scenarios: list[tuple[str, dict]], out_dir: Path, timeout: float = 600.0) -> list[dict]:
     """Runs the scenarios on ``nprocs`` ranks; returns each rank's {scenario_key: result}."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("rank*"):
+        old.unlink()
     spec = out_dir / "scenarios.json"
     spec.write_text(json.dumps(scenarios))
     port = free_port()
@@ -38,21 +40,21 @@ def run_ranks(nprocs: int, scenarios: list[tuple[str, dict]], out_dir: Path, tim
         log = open(out_dir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-m", "tests.parallel.worker", str(spec), str(out_dir)],
                                        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+    # Wait for all; as soon as one rank fails (or the time is up) the others are killed, since
+    # they may be blocked in a collective with it.
     deadline = time.monotonic() + timeout
     timed_out = False
-    for p, _ in procs:
-        left = deadline - time.monotonic()
-        try:
-            p.wait(timeout=max(left, 0.1))
-        except subprocess.TimeoutExpired:
+    while any(p.poll() is None for p, _ in procs):
+        if any(p.returncode not in (None, 0) for p, _ in procs):
+            break
+        if time.monotonic() > deadline:
             timed_out = True
             break
-    if timed_out:
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-        for p, _ in procs:
-            p.wait()
+        time.sleep(0.2)
+    for p, _ in procs:
+        if p.poll() is None:
+            p.kill()
+        p.wait()
     for _, log in procs:
         log.close()
     results = []

@@ -1,6 +1,7 @@
 """Entry point of one rank: runs the scenarios listed in a JSON file, in order."""
 
 import json
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -11,7 +12,6 @@ from tests.parallel.launch import key
 
 def main() -> None:
     spec, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
-    import os
 
     rank = int(os.environ["RANK"])
     results = {}
@@ -21,6 +21,11 @@ def main() -> None:
             results[key(name, args)] = getattr(scenarios, name)(**args)
         except Exception:  # recorded; the test that reads it fails with this traceback
             results[key(name, args)] = {"error": traceback.format_exc()}
+            out.write_text(json.dumps(results))
+            # The other ranks may now wait in a collective for this one: stop, and the launcher
+            # stops them (the scenarios after this one report that they did not run).
+            sys.stdout.flush()
+            os._exit(1)
         out.write_text(json.dumps(results))
     scenarios.shutdown()
 
