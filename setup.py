@@ -17,6 +17,7 @@ setup(
         "tensorboard>=2.14",
         "pyyaml>=6.0",
         "safetensors>=0.4",
+        "huggingface_hub>=0.23",  # split_torch_state_dict_into_shards / save_torch_state_dict (exports)
         "tokenizers>=0.15",
         "tqdm>=4.66",
         "numpy>=1.24",

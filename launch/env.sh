@@ -14,9 +14,15 @@ fi
 STAMP="$VENV/.rlt_mega_installed"
 WANT="$(cat "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q "torch==2.13.0"
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[test]"
+  # (this machine's pip config names local index folders that may not exist: drop that noise)
+  pip_install() {
+    "$VENV/bin/python" -m pip install -q "$@" 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
+  }
+  pip_install "torch==2.13.0"
+  pip_install -e "$ROOT[test]"
+  "$VENV/bin/python" -c "import torch, megatron.core, deepspeed, transformers, rlt_mega" >/dev/null 2>&1 \
+    || { echo "launch/env.sh: the install into $VENV is incomplete:" >&2
+         "$VENV/bin/python" -c "import torch, megatron.core, deepspeed, transformers, rlt_mega"; exit 1; }
   echo "$WANT" > "$STAMP"
 fi
 export PATH="$VENV/bin:$PATH"

@@ -159,7 +159,14 @@ class TrainConfig:
     eval_batches: int = 4
     log_every: int = 10
     resume: Optional[str] = None  # None, "auto" (latest checkpoint in checkpoint.dir) or a path
+    # An export directory (rlt-mega export / rlt-mega import) to take the initial weights from:
+    # weights only, no optimizer or data state. With resume="auto" it applies only to a fresh
+    # start (no checkpoint found yet), so a restarted job continues from its own checkpoints.
+    init_from: Optional[str] = None
     max_nonfinite_in_a_row: int = 5  # consecutive skipped non-finite steps before stopping
+    # Stop this process after this many steps (a checkpoint is written), e.g. for time-limited
+    # cluster jobs; the schedule still spans train.steps and train.resume=auto continues.
+    stop_after: Optional[int] = None
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, f"train.steps={self.steps}: must be >= 0")
@@ -167,6 +174,10 @@ class TrainConfig:
         _check(self.grad_accum >= 1, f"train.grad_accum={self.grad_accum}: must be >= 1")
         _check(self.log_every >= 1 and self.eval_every >= 0, "train.log_every >= 1, train.eval_every >= 0")
         _check(self.max_nonfinite_in_a_row >= 1, "train.max_nonfinite_in_a_row must be >= 1")
+        _check(self.stop_after is None or self.stop_after >= 1, "train.stop_after must be >= 1 or null")
+        _check(self.init_from is None or self.resume in (None, "auto"),
+               f"train.init_from={self.init_from} and train.resume={self.resume}: resuming restores the "
+               "weights from the checkpoint, so init_from would be ignored; set only one of them")
 
 
 @dataclass
@@ -265,6 +276,11 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-3 as a string: accept it
+            try:
+                return float(value)
+            except ValueError:
+                pass
     elif tp is str:
         if isinstance(value, str):
             return value

@@ -199,7 +199,9 @@ class RLT(nn.Module):
         """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d).
 
         With decoder checkpointing, each segment of k steps is recomputed in backward; the
-        recomputation repeats the forward exactly, so gradients are bit-identical.
+        recomputation repeats the forward exactly, and the autograd graph has the same shape
+        in every mode (each step reads its own embedding row, every z_t is stacked once at
+        the end), so gradients are bit-identical across checkpointing modes.
         """
         B, T, _ = emb.shape
         dec = DecoderKV(self.cfg.n_layers, capacity=T)
@@ -207,24 +209,30 @@ class RLT(nn.Module):
         mode = self.checkpointing.decoder
         seg = {"none": T, "step": 1, "every_k": self.checkpointing.decoder_k}[mode]
         use_ckpt = mode != "none" and torch.is_grad_enabled()
-        outs = []
+        # unbind once: indexing emb[:, t] per step would make backward build a (B, T, d) zero
+        # gradient per step, O(T^2) work
+        steps = emb.unbind(1)
+        zs: list[torch.Tensor] = []
         for t0 in range(0, T, seg):
             t1 = min(T, t0 + seg)
             if use_ckpt:
-                z, zs = checkpoint(self._decode_segment, emb[:, t0:t1], z, t0, dec, mem,
-                                   use_reentrant=False, preserve_rng_state=False)
+                out = checkpoint(self._decode_segment, steps[t0:t1], z, t0, dec, mem,
+                                 use_reentrant=False, preserve_rng_state=False)  # no randomness inside
             else:
-                z, zs = self._decode_segment(emb[:, t0:t1], z, t0, dec, mem)
-            outs.append(zs)
-        return torch.cat(outs, dim=1)
+                out = self._decode_segment(steps[t0:t1], z, t0, dec, mem)
+            zs.extend(out)
+            z = out[-1]
+        return torch.stack(zs, dim=1)
 
-    def _decode_segment(self, emb: torch.Tensor, z: torch.Tensor, t0: int, dec: KVCache,
-                        mem: MemoryKV) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_segment(self, embs: tuple[torch.Tensor, ...], z: torch.Tensor, t0: int, dec: KVCache,
+                        mem: MemoryKV) -> tuple[torch.Tensor, ...]:
+        """Steps t0 .. t0 + len(embs) - 1 from z_{t0 - 1}; embs[j]: (B, d) embedding of x_{t0+j}.
+        Returns z_{t0} ..., each (B, d)."""
         zs = []
-        for j in range(emb.shape[1]):
-            z = self.decoder_step(emb[:, j], z, t0 + j, dec, mem)
+        for j, e in enumerate(embs):
+            z = self.decoder_step(e, z, t0 + j, dec, mem)
             zs.append(z)
-        return z, torch.stack(zs, dim=1)
+        return tuple(zs)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the

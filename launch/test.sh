@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# The whole test suite: creates or reuses .venv, installs rlt_mega and its dependencies, runs pytest.
+# Extra arguments go to pytest (e.g. `bash launch/test.sh tests/test_model.py -k visibility`).
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
+cd "$ROOT"
+exec python -m pytest -q -p no:cacheprovider --timeout=900 "${@:-tests}"

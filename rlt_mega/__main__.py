@@ -1,0 +1,5 @@
+import sys
+
+from rlt_mega.cli import main
+
+sys.exit(main())

@@ -1,0 +1,132 @@
+"""The export, import and inspect commands: their arguments and what they do, shared by the
+``rlt-mega`` subcommands and the scripts in tools/. Each ``run_*`` returns the text to show
+the user; the caller prints it (library code never prints).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.checkpoint_tools import training
+from rlt_mega.checkpoint_tools.export import (
+    DEFAULT_MAX_SHARD_SIZE, MANIFEST_NAME, export_state_dict, load_exported, read_manifest,
+)
+from rlt_mega.checkpoint_tools.files import CheckpointFormatError
+from rlt_mega.checkpoint_tools.hf_import import import_hf
+from rlt_mega.checkpoint_tools.inspect_ckpt import format_report, inspect_path
+
+# The errors a user can fix from the message alone; the CLI prints them without a traceback.
+USER_ERRORS = (CheckpointFormatError, CheckpointError, FileExistsError, FileNotFoundError)
+
+
+def export_path(src: str | Path, out_dir: str | Path, *, dtype: str = "auto",
+                max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer=None,
+                overwrite: bool = False) -> Path:
+    """Exports ``src`` into ``out_dir``: a training checkpoint (a step directory, or the newest
+    valid one under checkpoint.dir), or an export directory (re-exported, e.g. in bf16 or with
+    other shard sizes)."""
+    src = Path(src)
+    if training.is_training_checkpoint(src):
+        run_cfg, sd, source = training.load_training_weights(src)
+        return export_state_dict(sd, run_cfg.model, out_dir, tokenizer=tokenizer or training.tokenizer_of(run_cfg),
+                                 max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite)
+    if (src / MANIFEST_NAME).is_file():
+        cfg, sd = load_exported(src)  # verified: shapes and sha256
+        source = {"kind": "export", "path": str(src.resolve()), "from": read_manifest(src).get("source")}
+        return export_state_dict(sd, cfg, out_dir, tokenizer=tokenizer if tokenizer else _tokenizer_of(src),
+                                 max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite)
+    raise CheckpointFormatError(f"{src}: nothing to export: expected a training checkpoint (step_N/ with "
+                                f"manifest.json, or checkpoint.dir) or an RLT export directory (with "
+                                f"{MANIFEST_NAME}); a Hugging Face checkpoint is converted with `rlt-mega import`")
+
+
+def shard_size(text: str) -> int:
+    """argparse type of --max-shard-size: bytes, or a number with KB/MB/GB/TB (powers of 1000,
+    as huggingface_hub counts them)."""
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    number, unit = (text[:-2], text[-2:].upper()) if text[-2:].upper() in units else (text, None)
+    try:
+        value = int(float(number) * units[unit]) if unit else int(number)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected bytes or a size such as 500MB or 5GB") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: the shard size must be positive")
+    return value
+
+
+def _tokenizer_of(export_dir: Path):
+    tok = read_manifest(export_dir).get("tokenizer")
+    return export_dir if isinstance(tok, list) and tok else tok
+
+
+def add_export_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a training checkpoint (step_N/ or checkpoint.dir for the newest) or an export")
+    p.add_argument("out_dir", help="the export directory to write")
+    p.add_argument("--dtype", default="auto", help="auto (as stored), fp32, bf16 or fp16")
+    p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory, tokenizer.json or 'byte'")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+
+
+def run_export(a: argparse.Namespace) -> str:
+    out = export_path(a.src, a.out_dir, dtype=a.dtype, max_shard_size=a.max_shard_size,
+                      tokenizer=a.tokenizer, overwrite=a.overwrite)
+    return f"exported {a.src} -> {out}"
+
+
+def add_import_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("hf_dir", help="a Llama/Qwen2 directory: config.json + model.safetensors (or index + shards)")
+    p.add_argument("out_dir", help="the RLT export directory to write")
+    p.add_argument("--memory-block", type=int, default=1, help="model.memory_block (C) of the RLT")
+    p.add_argument("--seed", type=int, default=0, help="seed of the RLT-only weights (cross q/k/v, ...)")
+    p.add_argument("--dtype", default="auto", help="auto (as stored), fp32, bf16 or fp16")
+    p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
+    p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
+    p.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer files")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+
+
+def run_import(a: argparse.Namespace) -> str:
+    out = import_hf(a.hf_dir, a.out_dir, memory_block=a.memory_block, seed=a.seed, dtype=a.dtype,
+                    max_seq_len=a.max_seq_len, max_shard_size=a.max_shard_size,
+                    tokenizer=None if a.no_tokenizer else "auto", overwrite=a.overwrite)
+    return f"imported {a.hf_dir} -> {out}"
+
+
+def add_inspect_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("path", help="an RLT export, a training checkpoint or a Llama/Qwen2 directory")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--no-verify", action="store_true", help="skip the sha256 of every tensor")
+
+
+def run_inspect(a: argparse.Namespace) -> str:
+    report = inspect_path(a.path, verify=not a.no_verify)
+    return json.dumps(report, indent=2) if a.json else format_report(report)
+
+
+COMMANDS = {
+    "export": (add_export_arguments, run_export, "write a layout-independent export directory"),
+    "import": (add_import_arguments, run_import, "convert a Llama/Qwen2 checkpoint into an RLT export"),
+    "inspect": (add_inspect_arguments, run_inspect, "show and verify a checkpoint or export directory"),
+}
+
+
+def main(name: str, argv: list[str] | None = None) -> int:
+    """Entry point of one command as a stand-alone script (tools/*.py): a user error is one
+    line on stderr and exit status 2 (as `rlt-mega`), not a traceback."""
+    import sys
+
+    add_arguments, run, help_text = COMMANDS[name]
+    parser = argparse.ArgumentParser(prog=f"rlt-mega {name}", description=help_text)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        text = run(args)
+    except USER_ERRORS as exc:
+        sys.stderr.write(f"rlt-mega {name}: error: {exc}\n")
+        return 2
+    sys.stdout.write(text + "\n")
+    return 0

@@ -1,0 +1,335 @@
+"""The export format: one layout-independent directory per model (DESIGN section 7).
+
+::
+
+    out_dir/
+      config.json                 {"model_type": "rlt", <every ModelConfig field>}
+      model.safetensors           full (unsharded) tensors under the single-process names,
+        or model-0000k-of-0000n.safetensors + model.safetensors.index.json above a size limit
+      rlt_export.json             format version, sha256/shape/dtype of every tensor, tied
+                                  names, the tokenizer files, where the weights came from
+      tokenizer.json ...          when a tokenizer was given
+
+Tied weights (``lm_head.weight`` when model.tie_embeddings) are stored once, under
+``embed.weight``; :func:`load_exported` puts the alias back, so the state dict it returns
+loads into ``RLT(cfg)`` with ``load_state_dict(strict=True)``.
+
+A directory is checked on every load: the tensor names and shapes against config.json and
+the bytes of every tensor against its sha256. A damaged or inconsistent export is an error
+that names the file and the tensor, never a model that silently computes something else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from rlt_mega.config import ConfigError, ModelConfig, from_dict
+from rlt_mega.log import get_logger
+from rlt_mega.model import RLT, build_model
+from rlt_mega.checkpoint_tools.files import (
+    CheckpointFormatError, SafetensorsDir, atomic_directory, copy_files, dtype_name, read_json,
+    save_safetensors, tensor_sha256, write_json,
+)
+
+log = get_logger(__name__)
+
+CONFIG_NAME = "config.json"
+MANIFEST_NAME = "rlt_export.json"
+MODEL_TYPE = "rlt"
+FORMAT = "rlt_mega.export"
+FORMAT_VERSION = 1
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
+                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+
+# ModelConfig fields that fix the set of parameters and their shapes. The others (memory_block,
+# rope_theta, norm_eps, max_seq_len, init_std) change what the weights compute, not what they are.
+SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+                "share_weights", "tie_embeddings", "qkv_bias")
+
+_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
+
+
+def parse_dtype(dtype: Optional[str | torch.dtype]) -> Optional[torch.dtype]:
+    """None / "auto" (keep as stored), a torch dtype, or one of fp32, bf16, fp16."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype == "auto":
+        return None
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype {dtype!r}: expected auto, fp32, bf16 or fp16")
+    return _DTYPES[dtype]
+
+
+# ----------------------------------------------------------------------------------------
+# config.json and what a config implies
+# ----------------------------------------------------------------------------------------
+
+def config_to_json(cfg: ModelConfig) -> dict:
+    return {"model_type": MODEL_TYPE, **dataclasses.asdict(cfg)}
+
+
+def read_config(path: str | Path) -> ModelConfig:
+    """Reads ``config.json`` of an export directory (or the file itself) strictly."""
+    path = Path(path)
+    file = path if path.suffix == ".json" else path / CONFIG_NAME
+    data = read_json(file, "an exported RLT directory holds config.json (the model config); "
+                           "export with `rlt-mega export` or `rlt-mega import`")
+    model_type = data.pop("model_type", None)
+    if model_type != MODEL_TYPE:
+        hint = (" (a Hugging Face checkpoint: convert it with `rlt-mega import`)"
+                if model_type in ("llama", "qwen2") else "")
+        raise CheckpointFormatError(f"{file}: model_type is {model_type!r}, not {MODEL_TYPE!r}: this is "
+                                    f"not an exported RLT{hint}")
+    try:
+        return from_dict(data, ModelConfig)
+    except ConfigError as exc:
+        raise CheckpointFormatError(f"{file}: {exc}") from None
+
+
+def tied_aliases(cfg: ModelConfig) -> dict[str, str]:
+    """Names stored once: alias -> the stored name."""
+    return {"lm_head.weight": "embed.weight"} if cfg.tie_embeddings else {}
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every state-dict name of ``RLT(cfg)`` (aliases included) and its shape; nothing allocated."""
+    return {name: tuple(t.shape) for name, t in build_model(cfg, "meta").state_dict().items()}
+
+
+def empty_model(cfg: ModelConfig, device: str | torch.device = "cpu") -> RLT:
+    """RLT(cfg) with uninitialised storage (no init cost), ready to be loaded into. Re-ties the
+    head: ``to_empty`` gives each module a new Parameter when leaving the meta device."""
+    model = build_model(cfg, "meta").to_empty(device=device)
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model
+
+
+def _config_summary(cfg: ModelConfig) -> str:
+    return ", ".join(f"{f}={getattr(cfg, f)}" for f in SHAPE_FIELDS)
+
+
+def check_tensors(shapes: dict[str, tuple[int, ...]], cfg: ModelConfig, where: str,
+                  file_of: Optional[dict[str, Path]] = None) -> None:
+    """Checks that ``shapes`` (name -> shape, aliases excluded) are exactly the stored tensors
+    of RLT(cfg). ``where`` names the source in errors; ``file_of`` names each tensor's file."""
+    aliases = tied_aliases(cfg)
+    expected = {n: s for n, s in expected_shapes(cfg).items() if n not in aliases}
+    missing = [n for n in expected if n not in shapes]
+    extra = [n for n in shapes if n not in expected]
+    if missing:
+        raise CheckpointFormatError(f"{where}: missing {len(missing)} tensors that the config "
+                                    f"({_config_summary(cfg)}) requires, e.g. {missing[:5]}")
+    if extra:
+        raise CheckpointFormatError(f"{where}: {len(extra)} tensors that an RLT with this config "
+                                    f"({_config_summary(cfg)}) does not have, e.g. {extra[:5]}")
+    for name, shape in shapes.items():
+        if tuple(shape) != expected[name]:
+            src = file_of[name] if file_of else where
+            raise CheckpointFormatError(
+                f"{src}: tensor '{name}' has shape {tuple(shape)}, but the config "
+                f"({_config_summary(cfg)}) needs {expected[name]}: the weights and the config "
+                "do not belong together")
+
+
+# ----------------------------------------------------------------------------------------
+# Export
+# ----------------------------------------------------------------------------------------
+
+def _store_once(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Drops tied aliases after checking they really are the stored tensor's values."""
+    out = dict(sd)
+    for alias, target in tied_aliases(cfg).items():
+        if alias in out:
+            if target in out and not torch.equal(out[alias], out[target]):
+                raise ValueError(f"model.tie_embeddings is true but '{alias}' differs from '{target}': "
+                                 "the state dict does not match its config")
+            del out[alias]
+    return out
+
+
+def _write_tokenizer(tokenizer: Optional[str | Path], out_dir: Path) -> Any:
+    """``tokenizer``: None, "byte" (the built-in byte tokenizer: nothing to copy), a directory
+    with Hugging Face tokenizer files, or a tokenizers ``tokenizer.json`` file."""
+    if tokenizer is None or str(tokenizer) == "byte":
+        return None if tokenizer is None else "byte"
+    src = Path(tokenizer)
+    if src.is_file():
+        (out_dir / "tokenizer.json").write_bytes(src.read_bytes())
+        return ["tokenizer.json"]
+    if src.is_dir():
+        copied = copy_files(src, list(TOKENIZER_FILES), out_dir)
+        if not copied:
+            raise FileNotFoundError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
+        return copied
+    raise FileNotFoundError(f"{src}: tokenizer not found (give a directory, a tokenizer.json or 'byte')")
+
+
+def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
+                      tokenizer: Optional[str | Path] = None,
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
+                      dtype: Optional[str | torch.dtype] = None, source: Optional[dict] = None,
+                      overwrite: bool = False) -> Path:
+    """Writes a full single-process state dict of RLT(cfg) as an export directory (atomically)."""
+    cast = parse_dtype(dtype)
+    sd = _store_once(state_dict, cfg)
+    check_tensors({n: tuple(t.shape) for n, t in sd.items()}, cfg, "the state dict to export")
+    sd = {n: (t.detach().to("cpu", cast if cast is not None and t.is_floating_point() else t.dtype)
+              .contiguous()) for n, t in sd.items()}
+    tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "sha256": tensor_sha256(t)}
+               for n, t in sd.items()}
+    out = Path(out_dir)
+    with atomic_directory(out, overwrite=overwrite) as tmp:
+        files = save_safetensors(sd, tmp, max_shard_size)
+        write_json(tmp / CONFIG_NAME, config_to_json(cfg))
+        tok = _write_tokenizer(tokenizer, tmp)
+        write_json(tmp / MANIFEST_NAME, {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
+            "tied": tied_aliases(cfg), "tokenizer": tok, "source": source or {}, "tensors": tensors,
+        })
+    log.info("exported %d tensors (%s) to %s", len(sd), ", ".join(files), out)
+    return out
+
+
+def export_model(model_or_state_dict: nn.Module | dict[str, torch.Tensor], cfg: Optional[ModelConfig],
+                 out_dir: str | Path, tokenizer_dir: Optional[str | Path] = None,
+                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, **kwargs) -> Path:
+    """Exports a single-process RLT (or its state dict). ``cfg`` defaults to ``model.cfg``;
+    keyword arguments go to :func:`export_state_dict` (dtype, source, overwrite)."""
+    if isinstance(model_or_state_dict, nn.Module):
+        cfg = cfg if cfg is not None else getattr(model_or_state_dict, "cfg", None)
+        state_dict = model_or_state_dict.state_dict()
+    else:
+        state_dict = model_or_state_dict
+    if cfg is None:
+        raise ValueError("export_model needs the ModelConfig (pass cfg=...) for a plain state dict")
+    kwargs.setdefault("source", {"kind": "model"})
+    return export_state_dict(state_dict, cfg, out_dir, tokenizer=tokenizer_dir,
+                             max_shard_size=max_shard_size, **kwargs)
+
+
+# ----------------------------------------------------------------------------------------
+# Load
+# ----------------------------------------------------------------------------------------
+
+def read_manifest(path: str | Path) -> dict:
+    file = Path(path) / MANIFEST_NAME
+    manifest = read_json(file, "an exported RLT directory holds it (checksums, tied names); "
+                               "export with `rlt-mega export` or `rlt-mega import`")
+    if manifest.get("format") != FORMAT:
+        raise CheckpointFormatError(f"{file}: format is {manifest.get('format')!r}, expected {FORMAT!r}")
+    if manifest.get("format_version", 0) > FORMAT_VERSION:
+        raise CheckpointFormatError(f"{file}: format_version {manifest['format_version']} is newer than "
+                                    f"this rlt_mega reads ({FORMAT_VERSION}): upgrade rlt_mega")
+    if not isinstance(manifest.get("tensors"), dict):
+        raise CheckpointFormatError(f"{file}: no 'tensors' table (name -> shape, dtype, sha256)")
+    return manifest
+
+
+def open_export(path: str | Path) -> tuple[ModelConfig, dict, SafetensorsDir]:
+    """Opens an export directory and checks everything the headers can tell (names, shapes,
+    dtypes against config.json and the manifest) without reading tensor data."""
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path}: not a directory; an exported RLT is a directory with "
+                                    f"{CONFIG_NAME}, {MANIFEST_NAME} and model.safetensors")
+    cfg = read_config(path)
+    manifest = read_manifest(path)
+    st = SafetensorsDir(path)
+    try:
+        shapes = {n: st.shape(n) for n in st.names()}
+        check_tensors(shapes, cfg, str(path), st.file_of)
+        listed = manifest["tensors"]
+        if set(listed) != set(shapes):
+            diff = sorted(set(listed) ^ set(shapes))
+            raise CheckpointFormatError(f"{path / MANIFEST_NAME}: lists other tensors than the safetensors "
+                                        f"files hold (e.g. {diff[:5]}): the files come from different exports")
+        for name in shapes:
+            if dtype_name(st.dtype(name)) != listed[name].get("dtype"):
+                raise CheckpointFormatError(f"{st.file_of[name]}: tensor '{name}' is "
+                                            f"{dtype_name(st.dtype(name))}, but {MANIFEST_NAME} says "
+                                            f"{listed[name].get('dtype')}")
+    except BaseException:
+        st.close()
+        raise
+    return cfg, manifest, st
+
+
+def load_exported(path: str | Path, device: str | torch.device = "cpu", *,
+                  keys: Optional[Iterable[str]] = None, verify: bool = True,
+                  dtype: Optional[str | torch.dtype] = None) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """Loads an export directory -> (cfg, state dict of RLT(cfg) with tied aliases restored).
+
+    ``keys`` loads only those names (a pipeline stage loads its own layers; a tied alias brings
+    its stored tensor along, e.g. lm_head.weight -> embed.weight as well); ``verify``
+    compares every loaded tensor with its sha256; ``dtype`` casts floating tensors.
+    """
+    cast = parse_dtype(dtype)
+    cfg, manifest, st = open_export(path)
+    aliases = tied_aliases(cfg)
+    with st:
+        wanted = list(st.names()) if keys is None else list(keys)
+        sd: dict[str, torch.Tensor] = {}
+        for name in wanted:
+            stored = aliases.get(name, name)
+            if stored not in st.file_of:
+                raise KeyError(f"{path}: no tensor '{name}' in this export")
+            if stored not in sd:
+                t = st.get(stored)
+                if verify and tensor_sha256(t) != manifest["tensors"][stored]["sha256"]:
+                    raise CheckpointFormatError(
+                        f"{st.file_of[stored]}: tensor '{stored}' does not match its sha256 in "
+                        f"{MANIFEST_NAME}: the file was changed or damaged after export; export it again")
+                if cast is not None and t.is_floating_point():
+                    t = t.to(cast)
+                sd[stored] = t.to(device)
+            sd[name] = sd[stored]
+        if keys is None:
+            for alias, stored in aliases.items():
+                sd[alias] = sd[stored]
+    return cfg, sd
+
+
+def verify_export(path: str | Path) -> dict[str, str]:
+    """Checks every tensor of an export against config.json and its sha256, one tensor in memory
+    at a time. Returns name -> "ok"; raises CheckpointFormatError on the first problem."""
+    cfg, manifest, st = open_export(path)
+    result = {}
+    with st:
+        for name in st.names():
+            if tensor_sha256(st.get(name)) != manifest["tensors"][name]["sha256"]:
+                raise CheckpointFormatError(
+                    f"{st.file_of[name]}: tensor '{name}' does not match its sha256 in {MANIFEST_NAME}: "
+                    "the file was changed or damaged after export; export it again")
+            result[name] = "ok"
+    return result
+
+
+def init_from(model: RLT, path: str | Path) -> ModelConfig:
+    """``train.init_from=PATH``: copies an export's weights into ``model`` (any dtype/device).
+
+    The fields that fix the shapes must agree; the others may differ on purpose (a dense import
+    trained with memory_block=4, a longer max_seq_len) and are logged, since the weights then
+    compute something other than what they were trained for. Returns the export's config.
+    """
+    device = next(model.parameters()).device
+    exported, sd = load_exported(path, device)
+    mismatched = [f"{f}: export {getattr(exported, f)} vs run {getattr(model.cfg, f)}"
+                  for f in SHAPE_FIELDS if getattr(exported, f) != getattr(model.cfg, f)]
+    if mismatched:
+        raise ConfigError(f"train.init_from={path}: the export's config does not fit model "
+                          f"({'; '.join(mismatched)}); set these model.* fields as in {Path(path) / CONFIG_NAME}")
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in SHAPE_FIELDS and getattr(exported, f.name) != getattr(model.cfg, f.name):
+            log.warning("init_from %s: model.%s is %s in the run but %s in the export", path, f.name,
+                        getattr(model.cfg, f.name), getattr(exported, f.name))
+    model.load_state_dict(sd, strict=True)
+    log.info("initialised the model from %s", path)
+    return exported

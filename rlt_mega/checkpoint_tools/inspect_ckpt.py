@@ -1,0 +1,148 @@
+"""Inspect a checkpoint directory: what it is, its config, parameter counts by group, dtypes,
+where it came from (step and layout for a training checkpoint), and whether its tensors agree
+with its config and checksums.
+
+:func:`inspect_path` returns a plain dict (the CLI prints it with :func:`format_report`, or as
+JSON); any problem found while verifying is raised as a CheckpointFormatError naming the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from rlt_mega.model import param_counts
+from rlt_mega.checkpoint_tools import training
+from rlt_mega.checkpoint_tools.export import (
+    CONFIG_NAME, MANIFEST_NAME, check_tensors, open_export, tied_aliases, verify_export,
+)
+from rlt_mega.checkpoint_tools.files import CheckpointFormatError, SafetensorsDir, dtype_name, read_json
+from rlt_mega.checkpoint_tools.hf_import import SUPPORTED, check_hf_tensors, hf_model_config, hf_names
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
+
+
+def _tensor_summary(st: SafetensorsDir, names: list[str]) -> dict[str, Any]:
+    dtypes: Counter = Counter()
+    for name in names:
+        dtypes[dtype_name(st.dtype(name))] += _numel(st.shape(name))
+    return {
+        "num_tensors": len(names),
+        "dtypes": dict(dtypes),  # dtype -> number of parameters stored in it
+        "files": [{"name": f.name, "bytes": f.stat().st_size} for f in st.files()],
+    }
+
+
+def detect_kind(path: Path) -> str:
+    if (path / MANIFEST_NAME).is_file():
+        return "export"
+    if training.is_training_checkpoint(path):
+        return "training_checkpoint"
+    if (path / CONFIG_NAME).is_file():
+        model_type = read_json(path / CONFIG_NAME, "").get("model_type")
+        if model_type in SUPPORTED:
+            return "hf"
+    raise CheckpointFormatError(
+        f"{path}: not a checkpoint this tool knows: an RLT export has {MANIFEST_NAME} and {CONFIG_NAME}, "
+        f"a training checkpoint step_N/ has manifest.json and config.yaml (or give checkpoint.dir), "
+        f"a Hugging Face checkpoint has {CONFIG_NAME} with model_type in {sorted(SUPPORTED)}")
+
+
+def inspect_export(path: Path, verify: bool = True) -> dict[str, Any]:
+    cfg, manifest, st = open_export(path)  # names, shapes and dtypes checked against config.json
+    with st:
+        report = {"path": str(path), "kind": "export", "config": dataclasses.asdict(cfg),
+                  "param_counts": param_counts(cfg), **_tensor_summary(st, st.names()),
+                  "tied": tied_aliases(cfg), "tokenizer": manifest.get("tokenizer"),
+                  "source": manifest.get("source") or {}}
+    source = report["source"]
+    report["step"] = source.get("step")
+    report["layout"] = source.get("layout")
+    report["checks"] = {"shapes": "ok"}
+    if verify:
+        report["checks"]["sha256"] = f"ok ({len(verify_export(path))} tensors)"
+    return report
+
+
+def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, Any]:
+    """A step directory (or the newest valid one under a checkpoint root)."""
+    step_dir, run_cfg, manifest = training.read_checkpoint(path, check_files=verify)
+    cfg, layout = run_cfg.model, training.layout_of(manifest)
+    report = {"path": str(step_dir), "kind": "training_checkpoint", "step": manifest.get("step"),
+              "layout": layout, "config": dataclasses.asdict(cfg), "param_counts": param_counts(cfg),
+              "files": [{"name": n, "bytes": m["size"]} for n, m in manifest["files"].items()],
+              "checks": {}}
+    if training.holds_full_model(layout):
+        with SafetensorsDir(step_dir) as st:
+            check_tensors({n: st.shape(n) for n in st.names()}, cfg, str(step_dir), st.file_of)
+            summary = _tensor_summary(st, st.names())
+        report.update(num_tensors=summary["num_tensors"], dtypes=summary["dtypes"], tied=tied_aliases(cfg))
+        report["checks"]["shapes"] = "ok"
+    if verify:
+        report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
+    return report
+
+
+def inspect_hf(path: Path) -> dict[str, Any]:
+    """A Llama/Qwen2 directory: the RLT it would import as, and its tensors checked against it."""
+    file = path / CONFIG_NAME
+    hf = read_json(file, "")
+    cfg = hf_model_config(hf, file)
+    with SafetensorsDir(path) as st:
+        check_hf_tensors(st, cfg, hf_names(cfg))
+        report = {"path": str(path), "kind": "hf", "model_type": hf.get("model_type"),
+                  "config": dataclasses.asdict(cfg), "param_counts": param_counts(cfg),
+                  **_tensor_summary(st, st.names()), "checks": {"shapes": "ok"}}
+    return report
+
+
+def inspect_path(path: str | Path, verify: bool = True) -> dict[str, Any]:
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path}: not a directory")
+    kind = detect_kind(path)
+    if kind == "export":
+        return inspect_export(path, verify)
+    if kind == "training_checkpoint":
+        return inspect_training_checkpoint(path, verify)
+    return inspect_hf(path)
+
+
+def _human(n: int) -> str:
+    for unit in ("", "K", "M", "B"):
+        if abs(n) < 1000:
+            return f"{n:.0f}{unit}" if unit == "" else f"{n:.2f}{unit}"
+        n /= 1000
+    return f"{n:.2f}T"
+
+
+def format_report(report: dict[str, Any]) -> str:
+    lines = [f"{report['path']}: {report['kind']}"]
+    if report.get("step") is not None:
+        lines.append(f"step: {report['step']}")
+    if report.get("layout"):
+        lines.append(f"layout: {json.dumps(report['layout'])}")
+    if report.get("source"):
+        lines.append(f"source: {json.dumps(report['source'])}")
+    as_rlt = " (of the RLT it imports as)" if report["kind"] == "hf" else ""
+    lines.append(f"config{as_rlt}:")
+    lines += [f"  {k}: {v}" for k, v in report["config"].items()]
+    lines.append(f"parameters{as_rlt}:")
+    lines += [f"  {k:<15} {v:>14,d}  ({_human(v)})" for k, v in report["param_counts"].items()]
+    if "num_tensors" in report:
+        lines.append(f"tensors: {report['num_tensors']} stored"
+                     + (f", tied: {report['tied']}" if report.get("tied") else ""))
+        lines.append("dtypes: " + ", ".join(f"{k} ({_human(v)} parameters)" for k, v in report["dtypes"].items()))
+    lines.append("files: " + ", ".join(f"{f['name']} ({_human(f['bytes'])}B)" for f in report["files"]))
+    if report.get("tokenizer"):
+        lines.append(f"tokenizer: {report['tokenizer']}")
+    lines.append("checks: " + ", ".join(f"{k} {v}" for k, v in report["checks"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""Tokenizers, datasets (pretraining text, SFT pairs, prompts) and the arithmetic generator."""

@@ -1,0 +1,1 @@
+"""Log-probabilities (dense, replay, hybrid) and losses."""

@@ -1,0 +1,1 @@
+"""Trainers: short loops over named phases that orchestrate data, engine, metrics, checkpoints."""

@@ -1,0 +1,159 @@
+"""The loop shared by pretraining and SFT: steps, logging, evaluation, checkpoints, resume,
+non-finite steps. A trainer provides where micro-batches come from and how loss is counted;
+this module owns the order of things.
+
+Everything that must survive a restart is state_dict-able: the engine (model, optimizer,
+schedule), the batch source (epoch, cursor), ``TrainState`` and every RNG. A run resumed
+from step k continues bit for bit as if it had never stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional, Protocol
+
+import torch
+from tqdm import tqdm
+
+from rlt_mega.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlt_mega.config import Config, save_config
+from rlt_mega.log import get_logger
+from rlt_mega.metrics import Metrics, Timers
+from rlt_mega.parallel.engine import CountFn, LossFn, StepStats, lm_count, lm_loss
+
+log = get_logger(__name__)
+
+
+class TrainingError(RuntimeError):
+    """The run cannot go on (e.g. too many non-finite steps in a row); says where to resume."""
+
+
+class BatchSource(Protocol):
+    def next_micro_batches(self) -> list[dict]: ...
+    def state_dict(self) -> dict: ...
+    def load_state_dict(self, state: dict) -> None: ...
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps taken (skipped ones included)
+    tokens: int = 0  # input tokens consumed
+    nonfinite_total: int = 0
+    nonfinite_in_a_row: int = 0
+    last_checkpoint: Optional[str] = None
+
+
+class Trainer:
+    def __init__(self, cfg: Config, engine, batches: BatchSource, eval_batches: Callable[[], list[dict]],
+                 loss_fn: LossFn = lm_loss, count_fn: CountFn = lm_count, rank: int = 0,
+                 barrier: Callable[[], None] = lambda: None, extra_state: Optional[Callable[[], dict]] = None
+                 ) -> None:
+        self.cfg, self.engine, self.batches, self.eval_batches = cfg, engine, batches, eval_batches
+        self.loss_fn, self.count_fn, self.rank = loss_fn, count_fn, rank
+        self.state = TrainState()
+        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=rank, barrier=barrier)
+        self.metrics = Metrics(cfg.logging.dir, enabled=rank == 0)
+        self.timers = Timers(torch.cuda.synchronize if torch.cuda.is_available() else None)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        def write(tmp: Path) -> None:
+            self.engine.save(tmp)
+            if self.rank == 0:
+                torch.save({"state": asdict(self.state), "data": self.batches.state_dict()},
+                           tmp / "trainer.pt")
+                save_config(self.cfg, tmp / "config.yaml")
+            # every rank's RNG state: the data order is seeded, but a user hook may draw numbers
+            torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
+
+        path = self.ckpt.save(self.state.step, write, meta={"layout": self.engine.layout()})
+        self.state.last_checkpoint = str(path)
+        log.info("saved checkpoint %s", path)
+        return path
+
+    def resume(self) -> None:
+        path = self.ckpt.resolve(self.cfg.train.resume)
+        if path is None:
+            if self.cfg.train.resume == "auto":
+                log.info("train.resume=auto: no checkpoint in %s, starting fresh", self.cfg.checkpoint.dir)
+            return
+        self.engine.load(path)
+        saved = torch.load(path / "trainer.pt", weights_only=False)
+        self.state = TrainState(**saved["state"])
+        self.state.last_checkpoint = str(path)
+        self.batches.load_state_dict(saved["data"])
+        rng_file = path / f"rng_rank{self.rank}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=False))
+        log.info("resumed from %s at step %d", path, self.state.step)
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> dict:
+        cfg = self.cfg.train
+        self.resume()
+        if self.rank == 0:
+            save_config(self.cfg, _mkdir(Path(self.cfg.logging.dir)) / "config.yaml")
+        bar = tqdm(total=cfg.steps, initial=self.state.step, disable=not (self.cfg.logging.progress and self.rank == 0),
+                   desc="train", dynamic_ncols=True)
+        window_tokens, window_start, last = 0, time.perf_counter(), {}
+        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.state.step + cfg.stop_after)
+        while self.state.step < end:
+            with self.timers("data"):
+                micro_batches = self.batches.next_micro_batches()
+            with self.timers("step"):
+                stats = self.engine.train_step(micro_batches, self.loss_fn, self.count_fn)
+            tokens = sum(int(mb["inputs"].numel()) for mb in micro_batches) * self.engine.data_parallel_size()
+            self.state.step += 1
+            self.state.tokens += tokens
+            window_tokens += tokens
+            self._account_nonfinite(stats)
+            bar.update(1)
+            step = self.state.step
+            if step % cfg.log_every == 0 or step == cfg.steps:
+                elapsed = time.perf_counter() - window_start
+                last = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
+                        "train/tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                        "train/tokens": self.state.tokens, "train/nonfinite_skipped": self.state.nonfinite_total,
+                        **self.timers.pop()}
+                self.metrics.log(step, last)
+                bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{last['train/tokens_per_s']:.0f}")
+                window_tokens, window_start = 0, time.perf_counter()
+            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
+                last["eval/loss"] = self.evaluate(step)
+            if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0 and step < end:
+                self.save()
+        bar.close()
+        if self.state.step > 0 and (not self.state.last_checkpoint
+                                    or not self.state.last_checkpoint.endswith(f"{self.state.step:08d}")):
+            self.save()
+        self.metrics.close()
+        return {"step": self.state.step, **last}
+
+    def evaluate(self, step: int) -> float:
+        loss = self.engine.eval_loss(self.eval_batches(), self.loss_fn, self.count_fn)
+        self.metrics.log(step, {"eval/loss": loss})
+        log.info("step %d: eval loss %.4f", step, loss)
+        return loss
+
+    def _account_nonfinite(self, stats: StepStats) -> None:
+        if not stats.skipped:
+            self.state.nonfinite_in_a_row = 0
+            return
+        self.state.nonfinite_total += 1
+        self.state.nonfinite_in_a_row += 1
+        log.warning("step %d: non-finite loss %s or gradient norm %s: step skipped (%d in a row, %d in all)",
+                    self.state.step, stats.loss, stats.grad_norm, self.state.nonfinite_in_a_row,
+                    self.state.nonfinite_total)
+        if self.state.nonfinite_in_a_row > self.cfg.train.max_nonfinite_in_a_row:
+            raise TrainingError(
+                f"{self.state.nonfinite_in_a_row} non-finite steps in a row up to step {self.state.step} "
+                f"(train.max_nonfinite_in_a_row={self.cfg.train.max_nonfinite_in_a_row}); last good checkpoint: "
+                f"{self.state.last_checkpoint or 'none'}. Lower optim.lr or check the data, then resume with "
+                "train.resume=auto")
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
