@@ -72,6 +72,54 @@ def stage_program(stage: int, num_stages: int, num_micro: int, seq_len: int, bac
 
 # Message streams; distinct gloo tags make a mismatch fail loudly instead of swapping tensors.
 TAGS = {"enc": 1, "mem": 2, "dec": 3, "ring": 4, "dec_grad": 5, "ring_grad": 6, "mem_grad": 7, "enc_grad": 8}
+# Shape class of each stream: "seq" (b, T, d) or "step" (b, 1, d).
+SHAPES = {"enc": "seq", "mem": "seq", "mem_grad": "seq", "enc_grad": "seq",
+          "dec": "step", "ring": "step", "dec_grad": "step", "ring_grad": "step"}
+
+
+def op_messages(op: Op, stage: int, num_stages: int, seq_len: int) -> tuple[list, list]:
+    """What an operation receives before it computes and sends after: ([(src, stream)],
+    [(dst, stream)]). A pure function of the op and the layout, shared by the executor and the
+    tests that check every pair's message order."""
+    s, P, T, t = stage, num_stages, seq_len, op.t
+    first, last = s == 0, s == P - 1
+    recvs, sends = [], []
+    if op.kind == "enc_fwd":
+        if not first:
+            recvs.append((s - 1, "enc"))
+        sends += [(s + 1, "enc")] if not last else [(r, "mem") for r in range(P - 1)]
+    elif op.kind == "mem_fwd":
+        if not last:
+            recvs.append((P - 1, "mem"))
+    elif op.kind == "dec_fwd":
+        if not first:
+            recvs.append((s - 1, "dec"))
+        elif t > 0:
+            recvs.append((P - 1, "ring"))
+        if not last:
+            sends.append((s + 1, "dec"))
+        elif t < T - 1:
+            sends.append((0, "ring"))
+    elif op.kind == "dec_bwd":
+        if not last:
+            recvs.append((s + 1, "dec_grad"))
+        elif t < T - 1:
+            recvs.append((0, "ring_grad"))
+        if not first:
+            sends.append((s - 1, "dec_grad"))
+        elif t > 0:
+            sends.append((P - 1, "ring_grad"))
+    elif op.kind == "mem_bwd":
+        if last:  # summed in stage order, so the result does not depend on arrival order
+            recvs += [(r, "mem_grad") for r in range(P - 1)]
+        else:
+            sends.append((P - 1, "mem_grad"))
+    elif op.kind == "enc_bwd":
+        if not last:
+            recvs.append((s + 1, "enc_grad"))
+        if not first:
+            sends.append((s - 1, "enc_grad"))
+    return recvs, sends
 
 
 class P2P:
@@ -111,13 +159,12 @@ class P2P:
 
 
 class RingSchedule:
-    """Runs :func:`stage_program` for one stage: moves tensors between the stage interface and
-    the neighbouring stages."""
+    """Runs :func:`stage_program` for one stage: receives what an op needs, calls the stage
+    interface, sends what it produced (op_messages says what goes where)."""
 
     def __init__(self, stage, p2p: P2P, my_stage: int, num_stages: int) -> None:
         self.stage, self.p2p = stage, p2p
         self.s, self.P = my_stage, num_stages
-        self.first, self.last = 0, num_stages - 1
         self.busy_s = 0.0  # compute time of the last round (bubble measurement)
 
     def run(self, micro_batches: list, loss_scale: float, backward: bool) -> Optional[torch.Tensor]:
@@ -125,78 +172,92 @@ class RingSchedule:
         of token losses on the last stage (None elsewhere)."""
         stage, p2p, s, P = self.stage, self.p2p, self.s, self.P
         M, T = len(micro_batches), micro_batches[0][0].shape[1]
-        dtype = stage.dtype
         stage.start(micro_batches, loss_scale, grad=backward)
+        self.busy_s, p2p.wait_s = 0.0, 0.0
         loss_sum: Optional[torch.Tensor] = None
-        mem_grads: dict[int, torch.Tensor] = {}
-        is_first, is_last = s == self.first, s == self.last
-        self.busy_s = 0.0
-        p2p.wait_s = 0.0
-
-        def recv(j, kind, src, stream):
-            return p2p.recv(stage.activation_shape(j, kind), dtype, src, stream)
-
-        grad_ctx = torch.enable_grad() if backward else torch.no_grad()
-        with grad_ctx:
+        mem_grads: dict[int, torch.Tensor] = {}  # last stage: summed memory gradient per micro-batch
+        with torch.enable_grad() if backward else torch.no_grad():
             for op in stage_program(s, P, M, T, backward):
-                j, t = op.j, op.t
+                recvs, sends = op_messages(op, s, P, T)
+                ins = [p2p.recv(stage.activation_shape(op.j, SHAPES[stream]), stage.dtype, src, stream)
+                       for src, stream in recvs]
+                x = ins[0] if ins else None
+                t0 = time.perf_counter()
                 if op.kind == "enc_fwd":
-                    x = None if is_first else recv(j, "seq", s - 1, "enc")
-                    y = self._timed(stage.enc_fwd, j, x)
-                    if not is_last:
-                        p2p.send(y, s + 1, "enc")
-                    else:  # y is the memory m: to every other stage
-                        for r in range(P - 1):
-                            p2p.send(y, r, "mem")
+                    out = stage.enc_fwd(op.j, x)
                 elif op.kind == "mem_fwd":
-                    m = None if is_last else recv(j, "seq", self.last, "mem")
-                    self._timed(stage.mem_fwd, j, m)
+                    out = stage.mem_fwd(op.j, x)
                 elif op.kind == "dec_fwd":
-                    if not is_first:
-                        x = recv(j, "step", s - 1, "dec")
-                    else:
-                        x = recv(j, "step", self.last, "ring") if t > 0 else None
-                    y = self._timed(stage.dec_fwd, j, t, x)
-                    if not is_last:
-                        p2p.send(y, s + 1, "dec")
-                    elif t < T - 1:
-                        p2p.send(y, self.first, "ring")
+                    out = stage.dec_fwd(op.j, op.t, x)
                 elif op.kind == "loss_fwd":
-                    part = self._timed(stage.loss_fwd, j)
-                    loss_sum = part if loss_sum is None else loss_sum + part
+                    part = stage.loss_fwd(op.j)
+                    out, loss_sum = None, part if loss_sum is None else loss_sum + part
                 elif op.kind == "loss_bwd":
-                    self._timed(stage.loss_bwd, j)
+                    out = stage.loss_bwd(op.j)
                 elif op.kind == "dec_bwd":
-                    if not is_last:
-                        g = recv(j, "step", s + 1, "dec_grad")
-                    else:
-                        g = recv(j, "step", self.first, "ring_grad") if t < T - 1 else None
-                    gx = self._timed(stage.dec_bwd, j, t, g)
-                    if not is_first:
-                        p2p.send(gx, s - 1, "dec_grad")
-                    elif t > 0:
-                        p2p.send(gx, self.last, "ring_grad")
+                    out = stage.dec_bwd(op.j, op.t, x)
                 elif op.kind == "mem_bwd":
-                    gm = self._timed(stage.mem_bwd, j)
-                    if not is_last:
-                        p2p.send(gm, self.last, "mem_grad")
-                    else:  # summed in stage order, so the result does not depend on arrival order
-                        for r in range(P - 1):
-                            gm = gm + recv(j, "seq", r, "mem_grad")
-                        mem_grads[j] = gm
+                    out = stage.mem_bwd(op.j)
+                    if s == P - 1:
+                        mem_grads[op.j] = sum(ins, out)
                 elif op.kind == "enc_bwd":
-                    g = mem_grads.pop(j) if is_last else recv(j, "seq", s + 1, "enc_grad")
-                    gx = self._timed(stage.enc_bwd, j, g)
-                    if not is_first:
-                        p2p.send(gx, s - 1, "enc_grad")
+                    out = stage.enc_bwd(op.j, mem_grads.pop(op.j) if s == P - 1 else x)
                 else:  # pragma: no cover
                     raise AssertionError(f"unknown pipeline op {op}")
+                self.busy_s += time.perf_counter() - t0
+                for dst, stream in sends:
+                    p2p.send(out, dst, stream)
         p2p.drain()
         stage.finish()
         return loss_sum
 
-    def _timed(self, fn, *args):
-        t0 = time.perf_counter()
-        out = fn(*args)
-        self.busy_s += time.perf_counter() - t0
-        return out
+
+def simulate(num_stages: int, num_micro: int, seq_len: int, backward: bool = True,
+             cost=lambda op: 1.0 if op.kind in ("dec_fwd", "dec_bwd") else 0.0) -> dict:
+    """Runs every stage's program on a model clock: an op starts when its stage is free and its
+    messages have arrived (transfers take no time), and lasts ``cost(op)``. Checks that each pair
+    of stages posts sends and receives in the same order (what gloo and NCCL need) and that no
+    stage waits forever. Returns {"makespan", "busy": [per stage], "bubble"} where bubble is the
+    idle fraction of stage time over the whole round."""
+    P, M, T = num_stages, num_micro, seq_len
+    programs = [stage_program(s, P, M, T, backward) for s in range(P)]
+    sent: dict[tuple, list] = defaultdict(list)  # (src, dst) -> [(stream, j, t, arrival time)]
+    posted_recv: dict[tuple, list] = defaultdict(list)
+    pc, clock, busy = [0] * P, [0.0] * P, [0.0] * P
+    taken: dict[tuple, int] = defaultdict(int)
+    progress = True
+    while progress:
+        progress = False
+        for s in range(P):
+            while pc[s] < len(programs[s]):
+                op = programs[s][pc[s]]
+                recvs, sends = op_messages(op, s, P, T)
+                ready = all(taken[(src, s)] < len(sent[(src, s)]) or src == s for src, _ in recvs)
+                if not ready:
+                    break
+                start = clock[s]
+                for src, stream in recvs:
+                    if src == s:  # a stage's ring to itself (P == 1)
+                        continue
+                    msg = sent[(src, s)][taken[(src, s)]]
+                    taken[(src, s)] += 1
+                    t_sent = op.t + {"ring": -1, "ring_grad": 1}.get(stream, 0)
+                    if msg[:3] != (stream, op.j, t_sent):
+                        raise AssertionError(f"stage {s} op {op} expects {stream} of ({op.j}, {t_sent}) from stage "
+                                             f"{src}, the next message of that pair is {msg[:3]}")
+                    posted_recv[(src, s)].append(stream)
+                    start = max(start, msg[3])
+                clock[s] = start + cost(op)
+                busy[s] += cost(op)
+                for dst, stream in sends:
+                    if dst != s:
+                        sent[(s, dst)].append((stream, op.j, op.t, clock[s]))
+                pc[s] += 1
+                progress = True
+    if any(pc[s] < len(programs[s]) for s in range(P)):
+        raise AssertionError(f"deadlock: stages stopped at ops {[programs[s][pc[s]] if pc[s] < len(programs[s]) else None for s in range(P)]}")
+    for pair, msgs in sent.items():
+        if [m[0] for m in msgs] != posted_recv[pair]:
+            raise AssertionError(f"pair {pair}: sends {[m[0] for m in msgs]} vs receives {posted_recv[pair]}")
+    makespan = max(clock)
+    return {"makespan": makespan, "busy": busy, "bubble": 1.0 - sum(busy) / (P * makespan) if makespan else 0.0}

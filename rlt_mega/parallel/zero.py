@@ -35,12 +35,17 @@ log = get_logger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """AdamW groups: weight decay on matrices (projections, embeddings), none on vectors
-    (norm weights, biases, null_memory, z_init)."""
+    """The local engine's AdamW groups (engine.param_groups: decay on matrices, none on norms,
+    biases, embeddings, null_memory, z_init), with one addition: on the last pipeline stage a
+    tied ``lm_head.weight`` is the embedding's copy and must be treated like it, or the two
+    copies would drift apart."""
+    tied = getattr(model.cfg, "tie_embeddings", False)
     decay, no_decay = [], []
-    for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.dim() >= 2 else no_decay).append(p)
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = "embed" in name or (tied and name == "lm_head.weight")
+        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -131,21 +136,27 @@ class ZeroStepper:
         for group in self.engine.optimizer.param_groups:
             group["lr"] = lr
 
-    def step(self, lr: Optional[float]) -> float:
-        """Runs engine.step() at the accumulation boundary; returns the global gradient norm
-        (before clipping)."""
+    def step(self, lr: Optional[float], skip: bool = False) -> tuple[float, bool]:
+        """engine.step() at the accumulation boundary -> (global gradient norm before clipping,
+        whether the update was applied). ``skip``: the step's loss was not finite. DeepSpeed's
+        ZeRO and bf16 optimizers skip a step whose gradient norm is not finite by themselves;
+        on the plain fp32 path we drop the gradients and let the step run empty (AdamW leaves
+        parameters without gradients untouched), which keeps DeepSpeed's micro-step count."""
         if lr is not None:
             self.set_lr(lr)
-        norm = None
         if self.plain_fp32:
             from deepspeed.runtime.utils import clip_grad_norm_
 
             params = [p for p in self.engine.module.parameters() if p.grad is not None]
             max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf
             norm = float(clip_grad_norm_(params, max_norm, mpu=self.dims.mpu()))
+            if skip or not math.isfinite(norm):
+                self.engine.zero_grad()
+                self.engine.step()
+                return norm, False
+            self.engine.step()
+            return norm, True
         self.engine.step()
-        if norm is None:
-            norm = self.engine.get_global_grad_norm()
-            norm = float(norm) if norm is not None else float("nan")
-        return norm
-
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return norm, bool(self.engine.was_step_applied()) and not skip

@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from rlt_mega.config import Config, ConfigError, from_dict
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.parallel.engine import build_engine
+from rlt_mega.parallel.distributed import build_engine
+from rlt_mega.parallel.engine import param_groups
 from rlt_mega.parallel.gather import gather_full
-from rlt_mega.parallel.zero import param_groups
 
 TINY = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, memory_block=2,
             max_seq_len=16)
@@ -48,7 +48,7 @@ def local_batches(cfg: Config, step: int, dims: ParallelDims) -> list:
     per_rank = cfg.train.grad_accum * cfg.train.micro_batch_size
     x, y = x[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank], y[dims.dp_rank * per_rank:(dims.dp_rank + 1) * per_rank]
     mbs = cfg.train.micro_batch_size
-    return [(x[i:i + mbs], y[i:i + mbs]) for i in range(0, per_rank, mbs)]
+    return [{"inputs": x[i:i + mbs], "targets": y[i:i + mbs]} for i in range(0, per_rank, mbs)]
 
 
 class Reference:
@@ -136,11 +136,11 @@ def gradients_vs_reference(model=None, parallel=None, train=None, with_logits=Fa
     ref_loss = ref.backward(x, y)
     out = {}
     if with_logits:
-        mine = local_batches(cfg, 0, dims)[0][0]
+        mine = local_batches(cfg, 0, dims)[0]["inputs"]
         with torch.no_grad():
             ref_logits = ref.model(mine)
         out["logits_diff"] = float((engine.logits(mine) - ref_logits).abs().max())
-    loss, tokens = engine.backward_step(local_batches(cfg, 0, dims))
+    loss, tokens, _ = engine.backward_step(local_batches(cfg, 0, dims))
     full = gather_full(engine.gradients(), dims)
     out["grad_diff"], out["grad_worst"] = max_diff(full, ref.grads())
     out["loss"], out["ref_loss"], out["tokens"] = loss, ref_loss, tokens
@@ -157,15 +157,15 @@ def steps_vs_reference(model=None, parallel=None, train=None, optim=None, steps=
     cfg = make_cfg(model, parallel, train, optim)
     dims, engine = _engine(cfg)
     ref = Reference(cfg)
-    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": []}
+    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "lr": []}
     for step in range(steps):
-        lr = cfg.optim.lr * (1.0 - 0.1 * step)  # a changing lr checks that it reaches the optimizer
-        m = engine.train_step(local_batches(cfg, step, dims), lr)
+        m = engine.train_step(local_batches(cfg, step, dims))
         x, y = global_batch(cfg, step, dims.dp)
         out["ref_loss"].append(ref.backward(x, y))
-        out["ref_norm"].append(ref.step(lr))
-        out["loss"].append(m["loss"])
-        out["norm"].append(m["grad_norm"])
+        out["ref_norm"].append(ref.step(m.lr))
+        out["lr"].append(m.lr)
+        out["loss"].append(m.loss)
+        out["norm"].append(m.grad_norm)
     full = gather_full(engine.parameters_fp32(), dims)
     out["param_diff"], out["param_worst"] = max_diff(full, ref.params())
     moved, _ = max_diff(ref.params(), Reference(cfg).params())
@@ -179,7 +179,7 @@ def loss_falls(model=None, parallel=None, train=None, optim=None, steps=8) -> di
     cfg = make_cfg(model, parallel, {"dtype": "bf16", **(train or {})}, optim)
     dims, engine = _engine(cfg)
     batch = local_batches(cfg, 0, dims)
-    losses = [engine.train_step(batch, cfg.optim.lr)["loss"] for _ in range(steps)]
+    losses = [engine.train_step(batch).loss for _ in range(steps)]
     dtype = str(next(engine.module.parameters()).dtype)
     _close(dims, engine)
     return {"losses": losses, "dtype": dtype}
@@ -190,27 +190,32 @@ def resume(model=None, parallel=None, train=None, optim=None, phase="save", ckpt
     """phase "save": train steps_before, save, train steps_after, store the parameters.
     phase "load": a fresh process loads the checkpoint and trains steps_after; the parameters
     must equal those stored by the uninterrupted run (torch.equal, per rank)."""
+    import torch.distributed as dist
+
     cfg = make_cfg(model, parallel, train, optim)
     dims, engine = _engine(cfg)
     ckpt = Path(ckpt)
-    lr = cfg.optim.lr
+    directory = ckpt / "engine"
     if phase == "save":
         for step in range(steps_before):
-            engine.train_step(local_batches(cfg, step, dims), lr)
-        engine.save(ckpt / "engine", client_state={"step": steps_before})
-        start = steps_before
+            engine.train_step(local_batches(cfg, step, dims))
+        if dims.rank == 0:
+            directory.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        engine.save(directory)
     else:
-        start = engine.load(ckpt / "engine")["step"]
+        engine.load(directory)
+    start = engine.state_dict()["steps_taken"]
     for step in range(start, start + steps_after):
-        engine.train_step(local_batches(cfg, step, dims), lr * 0.5)
+        engine.train_step(local_batches(cfg, step, dims))
     mine = {k: v.cpu() for k, v in engine.parameters_fp32().items()}
     ref_file = ckpt / f"uninterrupted_rank{dims.rank}.pt"
-    out = {"files": sorted(os.listdir(ckpt / "engine" / "state")) if dims.rank == 0 else []}
+    out = {"start": start, "files": sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())}
     if phase == "save":
         torch.save(mine, ref_file)
     else:
         ref = torch.load(ref_file)
-        out["equal"] = all(torch.equal(mine[k], ref[k]) for k in ref) and set(mine) == set(ref)
+        out["equal"] = set(mine) == set(ref) and all(torch.equal(mine[k], ref[k]) for k in ref)
         out["max_diff"] = max(float((mine[k] - ref[k]).abs().max()) for k in ref)
     _close(dims, engine)
     return out
