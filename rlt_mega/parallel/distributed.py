@@ -27,9 +27,12 @@ state, fp32 gradient accumulation (the local engine uses autocast over fp32 para
 
 from __future__ import annotations
 
+import logging
 import math
+import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -51,6 +54,30 @@ from rlt_mega.parallel.zero import ZeroStepper, init_deepspeed, mark_for_grad_no
 log = get_logger(__name__)
 
 DS_TAG = "deepspeed"  # sub-directory of a checkpoint with DeepSpeed's per-rank files
+
+
+def requested(cfg: Config) -> bool:
+    """A run needs the distributed engine when a launcher started several processes or the
+    config asks for tensor/pipeline parallelism or ZeRO."""
+    p = cfg.parallel
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or p.tp > 1 or p.pp > 1 or p.zero_stage > 0
+
+
+@contextmanager
+def launch(cfg: Config) -> Iterator[Optional[ParallelDims]]:
+    """The layout of a run (None when one process suffices): validated before any process group
+    exists, so a layout that does not fit fails on every rank at once; the process groups are
+    released when the run ends."""
+    if not requested(cfg):
+        yield None
+        return
+    dims = ParallelDims.build(cfg.parallel, cfg.model, cfg.train.device, cfg.train.micro_batch_size)
+    try:
+        yield dims
+    finally:
+        dims.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def build_engine(cfg: Config, dims: ParallelDims, model_fn: Optional[Callable[[], RLT]] = None
@@ -102,12 +129,10 @@ class DistributedEngine:
         return self.dims.dp
 
     def _split(self, mb: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        inputs, targets = mb["inputs"], mb["targets"]
-        if inputs.shape[0] % self.M != 0:
-            raise ConfigError(f"a micro-batch of {inputs.shape[0]} rows cannot be split into parallel.micro_batches="
-                              f"{self.M} pipeline micro-batches: make train.micro_batch_size a multiple of {self.M}")
+        """A micro-batch -> parallel.micro_batches pipeline micro-batches (fewer when it has fewer
+        rows, e.g. the last eval batch; training sizes are checked at start-up)."""
         dev = self.dims.device
-        return [(x.to(dev), y.to(dev)) for x, y in zip(inputs.chunk(self.M), targets.chunk(self.M))]
+        return [(x.to(dev), y.to(dev)) for x, y in zip(mb["inputs"].chunk(self.M), mb["targets"].chunk(self.M))]
 
     def _check_loss_fn(self, loss_fn: LossFn) -> bool:
         """True: the built-in token loss (TP/PP aware). A custom loss_fn(model, mb) needs the

@@ -21,7 +21,9 @@ tp x pp group. What we adjust, and why:
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from typing import Optional
 
 import torch
@@ -112,8 +114,11 @@ def deepspeed_config(optim: OptimConfig, zero_stage: int, bf16: bool, micro_batc
 def init_deepspeed(model: nn.Module, dims: ParallelDims, optim: OptimConfig, zero_stage: int, bf16: bool,
                    micro_batch_size: int, grad_accum_steps: int):
     """Wraps ``model`` in a DeepSpeed engine with a torch AdamW; returns the engine."""
+    if dims.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probing (and its warning) per rank
     import deepspeed
 
+    deepspeed.utils.logger.setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # its INFO lines are per rank
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # before init_distributed
     deepspeed.init_distributed(dist_backend=dims.backend)
     if bf16 and dims.device.type == "cpu" and zero_stage == 0:
