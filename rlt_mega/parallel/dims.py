@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from rlt_mega.config import ConfigError, ModelConfig, ParallelConfig
+from rlt_mega.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from rlt_mega.log import get_logger
 
 log = get_logger(__name__)
@@ -60,8 +60,29 @@ def split_layers(num_layers: int, num_stages: int, pp_split: Optional[list] = No
     return ranges
 
 
+def micro_batch_plan(micro_batch_size: int, grad_accum: int, num_micro: int) -> tuple[int, int]:
+    """How a step's ``grad_accum`` micro-batches of ``micro_batch_size`` rows become rounds of
+    ``num_micro`` (M) pipeline micro-batches in flight -> (pieces per micro-batch, rounds).
+
+    M <= grad_accum: each micro-batch is one pipeline micro-batch, grad_accum / M rounds (the
+    Megatron way: mbs=1, grad_accum=8, M=8 is one round of 8). M > grad_accum: one round, each
+    micro-batch cut into M / grad_accum pieces."""
+    M = num_micro
+    if M <= grad_accum:
+        if grad_accum % M:
+            raise ConfigError(f"train.grad_accum={grad_accum} is not a multiple of parallel.micro_batches={M}: the "
+                              f"step's micro-batches run in rounds of {M}; choose grad_accum as a multiple of {M}")
+        return 1, grad_accum // M
+    pieces = M // grad_accum
+    if M % grad_accum or micro_batch_size % pieces:
+        raise ConfigError(f"parallel.micro_batches={M} cannot be formed from train.grad_accum={grad_accum} "
+                          f"micro-batches of train.micro_batch_size={micro_batch_size} rows: with M > grad_accum, "
+                          "M must be a multiple of grad_accum and M / grad_accum must divide micro_batch_size")
+    return pieces, 1
+
+
 def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int,
-                   micro_batch_size: Optional[int] = None) -> tuple[int, int, int]:
+                   train: Optional[TrainConfig] = None) -> tuple[int, int, int]:
     """Checks the layout against the world size and the model; returns (tp, pp, dp).
 
     Pure arithmetic on the configuration: it runs (and fails identically) on every rank before
@@ -94,9 +115,8 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
                           "inside forward with collectives over all ranks and deadlocks across pipeline stages "
                           "(DeepSpeed's own pipeline engine refuses it too). Use zero_stage 1 or 2 with pipeline "
                           "parallelism, or pp=1 with ZeRO-3")
-    if micro_batch_size is not None and micro_batch_size % parallel.micro_batches != 0:
-        raise ConfigError(f"train.micro_batch_size={micro_batch_size} is not divisible by parallel.micro_batches="
-                          f"{parallel.micro_batches}: each micro-batch is split into that many pipeline micro-batches")
+    if train is not None:
+        micro_batch_plan(train.micro_batch_size, train.grad_accum, parallel.micro_batches)
     return tp, pp, dp
 
 
@@ -160,10 +180,10 @@ class ParallelDims:
     # ------------------------------------------------------------------ construction
     @classmethod
     def build(cls, parallel: ParallelConfig, model: ModelConfig, device: str = "auto",
-              micro_batch_size: Optional[int] = None) -> "ParallelDims":
+              train: Optional[TrainConfig] = None) -> "ParallelDims":
         """Validates the layout (before any collective), initialises torch.distributed if needed
         and creates every process group."""
-        tp, pp, dp = resolve_layout(parallel, model, _env_world_size(), micro_batch_size)
+        tp, pp, dp = resolve_layout(parallel, model, _env_world_size(), train)
         backend, dev = init_distributed(parallel.backend, device)
         from megatron.core import parallel_state as ps
 

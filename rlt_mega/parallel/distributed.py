@@ -1,15 +1,15 @@
 """The distributed engine: tensor parallel + decoder-ring pipeline + ZeRO, behind the interface
 of the local engine (engine.py), so the trainers drive either::
 
-    dims = ParallelDims.build(cfg.parallel, cfg.model, cfg.train.device, cfg.train.micro_batch_size)
+    dims = ParallelDims.build(cfg.parallel, cfg.model, cfg.train.device, cfg.train)
     engine = build_engine(cfg, dims)
     engine.train_step(micro_batches) -> StepStats;  engine.eval_loss(micro_batches) -> float
     engine.save(dir) / engine.load(dir);  engine.layout();  engine.data_parallel_size()
 
 ``micro_batches`` is this data-parallel rank's share of one optimizer step: ``train.grad_accum``
 dicts ``{"inputs": (b, T), "targets": (b, T)}`` (targets -100 where there is none); every rank
-of a data-parallel replica (its TP and PP ranks) passes the same ones. Each is split into
-``parallel.micro_batches`` pipeline micro-batches.
+of a data-parallel replica (its TP and PP ranks) passes the same ones. They run in rounds of
+``parallel.micro_batches`` pipeline micro-batches in flight (dims.micro_batch_plan).
 
 Two paths:
 * ``pp == 1``: the dense schedule (``model.forward``), one DeepSpeed forward/backward per
@@ -42,7 +42,7 @@ from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.config import Config, ConfigError
 from rlt_mega.log import get_logger
 from rlt_mega.model.rlt import RLT, build_model
-from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.engine import CountFn, LossFn, StepStats, check_layout, lm_count, lm_loss, lr_lambda
 from rlt_mega.parallel.gather import gather_tp
 from rlt_mega.parallel.grads import ShadowGrads, deposit_grads
@@ -71,7 +71,7 @@ def launch(cfg: Config) -> Iterator[Optional[ParallelDims]]:
     if not requested(cfg):
         yield None
         return
-    dims = ParallelDims.build(cfg.parallel, cfg.model, cfg.train.device, cfg.train.micro_batch_size)
+    dims = ParallelDims.build(cfg.parallel, cfg.model, cfg.train.device, cfg.train)
     try:
         yield dims
     finally:
@@ -102,11 +102,12 @@ class DistributedEngine:
         model.to(dims.device)
         model.set_checkpointing(cfg.train.checkpointing)
         mark_for_grad_norm(model, dims)
-        mbs = cfg.train.micro_batch_size
+        mbs, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
+        self.pieces, _ = micro_batch_plan(mbs, accum, self.M)
         if dims.pp > 1:  # one DeepSpeed backward per step (grads.py)
-            ds_micro, self.ds_accum = mbs * cfg.train.grad_accum, 1
+            ds_micro, self.ds_accum = mbs * accum, 1
         else:  # one DeepSpeed backward per pipeline micro-batch
-            ds_micro, self.ds_accum = mbs // self.M, cfg.train.grad_accum * self.M
+            ds_micro, self.ds_accum = mbs // self.pieces, accum * self.pieces
         self.engine = init_deepspeed(model, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16, ds_micro,
                                      self.ds_accum)
         self.stepper = ZeroStepper(self.engine, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16)
@@ -128,11 +129,17 @@ class DistributedEngine:
     def data_parallel_size(self) -> int:
         return self.dims.dp
 
-    def _split(self, mb: dict) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """A micro-batch -> parallel.micro_batches pipeline micro-batches (fewer when it has fewer
-        rows, e.g. the last eval batch; training sizes are checked at start-up)."""
+    def _pieces(self, micro_batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's micro-batches as pipeline micro-batches (dims.micro_batch_plan): each cut
+        into ``pieces`` row blocks (fewer when it has fewer rows, e.g. the last eval batch)."""
         dev = self.dims.device
-        return [(x.to(dev), y.to(dev)) for x, y in zip(mb["inputs"].chunk(self.M), mb["targets"].chunk(self.M))]
+        return [(x.to(dev), y.to(dev)) for mb in micro_batches
+                for x, y in zip(mb["inputs"].chunk(self.pieces), mb["targets"].chunk(self.pieces))]
+
+    def _rounds(self, micro_batches: list[dict]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Pipeline micro-batches grouped into rounds of parallel.micro_batches in flight."""
+        pieces = self._pieces(micro_batches)
+        return [pieces[i:i + self.M] for i in range(0, len(pieces), self.M)]
 
     def _check_loss_fn(self, loss_fn: LossFn) -> bool:
         """True: the built-in token loss (TP/PP aware). A custom loss_fn(model, mb) needs the
@@ -154,7 +161,7 @@ class DistributedEngine:
     def _global_loss(self, loss_sum: Optional[torch.Tensor], count: float) -> float:
         """Sum of token losses (known on the last stage) -> the global mean, on every rank."""
         total = torch.zeros((), dtype=torch.float64, device=self.dims.device)
-        if loss_sum is not None and (self.dims.pp == 1 or self.dims.is_last_stage):
+        if torch.is_tensor(loss_sum) and (self.dims.pp == 1 or self.dims.is_last_stage):
             total += loss_sum.to(torch.float64)
         dist.all_reduce(total, group=self.dims.dp_group)
         if self.dims.pp > 1:
@@ -183,7 +190,7 @@ class DistributedEngine:
         scale = self.dims.dp / max(count, 1.0)  # per-token weight; DeepSpeed averages over dp
         loss_sum = None
         if self.dims.pp == 1:
-            chunks = [c for mb in micro_batches for c in self._split(mb)]
+            chunks = self._pieces(micro_batches)
             if len(chunks) != self.ds_accum:
                 raise ValueError(f"train_step got {len(micro_batches)} micro-batches; the engine was built for "
                                  f"train.grad_accum={self.cfg.train.grad_accum}")
@@ -197,8 +204,8 @@ class DistributedEngine:
             return loss, count, math.isfinite(loss)
         shadows = ShadowGrads(self.module)
         with shadows.active():
-            for mb in micro_batches:
-                part = self.ring.run(self._split(mb), scale, backward=True)
+            for round_ in self._rounds(micro_batches):
+                part = self.ring.run(round_, scale, backward=True)
                 if part is not None:
                     loss_sum = part if loss_sum is None else loss_sum + part
         loss = self._global_loss(loss_sum, count)
@@ -229,13 +236,13 @@ class DistributedEngine:
         builtin = self._check_loss_fn(loss_fn)
         count = self._global_count(micro_batches, count_fn)
         loss_sum = None
-        for mb in micro_batches:
-            if self.dims.pp == 1:
-                part = sum(self._dense_loss(x, y, builtin, loss_fn) for x, y in self._split(mb))
-            else:
-                part = self.ring.run(self._split(mb), 1.0, backward=False)
-            if part is not None:
-                loss_sum = part if loss_sum is None else loss_sum + part
+        if self.dims.pp == 1:
+            loss_sum = sum(self._dense_loss(x, y, builtin, loss_fn) for x, y in self._pieces(micro_batches))
+        else:
+            for round_ in self._rounds(micro_batches):
+                part = self.ring.run(round_, 1.0, backward=False)
+                if part is not None:
+                    loss_sum = part if loss_sum is None else loss_sum + part
         return self._global_loss(loss_sum, count)
 
     @torch.no_grad()

@@ -213,9 +213,9 @@ class RingSchedule:
 
 
 def simulate(num_stages: int, num_micro: int, seq_len: int, backward: bool = True,
-             cost=lambda op: 1.0 if op.kind in ("dec_fwd", "dec_bwd") else 0.0) -> dict:
+             cost=lambda op: 1.0 if op.kind in ("dec_fwd", "dec_bwd") else 0.0, latency: float = 0.0) -> dict:
     """Runs every stage's program on a model clock: an op starts when its stage is free and its
-    messages have arrived (transfers take no time), and lasts ``cost(op)``. Checks that each pair
+    messages have arrived (a transfer takes ``latency``), and lasts ``cost(op)``. Checks that each pair
     of stages posts sends and receives in the same order (what gloo and NCCL need) and that no
     stage waits forever. Returns {"makespan", "busy": [per stage], "bubble"} where bubble is the
     idle fraction of stage time over the whole round."""
@@ -251,7 +251,7 @@ def simulate(num_stages: int, num_micro: int, seq_len: int, backward: bool = Tru
                 busy[s] += cost(op)
                 for dst, stream in sends:
                     if dst != s:
-                        sent[(s, dst)].append((stream, op.j, op.t, clock[s]))
+                        sent[(s, dst)].append((stream, op.j, op.t, clock[s] + latency))
                 pc[s] += 1
                 progress = True
     if any(pc[s] < len(programs[s]) for s in range(P)):

@@ -103,7 +103,7 @@ _ENGINES = []
 
 
 def _engine(cfg: Config):
-    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", cfg.train.micro_batch_size)
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", cfg.train)
     engine = build_engine(cfg, dims)
     _ENGINES.append(engine)
     return dims, engine
@@ -225,7 +225,7 @@ def bad_layout(model=None, parallel=None, train=None) -> dict:
     """A layout that does not fit must raise a ConfigError before any collective."""
     try:
         cfg = make_cfg(model, parallel, train)
-        ParallelDims.build(cfg.parallel, cfg.model, "cpu", cfg.train.micro_batch_size)
+        ParallelDims.build(cfg.parallel, cfg.model, "cpu", cfg.train)
     except ConfigError as exc:
         return {"raised": True, "message": str(exc)}
     return {"raised": False, "message": ""}

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, ParallelConfig
+from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, ParallelConfig, TrainConfig
 from rlt_mega.model.rlt import build_model
-from rlt_mega.parallel.dims import resolve_layout, split_layers
+from rlt_mega.parallel.dims import micro_batch_plan, resolve_layout, split_layers
 from rlt_mega.parallel.engine import param_groups as local_param_groups
 from rlt_mega.parallel.grads import ShadowGrads
 from rlt_mega.parallel.pipeline import P2P, RingSchedule, simulate, stage_program
@@ -118,9 +118,18 @@ def test_bad_layouts_are_rejected_before_any_process_group(parallel, model, worl
         resolve_layout(ParallelConfig(**parallel), m, world)
 
 
-def test_micro_batches_must_divide_the_micro_batch_size():
-    with pytest.raises(ConfigError, match="not divisible by parallel.micro_batches=3"):
-        resolve_layout(ParallelConfig(pp=2, micro_batches=3), ModelConfig(n_layers=2), 2, micro_batch_size=4)
+def test_micro_batch_plan():
+    assert micro_batch_plan(1, 8, 8) == (1, 1)  # the cluster config: one round of 8
+    assert micro_batch_plan(4, 4, 2) == (1, 2)  # two rounds of 2 micro-batches
+    assert micro_batch_plan(4, 1, 4) == (4, 1)  # one micro-batch cut into 4
+    assert micro_batch_plan(4, 2, 4) == (2, 1)
+    with pytest.raises(ConfigError, match="not a multiple of parallel.micro_batches=3"):
+        micro_batch_plan(4, 4, 3)
+    with pytest.raises(ConfigError, match="cannot be formed"):
+        micro_batch_plan(3, 1, 2)
+    with pytest.raises(ConfigError, match="cannot be formed"):
+        resolve_layout(ParallelConfig(pp=2, micro_batches=3), ModelConfig(n_layers=2), 2,
+                       TrainConfig(micro_batch_size=4))
 
 
 @pytest.mark.parametrize("tie", [False, True])

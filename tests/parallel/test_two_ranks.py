@@ -9,13 +9,18 @@ from tests.parallel.launch import result, run_ranks
 TP2 = [("gradients_vs_reference", {"parallel": {"tp": 2}, "with_logits": True}),
        ("gradients_vs_reference", {"model": {"qkv_bias": True, "tie_embeddings": True, "share_weights": False},
                                    "parallel": {"tp": 2}, "with_logits": True})]
-PP2 = [("gradients_vs_reference", {"parallel": {"pp": 2, "micro_batches": m}}) for m in (1, 2, 4)]
+PP2 = [("gradients_vs_reference", {"parallel": {"pp": 2, "micro_batches": m}}) for m in (1, 2, 4)] + \
+      [("gradients_vs_reference", {"parallel": {"pp": 2, "micro_batches": 2},  # two rounds of two
+                                   "train": {"grad_accum": 4, "micro_batch_size": 2}})]
 PP2_VARIANTS = [("gradients_vs_reference", {"model": {"tie_embeddings": True, "memory_block": 3},
                                             "parallel": {"pp": 2, "micro_batches": 2},
                                             "train": {"checkpointing": {"decoder": "step", "encoder": True}}})]
 ZERO = [("steps_vs_reference", {"parallel": {"zero_stage": z}, "optim": {"lr": 1e-3, "grad_clip": 0.5}})
-        for z in (0, 1, 2, 3)]
-BF16 = [("loss_falls", {"parallel": {"zero_stage": 2}}),
+        for z in (0, 1, 2, 3)] + \
+       [("steps_vs_reference", {"parallel": {"zero_stage": 2, "micro_batches": 2},  # DeepSpeed accumulates 2
+                                "optim": {"lr": 1e-3, "grad_clip": 0.5}, "train": {"grad_accum": 2}})]
+BF16 = [("loss_falls", {"parallel": {"tp": 2, "zero_stage": 0}}),
+        ("loss_falls", {"parallel": {"zero_stage": 2}}),
         ("loss_falls", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2}}),
         ("loss_falls", {"parallel": {"zero_stage": 3}})]
 BAD = [("bad_layout", {"parallel": {"tp": 3}}),
