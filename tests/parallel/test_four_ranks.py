@@ -12,7 +12,9 @@ PP4 = [("gradients_vs_reference", {"model": L4, "parallel": {"pp": 4, "micro_bat
 TP2PP2 = [("gradients_vs_reference", {"model": {"tie_embeddings": True, "qkv_bias": True},
                                       "parallel": {"tp": 2, "pp": 2, "micro_batches": 2}}),
           ("steps_vs_reference", {"parallel": {"tp": 2, "pp": 2, "micro_batches": 2},
-                                  "optim": {"lr": 1e-3, "grad_clip": 0.5}})]
+                                  "optim": {"lr": 1e-3, "grad_clip": 0.5}}),
+          ("steps_vs_reference", {"parallel": {"tp": 2, "pp": 2, "micro_batches": 2, "zero_stage": 2},
+                                  "model": {"tie_embeddings": True}, "optim": {"lr": 1e-3, "grad_clip": 0.5}})]
 PP2DP2 = [("gradients_vs_reference", {"model": L4, "parallel": {"pp": 2, "pp_split": [3, 1], "micro_batches": 2}})] + \
          [("steps_vs_reference", {"parallel": {"pp": 2, "zero_stage": z, "micro_batches": 2},
                                   "optim": {"lr": 1e-3, "grad_clip": 0.5}, "train": {"grad_accum": 2}})
