@@ -22,9 +22,12 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        x32 = x.float() if dtype in (torch.float16, torch.bfloat16) else x
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        if dtype in (torch.float16, torch.bfloat16):
+            x = x.float()
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+            return self.weight * x.to(dtype)
+        # fp32/fp64: the fused kernel (same values as the formula above, fewer dispatches)
+        return F.rms_norm(x, self.weight.shape, self.weight.to(dtype), self.eps)
 
 
 class Rotary(nn.Module):
@@ -39,17 +42,20 @@ class Rotary(nn.Module):
     def __init__(self, head_dim: int, max_seq_len: int, theta: float) -> None:
         super().__init__()
         self.head_dim, self.max_seq_len, self.theta = head_dim, max_seq_len, theta
-        self._tables: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin), each (max_seq_len, Dh) float64 on ``device``."""
-        if device not in self._tables:
+    def tables(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (max_seq_len, Dh), computed in float64 and rounded once to ``dtype``
+        (float32 for low-precision inputs, as HF does; the product is then taken in x's dtype)."""
+        key = (device, dtype)
+        if key not in self._tables:
             inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float64, device=device)
                                              / self.head_dim))
             t = torch.arange(self.max_seq_len, dtype=torch.float64, device=device)
             emb = torch.outer(t, inv_freq).repeat(1, 2)
-            self._tables[device] = (emb.cos(), emb.sin())
-        return self._tables[device]
+            table_dtype = dtype if dtype == torch.float64 else torch.float32
+            self._tables[key] = (emb.cos().to(table_dtype).to(dtype), emb.sin().to(table_dtype).to(dtype))
+        return self._tables[key]
 
     def forward(self, x: torch.Tensor, start: int) -> torch.Tensor:
         """x: (B, h, T, Dh) at positions start .. start + T - 1."""
@@ -57,11 +63,8 @@ class Rotary(nn.Module):
         if start + T > self.max_seq_len:
             raise ValueError(f"position {start + T - 1} is past model.max_seq_len={self.max_seq_len}: "
                              "raise model.max_seq_len")
-        cos, sin = self.tables(x.device)
-        # fp32 tables for low-precision inputs (as HF does), then the product in x's dtype.
-        table_dtype = x.dtype if x.dtype == torch.float64 else torch.float32
-        cos = cos[start:start + T].to(table_dtype).to(x.dtype)
-        sin = sin[start:start + T].to(table_dtype).to(x.dtype)
+        cos, sin = self.tables(x.device, x.dtype)
+        cos, sin = cos[start:start + T], sin[start:start + T]
         half = x.shape[-1] // 2
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
