@@ -203,14 +203,27 @@ def resume(model=None, parallel=None, train=None, optim=None, phase="save", ckpt
             directory.mkdir(parents=True, exist_ok=True)
         dist.barrier()
         engine.save(directory)
+        # The consolidated single-device weights equal the gathered shards (fp32 masters).
+        full = gather_full(engine.parameters_fp32(), dims)
+        if dims.rank == 0:
+            from safetensors.torch import load_file
+
+            saved = load_file(directory / "model.safetensors")
+            consolidated = {k: v for k, v in saved.items()}
+            out_consolidated = all(torch.equal(consolidated[k], full[k]) for k in consolidated if k in full) and \
+                set(full) <= set(consolidated) | {"lm_head.weight"}
+        else:
+            out_consolidated = True
     else:
+        out_consolidated = True
         engine.load(directory)
     start = engine.state_dict()["steps_taken"]
     for step in range(start, start + steps_after):
         engine.train_step(local_batches(cfg, step, dims))
     mine = {k: v.cpu() for k, v in engine.parameters_fp32().items()}
     ref_file = ckpt / f"uninterrupted_rank{dims.rank}.pt"
-    out = {"start": start, "files": sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())}
+    out = {"start": start, "consolidated": out_consolidated,
+           "files": sorted(str(p.relative_to(directory)) for p in directory.rglob("*") if p.is_file())}
     if phase == "save":
         torch.save(mine, ref_file)
     else:

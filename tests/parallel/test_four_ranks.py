@@ -72,6 +72,7 @@ def test_optimizer_steps_equal_one_process(results, name, args):
 def test_resume_on_the_same_layout_is_exact(results, resumed, ckpt_root, i, layout):
     saved = result(results, "resume", resume_args(i, layout, "save", ckpt_root), 0)
     assert "model.safetensors" in saved["files"] and "engine.pt" in saved["files"]
+    assert saved["consolidated"]  # model.safetensors holds exactly the gathered fp32 weights
     assert any(f.startswith("deepspeed/") and "optim_states" in f for f in saved["files"]) == \
         (layout["zero_stage"] > 0)
     for rank in range(4):
