@@ -242,3 +242,20 @@ def bad_layout(model=None, parallel=None, train=None) -> dict:
     except ConfigError as exc:
         return {"raised": True, "message": str(exc)}
     return {"raised": False, "message": ""}
+
+
+def nonfinite_skipped(parallel=None, train=None) -> dict:
+    """A step whose loss is NaN (null_memory, on every stage, poisoned in the working copy) is
+    reported skipped and changes no other parameter; the learning-rate schedule does not move."""
+    cfg = make_cfg(None, parallel, train)
+    dims, engine = _engine(cfg)
+    before = engine.parameters_fp32()
+    with torch.no_grad():
+        dict(engine.module.named_parameters())["null_memory"].fill_(float("nan"))
+    stats = engine.train_step(local_batches(cfg, 0, dims))
+    after = engine.parameters_fp32()
+    others_equal = all(torch.equal(before[k], after[k]) for k in before if k != "null_memory")
+    out = {"skipped": stats.skipped, "loss": stats.loss, "others_equal": others_equal,
+           "steps_taken": engine.state_dict()["steps_taken"]}
+    _close(dims, engine)
+    return out

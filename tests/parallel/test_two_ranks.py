@@ -32,7 +32,10 @@ BAD = [("bad_layout", {"parallel": {"tp": 3}}),
        ("bad_layout", {"model": {"vocab_size": 33}, "parallel": {"tp": 2}}),
        ("bad_layout", {"model": {"n_layers": 1}, "parallel": {"pp": 2}}),
        ("bad_layout", {"parallel": {"pp": 2, "zero_stage": 3}})]
-SCENARIOS = BAD + TP2 + PP2 + PP2_VARIANTS + ZERO + BF16
+NONFINITE = [("nonfinite_skipped", {"parallel": {"zero_stage": 0}}),
+             ("nonfinite_skipped", {"parallel": {"zero_stage": 2}}),
+             ("nonfinite_skipped", {"parallel": {"pp": 2, "zero_stage": 1}})]
+SCENARIOS = BAD + TP2 + PP2 + PP2_VARIANTS + ZERO + BF16 + NONFINITE
 
 
 @pytest.fixture(scope="module")
@@ -91,3 +94,10 @@ def test_bf16_training_reduces_the_loss(results, name, args):
 def test_a_layout_that_does_not_fit_fails_on_every_rank_with_a_clear_message(results, name, args, needle):
     for r in each_rank(results, name, args):
         assert r["raised"] and needle in r["message"], r["message"]
+
+
+@pytest.mark.parametrize("name,args", NONFINITE)
+def test_a_non_finite_step_is_skipped_without_touching_the_parameters(results, name, args):
+    for r in each_rank(results, name, args):
+        assert r["skipped"] and r["loss"] != r["loss"]  # NaN
+        assert r["others_equal"] and r["steps_taken"] == 0
