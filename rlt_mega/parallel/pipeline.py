@@ -11,8 +11,10 @@ next stage are the same peer, and forward messages of one direction all precede 
 The ring: ``z_t`` leaves the last stage and enters stage 0 for position ``t + 1``. Decoder work
 items are ``(t, j)`` in t-major order; stage s runs item ``n = t*M + j`` at tick ``n + s`` when
 ``M >= P`` (stage s works on micro-batch ``(k - s) mod M`` at tick k), so after a warm-up of
-``P - 1`` ticks every stage is busy; with ``M < P`` stage 0 waits for the ring and the bubble
-grows. Ideal bubble: ``(P - 1) / (M*T + P - 1)``.
+``P - 1`` ticks every stage is busy. Ideal bubble: ``(P - 1) / (M*T + P - 1)``. With ``M < P``
+only M items circulate among P stages and every stage idles ``1 - M/P`` of the time; with a
+message hop of ``L`` per step of cost ``c`` the ring stays full only while ``M*c >= P*(c + L)``
+(:func:`simulate` models both).
 
 The backward runs the ring in reverse (decreasing t on every stage, which the decoder's K/V
 gradient accumulation needs), then the memory gradients of all stages are summed on the last
@@ -70,7 +72,8 @@ def stage_program(stage: int, num_stages: int, num_micro: int, seq_len: int, bac
     return ops
 
 
-# Message streams; distinct gloo tags make a mismatch fail loudly instead of swapping tensors.
+# Message streams. The order already makes every pair unambiguous; distinct tags (which gloo
+# honours, NCCL ignores) make a schedule bug block and time out instead of swapping two tensors.
 TAGS = {"enc": 1, "mem": 2, "dec": 3, "ring": 4, "dec_grad": 5, "ring_grad": 6, "mem_grad": 7, "enc_grad": 8}
 # Shape class of each stream: "seq" (b, T, d) or "step" (b, 1, d).
 SHAPES = {"enc": "seq", "mem": "seq", "mem_grad": "seq", "enc_grad": "seq",
