@@ -1,7 +1,8 @@
 """Elastic restart: ``torchrun --max-restarts=2`` on 2 data-parallel ranks (DeepSpeed ZeRO-1);
 rank 1 is SIGKILLed in the middle of the run (tests/crash_driver.py); torchrun restarts the
 group, the ranks resume from the last checkpoint (train.resume=auto) and finish with the
-weights and optimizer shards of an uninterrupted run, bit for bit."""
+weights and optimizer shards of an uninterrupted run, bit for bit. And a launch whose restarts
+could not work (torchrun's shared rendezvous store) is warned about at start-up."""
 
 import os
 import signal
@@ -12,8 +13,6 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
-
-pytest.importorskip("rlt_mega.parallel.distributed", reason="needs the distributed engine (branch dist)")
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -28,18 +27,18 @@ DRIVER = str(Path(__file__).resolve().parent / "crash_driver.py")
 TIMEOUT = 600  # seconds; ~20 s per attempt on an idle 2-core machine
 
 
-def torchrun(tmp_path, name, *extra_args, kill=None):
+def torchrun(tmp_path, name, *extra_args, kill=None, share_store=False, overrides=()):
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: otherwise torchrun's agent keeps one TCPStore for
     # every attempt and the restarted ranks read the dead ranks' gloo addresses from the first
     # one: "Gloo connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712). Only
     # the c10d rendezvous (--standalone, --rdzv-backend c10d) honours it; static does not.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
-               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0" if share_store else "1")
     if kill:
         env["RLT_CRASH_KILL"] = kill
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *extra_args,
            DRIVER, "pretrain", "--config", "configs/tiny_cpu.yaml", *RUN, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
-           f"logging.dir={tmp_path / name / 'tb'}"]
+           f"logging.dir={tmp_path / name / 'tb'}", *overrides]
     # its own session, so that a hang is cleaned up with every rank, not only the launcher
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -53,10 +52,16 @@ def torchrun(tmp_path, name, *extra_args, kill=None):
     return err
 
 
+def test_a_launch_whose_restarts_would_fail_is_warned_about(tmp_path):
+    log = torchrun(tmp_path, "shared", "--max-restarts=1", share_store=True, overrides=["train.steps=1"])
+    assert "restarts will fail to connect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in log
+
+
 def test_one_rank_killed_torchrun_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path):
     torchrun(tmp_path, "full")
     log = torchrun(tmp_path, "elastic", "--max-restarts=2", kill=f"1:{KILL_AT}")
     assert "failed (exitcode: -9) local_rank: 1" in log, log[-4000:]  # the kill, seen by torchrun
+    assert "restarts will fail" not in log
     assert f"resumed from {tmp_path / 'elastic' / 'ckpt' / f'step_{EVERY:08d}'} at step {EVERY}" in log, log[-4000:]
     full, elastic = tmp_path / "full" / "ckpt" / f"step_{STEPS:08d}", tmp_path / "elastic" / "ckpt" / f"step_{STEPS:08d}"
     ref, got = load_file(full / "model.safetensors"), load_file(elastic / "model.safetensors")
