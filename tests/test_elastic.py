@@ -57,13 +57,20 @@ def test_a_launch_whose_restarts_would_fail_is_warned_about(tmp_path):
     assert "restarts will fail to connect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in log
 
 
-def test_one_rank_killed_torchrun_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path):
-    torchrun(tmp_path, "full")
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final checkpoint of the same 2-rank run without a kill."""
+    tmp = tmp_path_factory.mktemp("full")
+    torchrun(tmp, "full")
+    return tmp / "full" / "ckpt" / f"step_{STEPS:08d}"
+
+
+def test_one_rank_killed_torchrun_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path, uninterrupted):
     log = torchrun(tmp_path, "elastic", "--max-restarts=2", kill=f"1:{KILL_AT}")
     assert "failed (exitcode: -9) local_rank: 1" in log, log[-4000:]  # the kill, seen by torchrun
     assert "restarts will fail" not in log
     assert f"resumed from {tmp_path / 'elastic' / 'ckpt' / f'step_{EVERY:08d}'} at step {EVERY}" in log, log[-4000:]
-    full, elastic = tmp_path / "full" / "ckpt" / f"step_{STEPS:08d}", tmp_path / "elastic" / "ckpt" / f"step_{STEPS:08d}"
+    full, elastic = uninterrupted, tmp_path / "elastic" / "ckpt" / f"step_{STEPS:08d}"
     ref, got = load_file(full / "model.safetensors"), load_file(elastic / "model.safetensors")
     assert ref.keys() == got.keys()
     for key in ref:
@@ -76,6 +83,21 @@ def test_one_rank_killed_torchrun_restarts_and_the_run_ends_as_if_uninterrupted(
                           torch.load(elastic / shard, weights_only=False)["optimizer_state_dict"], str(shard))
     assert sorted(p.name for p in (tmp_path / "elastic" / "ckpt").iterdir()) == [
         "latest", f"step_{STEPS - 2:08d}", f"step_{STEPS:08d}"]
+
+
+def test_a_two_rank_checkpoint_does_not_resume_in_one_process(tmp_path, uninterrupted, capsys):
+    """Another layout without the reshard tool: one line naming both layouts, exit status 2."""
+    from rlt_mega.cli import main
+
+    code = main(["pretrain", "--config", "configs/tiny_cpu.yaml", *RUN, "parallel.zero_stage=0",
+                 f"train.steps={STEPS + 2}", f"train.resume={uninterrupted}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                 f"logging.dir={tmp_path / 'tb'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    line = [e for e in err.splitlines() if e.startswith("rlt-mega pretrain: error: ")]
+    assert len(line) == 1, err[-3000:]
+    assert "was written with layout {'tp': 1, 'pp': 1, 'dp': 2, 'zero_stage': 1}" in line[0]
+    assert "this run has {'tp': 1, 'pp': 1, 'dp': 1, 'zero_stage': 0}" in line[0]
 
 
 def assert_equal_tree(a, b, where):
