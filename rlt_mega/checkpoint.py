@@ -253,10 +253,7 @@ class CheckpointManager:
         if not path.is_dir():
             raise CheckpointError(f"train.resume={resume}: no such checkpoint directory")
         if not (path / MANIFEST).is_file() and CheckpointManager(path).list():
-            found = CheckpointManager(path).latest()
-            if found is None:  # pragma: no cover - list() was not empty, so latest() returns or raises
-                raise CheckpointError(f"train.resume={resume}: no checkpoint there")
-            return found
+            return CheckpointManager(path).latest()  # it holds step directories: a path, or it raises
         verify(path)
         return path
 

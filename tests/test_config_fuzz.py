@@ -68,7 +68,7 @@ def _check_outcome(fn):
     return cfg
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(overrides, max_size=4))
 def test_random_overrides_load_or_raise_config_error(items):
     cfg = _check_outcome(lambda: load_config(None, items))
@@ -76,7 +76,8 @@ def test_random_overrides_load_or_raise_config_error(items):
         assert load_config_roundtrip(cfg) == cfg
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(st.dictionaries(st.one_of(keys, st.integers(), st.none()), values, max_size=5), st.lists(overrides, max_size=2))
 def test_random_yaml_files_load_or_raise_config_error(tmp_path, data, items):
     path = tmp_path / "c.yaml"

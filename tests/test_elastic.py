@@ -27,7 +27,7 @@ DRIVER = str(Path(__file__).resolve().parent / "crash_driver.py")
 TIMEOUT = 600  # seconds; ~20 s per attempt on an idle 2-core machine
 
 
-def torchrun(tmp_path, name, *extra_args, kill=None, share_store=False, overrides=()):
+def torchrun(tmp_path, name, *extra_args, kill=None, share_store=False):
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: otherwise torchrun's agent keeps one TCPStore for
     # every attempt and the restarted ranks read the dead ranks' gloo addresses from the first
     # one: "Gloo connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712). Only
@@ -38,7 +38,7 @@ def torchrun(tmp_path, name, *extra_args, kill=None, share_store=False, override
         env["RLT_CRASH_KILL"] = kill
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *extra_args,
            DRIVER, "pretrain", "--config", "configs/tiny_cpu.yaml", *RUN, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
-           f"logging.dir={tmp_path / name / 'tb'}", *overrides]
+           f"logging.dir={tmp_path / name / 'tb'}"]
     # its own session, so that a hang is cleaned up with every rank, not only the launcher
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
@@ -52,17 +52,17 @@ def torchrun(tmp_path, name, *extra_args, kill=None, share_store=False, override
     return err
 
 
-def test_a_launch_whose_restarts_would_fail_is_warned_about(tmp_path):
-    log = torchrun(tmp_path, "shared", "--max-restarts=1", share_store=True, overrides=["train.steps=1"])
-    assert "restarts will fail to connect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in log
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """The final checkpoint of the same 2-rank run without a kill."""
+    """The final checkpoint of the same 2-rank run without a kill, and its log. It runs with
+    torchrun's shared store (harmless without a restart), so that it also shows the warning."""
     tmp = tmp_path_factory.mktemp("full")
-    torchrun(tmp, "full")
-    return tmp / "full" / "ckpt" / f"step_{STEPS:08d}"
+    log = torchrun(tmp, "full", "--max-restarts=1", share_store=True)
+    return tmp / "full" / "ckpt" / f"step_{STEPS:08d}", log
+
+
+def test_a_launch_whose_restarts_would_fail_is_warned_about(uninterrupted):
+    assert "restarts will fail to connect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in uninterrupted[1]
 
 
 def test_one_rank_killed_torchrun_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path, uninterrupted):
@@ -70,7 +70,7 @@ def test_one_rank_killed_torchrun_restarts_and_the_run_ends_as_if_uninterrupted(
     assert "failed (exitcode: -9) local_rank: 1" in log, log[-4000:]  # the kill, seen by torchrun
     assert "restarts will fail" not in log
     assert f"resumed from {tmp_path / 'elastic' / 'ckpt' / f'step_{EVERY:08d}'} at step {EVERY}" in log, log[-4000:]
-    full, elastic = uninterrupted, tmp_path / "elastic" / "ckpt" / f"step_{STEPS:08d}"
+    full, elastic = uninterrupted[0], tmp_path / "elastic" / "ckpt" / f"step_{STEPS:08d}"
     ref, got = load_file(full / "model.safetensors"), load_file(elastic / "model.safetensors")
     assert ref.keys() == got.keys()
     for key in ref:
@@ -90,7 +90,7 @@ def test_a_two_rank_checkpoint_does_not_resume_in_one_process(tmp_path, uninterr
     from rlt_mega.cli import main
 
     code = main(["pretrain", "--config", "configs/tiny_cpu.yaml", *RUN, "parallel.zero_stage=0",
-                 f"train.steps={STEPS + 2}", f"train.resume={uninterrupted}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                 f"train.steps={STEPS + 2}", f"train.resume={uninterrupted[0]}", f"checkpoint.dir={tmp_path / 'ckpt'}",
                  f"logging.dir={tmp_path / 'tb'}"])
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
