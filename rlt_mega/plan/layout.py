@@ -114,8 +114,18 @@ class Layout:
             dp = world_size // (par.tp * par.pp)
         else:
             dp = 1
-        layout = cls(seq_len=cfg.data.seq_len, micro_batch_size=cfg.train.micro_batch_size,
-                     micro_batches=par.micro_batches, grad_accum=cfg.train.grad_accum,
+        # The trainer's grouping (parallel.dims.micro_batch_plan): a step is grad_accum
+        # micro-batches of micro_batch_size rows; with pp > 1 they run in rounds of M in flight,
+        # cut into M / grad_accum pieces when M > grad_accum.
+        B, G, M = cfg.train.micro_batch_size, cfg.train.grad_accum, par.micro_batches
+        if par.pp > 1:
+            from rlt_mega.parallel.dims import micro_batch_plan
+
+            pieces, rounds = micro_batch_plan(B, G, M)
+            B, G = B // pieces, rounds
+        else:
+            M = 1
+        layout = cls(seq_len=cfg.data.seq_len, micro_batch_size=B, micro_batches=M, grad_accum=G,
                      tp=par.tp, pp=par.pp, dp=dp, zero_stage=par.zero_stage,
                      checkpointing=cfg.train.checkpointing, dtype=cfg.train.dtype,
                      pp_split=tuple(par.pp_split) if par.pp_split else None)

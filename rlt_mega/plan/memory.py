@@ -103,6 +103,8 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     first, last = stage == 0, stage == layout.pp - 1
     ck = checkpointing or layout.checkpointing
+    if layout.pp > 1 and ck.decoder == "every_k":  # the ring interleaves positions (stage.py)
+        ck = CheckpointingConfig(decoder="step", encoder=ck.encoder)
     norm = _norm(d, a, fused)
     enc_block = 2 * norm + a * (2 * q + 2 * kv) + 4 * h + 4 * a * f
     dec_block = 3 * norm + 4 * a * q + 4 * h + 4 * a * f
@@ -130,6 +132,8 @@ def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[st
     """Bytes per position that one recomputed piece materialises in the backward, expressed
     per position of the micro-batch (multiply by B T)."""
     ck = layout.checkpointing
+    if layout.pp > 1 and ck.decoder == "every_k":  # the ring checkpoints each step on its own
+        ck = CheckpointingConfig(decoder="step", encoder=ck.encoder)
     full = activation_per_token(cfg, layout, stage, CheckpointingConfig())
     T = layout.seq_len
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])

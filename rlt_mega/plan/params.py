@@ -2,13 +2,13 @@
 
 Sharding follows DESIGN section 5 (Megatron conventions): self- and cross-attention q/k/v
 and the MLP gate/up are column-parallel (weights and biases split by output), o and down
-row-parallel (split by input; they have no bias), embed and lm_head vocab-parallel over a
-vocabulary padded to a multiple of tp; norms, ``recur_proj`` (d x d, small), ``z_init`` and
+row-parallel (split by input; they have no bias), embed and lm_head vocab-parallel; norms, ``recur_proj`` (d x d, small), ``z_init`` and
 ``null_memory`` are replicated. Pipeline stage s owns blocks and cross blocks
 [s*L/P, (s+1)*L/P) (or ``pp_split``); stage 0 also embed and the recurrence input
 (recur_norm, recur_proj, z_init), the last stage memory_norm, final_norm and lm_head (a copy
 of embed when tied and P > 1, its gradient all-reduced with stage 0's as Megatron does). Every
 stage holds null_memory: it feeds the null slot of the stage's own cross-attention K/V.
+This is what ``parallel/tp.py`` and ``parallel/stage.py`` build.
 """
 
 from __future__ import annotations
@@ -23,15 +23,16 @@ GROUPS = ("embed", "lm_head", "blocks", "decoder_blocks", "cross", "recurrence",
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
-    """Vocabulary rows after padding to a multiple of tp (Megatron pads further, to 128 * tp,
-    by default; the difference is a few rows)."""
+    """Vocabulary rows of the vocab-parallel embedding and head. The trainer does not pad
+    (``check_tp`` asks for a vocabulary divisible by tp), so this is ``vocab_size``."""
     return -(-vocab_size // tp) * tp
 
 
 def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raises ConfigError unless every sharded dimension divides by tp."""
+    """Raises ConfigError unless every sharded dimension divides by tp (as
+    ``parallel.dims.resolve_layout`` does)."""
     for name, size in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
-                       ("model.ffn_hidden", cfg.ffn_hidden)):
+                       ("model.ffn_hidden", cfg.ffn_hidden), ("model.vocab_size", cfg.vocab_size)):
         if size % tp:
             raise ConfigError(f"tensor parallel size {tp} does not divide {name}={size}: "
                               f"choose tp among the divisors of {size}")
