@@ -86,18 +86,19 @@ def test_inspect_training_checkpoint(trained, capsys):
     assert "training_checkpoint" in text and "step: 2" in text
 
 
-def test_export_refuses_damaged_and_distributed_checkpoints(trained, tmp_path, capsys):
+def test_export_reads_distributed_layouts_and_refuses_damaged_checkpoints(trained, tmp_path, capsys):
     import shutil
 
     _, root = trained
     step = tmp_path / "step_00000002"
     shutil.copytree(root / "step_00000002", step)
+    # A distributed engine's checkpoint holds a consolidated model.safetensors beside its shards:
+    # export reads it whatever the layout.
     manifest = json.loads((step / "manifest.json").read_text())
     manifest["layout"] = {"tp": 2, "pp": 2, "dp": 1, "zero_stage": 0}
     (step / "manifest.json").write_text(json.dumps(manifest))
-    assert cli.main(["export", str(step), str(tmp_path / "exp")]) == 2
-    err = capsys.readouterr().err
-    assert "'tp': 2" in err and "rlt_mega.parallel" in err
+    assert cli.main(["export", str(step), str(tmp_path / "exp_ok")]) == 0
+    capsys.readouterr()
     (step / "model.safetensors").write_bytes((step / "model.safetensors").read_bytes()[:-10])
     assert cli.main(["export", str(step), str(tmp_path / "exp")]) == 2
     assert "model.safetensors" in capsys.readouterr().err

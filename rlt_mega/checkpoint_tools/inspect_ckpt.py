@@ -80,7 +80,7 @@ def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, An
               "layout": layout, "config": dataclasses.asdict(cfg), "param_counts": param_counts(cfg),
               "files": [{"name": n, "bytes": m["size"]} for n, m in manifest["files"].items()],
               "checks": {}}
-    if training.holds_full_model(layout):
+    if training.holds_full_model(layout) or (step_dir / "model.safetensors").is_file():
         with SafetensorsDir(step_dir) as st:
             check_tensors({n: st.shape(n) for n in st.names()}, cfg, str(step_dir), st.file_of)
             summary = _tensor_summary(st, st.names())

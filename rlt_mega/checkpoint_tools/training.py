@@ -4,9 +4,9 @@ A training checkpoint is a ``step_NNNNNNNN`` directory (files checked by its man
 ``config.yaml`` is the run's config, ``manifest.json`` holds the step and the engine's
 layout), or a checkpoint root (``checkpoint.dir``) from which the newest valid one is taken.
 
-Single-process layouts (tp = pp = 1, no ZeRO-3 partitioning) hold the full model in
-``model.safetensors``; the distributed layouts are consolidated by the distributed engine's
-own tools (rlt_mega.parallel), which this module calls once they exist.
+Every checkpoint holds the full model in ``model.safetensors``: the local engine saves it, and
+the distributed engine (rlt_mega.parallel.distributed) writes a consolidated copy beside its
+per-rank DeepSpeed shards, so export and inspect read any layout the same way.
 """
 
 from __future__ import annotations
@@ -82,11 +82,10 @@ def load_training_weights(path: str | Path) -> tuple[Config, dict[str, torch.Ten
     """
     step_dir, cfg, manifest = read_checkpoint(path)
     layout = layout_of(manifest)
-    if not holds_full_model(layout):
-        raise CheckpointFormatError(
-            f"{step_dir}: written with layout {layout}; consolidating tensor-/pipeline-parallel or ZeRO-3 "
-            "shards needs the distributed engine's tools (rlt_mega.parallel), which this build does not have yet")
     file = step_dir / "model.safetensors"
+    if not holds_full_model(layout) and not file.is_file():
+        raise CheckpointFormatError(f"{step_dir}: written with layout {layout} and without a consolidated "
+                                    "model.safetensors (the distributed engine writes one at every save)")
     # load_model resolves the tied names exactly as the engine's save_model chose them.
     model = empty_model(cfg.model)
     try:

@@ -1,16 +1,19 @@
-"""Pretraining: packed text windows, next-token cross-entropy, the dense schedule."""
+"""Pretraining: packed text windows, next-token cross-entropy, the dense schedule (or, under
+tensor/pipeline/ZeRO parallelism, the distributed engine: the same loop, launched with
+torchrun, the deepspeed launcher or srun; see docs/distributed.md)."""
 
 from __future__ import annotations
 
 import torch
 
 from rlt_mega.checkpoint_tools.export import init_from
-from rlt_mega.config import Config
+from rlt_mega.config import Config, ConfigError
 from rlt_mega.data.datasets import BatchIterator, DataStats, pack, text_of, train_eval_records
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.learner.loss import shift
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
+from rlt_mega.parallel import distributed
 from rlt_mega.parallel.engine import LocalEngine, resolve_device
 from rlt_mega.train.loop import Trainer
 
@@ -39,7 +42,7 @@ class PackedBatches:
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model.vocab_size="
+        raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}: set model.vocab_size >= {tokenizer.vocab_size}")
 
 
@@ -55,7 +58,26 @@ def build_local(cfg: Config) -> tuple[RLT, LocalEngine, torch.device]:
     return model, LocalEngine(model, cfg.optim, cfg.train, device), device
 
 
+def build_distributed(cfg: Config, dims) -> tuple[RLT, "distributed.DistributedEngine"]:
+    """This rank's part of the model (from the same seeded single-device model, or train.init_from)
+    and the distributed engine."""
+
+    def model_fn() -> RLT:
+        model = build_model(cfg.model, "cpu", seed=cfg.train.seed)
+        if cfg.train.init_from:
+            init_from(model, cfg.train.init_from)
+        return model
+
+    engine = distributed.build_engine(cfg, dims, model_fn)
+    return engine.module, engine
+
+
 def run(cfg: Config) -> dict:
+    with distributed.launch(cfg) as dims:  # None: one process, the local engine
+        return _run(cfg, dims)
+
+
+def _run(cfg: Config, dims) -> dict:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
     stats = DataStats()
@@ -65,9 +87,11 @@ def run(cfg: Config) -> dict:
     evald = pack(eval_texts, tokenizer, cfg.data.seq_len)
     log.info("data: %d train windows, %d eval windows of %d tokens; %s", len(train), len(evald),
              cfg.data.seq_len, stats.summary())
-    batches = PackedBatches(BatchIterator(train, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.shuffle),
-                            cfg.train.grad_accum)
-    model, engine, _ = build_local(cfg)
+    # Data-parallel replicas read disjoint rows; the TP and PP ranks of a replica read the same.
+    dp_rank, dp = (dims.dp_rank, dims.dp) if dims is not None else (0, 1)
+    batches = PackedBatches(BatchIterator(train, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.shuffle,
+                                          rank=dp_rank, world=dp), cfg.train.grad_accum)
+    model, engine = build_distributed(cfg, dims) if dims is not None else build_local(cfg)[:2]
     log.info("model: %.2fM parameters, C=%d, L=%d, d=%d", sum(p.numel() for p in model.parameters()) / 1e6,
              cfg.model.memory_block, cfg.model.n_layers, cfg.model.d_model)
 
@@ -80,7 +104,12 @@ def run(cfg: Config) -> dict:
             out.append({"inputs": inputs, "targets": targets})
         return out
 
-    result = Trainer(cfg, engine, batches, eval_batches).run()
+    if dims is None:
+        result = Trainer(cfg, engine, batches, eval_batches).run()
+    else:  # every data-parallel rank evaluates the same windows; the engine averages over all
+        import torch.distributed as dist
+
+        result = Trainer(cfg, engine, batches, eval_batches, rank=dims.rank, barrier=dist.barrier).run()
     if stats.total:
         log.warning("data: %s", stats.summary())
     result["data/skipped"] = stats.total

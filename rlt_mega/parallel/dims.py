@@ -1,0 +1,306 @@
+"""The parallel layout: one object that validates (tp, pp, dp) and builds every process group once.
+
+Rank layout (Megatron's default order "tp-dp-pp", tensor-parallel fastest)::
+
+    rank = tp_rank + tp * (dp_rank + dp * pp_rank)
+
+so the ranks of a tensor-parallel group are neighbours (one node), a pipeline runs across
+nodes, and data-parallel replicas sit between. The groups come from megatron-core's
+``parallel_state`` (its vocab-parallel cross-entropy reads the tensor-parallel group from
+there); our code never asks ``parallel_state`` for a group: every component receives this
+object and takes the group it needs from it.
+
+Validation happens before any process group exists and depends only on the configuration and
+the world size, so every rank raises the same :class:`ConfigError` and nobody waits in a
+collective for a rank that already gave up.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from rlt_mega.config import ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from rlt_mega.log import get_logger
+
+log = get_logger(__name__)
+
+
+def split_layers(num_layers: int, num_stages: int, pp_split: Optional[list] = None) -> list[range]:
+    """Layers of each pipeline stage: contiguous ranges; an even split unless ``pp_split`` gives
+    the count per stage. Earlier stages get the remainder of an uneven even split (stage 0 also
+    runs the embedding and the recurrence input, the last stage the head, so neither end is
+    obviously lighter; an explicit split is the way to balance a real run)."""
+    if pp_split is not None:
+        counts = list(pp_split)
+        if len(counts) != num_stages:
+            raise ConfigError(f"parallel.pp_split={counts} has {len(counts)} entries but parallel.pp={num_stages}: "
+                              "give one layer count per pipeline stage")
+        if any((not isinstance(c, int)) or c < 1 for c in counts):
+            raise ConfigError(f"parallel.pp_split={counts}: every stage needs at least one layer "
+                              "(a stage with no layers would only forward activations)")
+        if sum(counts) != num_layers:
+            raise ConfigError(f"parallel.pp_split={counts} sums to {sum(counts)} but model.n_layers={num_layers}: "
+                              "the counts must add up to the number of layers")
+    else:
+        if num_stages > num_layers:
+            raise ConfigError(f"parallel.pp={num_stages} stages but model.n_layers={num_layers}: some stages would "
+                              f"have no layers; use parallel.pp <= {num_layers}")
+        base, extra = divmod(num_layers, num_stages)
+        counts = [base + (1 if s < extra else 0) for s in range(num_stages)]
+    ranges, start = [], 0
+    for c in counts:
+        ranges.append(range(start, start + c))
+        start += c
+    return ranges
+
+
+def micro_batch_plan(micro_batch_size: int, grad_accum: int, num_micro: int) -> tuple[int, int]:
+    """How a step's ``grad_accum`` micro-batches of ``micro_batch_size`` rows become rounds of
+    ``num_micro`` (M) pipeline micro-batches in flight -> (pieces per micro-batch, rounds).
+
+    M <= grad_accum: each micro-batch is one pipeline micro-batch, grad_accum / M rounds (the
+    Megatron way: mbs=1, grad_accum=8, M=8 is one round of 8). M > grad_accum: one round, each
+    micro-batch cut into M / grad_accum pieces."""
+    M = num_micro
+    if M <= grad_accum:
+        if grad_accum % M:
+            raise ConfigError(f"train.grad_accum={grad_accum} is not a multiple of parallel.micro_batches={M}: the "
+                              f"step's micro-batches run in rounds of {M}; choose grad_accum as a multiple of {M}")
+        return 1, grad_accum // M
+    pieces = M // grad_accum
+    if M % grad_accum or micro_batch_size % pieces:
+        raise ConfigError(f"parallel.micro_batches={M} cannot be formed from train.grad_accum={grad_accum} "
+                          f"micro-batches of train.micro_batch_size={micro_batch_size} rows: with M > grad_accum, "
+                          "M must be a multiple of grad_accum and M / grad_accum must divide micro_batch_size")
+    return pieces, 1
+
+
+def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int,
+                   train: Optional[TrainConfig] = None) -> tuple[int, int, int]:
+    """Checks the layout against the world size and the model; returns (tp, pp, dp).
+
+    Pure arithmetic on the configuration: it runs (and fails identically) on every rank before
+    any process group is created.
+    """
+    tp, pp = parallel.tp, parallel.pp
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(f"parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp} does not divide the world size "
+                          f"{world_size}: launch a multiple of {tp * pp} processes or change tp/pp")
+    dp = parallel.dp if parallel.dp is not None else world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        raise ConfigError(f"parallel.tp * parallel.pp * parallel.dp = {tp} * {pp} * {dp} = {tp * pp * dp} but the "
+                          f"world size is {world_size}: set parallel.dp={world_size // (tp * pp)} (or null) or launch "
+                          f"{tp * pp * dp} processes")
+    checks = [(model.n_heads, "model.n_heads"), (model.n_kv_heads, "model.n_kv_heads"),
+              (model.vocab_size, "model.vocab_size"), (model.ffn_hidden, "model.ffn_hidden")]
+    for value, name in checks:
+        if value % tp != 0:
+            hint = ""
+            if name == "model.vocab_size":
+                # Padding would add logits the data never targets; we ask for an explicit size instead.
+                hint = f" (e.g. {tp * ((value + tp - 1) // tp)}; the vocabulary is not padded implicitly)"
+            raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
+                              f"across ranks; choose a multiple of {tp}{hint} or a smaller tp")
+    split_layers(model.n_layers, pp, parallel.pp_split)
+    if parallel.pp_split is not None and pp == 1 and list(parallel.pp_split) != [model.n_layers]:
+        raise ConfigError("parallel.pp_split is only meaningful with parallel.pp > 1")
+    if parallel.zero_stage == 3 and pp > 1:
+        raise ConfigError("parallel.zero_stage=3 with parallel.pp > 1 is not supported: ZeRO-3 gathers parameters "
+                          "inside forward with collectives over all ranks and deadlocks across pipeline stages "
+                          "(DeepSpeed's own pipeline engine refuses it too). Use zero_stage 1 or 2 with pipeline "
+                          "parallelism, or pp=1 with ZeRO-3")
+    if train is not None:
+        micro_batch_plan(train.micro_batch_size, train.grad_accum, parallel.micro_batches)
+    return tp, pp, dp
+
+
+def _env_world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def init_distributed(backend: Optional[str] = None, device: str = "auto",
+                     timeout_s: float = 1800.0) -> tuple[str, torch.device]:
+    """Initialises torch.distributed from the launcher's environment (torchrun, the deepspeed
+    launcher and srun+torchrun all set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); a process
+    started without a launcher becomes a world of one. Returns (backend, device)."""
+    use_cuda = torch.cuda.is_available() and device in ("auto", "cuda")
+    backend = backend or ("nccl" if use_cuda else "gloo")
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:  # a plain `python` run: a world of one on a free local port
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        warn_if_restarts_cannot_work()
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+    return backend, dev
+
+
+def warn_if_restarts_cannot_work() -> None:
+    """torchrun --max-restarts with the agent's shared TCPStore: the restarted ranks would read
+    the dead ranks' addresses from the previous attempt and fail to connect
+    (pytorch/pytorch#135712). Said once, at start-up, where it can still be fixed."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        log.warning("torchrun --max-restarts=%d with a shared rendezvous store: restarts will fail to "
+                    "connect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and use the c10d rendezvous "
+                    "(--standalone or --rdzv-backend c10d), as launch/torchrun.sh does", restarts)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class ParallelDims:
+    """The layout and its process groups. Built once per process by :meth:`build`."""
+
+    tp: int
+    pp: int
+    dp: int
+    rank: int
+    world_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+    device: torch.device
+    backend: str
+    stage_layers: list  # list[range]: the layers of every stage
+    tp_group: object = field(repr=False, default=None)
+    pp_group: object = field(repr=False, default=None)
+    dp_group: object = field(repr=False, default=None)
+    mp_group: object = field(repr=False, default=None)  # tp x pp: "model parallel" in DeepSpeed's words
+    embed_group: object = field(repr=False, default=None)  # first + last stage (tied embeddings); None elsewhere
+    pp_ranks: list = field(default_factory=list)  # global rank of every stage of my pipeline
+    dp_ranks: list = field(default_factory=list)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def build(cls, parallel: ParallelConfig, model: ModelConfig, device: str = "auto",
+              train: Optional[TrainConfig] = None) -> "ParallelDims":
+        """Validates the layout (before any collective), initialises torch.distributed if needed
+        and creates every process group."""
+        tp, pp, dp = resolve_layout(parallel, model, _env_world_size(), train)
+        backend, dev = init_distributed(parallel.backend, device)
+        from megatron.core import parallel_state as ps
+
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+        # order="tp-dp-pp" is Megatron's default ("tp-cp-ep-dp-pp" with cp = ep = 1).
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                     create_gloo_process_groups=False)
+        dims = cls(tp=tp, pp=pp, dp=dp, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                   tp_rank=ps.get_tensor_model_parallel_rank(), pp_rank=ps.get_pipeline_model_parallel_rank(),
+                   dp_rank=ps.get_data_parallel_rank(), device=dev, backend=backend,
+                   stage_layers=split_layers(model.n_layers, pp, parallel.pp_split),
+                   tp_group=ps.get_tensor_model_parallel_group(), pp_group=ps.get_pipeline_model_parallel_group(),
+                   dp_group=ps.get_data_parallel_group(), mp_group=ps.get_model_parallel_group(),
+                   embed_group=ps.get_embedding_group(check_initialized=False))
+        dims.pp_ranks = dist.get_process_group_ranks(dims.pp_group)
+        dims.dp_ranks = dist.get_process_group_ranks(dims.dp_group)
+        assert dims.rank == dims.tp_rank + tp * (dims.dp_rank + dp * dims.pp_rank), "unexpected megatron rank order"
+        log.info("parallel layout: tp=%d pp=%d dp=%d on %d ranks (%s), stage layers %s", tp, pp, dp,
+                 dims.world_size, backend, [(r.start, r.stop) for r in dims.stage_layers])
+        return dims
+
+    def destroy(self) -> None:
+        """Releases the megatron groups (the torch.distributed world stays up)."""
+        from megatron.core import parallel_state as ps
+
+        ps.destroy_model_parallel()
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp - 1
+
+    @property
+    def layers(self) -> range:
+        """The layers of my pipeline stage."""
+        return self.stage_layers[self.pp_rank]
+
+    @property
+    def mp_rank(self) -> int:
+        """Rank in the tp x pp group, unique per model shard (DeepSpeed names its files by it)."""
+        return self.pp_rank * self.tp + self.tp_rank
+
+    def stage_rank(self, stage: int) -> int:
+        """Global rank of pipeline stage ``stage`` in my pipeline."""
+        return self.pp_ranks[stage]
+
+    def mpu(self) -> "DeepSpeedMPU":
+        return DeepSpeedMPU(self)
+
+
+class DeepSpeedMPU:
+    """The ``mpu`` object DeepSpeed asks for, restricted to the methods it calls (ENGINES.md).
+
+    "Model parallel" is the tp x pp group (DeepSpeed sums gradient norms over it and names
+    checkpoint shards by its rank); data parallel is the group ZeRO partitions over. It
+    deliberately has no ``initialize_sequence_parallel``: when that exists DeepSpeed returns
+    None for the data-parallel group.
+    """
+
+    def __init__(self, dims: ParallelDims) -> None:
+        self.dims = dims
+
+    def get_data_parallel_group(self):
+        return self.dims.dp_group
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dims.dp
+
+    def get_data_parallel_rank(self) -> int:
+        return self.dims.dp_rank
+
+    def get_data_parallel_group_ranks(self) -> list:
+        return list(self.dims.dp_ranks)
+
+    def get_model_parallel_group(self):
+        return self.dims.mp_group
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.dims.tp * self.dims.pp
+
+    def get_model_parallel_rank(self) -> int:
+        return self.dims.mp_rank
+
+    def get_tensor_model_parallel_group(self):
+        return self.dims.tp_group
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return self.dims.tp
+
+    def get_tensor_model_parallel_rank(self) -> int:
+        return self.dims.tp_rank
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.dims.rank - self.dims.tp_rank
+
+    def get_pipeline_model_parallel_group(self):
+        return self.dims.pp_group
+
+    def get_pipeline_model_parallel_world_size(self) -> int:
+        return self.dims.pp
+
+    def get_pipeline_model_parallel_rank(self) -> int:
+        return self.dims.pp_rank

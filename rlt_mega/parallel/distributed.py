@@ -1,0 +1,349 @@
+"""The distributed engine: tensor parallel + decoder-ring pipeline + ZeRO, behind the interface
+of the local engine (engine.py), so the trainers drive either::
+
+    dims = ParallelDims.build(cfg.parallel, cfg.model, cfg.train.device, cfg.train)
+    engine = build_engine(cfg, dims)
+    engine.train_step(micro_batches) -> StepStats;  engine.eval_loss(micro_batches) -> float
+    engine.save(dir) / engine.load(dir);  engine.layout();  engine.data_parallel_size()
+
+``micro_batches`` is this data-parallel rank's share of one optimizer step: ``train.grad_accum``
+dicts ``{"inputs": (b, T), "targets": (b, T)}`` (targets -100 where there is none); every rank
+of a data-parallel replica (its TP and PP ranks) passes the same ones. They run in rounds of
+``parallel.micro_batches`` pipeline micro-batches in flight (dims.micro_batch_plan).
+
+Two paths:
+* ``pp == 1``: the dense schedule (``model.forward``), one DeepSpeed forward/backward per
+  pipeline micro-batch (DeepSpeed's gradient accumulation); ZeRO 0-3.
+* ``pp > 1``: the ring schedule over the stages; gradients accumulate on shadow parameters
+  (grads.py) and reach DeepSpeed in one backward per step; ZeRO 0-2.
+
+Loss normalisation: the loss is the sum of token losses divided by the global count of loss
+tokens of the step (all micro-batches, all data-parallel ranks); DeepSpeed averages gradients
+over data-parallel ranks, so the backward weighs each token by ``dp / global_count``.
+
+bf16 here is DeepSpeed's: bf16 parameters and activations, fp32 master weights and optimizer
+state, fp32 gradient accumulation (the local engine uses autocast over fp32 parameters).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.config import Config, ConfigError
+from rlt_mega.log import get_logger
+from rlt_mega.model.rlt import RLT, build_model
+from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
+from rlt_mega.parallel.engine import CountFn, LossFn, StepStats, check_layout, lm_count, lm_loss, lr_lambda
+from rlt_mega.parallel.gather import gather_tp
+from rlt_mega.parallel.grads import ShadowGrads, deposit_grads
+from rlt_mega.parallel.pipeline import P2P, RingSchedule
+from rlt_mega.parallel.stage import RLTStage, prune_to_stage
+from rlt_mega.parallel.tp import gather_vocab, apply_tensor_parallel, token_losses
+from rlt_mega.parallel.zero import ZeroStepper, init_deepspeed, mark_for_grad_norm, sync_pipeline_replicas
+
+log = get_logger(__name__)
+
+DS_TAG = "deepspeed"  # sub-directory of a checkpoint with DeepSpeed's per-rank files
+
+
+def requested(cfg: Config) -> bool:
+    """A run needs the distributed engine when a launcher started several processes or the
+    config asks for tensor/pipeline parallelism or ZeRO."""
+    p = cfg.parallel
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or p.tp > 1 or p.pp > 1 or p.zero_stage > 0
+
+
+@contextmanager
+def launch(cfg: Config) -> Iterator[Optional[ParallelDims]]:
+    """The layout of a run (None when one process suffices): validated before any process group
+    exists, so a layout that does not fit fails on every rank at once; the process groups are
+    released when the run ends."""
+    if not requested(cfg):
+        yield None
+        return
+    dims = ParallelDims.build(cfg.parallel, cfg.model, cfg.train.device, cfg.train)
+    try:
+        yield dims
+    finally:
+        dims.destroy()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def build_engine(cfg: Config, dims: ParallelDims, model_fn: Optional[Callable[[], RLT]] = None
+                 ) -> "DistributedEngine":
+    """Builds this rank's part of the model and wraps it. ``model_fn`` returns the full
+    single-device model on the CPU (default: ``build_model(cfg.model, "cpu", seed=cfg.train.seed)``);
+    every rank builds the same one and keeps its stage and TP shard, so the distributed model
+    starts equal to the single-process model with the same seed."""
+    model = model_fn() if model_fn is not None else build_model(cfg.model, "cpu", seed=cfg.train.seed)
+    return DistributedEngine(cfg, dims, model)
+
+
+class DistributedEngine:
+    def __init__(self, cfg: Config, dims: ParallelDims, model: RLT) -> None:
+        self.cfg, self.dims = cfg, dims
+        self.M = cfg.parallel.micro_batches
+        self.bf16 = cfg.train.dtype == "bf16"
+        self.full_cfg = model.cfg
+        if dims.pp > 1:
+            prune_to_stage(model, dims.layers, dims.is_first_stage, dims.is_last_stage)
+        apply_tensor_parallel(model, dims)
+        model.to(dims.device)
+        model.set_checkpointing(cfg.train.checkpointing)
+        mark_for_grad_norm(model, dims)
+        mbs, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
+        self.pieces, _ = micro_batch_plan(mbs, accum, self.M)
+        if dims.pp > 1:  # one DeepSpeed backward per step (grads.py)
+            ds_micro, self.ds_accum = mbs * accum, 1
+        else:  # one DeepSpeed backward per pipeline micro-batch
+            ds_micro, self.ds_accum = mbs // self.pieces, accum * self.pieces
+        self.engine = init_deepspeed(model, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16, ds_micro,
+                                     self.ds_accum)
+        self.stepper = ZeroStepper(self.engine, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16)
+        self.lr_factor = lr_lambda(cfg.optim, cfg.train.steps)
+        self.steps_taken = 0  # optimizer steps applied: the position in the learning-rate schedule
+        if dims.pp > 1:
+            stage = RLTStage(self.engine.module, dims.layers, dims.is_first_stage, dims.is_last_stage, dims.tp)
+            self.ring = RingSchedule(stage, P2P(dims.pp_ranks, dims.pp_rank, dims.device), dims.pp_rank, dims.pp)
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def module(self) -> nn.Module:
+        return self.engine.module
+
+    def layout(self) -> dict:
+        return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
+                "zero_stage": self.cfg.parallel.zero_stage}
+
+    def data_parallel_size(self) -> int:
+        return self.dims.dp
+
+    def _pieces(self, micro_batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The step's micro-batches as pipeline micro-batches (dims.micro_batch_plan): each cut
+        into ``pieces`` row blocks (fewer when it has fewer rows, e.g. the last eval batch)."""
+        dev = self.dims.device
+        return [(x.to(dev), y.to(dev)) for mb in micro_batches
+                for x, y in zip(mb["inputs"].chunk(self.pieces), mb["targets"].chunk(self.pieces))]
+
+    def _rounds(self, micro_batches: list[dict]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Pipeline micro-batches grouped into rounds of parallel.micro_batches in flight."""
+        pieces = self._pieces(micro_batches)
+        return [pieces[i:i + self.M] for i in range(0, len(pieces), self.M)]
+
+    def _check_loss_fn(self, loss_fn: LossFn) -> bool:
+        """True: the built-in token loss (TP/PP aware). A custom loss_fn(model, mb) needs the
+        whole model on each rank: tp == pp == 1."""
+        if loss_fn is lm_loss:
+            return True
+        if self.dims.tp > 1 or self.dims.pp > 1:
+            raise NotImplementedError("a custom loss_fn needs the full logits on one rank; under tensor or pipeline "
+                                      "parallelism the engine computes the token cross-entropy itself (lm_loss)")
+        return False
+
+    def _global_count(self, micro_batches: list[dict], count_fn: CountFn) -> float:
+        """Loss tokens of the step summed over data-parallel ranks."""
+        count = torch.tensor(float(sum(count_fn(mb) for mb in micro_batches)), dtype=torch.float64,
+                             device=self.dims.device)
+        dist.all_reduce(count, group=self.dims.dp_group)
+        return float(count)
+
+    def _global_loss(self, loss_sum: Optional[torch.Tensor], count: float) -> float:
+        """Sum of token losses (known on the last stage) -> the global mean, on every rank."""
+        total = torch.zeros((), dtype=torch.float64, device=self.dims.device)
+        if torch.is_tensor(loss_sum) and (self.dims.pp == 1 or self.dims.is_last_stage):
+            total += loss_sum.to(torch.float64)
+        dist.all_reduce(total, group=self.dims.dp_group)
+        if self.dims.pp > 1:
+            dist.all_reduce(total, group=self.dims.pp_group)
+        return float(total) / max(count, 1.0)
+
+    def _dense_loss(self, x: torch.Tensor, y: torch.Tensor, builtin: bool, loss_fn: LossFn) -> torch.Tensor:
+        if builtin:
+            return token_losses(self.engine(x), y, self.dims.tp).sum()  # logits (b, T, V / tp) fp32
+        return loss_fn(self.engine, {"inputs": x, "targets": y})
+
+    def _all_finite(self, grads: dict) -> bool:
+        """Every rank's accumulated gradients finite (one flag over the world)."""
+        ok = torch.tensor([float(all(bool(torch.isfinite(g).all()) for g in grads.values()))], device=self.dims.device)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+        return bool(ok.item())
+
+    # ------------------------------------------------------------------ training
+    def backward_step(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss, count_fn: CountFn = lm_count
+                      ) -> tuple[float, float, bool]:
+        """Forward and backward over the step's micro-batches; afterwards the gradients are in
+        DeepSpeed, reduced over the data-parallel group. Returns (mean loss, global token count,
+        finite). With pp == 1 the accumulation window's last engine.step() is optimizer_step's."""
+        builtin = self._check_loss_fn(loss_fn)
+        count = self._global_count(micro_batches, count_fn)
+        scale = self.dims.dp / max(count, 1.0)  # per-token weight; DeepSpeed averages over dp
+        loss_sum = None
+        if self.dims.pp == 1:
+            chunks = self._pieces(micro_batches)
+            if len(chunks) != self.ds_accum:
+                raise ValueError(f"train_step got {len(micro_batches)} micro-batches; the engine was built for "
+                                 f"train.grad_accum={self.cfg.train.grad_accum}")
+            for i, (x, y) in enumerate(chunks):
+                part = self._dense_loss(x, y, builtin, loss_fn)
+                self.engine.backward(part * scale, scale_wrt_gas=False)
+                loss_sum = part.detach() if loss_sum is None else loss_sum + part.detach()
+                if i < len(chunks) - 1:
+                    self.engine.step()  # inside the accumulation window: no update, counts the micro-step
+            loss = self._global_loss(loss_sum, count)
+            return loss, count, math.isfinite(loss)
+        shadows = ShadowGrads(self.module)
+        with shadows.active():
+            for round_ in self._rounds(micro_batches):
+                part = self.ring.run(round_, scale, backward=True)
+                if part is not None:
+                    loss_sum = part if loss_sum is None else loss_sum + part
+        loss = self._global_loss(loss_sum, count)
+        grads = shadows.grads()
+        finite = math.isfinite(loss) and self._all_finite(grads)
+        if finite:  # a non-finite step never reaches DeepSpeed: nothing to undo
+            sync_pipeline_replicas(grads, self.module, self.dims)
+            deposit_grads(self.engine, grads)
+        return loss, count, finite
+
+    def train_step(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss, count_fn: CountFn = lm_count
+                   ) -> StepStats:
+        self.module.train()
+        loss, count, finite = self.backward_step(micro_batches, loss_fn, count_fn)
+        lr = self.cfg.optim.lr * self.lr_factor(self.steps_taken)
+        if self.dims.pp > 1 and not finite:
+            return StepStats(loss=loss, grad_norm=float("nan"), lr=lr, num_tokens=int(count), skipped=True)
+        grad_norm, applied = self.stepper.step(lr, skip=not finite)
+        skipped = not (applied and math.isfinite(grad_norm))
+        if not skipped:
+            self.steps_taken += 1
+        return StepStats(loss=loss, grad_norm=grad_norm, lr=lr, num_tokens=int(count), skipped=skipped)
+
+    @torch.no_grad()
+    def eval_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss, count_fn: CountFn = lm_count) -> float:
+        """Mean token loss over the micro-batches of every data-parallel rank (no gradients)."""
+        self.module.eval()
+        builtin = self._check_loss_fn(loss_fn)
+        count = self._global_count(micro_batches, count_fn)
+        loss_sum = None
+        if self.dims.pp == 1:
+            loss_sum = sum(self._dense_loss(x, y, builtin, loss_fn) for x, y in self._pieces(micro_batches))
+        else:
+            for round_ in self._rounds(micro_batches):
+                part = self.ring.run(round_, 1.0, backward=False)
+                if part is not None:
+                    loss_sum = part if loss_sum is None else loss_sum + part
+        return self._global_loss(loss_sum, count)
+
+    @torch.no_grad()
+    def logits(self, inputs: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits (b, T, V) of the dense schedule on every rank; pp == 1 only."""
+        if self.dims.pp != 1:
+            raise NotImplementedError("logits() runs the dense schedule and needs parallel.pp == 1")
+        return gather_vocab(self.engine(inputs.to(self.dims.device)), self.dims)
+
+    # ------------------------------------------------------------------ inspection
+    def gradients(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every parameter gradient after backward_step (complete over the
+        data-parallel partitions, via DeepSpeed's safe_get_full_grad)."""
+        from deepspeed.utils import safe_get_full_grad
+
+        out = {}
+        for name, p in self.module.named_parameters():
+            g = safe_get_full_grad(p) if self.cfg.parallel.zero_stage > 0 or self.bf16 else p.grad
+            if g is not None:
+                out[name] = g.detach().float().clone()
+        return out
+
+    def parameters_fp32(self) -> dict[str, torch.Tensor]:
+        """This rank's shard of every parameter: the fp32 master weights where DeepSpeed keeps
+        them (a collective over the data-parallel group under ZeRO-3: call on every rank)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        out = {}
+        for name, p in self.module.named_parameters():
+            if self.cfg.parallel.zero_stage > 0 or self.bf16:
+                out[name] = safe_get_full_fp32_param(p).detach().clone()
+            else:
+                out[name] = p.detach().clone()
+        return out
+
+    def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
+        """The single-device state dict (fp32, CPU) on global rank 0, None elsewhere. Collective:
+        every rank calls it."""
+        local = self.parameters_fp32()
+        if self.dims.dp_rank != 0:
+            return None
+        full = gather_tp(local, self.dims)
+        if self.dims.tp_rank != 0:
+            return None
+        return gather_pp_to_first({k: v.cpu() for k, v in full.items()}, self.dims)
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict:
+        """What the DeepSpeed checkpoint does not hold: the learning-rate schedule position."""
+        return {"steps_taken": self.steps_taken}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.steps_taken = int(state["steps_taken"])
+
+    def save(self, directory: Path) -> None:
+        """Every rank writes its shards (DeepSpeed's engine checkpoint: module and ZeRO optimizer
+        state, under ``deepspeed/``); rank 0 adds ``engine.pt`` and a consolidated
+        ``model.safetensors`` (the single-device layout, fp32), which the export and inspect
+        tools and ``train.init_from`` read like a single-process checkpoint. The caller
+        (CheckpointManager) makes the directory atomic."""
+        directory = Path(directory)
+        self.engine.save_checkpoint(str(directory), tag=DS_TAG, client_state={}, save_latest=False)
+        full = self.full_state_dict()
+        if self.dims.rank == 0:
+            from safetensors.torch import save_model
+
+            torch.save(self.state_dict(), directory / "engine.pt")
+            model = build_model(self.full_cfg, "meta")
+            model.to_empty(device="cpu")
+            if self.full_cfg.tie_embeddings:
+                model.lm_head.weight = model.embed.weight  # to_empty unties; re-tie before loading
+                full.setdefault("lm_head.weight", full["embed.weight"])
+            model.load_state_dict(full, strict=True)
+            save_model(model, str(directory / "model.safetensors"))
+        dist.barrier()
+
+    def load(self, directory: Path) -> None:
+        """Resumes from a checkpoint written by :meth:`save` on the same layout."""
+        directory = Path(directory)
+        check_layout(directory, self.layout())
+        if not (directory / DS_TAG).is_dir():
+            raise CheckpointError(f"checkpoint {directory} has no {DS_TAG}/ directory: it was not written by the "
+                                  "distributed engine; start from it with train.init_from (after export) instead")
+        load_path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=True,
+                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
+        if load_path is None:
+            raise CheckpointError(f"DeepSpeed could not load {directory / DS_TAG} on layout {self.layout()}")
+        self.load_state_dict(torch.load(directory / "engine.pt", weights_only=False))
+
+
+def gather_pp_to_first(named: dict[str, torch.Tensor], dims: ParallelDims) -> Optional[dict[str, torch.Tensor]]:
+    """Merges the stages' dictionaries onto stage 0 (None on the other stages); a pipeline
+    replica keeps the first stage's copy."""
+    if dims.pp == 1:
+        return named
+    parts = [None] * dims.pp if dims.is_first_stage else None
+    dist.gather_object(named, parts, dst=dims.pp_ranks[0], group=dims.pp_group)
+    if not dims.is_first_stage:
+        return None
+    out: dict[str, torch.Tensor] = {}
+    for part in parts:
+        for k, v in part.items():
+            out.setdefault(k, v)
+    return out

@@ -1,0 +1,226 @@
+"""One pipeline stage of an RLT, behind the small interface the ring schedule drives.
+
+Stage s owns blocks and cross blocks ``layers = [a, b)``; stage 0 also owns ``embed`` and the
+recurrence input (``recur_norm``, ``recur_proj``, ``z_init``), the last stage ``memory_norm``,
+``final_norm`` and ``lm_head``. ``null_memory`` is replicated on every stage (each computes the
+cross K/V of its own layers with ``model.memory_kv(m, layers)``) and its gradient is summed
+over the pipeline group; a tied ``lm_head`` on the last stage is a second copy of ``embed``
+whose gradient is summed with the first stage's, as Megatron does.
+
+The interface (``j`` is a micro-batch, ``t`` a position; tensors in and out are what the
+schedule sends and receives; the stage keeps its autograd graph between forward and backward)::
+
+    start(micro_batches, loss_scale, grad)      per round
+    enc_fwd(j, x) -> y      encoder layers; x None on stage 0 (embeds); y on the last stage is m
+    mem_fwd(j, m)           cross K/V of my layers from the memory m (None on the last stage)
+    dec_fwd(j, t, x) -> y   decoder layers at position t; on stage 0 x is z_{t-1} (None at t=0)
+    loss_fwd(j) -> sum      last stage: head + token losses of micro-batch j (scaled for backward)
+    loss_bwd(j)             last stage
+    dec_bwd(j, t, g) -> gx  g: gradient of y from the next stage (None where nothing was sent)
+    mem_bwd(j) -> gm        gradient of m from my cross K/V
+    enc_bwd(j, g) -> gx
+
+Autograd cuts: each decoder step is backwarded on its own (its output gradient arrives over the
+wire), so tensors that many steps read (the memory K/V, the embeddings, the head input) are
+detached leaves whose gradients accumulate over the steps and are pushed into their producers
+once. The per-layer ``DecoderKV`` needs the steps of one micro-batch backwarded in decreasing
+t on every stage; the reversed ring does exactly that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from rlt_mega.model.cache import DecoderKV, MemoryKV
+from rlt_mega.model.rlt import RLT
+from rlt_mega.parallel.tp import token_losses
+
+
+def prune_to_stage(model: RLT, layers: range, is_first: bool, is_last: bool) -> RLT:
+    """Removes (in place) everything stage ``layers`` does not own. Parameter names stay global
+    (``blocks.5.attn.q.weight`` on the stage that owns layer 5), so checkpoints of different
+    stages merge by name."""
+    for i in range(model.cfg.n_layers):
+        if i not in layers:
+            model.blocks[i] = nn.Module()
+            model.cross[i] = nn.Module()
+            if model.dec_blocks is not None:
+                model.dec_blocks[i] = nn.Module()
+    if not is_first:
+        model.embed = None
+        model.recur_norm = None
+        model.recur_proj = None
+        model.z_init = None
+    if not is_last:
+        model.memory_norm = None
+        model.final_norm = None
+        model.lm_head = None
+    return model
+
+
+def _leaf(x: torch.Tensor, grad: bool) -> torch.Tensor:
+    return x.detach().requires_grad_(grad)
+
+
+def _backward(outputs: list, grads: list) -> None:
+    pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+@dataclass
+class _MicroBatch:
+    inputs: torch.Tensor  # (b, T) token ids
+    targets: torch.Tensor  # (b, T), IGNORE_INDEX where there is no target
+    dec: DecoderKV
+    emb: Optional[torch.Tensor] = None  # (b, T, d) stage 0: the embeddings, with graph
+    e_steps: list = field(default_factory=list)  # stage 0: leaf (b, d) per position
+    enc_in: Optional[torch.Tensor] = None
+    enc_out: Optional[torch.Tensor] = None
+    m_in: Optional[torch.Tensor] = None  # the memory leaf my cross K/V read
+    mem_out: list = field(default_factory=list)  # (k, v) with graph into m_in
+    mem: Optional[MemoryKV] = None  # the same K/V as leaves, read by the decoder steps
+    dec_in: dict = field(default_factory=dict)  # t -> input leaf
+    dec_out: dict = field(default_factory=dict)  # t -> output with graph
+    z_cut: dict = field(default_factory=dict)  # last stage: t -> leaf (b, 1, d) for the head
+    loss: Optional[torch.Tensor] = None
+
+
+class RLTStage:
+    """The stage interface over a pruned (and possibly tensor-parallel) RLT."""
+
+    def __init__(self, model: RLT, layers: range, is_first: bool, is_last: bool, tp: int) -> None:
+        self.model, self.layers = model, layers
+        self.is_first, self.is_last, self.tp = is_first, is_last, tp
+        self.mbs: list[_MicroBatch] = []
+        self.grad = True
+        self.loss_scale = 1.0
+
+    # ------------------------------------------------------------------ shapes for receiving
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.null_memory.dtype
+
+    def activation_shape(self, j: int, kind: str) -> tuple:
+        """Shape of a message of ``kind`` for micro-batch j: "seq" (b, T, d) for the encoder and
+        the memory, "step" (b, 1, d) for a decoder position."""
+        b, T = self.mbs[j].inputs.shape
+        d = self.model.cfg.d_model
+        return (b, T, d) if kind == "seq" else (b, 1, d)
+
+    # ------------------------------------------------------------------ round set-up
+    def start(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float, grad: bool) -> None:
+        """micro_batches: (inputs (b, T), targets (b, T)) per micro-batch of this round;
+        loss_scale multiplies the token-loss sum before backward (1 / global token count times
+        the data-parallel size, since DeepSpeed averages over data-parallel ranks)."""
+        T = micro_batches[0][0].shape[1]
+        self.mbs = [_MicroBatch(x, y, DecoderKV(self.model.cfg.n_layers, capacity=T)) for x, y in micro_batches]
+        self.loss_scale, self.grad = loss_scale, grad
+
+    def finish(self) -> None:
+        self.mbs = []
+
+    # ------------------------------------------------------------------ forward
+    def enc_fwd(self, j: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+        mb, model = self.mbs[j], self.model
+        if self.is_first:
+            mb.emb = model.embed(mb.inputs)  # (b, T, d)
+            x = mb.emb
+            if self.grad:  # the decoder reads the embeddings position by position: one leaf each
+                mb.e_steps = [_leaf(mb.emb[:, t], True) for t in range(mb.emb.shape[1])]
+        mb.enc_in = _leaf(x, self.grad)
+        h = model.encode(mb.enc_in, layers=self.layers)
+        mb.enc_out = model.memory_norm(h) if self.is_last else h
+        return mb.enc_out
+
+    def mem_fwd(self, j: int, m: Optional[torch.Tensor]) -> None:
+        mb = self.mbs[j]
+        mb.m_in = _leaf(mb.enc_out if self.is_last else m, self.grad)
+        dense = self.model.memory_kv(mb.m_in, layers=self.layers)
+        mb.mem = MemoryKV(self.model.cfg.n_layers, capacity=dense.capacity)
+        mb.mem_out = []
+        for i in self.layers:
+            k, v = dense.k[i], dense.v[i]
+            mb.mem_out += [k, v]
+            mb.mem.set(i, _leaf(k, self.grad), _leaf(v, self.grad))
+
+    def _dec_step(self, x: torch.Tensor, e_t: Optional[torch.Tensor], t: int, dec: DecoderKV,
+                  mem: MemoryKV) -> torch.Tensor:
+        if self.is_first:
+            x = self.model.decoder_input(e_t, x.squeeze(1))  # (b, 1, d)
+        return self.model.decoder_layers(x, t, dec, mem, layers=self.layers)
+
+    def dec_fwd(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+        mb, model = self.mbs[j], self.model
+        if self.is_first and t == 0:
+            x = model.initial_state(mb.inputs.shape[0]).unsqueeze(1)  # (b, 1, d), graph into z_init
+        else:
+            x = _leaf(x, self.grad)
+            mb.dec_in[t] = x
+        e_t = None
+        if self.is_first:
+            e_t = mb.e_steps[t] if self.grad else mb.emb[:, t]
+        if self.grad and model.checkpointing.decoder != "none":
+            # One checkpointed segment per step on every stage: the stage's steps are not
+            # contiguous in time (the ring interleaves them), so "every_k" degrades to "step".
+            y = checkpoint(self._dec_step, x, e_t, t, mb.dec, mb.mem, use_reentrant=False,
+                           preserve_rng_state=False)
+        else:
+            y = self._dec_step(x, e_t, t, mb.dec, mb.mem)
+        if self.grad:
+            mb.dec_out[t] = y
+        if self.is_last:
+            mb.z_cut[t] = _leaf(y, self.grad)
+        return y
+
+    def loss_fwd(self, j: int) -> torch.Tensor:
+        """Head over all positions at once (one GEMM shape, as the dense model does) -> the
+        micro-batch's token-loss sum (fp32, no graph)."""
+        mb = self.mbs[j]
+        z = torch.cat([mb.z_cut[t] for t in range(len(mb.z_cut))], dim=1)  # (b, T, d)
+        losses = token_losses(self.model.head(z), mb.targets, self.tp)  # (b, T)
+        total = losses.sum()
+        if self.grad:
+            mb.loss = total * self.loss_scale
+        return total.detach()
+
+    # ------------------------------------------------------------------ backward
+    def loss_bwd(self, j: int) -> None:
+        self.mbs[j].loss.backward()
+        self.mbs[j].loss = None
+
+    def dec_bwd(self, j: int, t: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        mb = self.mbs[j]
+        y = mb.dec_out.pop(t)
+        if self.is_last:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
+            head_grad = mb.z_cut.pop(t).grad
+            g = head_grad if g is None else head_grad + g
+        _backward([y], [g])
+        x = mb.dec_in.pop(t, None)
+        return None if x is None else x.grad
+
+    def mem_bwd(self, j: int) -> torch.Tensor:
+        mb = self.mbs[j]
+        leaves = []
+        for i in self.layers:
+            leaves += [mb.mem.k[i], mb.mem.v[i]]
+        _backward(mb.mem_out, [leaf.grad for leaf in leaves])
+        mb.mem, mb.mem_out = None, []
+        g = mb.m_in.grad
+        return torch.zeros_like(mb.m_in) if g is None else g
+
+    def enc_bwd(self, j: int, g: torch.Tensor) -> Optional[torch.Tensor]:
+        mb = self.mbs[j]
+        _backward([mb.enc_out], [g])
+        if self.is_first:
+            # Encoder-path gradient of the embeddings plus the decoder's, position by position.
+            g_dec = torch.stack([e.grad if e.grad is not None else torch.zeros_like(e) for e in mb.e_steps], dim=1)
+            g_emb = g_dec if mb.enc_in.grad is None else mb.enc_in.grad + g_dec
+            _backward([mb.emb], [g_emb])
+            return None
+        return mb.enc_in.grad

@@ -1,0 +1,206 @@
+"""Tensor parallelism: a plan (module-name pattern -> megatron-core layer kind) applied to a
+single-device RLT.
+
+Each matched ``nn.Linear`` / ``nn.Embedding`` is replaced by a megatron-core layer whose shard
+is copied from the single-device weights, so a TP model equals the model built with the same
+seed (the test checks logits and every gathered gradient against it). The model code reads
+head counts from projection output sizes, so a column shard of q/k/v simply holds
+``n_heads / tp`` (``n_kv_heads / tp``) whole heads: heads are contiguous blocks of rows and
+GQA groups stay on one rank because both splits are contiguous.
+
+Norms, ``recur_proj``, ``null_memory`` and ``z_init`` stay replicated (every TP rank computes
+them on identical inputs, so their gradients agree without communication).
+
+CPU/gloo constraints (ENGINES.md): ``use_cpu_initialization=True``, no sequence parallel,
+``gather_output=False`` and ``input_is_parallel=True`` only, no megatron RNG tracker or
+megatron checkpointing (the model uses torch.utils.checkpoint, non-reentrant).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlt_mega.parallel.dims import ParallelDims
+
+# Module-name pattern -> layer kind. "column": output features split (gather_output=False);
+# "row": input features split (input_is_parallel=True; output all-reduced); "vocab": embedding
+# rows split; "vocab_head": lm_head as a column-parallel layer whose local output is a vocab
+# shard (the loss is vocab_parallel_cross_entropy on it).
+TP_PLAN: dict[str, str] = {
+    "embed": "vocab",
+    "blocks.*.attn.q": "column", "blocks.*.attn.k": "column", "blocks.*.attn.v": "column",
+    "blocks.*.attn.o": "row",
+    "blocks.*.mlp.gate": "column", "blocks.*.mlp.up": "column", "blocks.*.mlp.down": "row",
+    "dec_blocks.*.attn.q": "column", "dec_blocks.*.attn.k": "column", "dec_blocks.*.attn.v": "column",
+    "dec_blocks.*.attn.o": "row",
+    "dec_blocks.*.mlp.gate": "column", "dec_blocks.*.mlp.up": "column", "dec_blocks.*.mlp.down": "row",
+    "cross.*.attn.q": "column", "cross.*.attn.k": "column", "cross.*.attn.v": "column",
+    "cross.*.attn.o": "row",
+    "lm_head": "vocab_head",
+}
+
+# Which weight dimension each kind splits (for sharding here and gathering in gather.py).
+SHARD_DIM = {"column": 0, "vocab_head": 0, "vocab": 0, "row": 1}
+
+
+def plan_kind(name: str, plan: dict[str, str] = TP_PLAN) -> Optional[str]:
+    for pattern, kind in plan.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return kind
+    return None
+
+
+def param_shard_dim(param_name: str, plan: dict[str, str] = TP_PLAN) -> Optional[int]:
+    """The dimension along which a parameter is split across TP ranks (None: replicated).
+    A column layer's bias is split with its rows; a row layer's bias is replicated."""
+    module, _, leaf = param_name.rpartition(".")
+    kind = plan_kind(module, plan)
+    if kind is None:
+        return None
+    if leaf == "bias":
+        return 0 if kind in ("column", "vocab_head") else None
+    return SHARD_DIM[kind]
+
+
+def _megatron_config(dims: ParallelDims, dtype: torch.dtype):
+    from megatron.core import ModelParallelConfig
+
+    return ModelParallelConfig(tensor_model_parallel_size=dims.tp, use_cpu_initialization=True,
+                               perform_initialization=False, params_dtype=dtype, sequence_parallel=False,
+                               gradient_accumulation_fusion=False)
+
+
+def _no_init(_: torch.Tensor) -> None:  # weights are copied from the single-device model
+    return None
+
+
+def _flatten(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
+    """megatron's weight-gradient GEMM flattens only 3-D inputs; we feed it 2-D rows."""
+    return x.reshape(-1, x.shape[-1]), x.shape[:-1]
+
+
+def _make_layers():
+    """The megatron layer adapters, defined lazily so importing this module does not import
+    megatron-core (its import alone takes seconds)."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+    class ColumnLinear(ColumnParallelLinear):
+        """ColumnParallelLinear returning a tensor (megatron returns (out, bias))."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out / tp)
+            flat, lead = _flatten(x)
+            out, _ = super().forward(flat)
+            return out.reshape(*lead, out.shape[-1])
+
+    class RowLinear(RowParallelLinear):
+        """RowParallelLinear on an input already split by the column layer before it."""
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in / tp) -> (..., d_out)
+            flat, lead = _flatten(x)
+            out, _ = super().forward(flat)
+            return out.reshape(*lead, out.shape[-1])
+
+    class VocabEmbedding(VocabParallelEmbedding):
+        pass
+
+    return ColumnLinear, RowLinear, VocabEmbedding
+
+
+def _shard(weight: torch.Tensor, dim: int, rank: int, size: int) -> torch.Tensor:
+    return weight.detach().chunk(size, dim=dim)[rank].clone()
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+@torch.no_grad()
+def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, str] = TP_PLAN) -> nn.Module:
+    """Swaps the planned layers of ``model`` (in place) for megatron-core layers holding this
+    rank's shard of the current weights. Returns the model. A no-op when tp == 1."""
+    if dims.tp == 1:
+        return model
+    from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
+
+    ColumnLinear, RowLinear, VocabEmbedding = _make_layers()
+    # An lm_head tied to embed shares one Parameter; after sharding both hold the same vocab
+    # rows (both split dim 0 into contiguous blocks), and we tie the shards again below.
+    tied = getattr(model, "lm_head", None) is not None and getattr(model, "embed", None) is not None \
+        and model.lm_head.weight is model.embed.weight
+    targets = [(name, mod, plan_kind(name, plan)) for name, mod in model.named_modules()]
+    for name, mod, kind in targets:
+        if kind is None:
+            continue
+        dtype = next(mod.parameters()).dtype
+        cfg = _megatron_config(dims, dtype)
+        if kind == "vocab":
+            assert isinstance(mod, nn.Embedding), f"TP plan: {name} is {type(mod).__name__}, expected nn.Embedding"
+            new = VocabEmbedding(mod.num_embeddings, mod.embedding_dim, init_method=_no_init, config=cfg,
+                                 tp_group=dims.tp_group)
+            new.weight.copy_(_shard(mod.weight, 0, dims.tp_rank, dims.tp))
+        else:
+            assert isinstance(mod, nn.Linear), f"TP plan: {name} is {type(mod).__name__}, expected nn.Linear"
+            bias = mod.bias is not None
+            if kind in ("column", "vocab_head"):
+                new = ColumnLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
+                                   gather_output=False, tp_group=dims.tp_group)
+                new.weight.copy_(_shard(mod.weight, 0, dims.tp_rank, dims.tp))
+                if bias:
+                    new.bias.copy_(_shard(mod.bias, 0, dims.tp_rank, dims.tp))
+            else:
+                new = RowLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
+                                input_is_parallel=True, skip_bias_add=False, tp_group=dims.tp_group)
+                new.weight.copy_(_shard(mod.weight, 1, dims.tp_rank, dims.tp))
+                if bias:
+                    new.bias.copy_(mod.bias.detach())
+        new.to(mod.weight.device)
+        # megatron marks shards only when it initialises them itself (perform_initialization);
+        # DeepSpeed's gradient norm counts a parameter on every TP rank only when it is marked.
+        # (A column layer's bias is marked by megatron already.)
+        set_tensor_model_parallel_attributes(new.weight, True, SHARD_DIM[kind], 1)
+        for p in new.parameters():
+            p.requires_grad_(True)
+        _replace(model, name, new)
+    if tied:
+        model.lm_head.weight = model.embed.weight
+    return model
+
+
+# ------------------------------------------------------------------------------------------
+# The loss and the logits of a vocab-parallel head
+# ------------------------------------------------------------------------------------------
+
+IGNORE_INDEX = -100
+
+
+def token_losses(logits: torch.Tensor, targets: torch.Tensor, tp: int) -> torch.Tensor:
+    """Per-token cross-entropy: logits (..., V / tp) fp32 vocab shard, targets (...) with
+    IGNORE_INDEX for positions without a target -> (...) fp32, zero where ignored.
+
+    Under TP the logits are consumed in place by megatron's vocab_parallel_cross_entropy: do
+    not reuse them afterwards."""
+    mask = targets != IGNORE_INDEX
+    if tp == 1:
+        losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none",
+                                 ignore_index=IGNORE_INDEX).view(targets.shape)
+        return losses
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    losses = vocab_parallel_cross_entropy(logits, targets.masked_fill(~mask, 0))
+    return losses * mask
+
+
+def gather_vocab(logits: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """(..., V / tp) vocab shard -> (..., V) on every TP rank (no autograd)."""
+    if dims.tp == 1:
+        return logits
+    parts = [torch.empty_like(logits) for _ in range(dims.tp)]
+    torch.distributed.all_gather(parts, logits.contiguous(), group=dims.tp_group)
+    return torch.cat(parts, dim=-1)

@@ -1,0 +1,167 @@
+"""DeepSpeed ZeRO (stages 0-3) over the data-parallel group only.
+
+DeepSpeed receives the stage's module, a torch AdamW (no JIT-compiled ops), and our ``mpu``
+(dims.py), so ZeRO partitions over the data-parallel group and sums gradient norms over the
+tp x pp group. What we adjust, and why:
+
+* **Global-norm clipping across every group.** DeepSpeed counts a parameter in the norm when it
+  is tensor-parallel (``tensor_model_parallel``/``model_parallel`` attribute) or when the rank's
+  *tensor*-parallel rank is 0 (ZeRO, bf16 optimizer), or -- the plain fp32 path -- when the
+  rank's *model*-parallel (tp x pp) rank is 0, which drops the replicated parameters (norms,
+  biases) of every pipeline stage but the first. Pipeline replicas (a tied lm_head on the last
+  stage, ``null_memory`` on stages > 0) must not be counted twice. :func:`mark_for_grad_norm`
+  sets the attributes so that every formula counts each gradient exactly once; the tests
+  compare the gradient norm with a single-process reference.
+* The plain fp32 path (stage 0, no bf16) does not expose the norm it computes, so we call
+  DeepSpeed's own ``clip_grad_norm_`` (same function, same mpu) and keep its result; DeepSpeed's
+  ``gradient_clipping`` is then 0 on that path only, so clipping happens once.
+* ``deepspeed_shm_comm`` is switched off before ``init_distributed`` (it would JIT-compile a
+  CPU op and is not needed: torch.distributed carries the collectives).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from typing import Optional
+
+import torch
+from torch import nn
+
+from rlt_mega.config import OptimConfig
+from rlt_mega.log import get_logger
+from rlt_mega.parallel.dims import ParallelDims
+
+log = get_logger(__name__)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """The local engine's AdamW groups (engine.param_groups: decay on matrices, none on norms,
+    biases, embeddings, null_memory, z_init), with one addition: on the last pipeline stage a
+    tied ``lm_head.weight`` is the embedding's copy and must be treated like it, or the two
+    copies would drift apart."""
+    tied = getattr(model.cfg, "tie_embeddings", False)
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        is_embedding = "embed" in name or (tied and name == "lm_head.weight")
+        (decay if p.dim() >= 2 and not is_embedding else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def pipeline_replicas(model: nn.Module, dims: ParallelDims) -> dict[str, object]:
+    """Parameters that exist on more than one pipeline stage: name -> the process group over
+    which their gradients are summed. The copy on the first stage is the owner (counted in the
+    gradient norm); the others are replicas."""
+    out = {}
+    if dims.pp == 1:
+        return out
+    names = dict(model.named_parameters())
+    if "null_memory" in names:
+        out["null_memory"] = dims.pp_group
+    tied = getattr(model.cfg, "tie_embeddings", False)
+    if tied and (dims.is_first_stage or dims.is_last_stage):
+        out["embed.weight" if dims.is_first_stage else "lm_head.weight"] = dims.embed_group
+    return out
+
+
+def mark_for_grad_norm(model: nn.Module, dims: ParallelDims) -> None:
+    """Sets DeepSpeed's attributes so each gradient is counted once in the global norm."""
+    replicas = pipeline_replicas(model, dims)
+    for name, p in model.named_parameters():
+        owner_copy = dims.is_first_stage
+        if name in replicas and not owner_copy:
+            p.ds_pipe_replicated = True  # skipped by ZeRO and the bf16 optimizer
+            if getattr(p, "tensor_model_parallel", False):
+                p.tensor_model_parallel = False  # and by the fp32 path (whose mp rank is not 0 here)
+            continue
+        tp_sharded = getattr(p, "tensor_model_parallel", False)
+        if not tp_sharded and dims.tp_rank == 0 and dims.pp_rank > 0:
+            # A replicated parameter of a later stage: counted once, on its TP rank 0. The ZeRO
+            # formula already does so (tp_rank == 0); this makes the fp32 path (mp_rank == 0) agree.
+            p.model_parallel = True
+
+
+def sync_pipeline_replicas(grads: dict[nn.Parameter, torch.Tensor], model: nn.Module, dims: ParallelDims) -> None:
+    """Sums the gradients of pipeline-replicated parameters over their groups (in place)."""
+    names = dict(model.named_parameters())
+    for name, group in pipeline_replicas(model, dims).items():
+        g = grads[names[name]]
+        torch.distributed.all_reduce(g, group=group)
+
+
+def deepspeed_config(optim: OptimConfig, zero_stage: int, bf16: bool, micro_batch_size: int,
+                     grad_accum_steps: int) -> dict:
+    plain_fp32 = zero_stage == 0 and not bf16
+    cfg = {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": grad_accum_steps,
+        # Set explicitly: DeepSpeed's default is 1.0. The plain fp32 path clips in zero.py.
+        "gradient_clipping": 0.0 if plain_fp32 else float(optim.grad_clip),
+        "bf16": {"enabled": bool(bf16)},
+        "fp16": {"enabled": False},
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if zero_stage > 0:
+        cfg["zero_optimization"] = {"stage": zero_stage, "overlap_comm": False}
+    return cfg
+
+
+def init_deepspeed(model: nn.Module, dims: ParallelDims, optim: OptimConfig, zero_stage: int, bf16: bool,
+                   micro_batch_size: int, grad_accum_steps: int):
+    """Wraps ``model`` in a DeepSpeed engine with a torch AdamW; returns the engine."""
+    if dims.device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probing (and its warning) per rank
+    import deepspeed
+
+    deepspeed.utils.logger.setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # its INFO lines are per rank
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # before init_distributed
+    deepspeed.init_distributed(dist_backend=dims.backend)
+    if bf16 and dims.device.type == "cpu" and zero_stage == 0:
+        log.info("bf16 without ZeRO: DeepSpeed's bf16 optimizer keeps fp32 master weights partitioned over dp")
+    optimizer = torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr,
+                                  betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
+    config = deepspeed_config(optim, zero_stage, bf16, micro_batch_size, grad_accum_steps)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=dims.mpu())
+    return engine
+
+
+class ZeroStepper:
+    """The optimizer step of a DeepSpeed engine: learning rate, clipping, global gradient norm."""
+
+    def __init__(self, engine, dims: ParallelDims, optim: OptimConfig, zero_stage: int, bf16: bool) -> None:
+        self.engine, self.dims, self.optim = engine, dims, optim
+        self.plain_fp32 = zero_stage == 0 and not bf16
+
+    def set_lr(self, lr: float) -> None:
+        for group in self.engine.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self, lr: Optional[float], skip: bool = False) -> tuple[float, bool]:
+        """engine.step() at the accumulation boundary -> (global gradient norm before clipping,
+        whether the update was applied). ``skip``: the step's loss was not finite. DeepSpeed's
+        ZeRO and bf16 optimizers skip a step whose gradient norm is not finite by themselves;
+        on the plain fp32 path we drop the gradients and let the step run empty (AdamW leaves
+        parameters without gradients untouched), which keeps DeepSpeed's micro-step count."""
+        if lr is not None:
+            self.set_lr(lr)
+        if self.plain_fp32:
+            from deepspeed.runtime.utils import clip_grad_norm_
+
+            params = [p for p in self.engine.module.parameters() if p.grad is not None]
+            max_norm = self.optim.grad_clip if self.optim.grad_clip > 0 else math.inf
+            norm = float(clip_grad_norm_(params, max_norm, mpu=self.dims.mpu()))
+            if skip or not math.isfinite(norm):
+                self.engine.zero_grad()
+                self.engine.step()
+                return norm, False
+            self.engine.step()
+            return norm, True
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return norm, bool(self.engine.was_step_applied()) and not skip

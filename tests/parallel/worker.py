@@ -1,0 +1,34 @@
+"""Entry point of one rank: runs the scenarios listed in a JSON file, in order."""
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from tests.parallel import scenarios
+from tests.parallel.launch import key
+
+
+def main() -> None:
+    spec, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+
+    rank = int(os.environ["RANK"])
+    results = {}
+    out = out_dir / f"rank{rank}.json"
+    for name, args in json.loads(spec.read_text()):
+        try:
+            results[key(name, args)] = getattr(scenarios, name)(**args)
+        except Exception:  # recorded; the test that reads it fails with this traceback
+            results[key(name, args)] = {"error": traceback.format_exc()}
+            out.write_text(json.dumps(results))
+            # The other ranks may now wait in a collective for this one: stop, and the launcher
+            # stops them (the scenarios after this one report that they did not run).
+            sys.stdout.flush()
+            os._exit(1)
+        out.write_text(json.dumps(results))
+    scenarios.shutdown()
+
+
+if __name__ == "__main__":
+    main()
