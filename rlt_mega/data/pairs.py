@@ -67,15 +67,19 @@ class RecordOrder:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         return torch.randperm(self.num, generator=g)
 
-    def take(self, n: int) -> list[int]:
-        """The next n indices; an epoch boundary reshuffles (a batch never straddles it)."""
-        if n > self.num:
-            raise ValueError(f"a batch of {n} records from a dataset of {self.num}: lower the batch size or add data")
-        if self.cursor + n > self.num:
+    def take(self, n: int, rank: int = 0, world: int = 1) -> list[int]:
+        """This rank's n of the next n * world indices (data-parallel replicas take disjoint
+        strided rows of one global batch); an epoch boundary reshuffles, and a global batch
+        never straddles it."""
+        step = n * world
+        if step > self.num:
+            raise ValueError(f"a batch of {n} x {world} ranks from a dataset of {self.num} records: "
+                             "lower the batch size or add data")
+        if self.cursor + step > self.num:
             self.epoch, self.cursor = self.epoch + 1, 0
             self._order = self._permutation()
-        out = self._order[self.cursor:self.cursor + n].tolist()
-        self.cursor += n
+        out = self._order[self.cursor:self.cursor + step][rank::world].tolist()
+        self.cursor += step
         return out
 
     def state_dict(self) -> dict:

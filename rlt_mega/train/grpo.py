@@ -40,6 +40,7 @@ from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs, mismatch_m
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
 from rlt_mega.model import RLT
+from rlt_mega.parallel import distributed
 from rlt_mega.rollout import Rollout, generate, replay
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampling_params
@@ -266,6 +267,10 @@ class GRPOTrainer:
 
 
 def run(cfg: Config) -> dict:
+    if distributed.requested(cfg):
+        raise ConfigError("rlt-mega grpo runs in one process for now (parallel.tp = parallel.pp = 1, "
+                          "parallel.zero_stage = 0, no launcher): the sampler and replay under tensor/pipeline "
+                          "parallelism and the ZeRO update are not wired in yet")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
     if cfg.train.grad_accum != 1:

@@ -1,6 +1,7 @@
 """Supervised fine-tuning: prompt/answer pairs (GSM8K format: ``question``, ``answer``, from
 generated problems, a local jsonl or a hub dataset), cross-entropy on the answer tokens only,
-the dense schedule, and the checkpoint/metrics/resume machinery of pretraining (``Trainer``)."""
+the dense schedule, and the checkpoint/metrics/resume machinery of pretraining (``Trainer``),
+on one device or under the distributed engine (tensor/pipeline/ZeRO, launched as pretraining is)."""
 
 from __future__ import annotations
 
@@ -15,17 +16,19 @@ from rlt_mega.data.pairs import RecordOrder, tokenize_pairs
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.loss import IGNORE
 from rlt_mega.log import get_logger
+from rlt_mega.parallel import distributed
 from rlt_mega.train.loop import Trainer
-from rlt_mega.train.pretrain import build_local, check_vocab
+from rlt_mega.train.pretrain import build_distributed, build_local, check_vocab
 
 log = get_logger(__name__)
 
 
-def sft_batch(rows: dict, pad_id: int) -> dict:
+def sft_batch(rows: dict, pad_id: int, length: Optional[int] = None) -> dict:
     """rows: {'ids': [list], 'num_prompt': [int]} -> {'inputs', 'targets'} (B, T), right-padded to
-    the longest row; targets are IGNORE on the prompt and the padding (loss on answers only)."""
+    the longest row (or to ``length``); targets are IGNORE on the prompt and the padding (loss on
+    answers only)."""
     ids, num_prompt = rows["ids"], rows["num_prompt"]
-    T = max(len(x) for x in ids) - 1
+    T = length if length is not None else max(len(x) for x in ids) - 1
     inputs = torch.full((len(ids), T), pad_id, dtype=torch.long)
     targets = torch.full((len(ids), T), IGNORE, dtype=torch.long)
     for b, (x, p) in enumerate(zip(ids, num_prompt)):
@@ -39,12 +42,14 @@ class SFTBatches:
     """grad_accum micro-batches of pairs per step (the Trainer's BatchSource)."""
 
     def __init__(self, data: datasets.Dataset, batch_size: int, grad_accum: int, seed: int, pad_id: int,
-                 shuffle: bool = True, order: Optional[RecordOrder] = None) -> None:
+                 shuffle: bool = True, rank: int = 0, world: int = 1, length: Optional[int] = None) -> None:
         self.data, self.batch_size, self.grad_accum, self.pad_id = data, batch_size, grad_accum, pad_id
-        self.order = order or RecordOrder(len(data), seed, shuffle)
+        self.rank, self.world, self.length = rank, world, length
+        self.order = RecordOrder(len(data), seed, shuffle)
 
     def next_micro_batches(self) -> list[dict]:
-        return [sft_batch(self.data[self.order.take(self.batch_size)], self.pad_id) for _ in range(self.grad_accum)]
+        return [sft_batch(self.data[self.order.take(self.batch_size, self.rank, self.world)], self.pad_id,
+                          self.length) for _ in range(self.grad_accum)]
 
     def state_dict(self) -> dict:
         return self.order.state_dict()
@@ -54,6 +59,11 @@ class SFTBatches:
 
 
 def run(cfg: Config) -> dict:
+    with distributed.launch(cfg) as dims:  # None: one process, the local engine
+        return _run(cfg, dims)
+
+
+def _run(cfg: Config, dims) -> dict:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
     stats = DataStats()
@@ -63,16 +73,28 @@ def run(cfg: Config) -> dict:
     evald = tokenize_pairs(eval_recs, tokenizer, cfg.data.seq_len, stats, "eval")
     log.info("data: %d train pairs, %d eval pairs (answers truncated to data.seq_len=%d); %s", len(train),
              len(evald), cfg.data.seq_len, stats.summary())
+    # Data-parallel replicas read disjoint rows; the TP and PP ranks of a replica read the same.
+    dp_rank, dp = (dims.dp_rank, dims.dp) if dims is not None else (0, 1)
+    # The pipeline ring keeps micro-batches of one length in flight: pad to data.seq_len there.
+    length = cfg.data.seq_len if dims is not None and dims.pp > 1 else None
     batches = SFTBatches(train, cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.seed,
-                         tokenizer.pad_id, cfg.data.shuffle)
-    _, engine, _ = build_local(cfg)  # train.init_from, when set, is applied here
+                         tokenizer.pad_id, cfg.data.shuffle, rank=dp_rank, world=dp, length=length)
+    # train.init_from, when set, is applied by the builders. The loss is pretraining's token
+    # cross-entropy (lm_loss): the prompt's targets are IGNORE, so only answers count, and the
+    # distributed engine computes it TP/PP-aware as it does for pretraining.
+    engine = build_distributed(cfg, dims)[1] if dims is not None else build_local(cfg)[1]
 
     num_eval = min(len(evald), cfg.train.eval_batches * cfg.train.micro_batch_size)
 
     def eval_batches() -> list[dict]:
         size = cfg.train.micro_batch_size
-        return [sft_batch(evald[start:start + size], tokenizer.pad_id) for start in range(0, num_eval, size)]
+        return [sft_batch(evald[start:start + size], tokenizer.pad_id, length) for start in range(0, num_eval, size)]
 
-    result = Trainer(cfg, engine, batches, eval_batches).run()
+    if dims is None:
+        result = Trainer(cfg, engine, batches, eval_batches).run()
+    else:  # every data-parallel rank evaluates the same pairs; the engine averages over all
+        import torch.distributed as dist
+
+        result = Trainer(cfg, engine, batches, eval_batches, rank=dims.rank, barrier=dist.barrier).run()
     result["data/skipped"] = stats.total
     return result
