@@ -9,6 +9,10 @@
 # command on every node (RDZV_ENDPOINT: host:port of any one of them). NPROC_PER_NODE defaults
 # to the number of GPUs, or 2 on a CPU-only machine (gloo). parallel.dp is what is left of the
 # world size after tp * pp.
+#
+# Elastic restarts: MAX_RESTARTS=2 lets torchrun restart the whole group when a rank dies; with
+# train.resume=auto the ranks continue from the last checkpoint, bit for bit
+# (tests/test_elastic.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/env.sh"
@@ -17,9 +21,14 @@ GPUS="$(python -c 'import torch; print(torch.cuda.device_count())')"
 NPROC_PER_NODE="${NPROC_PER_NODE:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}"
 NNODES="${NNODES:-1}"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Without it torchrun's agent keeps one TCPStore for every attempt and restarted ranks read the
+# dead ranks' addresses ("Gloo connectFullMesh failed ... Connection refused" or an NCCL init
+# failure; pytorch/pytorch#135712). The c10d rendezvous then gives each attempt a fresh store.
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+MAX_RESTARTS="${MAX_RESTARTS:-0}"
 if [ "$NNODES" -gt 1 ]; then
   : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (any node of the job) for a multi-node run}"
-  exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --rdzv_backend c10d \
+  exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" --rdzv_backend c10d \
     --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-rlt_mega}" -m rlt_mega pretrain "$@"
 fi
-exec torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" -m rlt_mega pretrain "$@"
+exec torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" -m rlt_mega pretrain "$@"

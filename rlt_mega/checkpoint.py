@@ -12,8 +12,11 @@ Layout under ``checkpoint.dir``::
 
 A save writes into ``.tmp-step_N``, fsyncs every file, writes the manifest, renames the
 directory (atomic on POSIX) and only then replaces ``latest``. A crash at any point leaves
-the previous checkpoint and pointer intact; a directory without a valid manifest is never
-loaded, and ``resolve`` skips a damaged one with a warning.
+the previous checkpoint and pointer intact (tests/test_crash_resume.py kills a real run
+between every two of these phases). A ``.tmp-*`` directory or a step directory without a
+valid manifest is never loaded: resuming skips it with a warning and takes the checkpoint
+``latest`` names, or else the newest one that verifies; the next save removes the leftovers.
+Pruning keeps the newest ``keep`` complete checkpoints.
 """
 
 from __future__ import annotations
@@ -26,16 +29,22 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
+import yaml
+from safetensors import safe_open
 
+from rlt_mega.config import Config, to_dict
 from rlt_mega.log import get_logger
 
 log = get_logger(__name__)
 
 MANIFEST = "manifest.json"
+LATEST = "latest"
+TMP_PREFIX = ".tmp-"  # a save in progress (or interrupted): never loaded
+OLD_PREFIX = ".old-"  # a checkpoint being replaced by a re-save of its step
 _STEP_DIR = re.compile(r"^step_(\d{8,})$")
 
 
@@ -78,25 +87,31 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def _step_of(path: Path) -> int:
+    return int(_STEP_DIR.match(path.name).group(1))
+
+
 def verify(path: Path) -> dict:
     """Checks a checkpoint directory against its manifest; returns the manifest."""
     path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         raise CheckpointError(f"checkpoint {path} is incomplete: no {MANIFEST} (an interrupted save?)")
     try:
         manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError):
+        files = {str(name): (int(meta["size"]), str(meta["sha256"])) for name, meta in manifest["files"].items()}
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError):
         raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt") from None
-    for name, meta in files.items():
+    for name, (size, sha256) in files.items():
         f = path / name
         if not f.is_file():
             raise CheckpointError(f"checkpoint {path}: file {name} listed in the manifest is missing")
-        if f.stat().st_size != meta["size"]:
+        if f.stat().st_size != size:
             raise CheckpointError(f"checkpoint {path}: file {name} has {f.stat().st_size} bytes, "
-                                  f"the manifest says {meta['size']} (truncated?)")
-        if _sha256(f) != meta["sha256"]:
+                                  f"the manifest says {size} (truncated?)")
+        if _sha256(f) != sha256:
             raise CheckpointError(f"checkpoint {path}: file {name} does not match its checksum (corrupt)")
     return manifest
 
@@ -106,6 +121,11 @@ class CheckpointManager:
 
     Distributed engines call ``save`` on every rank with their ``rank`` and a ``barrier``:
     every rank writes its files into the same temporary directory, rank 0 finalises.
+
+    A save goes through four phases, each a method so that the crash tests can stop a real
+    process between any two of them (tests/crash_driver.py): ``write`` (every rank's files
+    into ``.tmp-step_N``), ``_seal`` (fsync, manifest), ``_publish`` (rename to ``step_N``),
+    ``_point`` (the ``latest`` pointer), then ``_prune``.
     """
 
     def __init__(self, root: str | Path, keep: int = 3, rank: int = 0,
@@ -114,71 +134,206 @@ class CheckpointManager:
 
     def save(self, step: int, write: Callable[[Path], None], meta: Optional[dict] = None) -> Path:
         final = self.root / step_dir_name(step)
-        tmp = self.root / f".tmp-{step_dir_name(step)}"
+        tmp = self.root / f"{TMP_PREFIX}{step_dir_name(step)}"
         if self.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-            if tmp.exists():
-                shutil.rmtree(tmp)  # the remains of an earlier interrupted save of this step
+            self._remove_leftovers()  # the remains of interrupted saves (no process writes them now)
             tmp.mkdir()
         self.barrier()
         write(tmp)
         self.barrier()
         if self.rank == 0:
-            files = {}
-            for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-                _fsync_file(f)
-                files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "sha256": _sha256(f)}
-            manifest = {"step": step, "time": time.time(), "files": files, **(meta or {})}
-            _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-            _fsync_dir(tmp)
-            if final.exists():  # re-saving a step (e.g. after a resume): replace it whole
-                shutil.rmtree(final)
-            os.replace(tmp, final)
-            _fsync_dir(self.root)
-            _write_atomic(self.root / "latest", final.name)
-            self._prune()
+            self._seal(tmp, step, meta)
+            self._publish(tmp, final)
+            self._point(final)
+            self._prune(step)
         self.barrier()
         return final
 
-    def _prune(self) -> None:
-        complete = self.list()
-        for old in complete[: max(0, len(complete) - self.keep)]:
-            shutil.rmtree(old, ignore_errors=True)
+    def _seal(self, tmp: Path, step: int, meta: Optional[dict]) -> None:
+        """fsync every file, then the manifest (size + sha256 of each), then the directory:
+        a manifest on disk implies the files it lists are on disk."""
+        files = {}
+        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
+            _fsync_file(f)
+            files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+        manifest = {"step": step, "time": time.time(), "files": files, **(meta or {})}
+        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
+        _fsync_dir(tmp)
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        """Renames the sealed directory into place. Re-saving a step (after resuming from an
+        older checkpoint) first renames the old one aside, so that at every instant the step
+        exists complete under one of the two names, never half-deleted."""
+        if final.exists():
+            aside = self.root / f"{OLD_PREFIX}{final.name}"
+            if aside.exists():
+                shutil.rmtree(aside)
+            os.replace(final, aside)
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+            shutil.rmtree(aside)
+        else:
+            os.replace(tmp, final)
+            _fsync_dir(self.root)
+
+    def _point(self, final: Path) -> None:
+        _write_atomic(self.root / LATEST, final.name)
+
+    def _prune(self, step: int) -> None:
+        """Keeps the newest ``keep`` checkpoints up to ``step``. Directories without a manifest
+        (damaged) do not count as kept; directories of later steps belong to a run that was
+        resumed from an older checkpoint and are left for the user (and replaced when this run
+        reaches their step)."""
+        kept = 0
+        for path in reversed(self.list()):
+            number = _step_of(path)
+            if number > step:
+                continue
+            if kept < self.keep and (path / MANIFEST).is_file():
+                kept += 1
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _remove_leftovers(self) -> None:
+        for path in sorted(self.root.iterdir()):
+            if not (path.is_dir() and path.name.startswith((TMP_PREFIX, OLD_PREFIX))):
+                continue
+            original = self.root / path.name[len(OLD_PREFIX):]
+            if path.name.startswith(OLD_PREFIX) and not original.exists():
+                # stopped between the two renames of _publish: the old copy is complete
+                log.warning("restoring %s from %s (a re-save of it was interrupted)", original, path)
+                os.replace(path, original)
+                continue
+            log.warning("removing %s, left by an interrupted checkpoint save", path)
+            shutil.rmtree(path, ignore_errors=True)
 
     def list(self) -> list[Path]:
         """Checkpoint directories by step, oldest first (complete or not)."""
         if not self.root.is_dir():
             return []
         dirs = [p for p in self.root.iterdir() if p.is_dir() and _STEP_DIR.match(p.name)]
-        return sorted(dirs, key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
+        return sorted(dirs, key=_step_of)
 
     def latest(self) -> Optional[Path]:
-        """The newest checkpoint that verifies; damaged or partial ones are skipped with a warning."""
-        candidates = self.list()
-        pointer = self.root / "latest"
+        """The checkpoint ``latest`` names if it verifies, else the newest one that does;
+        damaged or partial ones are skipped with a warning. None when there is no checkpoint
+        at all; a CheckpointError when there are some but none is usable (starting afresh
+        over them would silently throw the run away)."""
+        for path in self.root.glob(f"{TMP_PREFIX}*"):
+            log.warning("ignoring %s: a checkpoint save that was interrupted before it completed", path)
+        candidates = list(reversed(self.list()))  # newest first
+        pointer = self.root / LATEST
         if pointer.is_file():
-            named = self.root / pointer.read_text().strip()
-            if named in candidates:  # the pointer first, then anything newer or older
+            named = self.root / pointer.read_text(errors="replace").strip()
+            if named in candidates:
                 candidates.remove(named)
-                candidates.append(named)
-                candidates.sort(key=lambda p: int(_STEP_DIR.match(p.name).group(1)))
-        for path in reversed(candidates):
+                candidates.insert(0, named)
+        reasons = []
+        for path in candidates:
             try:
                 verify(path)
                 return path
             except CheckpointError as exc:
                 log.warning("skipping damaged checkpoint: %s", exc)
+                reasons.append(str(exc))
+        if reasons:
+            raise CheckpointError(f"no usable checkpoint in {self.root}: {'; '.join(reasons)}. Move the damaged "
+                                  "directories away to start afresh, or set train.resume to a checkpoint elsewhere")
         return None
 
     def resolve(self, resume: Optional[str]) -> Optional[Path]:
-        """``train.resume``: None (fresh start), "auto" (latest valid, or fresh), or a path."""
+        """``train.resume``: None (fresh start), "auto" (latest valid, or fresh), or a path:
+        a step directory, or a checkpoint root (its latest valid checkpoint)."""
         if resume is None:
             return None
         if resume == "auto":
             return self.latest()
         path = Path(resume)
+        if not path.is_dir():
+            raise CheckpointError(f"train.resume={resume}: no such checkpoint directory")
+        if not (path / MANIFEST).is_file() and CheckpointManager(path).list():
+            return CheckpointManager(path).latest()  # it holds step directories: a path, or it raises
         verify(path)
         return path
+
+
+# ---------------------------------------------------------------------------- loading
+def load_torch(path: Path, map_location=None):
+    """torch.load of a checkpoint file (ours, so not weights_only), with a clear error."""
+    try:
+        return torch.load(path, weights_only=False, map_location=map_location)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except Exception as exc:  # unpickling raises anything from a damaged file
+        raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc})") from None
+
+
+def check_weights(path: Path, model: torch.nn.Module) -> None:
+    """Raises a one-line CheckpointError naming the first parameters whose names or shapes
+    in the safetensors file ``path`` differ from ``model``'s. Tied parameters are stored once
+    (safetensors' save_model), so a name missing from the file is fine when it shares its
+    tensor with one that is there."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            saved = {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except Exception as exc:  # SafetensorError, OSError: a damaged header
+        raise CheckpointError(f"checkpoint file {path} cannot be read as safetensors ({exc})") from None
+    state = model.state_dict()
+    names_of: dict[int, set] = {}
+    for name, t in state.items():
+        names_of.setdefault(t.data_ptr(), set()).add(name)
+    shapes = [f"{n} is {saved[n]} in the checkpoint, {list(t.shape)} in this model"
+              for n, t in state.items() if n in saved and saved[n] != list(t.shape)]
+    missing = [n for n, t in state.items() if n not in saved and not (names_of[t.data_ptr()] & saved.keys())]
+    unexpected = [n for n in saved if n not in state]
+    problems = shapes + [f"missing {n}" for n in missing] + [f"unexpected {n}" for n in unexpected]
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise CheckpointError(f"checkpoint {path.parent}: its weights do not fit this model (another model "
+                              f"shape?): {'; '.join(problems[:3])}{more}")
+
+
+# Model settings that change parameter shapes or what a parameter means: a checkpoint that
+# differs in one of them cannot be resumed. Any other difference is reported as a warning.
+SHAPE_KEYS = tuple(f"model.{k}" for k in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                                          "ffn_hidden", "share_weights", "tie_embeddings", "qkv_bias"))
+# Settings a resumed run is expected to change: no warning.
+FREE_KEYS = ("train.resume", "train.stop_after", "train.init_from", "train.device", "train.eval_every",
+             "train.eval_batches", "train.log_every", "checkpoint.", "logging.")
+
+
+def _flatten(data: Any, prefix: str = "") -> dict:
+    if not isinstance(data, dict):
+        return {prefix: data}
+    out = {}
+    for key, value in data.items():
+        out.update(_flatten(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def check_resume_config(path: Path, cfg: Config) -> None:
+    """Compares the config a checkpoint was written with to this run's: a CheckpointError
+    naming the model settings that differ in shape, a warning for other differences."""
+    saved_file = Path(path) / "config.yaml"
+    if not saved_file.is_file():
+        return  # written by a tool that stores no config; check_weights still compares shapes
+    try:
+        saved = _flatten(yaml.safe_load(saved_file.read_text()))
+    except yaml.YAMLError as exc:
+        raise CheckpointError(f"checkpoint {path}: config.yaml cannot be read ({exc.__class__.__name__})") from None
+    current = _flatten(to_dict(cfg))
+    differ = [k for k in current if k in saved and saved[k] != current[k]]
+    shape = [f"{k}={saved[k]!r} there, {current[k]!r} here" for k in differ if k in SHAPE_KEYS]
+    if shape:
+        raise CheckpointError(f"checkpoint {path} was written for another model: {'; '.join(shape)}. Resume with "
+                              "the checkpoint's model settings, or start a new run in another checkpoint.dir")
+    other = [f"{k}: {saved[k]!r} -> {current[k]!r}" for k in differ
+             if k not in SHAPE_KEYS and not k.startswith(FREE_KEYS)]
+    if other:
+        log.warning("resuming from %s with settings that differ from the checkpoint's: %s", path, "; ".join(other))
 
 
 # ---------------------------------------------------------------------------- RNG state

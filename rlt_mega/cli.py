@@ -15,11 +15,15 @@ from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.checkpoint_tools import commands as checkpoint_tools
 from rlt_mega.config import Config, ConfigError, load_config
 from rlt_mega.data.datasets import DataError
+from rlt_mega.data.tokenizer import TokenizerError
 from rlt_mega.log import get_logger, setup_logging
+from rlt_mega.plan import cli as plan_cli
+from rlt_mega.train.loop import TrainingError
 
 log = get_logger(__name__)
 
-USER_ERRORS = (ConfigError, DataError, CheckpointError, FileNotFoundError, *checkpoint_tools.USER_ERRORS)
+USER_ERRORS = (ConfigError, DataError, TokenizerError, CheckpointError, FileNotFoundError,
+               *checkpoint_tools.USER_ERRORS)
 
 
 def _config_args(p: argparse.ArgumentParser) -> None:
@@ -81,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text, description=help_text)
         _config_args(p)
         p.set_defaults(fn=fn)
+    plan_cli.register(sub)
     for name, (add_arguments, run, help_text) in checkpoint_tools.COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p)
@@ -95,6 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as exc:
         sys.stderr.write(f"rlt-mega {args.command}: error: {exc}\n")
         return 2
+    except TrainingError as exc:  # the run stopped itself (e.g. non-finite steps); the message says where
+        sys.stderr.write(f"rlt-mega {args.command}: stopped: {exc}\n")
+        return 1
 
 
 if __name__ == "__main__":

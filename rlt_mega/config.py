@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +32,16 @@ class ConfigError(ValueError):
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise ConfigError(message)
+
+
+def _show(value: Any, limit: int = 60) -> str:
+    """repr for an error message, cut short: a mistyped value may be a huge list."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 5] + "...." + text[-1]
+
+
+MAX_SEED = 2**32 - 1  # the data order seeds a generator with seed * 1_000_003 + epoch (< 2**64)
+_DEVICE = re.compile(r"^(auto|cpu|meta|mps|(cuda|xpu|hpu|npu)(:\d+)?)$")
 
 
 @dataclass
@@ -74,6 +86,7 @@ class ModelConfig:
         _check(self.rope_theta > 0, f"model.rope_theta={self.rope_theta}: must be positive")
         _check(self.norm_eps > 0, f"model.norm_eps={self.norm_eps}: must be positive")
         _check(self.max_seq_len >= 1, f"model.max_seq_len={self.max_seq_len}: must be positive")
+        _check(self.init_std > 0, f"model.init_std={self.init_std}: must be positive")
 
     @property
     def head_dim(self) -> int:
@@ -96,6 +109,7 @@ class GeneratedDataConfig:
         _check(1 <= self.min_ops <= self.max_ops,
                f"data.generated: need 1 <= min_ops ({self.min_ops}) <= max_ops ({self.max_ops})")
         _check(self.max_value >= 2, f"data.generated.max_value={self.max_value}: must be >= 2")
+        _check(0 <= self.seed <= MAX_SEED, f"data.generated.seed={self.seed}: must be in [0, {MAX_SEED}]")
 
 
 @dataclass
@@ -112,6 +126,8 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(self.seq_len >= 2, f"data.seq_len={self.seq_len}: must be at least 2")
+        for name in ("train", "tokenizer"):
+            _check(bool(getattr(self, name).strip()), f"data.{name} is empty: give a source (e.g. 'generated')")
 
 
 @dataclass
@@ -132,6 +148,7 @@ class OptimConfig:
         _check(self.warmup_steps >= 0, f"optim.warmup_steps={self.warmup_steps}: must be >= 0")
         _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, "optim.beta1 and optim.beta2 must be in [0, 1)")
         _check(self.grad_clip >= 0, f"optim.grad_clip={self.grad_clip}: must be >= 0 (0 disables)")
+        _check(self.weight_decay >= 0 and self.eps > 0, "optim.weight_decay must be >= 0 and optim.eps > 0")
 
 
 @dataclass
@@ -175,6 +192,11 @@ class TrainConfig:
         _check(self.log_every >= 1 and self.eval_every >= 0, "train.log_every >= 1, train.eval_every >= 0")
         _check(self.max_nonfinite_in_a_row >= 1, "train.max_nonfinite_in_a_row must be >= 1")
         _check(self.stop_after is None or self.stop_after >= 1, "train.stop_after must be >= 1 or null")
+        _check(0 <= self.seed <= MAX_SEED, f"train.seed={self.seed}: must be in [0, {MAX_SEED}]")
+        _check(bool(_DEVICE.match(self.device)),
+               f"train.device={_show(self.device)}: expected auto, cpu, cuda or cuda:N (or mps, xpu:N)")
+        _check(self.resume is None or bool(self.resume.strip()),
+               "train.resume is empty: use null (fresh start), auto, or a checkpoint path")
         _check(self.init_from is None or self.resume in (None, "auto"),
                f"train.init_from={self.init_from} and train.resume={self.resume}: resuming restores the "
                "weights from the checkpoint, so init_from would be ignored; set only one of them")
@@ -195,6 +217,11 @@ class ParallelConfig:
         _check(self.dp is None or self.dp >= 1, f"parallel.dp={self.dp}: must be >= 1 or null")
         _check(self.zero_stage in (0, 1, 2, 3), f"parallel.zero_stage={self.zero_stage}: must be 0, 1, 2 or 3")
         _check(self.micro_batches >= 1, f"parallel.micro_batches={self.micro_batches}: must be >= 1")
+        _check(self.pp_split is None or all(isinstance(n, int) and not isinstance(n, bool) and n >= 1
+                                            for n in self.pp_split),
+               f"parallel.pp_split={_show(self.pp_split)}: expected a list of positive layer counts, e.g. [3, 2]")
+        _check(self.backend in (None, "nccl", "gloo"), f"parallel.backend={_show(self.backend)}: expected "
+               "null (nccl on CUDA, gloo on CPU), nccl or gloo")
 
 
 @dataclass
@@ -211,6 +238,7 @@ class CheckpointConfig:
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"checkpoint.every={self.every}: must be >= 0")
         _check(self.keep >= 1, f"checkpoint.keep={self.keep}: must be >= 1")
+        _check(bool(self.dir.strip()), "checkpoint.dir is empty: give a directory for the checkpoints")
 
 
 @dataclass
@@ -218,6 +246,11 @@ class LoggingConfig:
     dir: str = "runs/default/tb"  # TensorBoard event files
     progress: bool = True  # tqdm progress bar on rank 0
     level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        _check(bool(self.dir.strip()), "logging.dir is empty: give a directory for the metrics")
+        _check(self.level.upper() in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"),
+               f"logging.level={_show(self.level)}: expected DEBUG, INFO, WARNING, ERROR or CRITICAL")
 
 
 @dataclass
@@ -261,15 +294,15 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
                 return _coerce(value, arg, path)
             except ConfigError as exc:
                 errors.append(exc)
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})")
     if origin is Literal:
-        if value in typing.get_args(tp):
+        if isinstance(value, typing.Hashable) and value in typing.get_args(tp):
             return value
-        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)}")
     if tp is type(None):
         if value is None:
             return None
-        raise ConfigError(f"{path}: expected null, got {value!r}")
+        raise ConfigError(f"{path}: expected null, got {_show(value)}")
     if dataclasses.is_dataclass(tp):
         return _from_dict(tp, value, path)
     if tp is bool:
@@ -279,13 +312,22 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-3 as a string: accept it
+            number = value
+        elif isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-3 as a string: accept it
             try:
-                return float(value)
+                number = float(value)
             except ValueError:
                 pass
+        if number is not None:
+            try:
+                number = float(number)  # a huge int overflows
+            except OverflowError:
+                number = math.inf
+            if not math.isfinite(number):
+                raise ConfigError(f"{path}: expected a finite number, got {_show(value)}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value
@@ -297,7 +339,7 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
             return dict(value)
     else:  # pragma: no cover - an annotation this loader does not know is a programming error
         raise TypeError(f"unsupported config annotation {tp!r} at {path}")
-    raise ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})")
 
 
 def _suggest(key: str, valid: list[str]) -> str:
@@ -313,14 +355,14 @@ def _from_dict(cls: type, data: Any, path: str = ""):
     if isinstance(data, cls):
         return data
     if not isinstance(data, dict):
-        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {data!r}")
+        raise ConfigError(f"{where}: expected a mapping of {cls.__name__} fields, got {_show(data)}")
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
-            raise ConfigError(f"unknown config key '{full}'{_suggest(str(key), names)}")
+            raise ConfigError(f"unknown config key {_show(full, 80)}{_suggest(str(key), names)}")
         kwargs[key] = _coerce(value, hints[key], full)
     try:
         return cls(**kwargs)
@@ -339,15 +381,15 @@ def to_dict(cfg: Any) -> dict:
 
 def _parse_override(item: str) -> tuple[list[str], Any]:
     if "=" not in item:
-        raise ConfigError(f"override '{item}' is not of the form section.key=value (e.g. train.steps=100)")
+        raise ConfigError(f"override {_show(item)} is not of the form section.key=value (e.g. train.steps=100)")
     key, raw = item.split("=", 1)
     key = key.strip()
     if not key or any(not part for part in key.split(".")):
-        raise ConfigError(f"override '{item}': empty key; write section.key=value")
+        raise ConfigError(f"override {_show(item)}: empty key; write section.key=value")
     try:
         value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"override '{item}': cannot parse the value ({exc.__class__.__name__})") from None
+    except (yaml.YAMLError, RecursionError) as exc:  # RecursionError: absurdly deep nesting
+        raise ConfigError(f"override {_show(item)}: cannot parse the value ({exc.__class__.__name__})") from None
     return key.split("."), value
 
 
@@ -361,7 +403,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             if child is None:
                 child = node[part] = {}
             if not isinstance(child, dict):
-                raise ConfigError(f"override '{item}': '{part}' is a value, not a section")
+                raise ConfigError(f"override {_show(item)}: {_show(part)} is a value, not a section")
             node = child
         node[parts[-1]] = value
     return data
@@ -372,9 +414,11 @@ def read_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_bytes())  # bytes: PyYAML detects the encoding itself
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(f"config file {path} is not valid YAML: nested too deeply") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -99,9 +99,19 @@ def _check_record(out: dict) -> str:
     values = [v for v in out.values() if isinstance(v, str)]
     if any("\ufffd" in v for v in values):
         return "invalid utf-8"
+    if not all(_encodable(v) for v in values):  # a JSON "\ud800" escape: Arrow cannot store it
+        return "invalid unicode (lone surrogate)"
     if any(not v.strip() for v in values):
         return "empty text"
     return ""
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 def _apply(extract: Extract, columns: list[str]):
@@ -116,7 +126,7 @@ def _apply(extract: Extract, columns: list[str]):
                 line = rec["_line"]
                 try:
                     rec = json.loads(line)
-                except json.JSONDecodeError:
+                except (ValueError, RecursionError):  # RecursionError: absurdly deep nesting
                     rec = None
                 if not isinstance(rec, dict):
                     _append(out, columns, "invalid utf-8" if "\ufffd" in line else "malformed json line")
@@ -161,9 +171,15 @@ def _raw(source: str, split: str, cfg: DataConfig) -> datasets.Dataset:
         return datasets.Dataset.from_list(generate_problems(num, seed, g.min_ops, g.max_ops, g.max_value))
     path = _local_file(source, split)
     if path is not None:
+        if path.stat().st_size == 0:  # the text builder fails on an empty file
+            raise DataError(f"dataset {path} [{split}] is empty: check the path")
+        try:
+            raw = datasets.load_dataset("text", data_files=str(path), split="train", encoding_errors="replace")
+        except Exception as exc:  # the builder wraps whatever went wrong in DatasetGenerationError
+            cause = exc.__cause__ or exc
+            raise DataError(f"cannot read {path}: {type(cause).__name__}: {cause}") from None
         if path.suffix == ".txt":
-            return datasets.load_dataset("text", data_files=str(path), split="train", encoding_errors="replace")
-        raw = datasets.load_dataset("text", data_files=str(path), split="train", encoding_errors="replace")
+            return raw
         raw = raw.rename_column("text", "_line")
         return raw.filter(lambda line: bool(line.strip()), input_columns="_line")  # blank lines: not data
     if source.startswith((".", "/", "~")) or source.endswith((".jsonl", ".json", ".txt")):

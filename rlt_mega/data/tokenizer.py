@@ -18,6 +18,10 @@ _PAD_NAMES = (PAD, "<pad>", "[PAD]", "<|finetune_right_pad_id|>")
 _BOS_NAMES = (BOS, "<s>", "<|begin_of_text|>", "<bos>")
 
 
+class TokenizerError(ValueError):
+    """A tokenizer that cannot be used, with what to do about it."""
+
+
 class Tokenizer:
     """A thin wrapper that knows the special ids the trainers need."""
 
@@ -25,7 +29,7 @@ class Tokenizer:
         self.tok, self.name = tok, name
         self.eos_id = _find(tok, _EOS_NAMES)
         if self.eos_id is None:
-            raise ValueError(f"tokenizer {name}: no end-of-text token found (looked for {', '.join(_EOS_NAMES)}); "
+            raise TokenizerError(f"tokenizer {name}: no end-of-text token found (looked for {', '.join(_EOS_NAMES)}); "
                              "add one to the tokenizer's special tokens")
         pad = _find(tok, _PAD_NAMES)
         self.pad_id = self.eos_id if pad is None else pad
@@ -75,10 +79,10 @@ def load_tokenizer(spec: str) -> Tokenizer:
     if path.is_dir():
         path = path / "tokenizer.json"
     if not path.is_file():
-        raise FileNotFoundError(f"tokenizer {spec}: no tokenizer.json there; set data.tokenizer to 'byte' "
+        raise TokenizerError(f"tokenizer {spec}: no tokenizer.json there; set data.tokenizer to 'byte' "
                                 "or to a tokenizers tokenizer.json")
     try:
         tok = HFTokenizer.from_file(str(path))
     except Exception as exc:  # the library raises a bare Exception on a malformed file
-        raise ValueError(f"tokenizer {path}: cannot be read by the tokenizers library ({exc})") from None
+        raise TokenizerError(f"tokenizer {path}: cannot be read by the tokenizers library ({exc})") from None
     return Tokenizer(tok, str(path))

@@ -142,8 +142,20 @@ def init_distributed(backend: Optional[str] = None, device: str = "auto",
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        warn_if_restarts_cannot_work()
         dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
     return backend, dev
+
+
+def warn_if_restarts_cannot_work() -> None:
+    """torchrun --max-restarts with the agent's shared TCPStore: the restarted ranks would read
+    the dead ranks' addresses from the previous attempt and fail to connect
+    (pytorch/pytorch#135712). Said once, at start-up, where it can still be fixed."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    if restarts > 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        log.warning("torchrun --max-restarts=%d with a shared rendezvous store: restarts will fail to "
+                    "connect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 and use the c10d rendezvous "
+                    "(--standalone or --rdzv-backend c10d), as launch/torchrun.sh does", restarts)
 
 
 def _free_port() -> int:

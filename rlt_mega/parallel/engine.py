@@ -29,7 +29,7 @@ from torch import nn
 
 from safetensors.torch import load_model, save_model
 
-from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.checkpoint import CheckpointError, check_weights, load_torch
 from rlt_mega.config import OptimConfig, TrainConfig
 from rlt_mega.learner.loss import count_tokens, cross_entropy_sum
 
@@ -161,12 +161,14 @@ class LocalEngine:
 
     def load(self, directory: Path) -> None:
         check_layout(directory, self.layout())
+        check_weights(directory / "model.safetensors", self.model)  # names the mismatch, one line
+        load_model(self.model, str(directory / "model.safetensors"), strict=True, device=str(self.device))
+        state = load_torch(directory / "engine.pt", map_location=self.device)
         try:
-            load_model(self.model, str(directory / "model.safetensors"), strict=True, device=str(self.device))
-        except RuntimeError as exc:
-            raise CheckpointError(f"checkpoint {directory}: its weights do not fit this model "
-                                  f"(another model shape?): {exc}") from None
-        self.load_state_dict(torch.load(directory / "engine.pt", weights_only=False, map_location=self.device))
+            self.load_state_dict(state)
+        except (KeyError, ValueError, TypeError) as exc:  # torch's messages for a mismatched optimizer
+            raise CheckpointError(f"checkpoint {directory}: the optimizer state does not fit this model "
+                                  f"({type(exc).__name__}: {exc})") from None
 
 
 def check_layout(directory: Path, layout: dict) -> None:

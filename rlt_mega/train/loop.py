@@ -17,7 +17,8 @@ from typing import Callable, Optional, Protocol
 import torch
 from tqdm import tqdm
 
-from rlt_mega.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch,
+                                 rng_state, set_rng_state)
 from rlt_mega.config import Config, save_config
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
@@ -79,24 +80,36 @@ class Trainer:
             if self.cfg.train.resume == "auto":
                 log.info("train.resume=auto: no checkpoint in %s, starting fresh", self.cfg.checkpoint.dir)
             return
+        check_resume_config(path, self.cfg)
         self.engine.load(path)
-        saved = torch.load(path / "trainer.pt", weights_only=False)
-        self.state = TrainState(**saved["state"])
+        saved = load_torch(path / "trainer.pt")
+        try:
+            self.state = TrainState(**saved["state"])
+            self.batches.load_state_dict(saved["data"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold this trainer's state "
+                                  f"({type(exc).__name__}: {exc})") from None
         self.state.last_checkpoint = str(path)
-        self.batches.load_state_dict(saved["data"])
         rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
-            set_rng_state(torch.load(rng_file, weights_only=False))
+            set_rng_state(load_torch(rng_file))
         log.info("resumed from %s at step %d", path, self.state.step)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
-        cfg = self.cfg.train
         self.resume()
         if self.rank == 0:
             save_config(self.cfg, _mkdir(Path(self.cfg.logging.dir)) / "config.yaml")
-        bar = tqdm(total=cfg.steps, initial=self.state.step, disable=not (self.cfg.logging.progress and self.rank == 0),
-                   desc="train", dynamic_ncols=True)
+        bar = tqdm(total=self.cfg.train.steps, initial=self.state.step,
+                   disable=not (self.cfg.logging.progress and self.rank == 0), desc="train", dynamic_ncols=True)
+        try:  # a run stopped by an error still flushes its metrics (TensorBoard buffers them)
+            return self._loop(bar)
+        finally:
+            bar.close()
+            self.metrics.close()
+
+    def _loop(self, bar: tqdm) -> dict:
+        cfg = self.cfg.train
         window_tokens, window_start, last = 0, time.perf_counter(), {}
         end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.state.step + cfg.stop_after)
         while self.state.step < end:
@@ -108,10 +121,10 @@ class Trainer:
             self.state.step += 1
             self.state.tokens += tokens
             window_tokens += tokens
-            self._account_nonfinite(stats)
+            too_many_nonfinite = self._account_nonfinite(stats)
             bar.update(1)
             step = self.state.step
-            if step % cfg.log_every == 0 or step == cfg.steps:
+            if step % cfg.log_every == 0 or step == cfg.steps or too_many_nonfinite:
                 elapsed = time.perf_counter() - window_start
                 last = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
                         "train/tokens_per_s": window_tokens / max(elapsed, 1e-9),
@@ -120,15 +133,19 @@ class Trainer:
                 self.metrics.log(step, last)
                 bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{last['train/tokens_per_s']:.0f}")
                 window_tokens, window_start = 0, time.perf_counter()
+            if too_many_nonfinite:
+                raise TrainingError(
+                    f"{self.state.nonfinite_in_a_row} non-finite steps in a row up to step {step} "
+                    f"(train.max_nonfinite_in_a_row={cfg.max_nonfinite_in_a_row}); last good checkpoint: "
+                    f"{self.state.last_checkpoint or 'none'}. Lower optim.lr or check the data, then resume with "
+                    "train.resume=auto")
             if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
                 last["eval/loss"] = self.evaluate(step)
             if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0 and step < end:
                 self.save()
-        bar.close()
         if self.state.step > 0 and (not self.state.last_checkpoint
                                     or not self.state.last_checkpoint.endswith(f"{self.state.step:08d}")):
             self.save()
-        self.metrics.close()
         return {"step": self.state.step, **last}
 
     def evaluate(self, step: int) -> float:
@@ -137,21 +154,17 @@ class Trainer:
         log.info("step %d: eval loss %.4f", step, loss)
         return loss
 
-    def _account_nonfinite(self, stats: StepStats) -> None:
+    def _account_nonfinite(self, stats: StepStats) -> bool:
+        """Counts a skipped step; True when there were more in a row than allowed."""
         if not stats.skipped:
             self.state.nonfinite_in_a_row = 0
-            return
+            return False
         self.state.nonfinite_total += 1
         self.state.nonfinite_in_a_row += 1
         log.warning("step %d: non-finite loss %s or gradient norm %s: step skipped (%d in a row, %d in all)",
                     self.state.step, stats.loss, stats.grad_norm, self.state.nonfinite_in_a_row,
                     self.state.nonfinite_total)
-        if self.state.nonfinite_in_a_row > self.cfg.train.max_nonfinite_in_a_row:
-            raise TrainingError(
-                f"{self.state.nonfinite_in_a_row} non-finite steps in a row up to step {self.state.step} "
-                f"(train.max_nonfinite_in_a_row={self.cfg.train.max_nonfinite_in_a_row}); last good checkpoint: "
-                f"{self.state.last_checkpoint or 'none'}. Lower optim.lr or check the data, then resume with "
-                "train.resume=auto")
+        return self.state.nonfinite_in_a_row > self.cfg.train.max_nonfinite_in_a_row
 
 
 def _mkdir(path: Path) -> Path:

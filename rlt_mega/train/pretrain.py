@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from rlt_mega.checkpoint_tools.export import init_from, init_stage_from
-from rlt_mega.config import Config
+from rlt_mega.config import Config, ConfigError
 from rlt_mega.data.datasets import BatchIterator, DataStats, pack, text_of, train_eval_records
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.learner.loss import shift
@@ -42,7 +42,7 @@ class PackedBatches:
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
     if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model.vocab_size="
+        raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}: set model.vocab_size >= {tokenizer.vocab_size}")
 
 

@@ -1,0 +1,128 @@
+"""Measured counterparts of the cost model, with torch's own instruments (used by the tests,
+and usable on a GPU node to check a plan before a long run).
+
+Memory: ``torch.distributed._tools.mem_tracker.MemTracker``, a TorchDispatchMode that sees
+every tensor an operator returns, follows its storage with a weak reference and sums the
+live storages; it works on CPU (no allocator statistics needed) and counts exactly the bytes
+of tensor storages (no allocator rounding, no kernel workspaces). FLOPs:
+``torch.utils.flop_counter.FlopCounterMode`` (matmuls and attention kernels).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+
+def peak_step_memory(step: Callable[[], object], *tracked, device: torch.device | str = "cpu"
+                     ) -> dict[str, int]:
+    """Peak bytes of tensor storages during one call of ``step``, after a first (untracked)
+    call has created the optimizer state: the steady state of a long run. ``tracked`` are the
+    objects that exist before (model, optimizer, input tensors), as MemTracker needs them."""
+    step()
+    tracker = _PeakTracker()
+    tracker.track_external(*tracked)
+    with tracker:
+        step()
+    snap = tracker.get_tracker_snapshot("peak")[torch.device(device)]
+    return {str(getattr(k, "value", k)): int(v) for k, v in snap.items()}
+
+
+def _peak_tracker_class():
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+
+    class PeakTracker(MemTracker):
+        """MemTracker's storage accounting without its per-module peak snapshots (which
+        loop over every module at every operator: a decoder step calls 10 L modules)."""
+
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if snap[_TOTAL_KEY] > self._peak_mem.get(dev, 0):
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return PeakTracker
+
+
+def _PeakTracker():
+    return _peak_tracker_class()()
+
+
+def count_flops(fn: Callable[[], object]) -> int:
+    """FLOPs that flop_counter attributes to ``fn()`` (forward and any backward inside)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def zero_probe(rank: int, world_size: int, port: int, model_cfg: dict, cases: list[dict],
+               results) -> None:
+    """One rank of a DeepSpeed data-parallel run (gloo, CPU): for each case (``zero_stage``,
+    ``checkpointing`` kwargs, ``batch``, ``seq_len``, ``buckets``) builds the engine around a
+    torch AdamW, runs two steps and records, for the second, the peak bytes of tensor
+    storages, the numel of the Adam moments DeepSpeed's inner optimizer holds on this rank
+    and of its fp32 master partition. Meant for ``torch.multiprocessing.spawn``."""
+    import logging
+    import os
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import deepspeed
+    import deepspeed.ops
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT-built op on CPU
+    deepspeed.init_distributed(dist_backend="gloo")
+    from rlt_mega.config import CheckpointingConfig, ModelConfig
+    from rlt_mega.model.rlt import build_model
+
+    cfg = ModelConfig(**model_cfg)
+    out = []
+    for case in cases:
+        model = build_model(cfg, seed=0)
+        model.set_checkpointing(CheckpointingConfig(**case.get("checkpointing", {})))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        buckets = case.get("buckets", {})
+        ds_config = {
+            "train_micro_batch_size_per_gpu": case["batch"], "gradient_accumulation_steps": 1,
+            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+            "zero_optimization": {"stage": case["zero_stage"], **buckets},
+        }
+        gen = torch.Generator().manual_seed(rank)
+        tokens = torch.randint(0, cfg.vocab_size, (case["batch"], case["seq_len"]), generator=gen)
+        targets = torch.randint(0, cfg.vocab_size, (case["batch"], case["seq_len"]), generator=gen)
+        tracker = _PeakTracker()
+        tracker.track_external(model, tokens, targets)
+        with tracker:
+            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+            for i in range(2):
+                if i == 1:  # measure the steady state only
+                    tracker.reset_mod_stats()
+                    tracker._peak_mem = {}
+                loss = F.cross_entropy(engine(tokens).flatten(0, 1), targets.flatten())
+                engine.backward(loss)
+                engine.step()
+                del loss
+        zero_opt = engine.optimizer
+        inner = zero_opt.optimizer
+        moments = sum(t.numel() for s in inner.state.values() for t in s.values()
+                      if torch.is_tensor(t) and t.dim() > 0)
+        masters = getattr(zero_opt, "single_partition_of_fp32_groups", None) or \
+            getattr(zero_opt, "fp32_partitioned_groups_flat", [])
+        out.append({"peak": int(tracker.get_tracker_snapshot("peak")[tokens.device]["Total"]),
+                    "moments_numel": int(moments), "master_numel": int(sum(t.numel() for t in masters))})
+        del engine, zero_opt, inner, model, optimizer
+    results[rank] = out

@@ -1,0 +1,253 @@
+"""Memory of one rank during a training step, phase by phase, and of a sampling batch.
+
+What is alive comes from reading what ``model/rlt.py`` and ``model/attention.py`` save for
+backward (checked tensor by tensor with saved-tensor hooks, and against torch's MemTracker in
+tests/test_costmodel.py). Per position and layer, with a = activation bytes (4 fp32, 2 bf16),
+q = H Dh / tp, kv = H_kv Dh / tp, F = ffn / tp, H = heads / tp:
+
+  each RMSNorm     its input kept at 4 bytes (fp32: the residual itself; bf16: the fp32
+                   upcast that ``pow`` saves), the fp32 rstd, the output at a bytes (saved by
+                   the next matmul) and, unless fp32 uses the fused CUDA kernel, the
+                   normalised x at a bytes
+  encoder block    2 norms; q and k after RoPE, v (a (2q + 2kv)); the attention output and
+                   its fp32 log-sum-exp (a q + 4 H); SwiGLU gate, silu, up, product (4 a F)
+  decoder block    3 norms; q after RoPE (the custom attention saves only q), its output,
+                   the cross query and the cross output + lse (4 a q + 4 H); SwiGLU (4 a F)
+  decoder input    recur_norm (its input is z_{t-1})
+  memory           memory_norm; the slots {null} + m (a d (T+1)/T); the memory K/V of every
+                   layer (2 a kv (T+1)/T), which cross-attention saves as views
+  head             final_norm; the fp32 logits (4 V/tp) when the trainer keeps them and the
+                   fp32 log-softmax the loss saves (4 V/tp)
+
+Outside autograd: the DecoderKV buffers (2 a kv per layer and position) for the whole step.
+In backward the DecoderKV gradient buffers (2 x 4 kv per layer and position, fp32), the
+accumulated gradient of every layer's memory K/V (cross-attention reads a growing slice, so
+autograd keeps a full-size accumulator) and the gradients of the embeddings and of z.
+
+The autograd engine runs a leaf's AccumulateGrad only after all of its uses: every shared
+block is used at every decoder step, so its full gradient exists from the first decoder step
+of the backward until the end of the backward whatever the ZeRO stage. ZeRO-2/3 therefore
+shrink gradient memory only after the backward; the peak sits in the decoder backward. The
+DecoderKV object is referenced from the graph, so its buffers (and their gradients) live
+until the trainer drops the loss, i.e. through the optimizer step.
+
+Checkpointing: the encoder keeps each block's input; the decoder keeps z at each segment
+boundary; the backward recomputes one encoder block or one decoder segment at a time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from rlt_mega.config import CheckpointingConfig, ModelConfig
+from rlt_mega.plan.layout import Layout
+from rlt_mega.plan.params import rank_param_counts, rank_tensor_numels, stage_layers
+
+
+@dataclass
+class MemoryReport:
+    """Bytes on one rank of one pipeline stage. ``phases`` are the candidate peaks."""
+
+    stage: int
+    weights: float
+    gradients: float  # after the backward (partitioned under ZeRO-2/3)
+    master_weights: float
+    optimizer_states: float
+    zero_buffers: float
+    rope_tables: float
+    activations: dict[str, float] = field(default_factory=dict)  # per micro-batch, end of forward
+    phases: dict[str, float] = field(default_factory=dict)
+    rollout: dict[str, float] = field(default_factory=dict)
+    optimizer_state_numel: int = 0  # Adam moments (both) on this rank, elements
+    master_numel: int = 0
+
+    @property
+    def peak(self) -> float:
+        return max(self.phases.values())
+
+    @property
+    def peak_phase(self) -> str:
+        return max(self.phases, key=self.phases.get)
+
+    @property
+    def static(self) -> float:
+        return (self.weights + self.master_weights + self.optimizer_states + self.zero_buffers
+                + self.rope_tables)
+
+
+def zero_partition_numel(numels: list[int], dp: int, stage: int) -> int:
+    """Elements of one rank's ZeRO partition as DeepSpeed 0.19 sizes it: stages 1/2 flatten a
+    parameter group and pad it to a multiple of 2 * dp (``nccl_start_alignment_factor``);
+    stage 3 pads every tensor to a multiple of dp. One parameter group is assumed."""
+    if stage == 3:
+        return sum(-(-n // dp) for n in numels)
+    align = 2 * dp
+    return -(-sum(numels) // align) * align // dp
+
+
+def _norm(d: int, a: int, fused: bool, output_saved: bool = True) -> float:
+    """Bytes per position one RMSNorm keeps (input, rstd, normalised x, output)."""
+    normalised = 0 if (fused and a == 4) else a * d
+    return 4 * d + 4 + normalised + (a * d if output_saved else 0)
+
+
+def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
+                         checkpointing: CheckpointingConfig | None = None) -> dict[str, float]:
+    """Bytes per position of one micro-batch saved at the end of the forward, by item
+    (under ``checkpointing`` instead of the layout's when given)."""
+    a, T, tp = layout.act_bytes, layout.seq_len, layout.tp
+    d, Dh, fused = cfg.d_model, cfg.head_dim, layout.fused_rms_norm
+    q, kv = cfg.n_heads * Dh / tp, cfg.n_kv_heads * Dh / tp
+    f, h = cfg.ffn_hidden / tp, cfg.n_heads / tp
+    n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
+    first, last = stage == 0, stage == layout.pp - 1
+    ck = checkpointing or layout.checkpointing
+    if layout.pp > 1 and ck.decoder == "every_k":  # the ring interleaves positions (stage.py)
+        ck = CheckpointingConfig(decoder="step", encoder=ck.encoder)
+    norm = _norm(d, a, fused)
+    enc_block = 2 * norm + a * (2 * q + 2 * kv) + 4 * h + 4 * a * f
+    dec_block = 3 * norm + 4 * a * q + 4 * h + 4 * a * f
+    dec_input = norm if first else 0.0
+    seg = {"none": T, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
+    items = {
+        "encoder": n * (a * d if ck.encoder else enc_block),
+        "decoder": n * dec_block + dec_input if ck.decoder == "none" else a * d / seg,
+        # memory_norm's output goes into the slots' cat, which saves nothing
+        "memory": (_norm(d, a, fused, output_saved=False) if last else 0.0)
+        + (a * d + n * 2 * a * kv) * (T + 1) / T,
+        "decoder_kv": n * 2 * a * kv,
+        "head": norm if last else 0.0,
+        "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
+        "tokens": 8 * (first + last),  # int64 inputs and targets
+    }
+    # A bf16 embedding output is not what the first norm saves (an fp32 upcast is); the
+    # decoder checkpoints keep it alive as their input.
+    if first and a != 4 and ck.decoder != "none" and not ck.encoder:
+        items["embedding"] = a * d
+    return items
+
+
+def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, float]:
+    """Bytes per position that one recomputed piece materialises in the backward, expressed
+    per position of the micro-batch (multiply by B T)."""
+    ck = layout.checkpointing
+    if layout.pp > 1 and ck.decoder == "every_k":  # the ring checkpoints each step on its own
+        ck = CheckpointingConfig(decoder="step", encoder=ck.encoder)
+    full = activation_per_token(cfg, layout, stage, CheckpointingConfig())
+    T = layout.seq_len
+    n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
+    seg = {"none": 0, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
+    return {"decoder": full["decoder"] * seg / T,
+            "encoder": full["encoder"] / max(n, 1) if ck.encoder else 0.0}
+
+
+def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryReport:
+    """The memory of one rank of pipeline stage ``stage`` (see the module docstring)."""
+    tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero_stage
+    a, B, T = layout.act_bytes, layout.micro_batch_size, layout.seq_len
+    w = 4 if layout.dtype == "fp32" else 2
+    counts = rank_param_counts(cfg, tp, pp, stage, layout.pp_split)
+    psi = counts["total"]
+    first, last = stage == 0, stage == pp - 1
+    part = psi if zero == 0 else zero_partition_numel(
+        rank_tensor_numels(cfg, tp, pp, stage, layout.pp_split), dp, zero)
+    buckets = layout.buckets
+
+    # Weights, master copy, Adam moments, gradients after the backward.
+    if zero == 3:
+        # Resting partition + what is gathered for compute: the decoder reuses every layer at
+        # every step, so the stage stays gathered when it fits max_live_parameters.
+        gathered = min(psi, buckets.stage3_max_live_parameters)
+        weights = (part + gathered) * w
+    else:
+        weights = -(-psi // (2 * dp)) * 2 * dp * w if zero in (1, 2) else psi * w
+    master = 0 if (zero == 0 and layout.dtype == "fp32") else 4 * part
+    moments = 8 * part
+    grads_after = psi * w if zero in (0, 1) else part * w
+    # DeepSpeed's contiguous-gradient reduce bucket (allocated whole, whatever the model size)
+    # and, for ZeRO-3, the parameter prefetch bucket.
+    zero_buffers = 0.0
+    if zero > 0:
+        zero_buffers += buckets.reduce_bucket_size * w * (2 if buckets.overlap_comm and zero < 3 else 1)
+    if zero == 3:
+        zero_buffers += buckets.stage3_prefetch_bucket_size * w
+    rope_tables = 2 * cfg.max_seq_len * cfg.head_dim * a  # cos/sin cached per device and dtype
+
+    act = activation_per_token(cfg, layout, stage)
+    rec = recompute_per_token(cfg, layout, stage)
+    n = len(stage_layers(cfg.n_layers, pp, layout.pp_split)[stage])
+    kv = cfg.n_kv_heads * cfg.head_dim / tp
+    d, V = cfg.d_model, cfg.vocab_size / tp
+    tok = B * T  # positions per micro-batch
+    in_flight = layout.micro_batches if pp > 1 else 1
+    saved = sum(act.values())
+    logits_kept = 4 * V if (last and layout.keep_logits) else 0.0
+    logsoftmax = 4 * V if last else 0.0
+    dkv_grad = n * 2 * 4 * kv
+    retained = act["decoder_kv"] + dkv_grad  # live until the loss is dropped
+    embed_grad_params = counts["embed"] if not cfg.tie_embeddings else 0
+    grads_in_backward = (psi - embed_grad_params) * w  # shared weights: full, see docstring
+    static = weights + master + moments + zero_buffers + rope_tables
+
+    phases = {}
+    if last:  # log-softmax backward: its output, its gradient and the logits' gradient
+        phases["head_backward"] = static + in_flight * tok * saved + tok * 2 * 4 * V
+    dec_extra = (dkv_grad + n * 2 * a * kv * (T + 1) / T + a * d * (first + last))
+    dec_transient = 4 * a * kv * (T + 1) / T  # one layer's K/V gradients + a full-size slice grad
+    phases["decoder_backward"] = (
+        static + grads_in_backward
+        + in_flight * tok * (saved - act["head"] - logsoftmax + dec_extra)
+        + tok * (rec["decoder"] + dec_transient))
+    # One block's backward working set: the incoming gradient and, in the SwiGLU backward,
+    # the gradients of the product, of silu and of up alive together while the product is gone.
+    enc_transient = a * (2 * cfg.ffn_hidden / tp + d)
+    # By now the memory's backward has run: its saved tensors are gone; the gradients of the
+    # embeddings and of the encoder output are alive.
+    phases["encoder_backward"] = (
+        static + psi * w
+        + in_flight * tok * (act["encoder"] + act["tokens"] + logits_kept + retained + 2 * a * d)
+        + tok * (rec["encoder"] + enc_transient))
+    # The optimizer step. ZeRO-0: the full gradients and foreach Adam's sqrt(v) temporary.
+    # ZeRO-1: DeepSpeed flattens this rank's partition of the (still full) gradients. ZeRO-2/3:
+    # the gradient partition, its flat fp32 copy and Adam's temporary on the partition.
+    numels = rank_tensor_numels(cfg, tp, pp, stage, layout.pp_split)
+    adam_temp = 4 * (psi if layout.foreach_optimizer else 2 * max(numels))
+    if zero == 0:
+        step_extra = psi * w + adam_temp + (4 * psi if w != 4 else 0)
+    elif zero == 1:
+        step_extra = psi * w + part * w
+    else:
+        step_extra = part * w + 8 * part
+    phases["optimizer_step"] = static + step_extra + in_flight * tok * (retained + logits_kept)
+
+    rollout = rollout_memory(cfg, layout, stage)
+    rollout["total"] = static + rollout["kv_caches"]  # GRPO is colocated: training state stays
+    return MemoryReport(stage=stage, weights=weights, gradients=grads_after, master_weights=master,
+                        optimizer_states=moments, zero_buffers=zero_buffers, rope_tables=rope_tables,
+                        activations={k: v * tok for k, v in act.items()}, phases=phases, rollout=rollout,
+                        optimizer_state_numel=2 * part, master_numel=part if master else 0)
+
+
+def rollout_memory(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, float]:
+    """K/V caches of one sampling batch (no autograd): encoder and decoder self-attention
+    caches and the memory K/V buffer (null slot + every position), per rank."""
+    a = layout.act_bytes
+    Bs = layout.rollout_batch or layout.micro_batch_size
+    Tr = layout.rollout_len or layout.seq_len
+    n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
+    kv = cfg.n_kv_heads * cfg.head_dim / layout.tp
+    per_layer = 2 * a * kv * Bs
+    caches = {"encoder_kv": n * per_layer * Tr, "decoder_kv": n * per_layer * Tr,
+              "memory_kv": n * per_layer * (1 + Tr)}
+    caches["kv_caches"] = sum(caches.values())
+    caches["batch"], caches["positions"] = Bs, Tr
+    return caches
+
+
+def gib(x: float) -> float:
+    return x / 2 ** 30
+
+
+def fits(report: MemoryReport, capacity_bytes: float) -> bool:
+    return math.isfinite(report.peak) and report.peak <= capacity_bytes

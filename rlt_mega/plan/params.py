@@ -1,0 +1,140 @@
+"""Parameter counts by group, for the whole model and for one rank of a TP x PP layout.
+
+Sharding follows DESIGN section 5 (Megatron conventions): self- and cross-attention q/k/v
+and the MLP gate/up are column-parallel (weights and biases split by output), o and down
+row-parallel (split by input; they have no bias), embed and lm_head vocab-parallel; norms, ``recur_proj`` (d x d, small), ``z_init`` and
+``null_memory`` are replicated. Pipeline stage s owns blocks and cross blocks
+[s*L/P, (s+1)*L/P) (or ``pp_split``); stage 0 also embed and the recurrence input
+(recur_norm, recur_proj, z_init), the last stage memory_norm, final_norm and lm_head (a copy
+of embed when tied and P > 1, its gradient all-reduced with stage 0's as Megatron does). Every
+stage holds null_memory: it feeds the null slot of the stage's own cross-attention K/V.
+This is what ``parallel/tp.py`` and ``parallel/stage.py`` build.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence
+
+from rlt_mega.config import ConfigError, ModelConfig
+from rlt_mega.model.rlt import param_counts
+
+GROUPS = ("embed", "lm_head", "blocks", "decoder_blocks", "cross", "recurrence", "memory", "final_norm")
+
+
+def padded_vocab(vocab_size: int, tp: int) -> int:
+    """Vocabulary rows of the vocab-parallel embedding and head. The trainer does not pad
+    (``check_tp`` asks for a vocabulary divisible by tp), so this is ``vocab_size``."""
+    return -(-vocab_size // tp) * tp
+
+
+def check_tp(cfg: ModelConfig, tp: int) -> None:
+    """Raises ConfigError unless every sharded dimension divides by tp (as
+    ``parallel.dims.resolve_layout`` does)."""
+    for name, size in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
+                       ("model.ffn_hidden", cfg.ffn_hidden), ("model.vocab_size", cfg.vocab_size)):
+        if size % tp:
+            raise ConfigError(f"tensor parallel size {tp} does not divide {name}={size}: "
+                              f"choose tp among the divisors of {size}")
+
+
+def stage_layers(n_layers: int, pp: int, pp_split: Optional[Sequence[int]] = None) -> list[range]:
+    """Layer indices of each pipeline stage: contiguous, L/P each, or ``pp_split``."""
+    return list(_stage_layers(n_layers, pp, None if pp_split is None else tuple(pp_split)))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_layers(n_layers: int, pp: int, pp_split: Optional[tuple[int, ...]]) -> tuple[range, ...]:
+    if pp_split is not None:
+        if len(pp_split) != pp or sum(pp_split) != n_layers or min(pp_split) < 1:
+            raise ConfigError(f"parallel.pp_split={list(pp_split)} must have pp={pp} positive entries "
+                              f"summing to model.n_layers={n_layers}")
+        sizes = list(pp_split)
+    else:
+        if n_layers % pp:
+            raise ConfigError(f"pipeline size {pp} does not divide model.n_layers={n_layers}: choose pp "
+                              f"among its divisors or give parallel.pp_split (layers per stage)")
+        sizes = [n_layers // pp] * pp
+    starts = [sum(sizes[:s]) for s in range(pp)]
+    return tuple(range(a, a + n) for a, n in zip(starts, sizes))
+
+
+def block_params(cfg: ModelConfig, tp: int = 1) -> int:
+    """One shared block (attn_norm, q/k/v/o, mlp_norm, gate/up/down) on one TP rank."""
+    d, q, kv, f = cfg.d_model, cfg.n_heads * cfg.head_dim // tp, cfg.n_kv_heads * cfg.head_dim // tp, \
+        cfg.ffn_hidden // tp
+    bias = q + 2 * kv if cfg.qkv_bias else 0
+    return 2 * d + d * q + 2 * d * kv + q * d + bias + 3 * d * f
+
+
+def cross_params(cfg: ModelConfig, tp: int = 1) -> int:
+    """One cross block (cross_norm, q/k/v/o) on one TP rank."""
+    d, q, kv = cfg.d_model, cfg.n_heads * cfg.head_dim // tp, cfg.n_kv_heads * cfg.head_dim // tp
+    return d + d * q + 2 * d * kv + q * d
+
+
+def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0,
+                      pp_split: Optional[Sequence[int]] = None) -> dict[str, int]:
+    """Parameters held by one rank of pipeline stage ``stage`` in a tp x pp layout, by group.
+    With tp = pp = 1 this is :func:`rlt_mega.model.rlt.param_counts`."""
+    check_tp(cfg, tp)
+    layers = stage_layers(cfg.n_layers, pp, pp_split)
+    if not 0 <= stage < pp:
+        raise ConfigError(f"stage {stage} is outside 0..{pp - 1}")
+    n_local = len(layers[stage])
+    first, last = stage == 0, stage == pp - 1
+    d = cfg.d_model
+    vocab_rows = padded_vocab(cfg.vocab_size, tp) // tp
+    lm_head_here = last and (not cfg.tie_embeddings or pp > 1)
+    counts = {
+        "embed": vocab_rows * d if first else 0,
+        "lm_head": vocab_rows * d if lm_head_here else 0,
+        "blocks": n_local * block_params(cfg, tp),
+        "decoder_blocks": 0 if cfg.share_weights else n_local * block_params(cfg, tp),
+        "cross": n_local * cross_params(cfg, tp),
+        "recurrence": (2 * d + d * d) if first else 0,  # recur_norm, z_init, recur_proj
+        "memory": d + (d if last else 0),  # null_memory everywhere, memory_norm on the last stage
+        "final_norm": d if last else 0,
+    }
+    counts["total"] = sum(counts.values())
+    return counts
+
+
+def model_param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """The whole model, by group (the model's own closed form)."""
+    return param_counts(cfg)
+
+
+def largest_stage(cfg: ModelConfig, tp: int, pp: int, pp_split: Optional[Sequence[int]] = None) -> int:
+    """The stage whose ranks hold the most parameters (the one that sets the memory bound)."""
+    totals = [rank_param_counts(cfg, tp, pp, s, pp_split)["total"] for s in range(pp)]
+    return max(range(pp), key=lambda s: totals[s])
+
+
+def rank_tensor_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0,
+                       pp_split: Optional[Sequence[int]] = None) -> list[int]:
+    """Sizes of the individual parameter tensors on one rank, in model order (ZeRO-3 pads
+    and partitions each tensor separately). Sums to ``rank_param_counts(...)["total"]``."""
+    check_tp(cfg, tp)
+    layers = stage_layers(cfg.n_layers, pp, pp_split)[stage]
+    first, last = stage == 0, stage == pp - 1
+    d, f = cfg.d_model, cfg.ffn_hidden // tp
+    q, kv = cfg.n_heads * cfg.head_dim // tp, cfg.n_kv_heads * cfg.head_dim // tp
+    vocab_rows = padded_vocab(cfg.vocab_size, tp) // tp
+    bias = [q, kv, kv] if cfg.qkv_bias else []
+    block = [d, d * q, d * kv, d * kv, q * d, *bias, d, d * f, d * f, f * d]
+    cross = [d, d * q, d * kv, d * kv, q * d]
+    sizes = [d]  # null_memory
+    if first:
+        sizes += [d, vocab_rows * d]  # z_init, embed
+    sizes += block * len(layers)
+    if not cfg.share_weights:
+        sizes += block * len(layers)
+    sizes += cross * len(layers)
+    if first:
+        sizes += [d, d * d]  # recur_norm, recur_proj
+    if last:
+        sizes += [d, d]  # memory_norm, final_norm
+        if not cfg.tie_embeddings or pp > 1:
+            sizes.append(vocab_rows * d)
+    return sizes

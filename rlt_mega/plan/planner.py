@@ -1,0 +1,296 @@
+"""Which (tp, pp, dp, ZeRO, checkpointing, micro-batch) layouts fit a cluster, ranked by an
+estimated step time, with the reasons.
+
+The step-time model is a roofline with stated, configurable assumptions (``Hardware``):
+
+- Large matmuls (the encoder, the memory K/V projections, the head: B T rows) run at
+  ``mfu`` x peak FLOP/s.
+- A decoder position is B rows through every layer of a stage: its time is the larger of
+  compute (at ``mfu``) and reading the stage's weights plus the attended K/V from HBM (at
+  ``hbm_eff`` x bandwidth); the backward reads the weights again and reads and writes the
+  gradient accumulators. That is the roofline of a CUDA-graphed decoder step. Eager PyTorch
+  also pays a CPU cost per operator (about 50 per decoder layer and position forward, 120
+  backward, counted with a dispatch mode on this model): with ``launch_us`` > 0 a position
+  takes at least that long; ``explain`` always reports that floor.
+- Tensor-parallel all-reduces and pipeline sends cost latency + bytes / bandwidth, on
+  NVLink when the group fits in a node, else on the per-GPU network share; nothing overlaps
+  with compute (pessimistic for DP, realistic for the decoder's dependent steps).
+- The decoder ring takes ``ring_ticks`` ticks per pass, the encoder pipeline M + P - 1.
+- The optimizer step streams ~30 bytes per locally-updated parameter through HBM.
+
+Layouts: tp divides the GPUs of a node (and the head counts and ffn), pp divides L,
+dp = world / (tp pp); ZeRO-3 only without PP and ZeRO-2/3 only with dp > 1 (ENGINES.md: the
+combinations we support); micro-batch sizes are powers of two dividing the per-replica batch,
+all micro-batches in flight when pp > 1 (the ring holds them all until the backward), else
+gradient accumulation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
+from rlt_mega.plan.comm import comm_per_step, ring_ticks
+from rlt_mega.plan.flops import flop_rows
+from rlt_mega.plan.layout import Layout
+from rlt_mega.plan.memory import estimate_memory
+from rlt_mega.plan.params import check_tp, rank_param_counts, stage_layers
+
+DECODER_OPS_FORWARD = 50  # aten operators per decoder layer and position (forward)
+DECODER_OPS_BACKWARD = 120
+
+
+@dataclass
+class Hardware:
+    """A GPU cluster. Defaults: H100 SXM 80 GB nodes of 8 with NVLink and 400 Gb/s per GPU."""
+
+    nodes: int = 1
+    gpus_per_node: int = 8
+    gpu_mem_gb: float = 80.0
+    usable_fraction: float = 0.9  # CUDA context, NCCL buffers, allocator fragmentation
+    peak_tflops_bf16: float = 989.0
+    peak_tflops_fp32: float = 67.0  # without TF32
+    mfu: float = 0.5  # achieved fraction of peak on large matmuls
+    hbm_gbps: float = 3350.0
+    hbm_eff: float = 0.8
+    intra_gbps: float = 360.0  # achieved all-reduce bus bandwidth inside a node
+    inter_gbps: float = 40.0  # achieved per-GPU network bandwidth between nodes
+    intra_latency_us: float = 10.0
+    inter_latency_us: float = 25.0
+    launch_us: float = 0.0  # CPU cost per eager operator charged to the step (0: CUDA graphs)
+    eager_launch_us: float = 4.0  # only for the eager floor that ``explain`` reports
+
+    def __post_init__(self) -> None:
+        for name in ("nodes", "gpus_per_node"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
+        if not 0 < self.usable_fraction <= 1 or not 0 < self.mfu <= 1 or not 0 < self.hbm_eff <= 1:
+            raise ConfigError("usable_fraction, mfu and hbm_eff must be in (0, 1]")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def capacity_bytes(self) -> float:
+        return self.gpu_mem_gb * 1e9 * self.usable_fraction
+
+    def link(self, span: int) -> tuple[float, float]:
+        """(latency s, bandwidth B/s) of a group spanning ``span`` consecutive ranks."""
+        if span <= self.gpus_per_node:
+            return self.intra_latency_us * 1e-6, self.intra_gbps * 1e9
+        return self.inter_latency_us * 1e-6, self.inter_gbps * 1e9
+
+
+@dataclass
+class Plan:
+    layout: Layout
+    step_time: float
+    peak_memory: float
+    breakdown: dict[str, float] = field(default_factory=dict)
+    tokens_per_s: float = 0.0
+    mfu: float = 0.0
+
+    def describe(self) -> str:
+        lay, ck = self.layout, self.layout.checkpointing
+        ckpt = ck.decoder + (f"({ck.decoder_k})" if ck.decoder == "every_k" else "") + (
+            "+enc" if ck.encoder else "")
+        return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero_stage} ckpt={ckpt} "
+                f"B={lay.micro_batch_size} M={lay.micro_batches} accum={lay.grad_accum}")
+
+
+def _stages_to_check(pp: int) -> list[int]:
+    return sorted({0, pp - 1, min(1, pp - 1)})
+
+
+def step_time(cfg: ModelConfig, layout: Layout, hw: Hardware) -> dict[str, float]:
+    """Seconds of one optimizer step by component (see the module docstring)."""
+    T, B, M, P = layout.seq_len, layout.micro_batch_size, layout.micro_batches, layout.pp
+    a = layout.act_bytes
+    w = 4 if layout.dtype == "fp32" else 2
+    peak = (hw.peak_tflops_fp32 if layout.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
+    flop_rate, mem_rate = peak * hw.mfu, hw.hbm_gbps * 1e9 * hw.hbm_eff
+    tp_lat, tp_bw = hw.link(layout.tp)
+    pp_lat, pp_bw = hw.link(layout.tp * layout.pp)
+    dp_lat, dp_bw = hw.link(layout.world_size)
+    ck = layout.checkpointing
+    kv = cfg.n_kv_heads * cfg.head_dim / layout.tp
+    d = cfg.d_model
+
+    worst: dict[str, float] = {}
+    for s in _stages_to_check(P):
+        n = len(stage_layers(cfg.n_layers, P, layout.pp_split)[s])
+        rows = {(r.part, r.component): r for r in flop_rows(
+            cfg, T, ck, layout.attention_kernel, layers=n, tp=layout.tp,
+            first_stage=s == 0, last_stage=s == P - 1)}
+        dec = [r for (part, comp), r in rows.items() if part == "decoder" and comp != "memory_kv_proj"]
+        # --- decoder: one tick = B rows of one position through the stage's n layers
+        counts = rank_param_counts(cfg, layout.tp, P, s, layout.pp_split)
+        dec_weights = (counts["blocks"] if cfg.share_weights else counts["decoder_blocks"]) + counts["cross"]
+        kv_read = n * B * 2 * kv * a * (T + 1)  # self K/V (mean (T+1)/2) + visible memory K/V
+        fwd_gpu = max(sum(r.forward for r in dec) * B / T / flop_rate, (dec_weights * w + kv_read) / mem_rate)
+        bwd_gpu = max(sum(r.backward for r in dec) * B / T / flop_rate,
+                      (3 * dec_weights * w + 3 * kv_read) / mem_rate)
+        tp_ar = 3 * n * (tp_lat + 2 * (layout.tp - 1) / layout.tp * B * d * a / tp_bw) if layout.tp > 1 else 0.0
+        hop = (pp_lat + B * d * a / pp_bw) if P > 1 else 0.0
+        fwd_tick = max(fwd_gpu + tp_ar + hop, n * DECODER_OPS_FORWARD * hw.launch_us * 1e-6)
+        bwd_tick = max(bwd_gpu + tp_ar + hop, n * DECODER_OPS_BACKWARD * hw.launch_us * 1e-6)
+        ticks = ring_ticks(T, M, P)
+        decoder = ticks * (fwd_tick + bwd_tick + (fwd_tick if ck.decoder != "none" else 0.0))
+        # --- encoder, memory K/V, head: B T rows per micro-batch, compute bound
+        big = [r for (part, comp), r in rows.items() if not (part == "decoder" and comp != "memory_kv_proj")]
+        mb_flops = sum(r.total for r in big) * B
+        enc_tp = (2 * n * (3 if ck.encoder else 2) + n) * (
+            tp_lat + 2 * (layout.tp - 1) / layout.tp * B * T * d * a / tp_bw) if layout.tp > 1 else 0.0
+        enc_hop = 4 * (pp_lat + B * T * d * a / pp_bw) if P > 1 else 0.0
+        encoder = (M + P - 1) * (mb_flops / flop_rate + enc_tp + enc_hop)
+        # --- once per step: data-parallel communication, optimizer
+        comm = comm_per_step(cfg, layout, s)["dp"]
+        dp_time = comm["bytes"] / dp_bw + comm["messages"] * dp_lat if layout.dp > 1 else 0.0
+        psi = counts["total"]
+        local = psi if layout.zero_stage == 0 else psi / layout.dp
+        optimizer = 30 * local / mem_rate
+        parts = {"decoder": layout.grad_accum * decoder, "encoder_head": layout.grad_accum * encoder,
+                 "data_parallel": dp_time, "optimizer": optimizer}
+        parts["total"] = sum(parts.values())
+        if parts["total"] > worst.get("total", -1.0):
+            worst = parts | {"decoder_tick_fwd": fwd_tick, "decoder_tick_bwd": bwd_tick,
+                             "decoder_tick_gpu": fwd_gpu, "decoder_tp_allreduce": tp_ar,
+                             "decoder_launch": n * DECODER_OPS_FORWARD * hw.launch_us * 1e-6,
+                             "ticks": ticks}
+    return worst
+
+
+def peak_memory(cfg: ModelConfig, layout: Layout) -> float:
+    return max(estimate_memory(cfg, layout, s).peak for s in _stages_to_check(layout.pp))
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def candidate_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int,
+                      dtype: str = "bf16") -> list[Layout]:
+    """Every layout of the enumeration in the module docstring."""
+    world = hw.world_size
+    k = 2 ** round(math.log2(max(1.0, math.sqrt(seq_len))))
+    ckpts = [CheckpointingConfig(decoder=dm, decoder_k=k, encoder=enc)
+             for dm in ("none", "every_k", "step") for enc in (False, True)]
+    out = []
+    for tp in _divisors(hw.gpus_per_node):
+        try:
+            check_tp(cfg, tp)
+        except ConfigError:
+            continue
+        for pp in _divisors(cfg.n_layers):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            if global_batch % dp:
+                continue
+            per_replica = global_batch // dp
+            for zero in (0, 1, 2, 3):
+                if (zero == 3 and pp > 1) or (zero > 0 and dp == 1):
+                    continue
+                for B in (b for b in (2 ** i for i in range(12)) if per_replica % b == 0):
+                    n_micro = per_replica // B
+                    if pp == 1:
+                        shapes = [(1, n_micro)]
+                    else:  # in flight M (a divisor of the micro-batch count), the rest accumulated
+                        shapes = [(m, n_micro // m) for m in _divisors(n_micro) if m >= min(pp, n_micro)]
+                    for M, accum in shapes:
+                        for ck in ckpts:
+                            out.append(Layout(seq_len=seq_len, micro_batch_size=B, micro_batches=M,
+                                              grad_accum=accum, tp=tp, pp=pp, dp=dp, zero_stage=zero,
+                                              checkpointing=ck, dtype=dtype))
+    return out
+
+
+def plan_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int,
+                 dtype: str = "bf16", top: Optional[int] = None) -> tuple[list[Plan], int]:
+    """Layouts that fit, fastest first, and the number of candidates considered."""
+    candidates = candidate_layouts(cfg, hw, seq_len, global_batch, dtype)
+    plans = []
+    for lay in candidates:
+        mem = peak_memory(cfg, lay)
+        if mem > hw.capacity_bytes:
+            continue
+        parts = step_time(cfg, lay, hw)
+        tokens = lay.tokens_per_step
+        flops = sum(r.forward + r.backward for r in flop_rows(cfg, seq_len, None, "flash")) * lay.sequences_per_step
+        peak = (hw.peak_tflops_fp32 if dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
+        plans.append(Plan(lay, parts["total"], mem, parts, tokens / parts["total"],
+                          flops / parts["total"] / (peak * hw.world_size)))
+    plans.sort(key=lambda p: (p.step_time, p.peak_memory))
+    return (plans[:top] if top else plans), len(candidates)
+
+
+def explain(plans: list[Plan], cfg: ModelConfig, hw: Hardware) -> str:
+    """Why the first plan: its time budget, and the best plan of each other kind."""
+    if not plans:
+        return ("No layout fits: even the most sharded layout with full checkpointing exceeds "
+                f"{hw.gpu_mem_gb:g} GB x {hw.usable_fraction:.0%}. Use more nodes, a shorter "
+                "sequence or a smaller global batch.")
+    best = plans[0]
+    b = best.breakdown
+    lines = [f"Assumptions: {hw.mfu:.0%} of {hw.peak_tflops_bf16:g} (bf16) / {hw.peak_tflops_fp32:g} (fp32) "
+             f"TFLOP/s on large matmuls; HBM {hw.hbm_eff:.0%} of {hw.hbm_gbps:g} GB/s; collectives "
+             f"{hw.intra_gbps:g} GB/s + {hw.intra_latency_us:g} us in a node, {hw.inter_gbps:g} GB/s + "
+             f"{hw.inter_latency_us:g} us across; no overlap; {hw.usable_fraction:.0%} of memory usable.",
+             f"Best: {best.describe()}: {b['total']:.2f} s/step, {best.tokens_per_s:,.0f} tokens/s, "
+             f"MFU {best.mfu:.1%}, peak {best.peak_memory / 1e9:.1f} GB of "
+             f"{hw.capacity_bytes / 1e9:.1f} GB usable.",
+             f"  time: decoder {b['decoder']:.2f} s ({b['ticks']:,} ring ticks x "
+             f"{b['decoder_tick_fwd'] * 1e3:.2f} ms fwd / {b['decoder_tick_bwd'] * 1e3:.2f} ms bwd), "
+             f"encoder+head {b['encoder_head']:.2f} s, data-parallel {b['data_parallel']:.2f} s, "
+             f"optimizer {b['optimizer']:.3f} s."]
+    gpu, launch, ar = b["decoder_tick_gpu"], b["decoder_launch"], b["decoder_tp_allreduce"]
+    bound = ("CPU launch bound (eager operators; CUDA graphs would help most)" if launch > gpu + ar
+             else "HBM/compute bound in its matmuls" if gpu >= ar else "tensor-parallel latency bound")
+    lines.append(f"  a decoder position is {bound}: GPU {gpu * 1e3:.3f} ms, TP all-reduces "
+                 f"{ar * 1e3:.3f} ms, launches {launch * 1e3:.3f} ms per stage.")
+    n_stage = len(stage_layers(cfg.n_layers, best.layout.pp, best.layout.pp_split)[0])
+    eager = n_stage * (DECODER_OPS_FORWARD + DECODER_OPS_BACKWARD) * hw.eager_launch_us * 1e-6
+    if eager > b["decoder_tick_fwd"] + b["decoder_tick_bwd"] and hw.launch_us == 0:
+        lines.append(f"  eager PyTorch would not reach this: {DECODER_OPS_FORWARD}+{DECODER_OPS_BACKWARD} "
+                     f"operators per layer and position at {hw.eager_launch_us:g} us cost "
+                     f"{eager * 1e3:.2f} ms per tick (fwd+bwd) against {(b['decoder_tick_fwd'] + b['decoder_tick_bwd']) * 1e3:.2f} ms "
+                     f"of GPU work: capture the decoder step in a CUDA graph (or pass --launch-us).")
+    lay = best.layout
+    w = 4 if lay.dtype == "fp32" else 2
+    peak = (hw.peak_tflops_fp32 if lay.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
+    ridge = peak * hw.mfu / (hw.hbm_gbps * 1e9 * hw.hbm_eff)
+    intensity = 2 * lay.micro_batch_size / w  # FLOP per weight byte of a decoder matmul
+    lines.append(f"  B={lay.micro_batch_size} rows per position: {intensity:g} FLOP per weight byte against a "
+                 f"ridge of {ridge:.0f}: " + ("weight-bandwidth bound, so more rows are nearly free and "
+                                              "tensor parallelism (which splits the weights) pays"
+                                              if intensity < ridge else "compute bound"))
+    for label, differs in (("tensor parallel", lambda p: p.layout.tp != lay.tp),
+                           ("pipeline", lambda p: p.layout.pp != lay.pp),
+                           ("ZeRO stage", lambda p: p.layout.zero_stage != lay.zero_stage),
+                           ("checkpointing", lambda p: (p.layout.checkpointing.decoder, p.layout.checkpointing.encoder)
+                            != (lay.checkpointing.decoder, lay.checkpointing.encoder)),
+                           ("micro-batch", lambda p: p.layout.micro_batch_size != lay.micro_batch_size)):
+        alt = next((p for p in plans if differs(p)), None)
+        if alt is None:
+            lines.append(f"  no other {label} choice fits.")
+            continue
+        ratio = alt.step_time / best.step_time
+        if ratio < 1.005:
+            lines.append(f"  best other {label}: {alt.describe()}: the same time, peak "
+                         f"{alt.peak_memory / 1e9:.1f} GB (ties go to less memory).")
+            continue
+        why = max(("decoder", "encoder_head", "data_parallel", "optimizer"),
+                  key=lambda k: alt.breakdown[k] - b[k])
+        lines.append(f"  best other {label}: {alt.describe()}: {ratio:.2f}x the time "
+                     f"(+{alt.breakdown[why] - b[why]:.2f} s in {why}), peak {alt.peak_memory / 1e9:.1f} GB.")
+    return "\n".join(lines)
+
+
+def plan_to_dict(p: Plan) -> dict:
+    lay = asdict(p.layout)
+    return {"layout": lay, "describe": p.describe(), "step_time_s": p.step_time,
+            "peak_memory_bytes": p.peak_memory, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,
+            "breakdown": p.breakdown}
