@@ -71,4 +71,5 @@ def test_universal_patterns_name_each_parameter_once_with_its_tensor_parallel_sp
     assert row_names == {n for n in names if n.endswith(("attn.o.weight", "mlp.down.weight"))}
     replicated_names = {n for n in names if any(re.match(p, n) for p in replicated)}
     assert {"null_memory", "z_init", "recur_proj.weight", "final_norm.weight"} <= replicated_names
-    assert not any(n.endswith(("attn.q.weight", "attn.q.bias", "mlp.up.weight", "embed.weight")) for n in replicated_names)
+    split = ("attn.q.weight", "attn.q.bias", "mlp.up.weight", "embed.weight")
+    assert not any(n.endswith(split) for n in replicated_names)

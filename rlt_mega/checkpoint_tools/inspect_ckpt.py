@@ -98,7 +98,8 @@ def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, An
     elif "shapes" not in report["checks"]:
         raise CheckpointFormatError(f"{step_dir}: neither model.safetensors nor {shards.DS_TAG}/: it holds no weights")
     else:
-        report["resumes"] = "with its optimizer state on one process (the local engine); elsewhere with its weights only"
+        report["resumes"] = ("with its optimizer state on one process (the local engine); elsewhere with its "
+                             "weights only")
     if verify:
         report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
     return report

@@ -65,7 +65,8 @@ class ShardFiles:
         return mp % self.tp, mp // self.tp
 
     def files_of(self, mp: int) -> list[Path]:
-        return sorted([f for (m, _), f in self.model.items() if m == mp] + [f for (m, _), f in self.optim.items() if m == mp])
+        return sorted([f for (m, _), f in self.model.items() if m == mp]
+                      + [f for (m, _), f in self.optim.items() if m == mp])
 
 
 def _layout_text(layout: dict) -> str:
@@ -161,7 +162,8 @@ def recorded_shapes(files: ShardFiles, mp: int) -> dict[str, tuple[int, ...]]:
     if not isinstance(module, dict):
         raise CheckpointFormatError(f"{path}: holds neither param_shapes nor a module state: not a DeepSpeed "
                                     "module file")
-    return {n: tuple(t.shape) for n, t in module.items() if torch.is_tensor(t) and n not in state.get("buffer_names", ())}
+    buffers = set(state.get("buffer_names") or ())
+    return {n: tuple(t.shape) for n, t in module.items() if torch.is_tensor(t) and n not in buffers}
 
 
 def check_shards(files: ShardFiles, cfg: ModelConfig) -> dict[int, dict[str, Any]]:

@@ -114,7 +114,8 @@ def resumable_on(layout: dict) -> str:
         where = "tp=1, pp=1, zero_stage=3 and any dp"
     else:
         where = f"tp={tp}, pp=1, zero_stage=3, dp={dp} only"
-    return f"with its optimizer state on {where}; on any other layout with its weights only (export, then train.init_from)"
+    return (f"with its optimizer state on {where}; on any other layout with its weights only "
+            "(export, then train.init_from)")
 
 
 def universal_checkpoint_info(cfg: ModelConfig) -> dict:
