@@ -229,6 +229,11 @@ class CheckpointConfig:
     dir: str = "runs/default/checkpoints"
     every: int = 100  # steps between checkpoints; 0: only at the end
     keep: int = 3  # keep the last K checkpoints
+    # Distributed runs: rank 0 also writes a consolidated model.safetensors (the single-device
+    # layout) beside the per-rank shards. Gathering the whole model on one rank at every save
+    # costs time and host memory on a large model; with false, `rlt-mega export` consolidates
+    # offline from the shards instead.
+    consolidate: bool = True
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"checkpoint.every={self.every}: must be >= 0")

@@ -24,13 +24,14 @@ USER_ERRORS = (CheckpointFormatError, CheckpointError, FileExistsError, FileNotF
 
 def export_path(src: str | Path, out_dir: str | Path, *, dtype: str = "auto",
                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer=None,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, weights: str = "auto") -> Path:
     """Exports ``src`` into ``out_dir``: a training checkpoint (a step directory, or the newest
-    valid one under checkpoint.dir), or an export directory (re-exported, e.g. in bf16 or with
-    other shard sizes)."""
+    valid one under checkpoint.dir; ``weights``: "auto", "consolidated" or "shards", see
+    training.weights_source), or an export directory (re-exported, e.g. in bf16 or with other
+    shard sizes). The optimizer state is never exported."""
     src = Path(src)
     if training.is_training_checkpoint(src):
-        run_cfg, sd, source = training.load_training_weights(src)
+        run_cfg, sd, source = training.load_training_weights(src, weights)
         return export_state_dict(sd, run_cfg.model, out_dir, tokenizer=tokenizer or training.tokenizer_of(run_cfg),
                                  max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite)
     if (src / MANIFEST_NAME).is_file():
@@ -69,12 +70,20 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, tokenizer.json or 'byte'")
     p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--weights", choices=training.WEIGHT_SOURCES, default="auto",
+                   help="a distributed checkpoint's weights from its consolidated model.safetensors or from its "
+                        "per-rank shards (auto: the consolidated file when there is one)")
 
 
 def run_export(a: argparse.Namespace) -> str:
     out = export_path(a.src, a.out_dir, dtype=a.dtype, max_shard_size=a.max_shard_size,
-                      tokenizer=a.tokenizer, overwrite=a.overwrite)
-    return f"exported {a.src} -> {out}"
+                      tokenizer=a.tokenizer, overwrite=a.overwrite, weights=a.weights)
+    source = read_manifest(out).get("source") or {}
+    if source.get("kind") != "training_checkpoint":
+        return f"exported {a.src} -> {out}"
+    return (f"exported {a.src} (step {source.get('step')}, layout {json.dumps(source.get('layout'))}, weights from "
+            f"the {source.get('weights')}) -> {out}\nweights only: the optimizer state stays in the checkpoint; "
+            f"start a run of any layout from it with train.init_from={out}")
 
 
 def add_import_arguments(p: argparse.ArgumentParser) -> None:

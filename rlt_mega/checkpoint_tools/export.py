@@ -312,24 +312,50 @@ def verify_export(path: str | Path) -> dict[str, str]:
     return result
 
 
-def init_from(model: RLT, path: str | Path) -> ModelConfig:
-    """``train.init_from=PATH``: copies an export's weights into ``model`` (any dtype/device).
-
-    The fields that fix the shapes must agree; the others may differ on purpose (a dense import
-    trained with memory_block=4, a longer max_seq_len) and are logged, since the weights then
-    compute something other than what they were trained for. Returns the export's config.
-    """
-    device = next(model.parameters()).device
-    exported, sd = load_exported(path, device)
-    mismatched = [f"{f}: export {getattr(exported, f)} vs run {getattr(model.cfg, f)}"
-                  for f in SHAPE_FIELDS if getattr(exported, f) != getattr(model.cfg, f)]
+def check_fits(exported: ModelConfig, run: ModelConfig, path: str | Path) -> None:
+    """``train.init_from``: the fields that fix the shapes must agree; the others may differ on
+    purpose (a dense import trained with memory_block=4, a longer max_seq_len) and are logged,
+    since the weights then compute something other than what they were trained for."""
+    mismatched = [f"{f}: export {getattr(exported, f)} vs run {getattr(run, f)}"
+                  for f in SHAPE_FIELDS if getattr(exported, f) != getattr(run, f)]
     if mismatched:
         raise ConfigError(f"train.init_from={path}: the export's config does not fit model "
                           f"({'; '.join(mismatched)}); set these model.* fields as in {Path(path) / CONFIG_NAME}")
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in SHAPE_FIELDS and getattr(exported, f.name) != getattr(model.cfg, f.name):
+        if f.name not in SHAPE_FIELDS and getattr(exported, f.name) != getattr(run, f.name):
             log.warning("init_from %s: model.%s is %s in the run but %s in the export", path, f.name,
-                        getattr(model.cfg, f.name), getattr(exported, f.name))
+                        getattr(run, f.name), getattr(exported, f.name))
+
+
+def init_from(model: RLT, path: str | Path) -> ModelConfig:
+    """``train.init_from=PATH``: copies an export's weights into ``model`` (any dtype/device).
+    Returns the export's config."""
+    device = next(model.parameters()).device
+    exported, sd = load_exported(path, device)
+    check_fits(exported, model.cfg, path)
     model.load_state_dict(sd, strict=True)
     log.info("initialised the model from %s", path)
     return exported
+
+
+def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first: bool, is_last: bool) -> RLT:
+    """``train.init_from=PATH`` for one pipeline stage of a distributed run: the RLT with only
+    the stage's parameters (parallel.stage.prune_to_stage; names stay global) holding the
+    export's weights. Only the stage's tensors are read (``load_exported(keys=...)``, each
+    checked against its sha256); the engine then keeps this rank's tensor-parallel slice of each
+    by the TP plan (parallel.tp). Nothing is initialised at random, and a rank never holds more
+    than its stage at full width. On the CPU, like the seeded build it replaces."""
+    from rlt_mega.parallel.stage import prune_to_stage
+
+    model = prune_to_stage(build_model(cfg, "meta"), layers, is_first, is_last)
+    keys = list(model.state_dict())
+    dtype = next(model.parameters()).dtype
+    exported, sd = load_exported(path, "cpu", keys=keys, dtype=dtype)
+    check_fits(exported, cfg, path)
+    # assign: the loaded tensors become the parameters (no second copy); a tied head is tied again.
+    model.load_state_dict({k: sd[k] for k in keys}, strict=True, assign=True)
+    if cfg.tie_embeddings and model.embed is not None and model.lm_head is not None:
+        model.lm_head.weight = model.embed.weight
+    log.info("initialised layers %d..%d%s from %s", layers.start, layers.stop - 1,
+             " (+ embedding)" if is_first else "", path)
+    return model

@@ -15,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from rlt_mega.model import param_counts
-from rlt_mega.checkpoint_tools import training
+from rlt_mega.checkpoint_tools import shards, training
+from rlt_mega.parallel import reshard
 from rlt_mega.checkpoint_tools.export import (
     CONFIG_NAME, MANIFEST_NAME, check_tensors, open_export, tied_aliases, verify_export,
 )
@@ -73,19 +74,32 @@ def inspect_export(path: Path, verify: bool = True) -> dict[str, Any]:
 
 
 def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, Any]:
-    """A step directory (or the newest valid one under a checkpoint root)."""
+    """A step directory (or the newest valid one under a checkpoint root): its consolidated
+    weights and, for a distributed checkpoint, its per-rank shards (every file the layout
+    implies, and the shapes each records, against the config)."""
     step_dir, run_cfg, manifest = training.read_checkpoint(path, check_files=verify)
     cfg, layout = run_cfg.model, training.layout_of(manifest)
     report = {"path": str(step_dir), "kind": "training_checkpoint", "step": manifest.get("step"),
               "layout": layout, "config": dataclasses.asdict(cfg), "param_counts": param_counts(cfg),
               "files": [{"name": n, "bytes": m["size"]} for n, m in manifest["files"].items()],
               "checks": {}}
-    if training.holds_full_model(layout) or (step_dir / "model.safetensors").is_file():
+    if (step_dir / "model.safetensors").is_file():
         with SafetensorsDir(step_dir) as st:
             check_tensors({n: st.shape(n) for n in st.names()}, cfg, str(step_dir), st.file_of)
             summary = _tensor_summary(st, st.names())
         report.update(num_tensors=summary["num_tensors"], dtypes=summary["dtypes"], tied=tied_aliases(cfg))
         report["checks"]["shapes"] = "ok"
+    if (step_dir / shards.DS_TAG).is_dir():
+        files = shards.index_shards(step_dir, layout)
+        report["shards"] = {str(mp): info for mp, info in shards.check_shards(files, cfg).items()}
+        report["resumes"] = reshard.resumable_on(layout)
+        report["checks"]["shards"] = (f"ok ({len(files.model) + len(files.optim)} files: {files.num_mp} model-parallel "
+                                      f"x {layout.get('dp', 1)} data-parallel ranks, shapes as the config)")
+    elif "shapes" not in report["checks"]:
+        raise CheckpointFormatError(f"{step_dir}: neither model.safetensors nor {shards.DS_TAG}/: it holds no weights")
+    else:
+        report["resumes"] = ("with its optimizer state on one process (the local engine); elsewhere with its "
+                             "weights only")
     if verify:
         report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
     return report
@@ -130,6 +144,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"step: {report['step']}")
     if report.get("layout"):
         lines.append(f"layout: {json.dumps(report['layout'])}")
+    if report.get("resumes"):
+        lines.append(f"resumes: {report['resumes']}")
     if report.get("source"):
         lines.append(f"source: {json.dumps(report['source'])}")
     as_rlt = " (of the RLT it imports as)" if report["kind"] == "hf" else ""
@@ -141,7 +157,16 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"tensors: {report['num_tensors']} stored"
                      + (f", tied: {report['tied']}" if report.get("tied") else ""))
         lines.append("dtypes: " + ", ".join(f"{k} ({_human(v)} parameters)" for k, v in report["dtypes"].items()))
-    lines.append("files: " + ", ".join(f"{f['name']} ({_human(f['bytes'])}B)" for f in report["files"]))
+    if report.get("shards"):
+        lines.append(f"shards per model-parallel rank (mp = pp_rank * tp + tp_rank) in {shards.DS_TAG}/:")
+        for mp, info in report["shards"].items():
+            files = ", ".join(f"{f['name']} ({_human(f['bytes'])}B)" for f in info["files"])
+            lines.append(f"  mp {mp} (tp {info['tp_rank']}, pp {info['pp_rank']}, layers {info['layers'][0]}.."
+                         f"{info['layers'][1] - 1}): {_human(info['num_params'])} parameters; {files}")
+        lines.append("files: " + ", ".join(f"{f['name']} ({_human(f['bytes'])}B)" for f in report["files"]
+                                           if not f["name"].startswith(shards.DS_TAG + "/")))
+    else:
+        lines.append("files: " + ", ".join(f"{f['name']} ({_human(f['bytes'])}B)" for f in report["files"]))
     if report.get("tokenizer"):
         lines.append(f"tokenizer: {report['tokenizer']}")
     lines.append("checks: " + ", ".join(f"{k} {v}" for k, v in report["checks"].items()))

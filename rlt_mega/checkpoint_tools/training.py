@@ -4,9 +4,11 @@ A training checkpoint is a ``step_NNNNNNNN`` directory (files checked by its man
 ``config.yaml`` is the run's config, ``manifest.json`` holds the step and the engine's
 layout), or a checkpoint root (``checkpoint.dir``) from which the newest valid one is taken.
 
-Every checkpoint holds the full model in ``model.safetensors``: the local engine saves it, and
-the distributed engine (rlt_mega.parallel.distributed) writes a consolidated copy beside its
-per-rank DeepSpeed shards, so export and inspect read any layout the same way.
+The local engine saves the full model in ``model.safetensors``; the distributed engine
+(rlt_mega.parallel.distributed) writes its per-rank DeepSpeed shards under ``deepspeed/`` and,
+unless ``checkpoint.consolidate`` is false, a consolidated ``model.safetensors`` beside them.
+Export reads the consolidated file when there is one and otherwise rebuilds the model from the
+shards (shards.py), so any layout exports the same way.
 """
 
 from __future__ import annotations
@@ -20,8 +22,9 @@ from safetensors.torch import load_model
 
 from rlt_mega.checkpoint import MANIFEST, CheckpointError, CheckpointManager, verify
 from rlt_mega.config import Config, ConfigError, load_config
-from rlt_mega.checkpoint_tools.export import empty_model
+from rlt_mega.checkpoint_tools.export import check_tensors, empty_model, tied_aliases
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError
+from rlt_mega.checkpoint_tools.shards import DS_TAG, consolidate
 
 CONFIG_YAML = "config.yaml"
 SINGLE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
@@ -71,31 +74,54 @@ def layout_of(manifest: dict) -> dict:
     return dict(manifest.get("layout") or SINGLE_PROCESS)
 
 
-def holds_full_model(layout: dict) -> bool:
-    return layout.get("tp", 1) == 1 and layout.get("pp", 1) == 1 and layout.get("zero_stage", 0) != 3
+WEIGHT_SOURCES = ("auto", "consolidated", "shards")
 
 
-def load_training_weights(path: str | Path) -> tuple[Config, dict[str, torch.Tensor], dict[str, Any]]:
+def weights_source(step_dir: Path, source: str = "auto") -> str:
+    """Where a checkpoint's weights are read from: "consolidated" (model.safetensors) or
+    "shards" (deepspeed/). ``auto`` prefers the consolidated file."""
+    if source not in WEIGHT_SOURCES:
+        raise ValueError(f"weights source {source!r}: expected one of {WEIGHT_SOURCES}")
+    has_file, has_shards = (step_dir / "model.safetensors").is_file(), (step_dir / DS_TAG).is_dir()
+    if source == "auto":
+        source = "consolidated" if has_file or not has_shards else "shards"
+    if source == "consolidated" and not has_file:
+        raise CheckpointFormatError(f"{step_dir / 'model.safetensors'}: missing; "
+                                    + ("read the weights from the shards instead (--weights shards)" if has_shards
+                                       else "the checkpoint holds no weights"))
+    if source == "shards" and not has_shards:
+        raise CheckpointFormatError(f"{step_dir / DS_TAG}: missing; only the distributed engine writes "
+                                    "per-rank shards (this checkpoint's weights are in model.safetensors)")
+    return source
+
+
+def load_training_weights(path: str | Path, source: str = "auto"
+                          ) -> tuple[Config, dict[str, torch.Tensor], dict[str, Any]]:
     """A training checkpoint's weights as a full single-process state dict (fp32 as trained).
+    ``source``: "auto", "consolidated" or "shards" (:func:`weights_source`); the optimizer
+    state is never part of it.
 
     Returns (the run's Config, state dict with tied aliases, source info for the export).
     """
     step_dir, cfg, manifest = read_checkpoint(path)
     layout = layout_of(manifest)
-    file = step_dir / "model.safetensors"
-    if not holds_full_model(layout) and not file.is_file():
-        raise CheckpointFormatError(f"{step_dir}: written with layout {layout} and without a consolidated "
-                                    "model.safetensors (the distributed engine writes one at every save)")
-    # load_model resolves the tied names exactly as the engine's save_model chose them.
+    source = weights_source(step_dir, source)
     model = empty_model(cfg.model)
-    try:
-        load_model(model, str(file), strict=True)
-    except (SafetensorError, RuntimeError) as exc:
-        raise CheckpointFormatError(f"{file}: does not hold the weights of the model in "
-                                    f"{step_dir / CONFIG_YAML}: {exc}") from None
-    source = {"kind": "training_checkpoint", "path": str(step_dir.resolve()), "step": manifest.get("step"),
-              "layout": layout}
-    return cfg, {n: t.detach() for n, t in model.state_dict().items()}, source
+    if source == "shards":
+        sd = consolidate(step_dir, cfg.model, layout)
+        check_tensors({n: tuple(t.shape) for n, t in sd.items()}, cfg.model, str(step_dir / DS_TAG))
+        model.load_state_dict({**sd, **{a: sd[s] for a, s in tied_aliases(cfg.model).items()}}, strict=True)
+    else:
+        # load_model resolves the tied names exactly as the engine's save_model chose them.
+        file = step_dir / "model.safetensors"
+        try:
+            load_model(model, str(file), strict=True)
+        except (SafetensorError, RuntimeError) as exc:
+            raise CheckpointFormatError(f"{file}: does not hold the weights of the model in "
+                                        f"{step_dir / CONFIG_YAML}: {exc}") from None
+    info = {"kind": "training_checkpoint", "path": str(step_dir.resolve()), "step": manifest.get("step"),
+            "layout": layout, "weights": source}
+    return cfg, {n: t.detach() for n, t in model.state_dict().items()}, info
 
 
 def tokenizer_of(cfg: Config) -> Optional[str]:

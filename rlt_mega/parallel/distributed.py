@@ -43,12 +43,13 @@ from rlt_mega.config import Config, ConfigError
 from rlt_mega.log import get_logger
 from rlt_mega.model.rlt import RLT, build_model
 from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
-from rlt_mega.parallel.engine import CountFn, LossFn, StepStats, check_layout, lm_count, lm_loss, lr_lambda
+from rlt_mega.parallel.engine import CountFn, LossFn, StepStats, lm_count, lm_loss, lr_lambda
 from rlt_mega.parallel.gather import gather_tp
 from rlt_mega.parallel.grads import ShadowGrads, deposit_grads
 from rlt_mega.parallel.pipeline import P2P, RingSchedule
 from rlt_mega.parallel.stage import RLTStage, prune_to_stage
 from rlt_mega.parallel.tp import gather_vocab, apply_tensor_parallel, token_losses
+from rlt_mega.parallel import reshard
 from rlt_mega.parallel.zero import ZeroStepper, init_deepspeed, mark_for_grad_norm, sync_pipeline_replicas
 
 log = get_logger(__name__)
@@ -110,6 +111,7 @@ class DistributedEngine:
             ds_micro, self.ds_accum = mbs // self.pieces, accum * self.pieces
         self.engine = init_deepspeed(model, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16, ds_micro,
                                      self.ds_accum)
+        self.universal_info = reshard.universal_checkpoint_info(self.full_cfg)
         self.stepper = ZeroStepper(self.engine, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16)
         self.lr_factor = lr_lambda(cfg.optim, cfg.train.steps)
         self.steps_taken = 0  # optimizer steps applied: the position in the learning-rate schedule
@@ -123,8 +125,10 @@ class DistributedEngine:
         return self.engine.module
 
     def layout(self) -> dict:
-        return {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp,
-                "zero_stage": self.cfg.parallel.zero_stage}
+        out = {"tp": self.dims.tp, "pp": self.dims.pp, "dp": self.dims.dp, "zero_stage": self.cfg.parallel.zero_stage}
+        if self.dims.pp > 1:  # layers per stage: which parameters each stage holds
+            out["pp_split"] = [len(r) for r in self.dims.stage_layers]
+        return out
 
     def data_parallel_size(self) -> int:
         return self.dims.dp
@@ -270,13 +274,41 @@ class DistributedEngine:
         them (a collective over the data-parallel group under ZeRO-3: call on every rank)."""
         from deepspeed.utils import safe_get_full_fp32_param
 
+        masters = self._unfused_masters()
         out = {}
         for name, p in self.module.named_parameters():
-            if self.cfg.parallel.zero_stage > 0 or self.bf16:
+            if id(p) in masters:
+                out[name] = masters[id(p)].detach().clone()
+            elif self.cfg.parallel.zero_stage > 0 or self.bf16:
                 out[name] = safe_get_full_fp32_param(p).detach().clone()
             else:
                 out[name] = p.detach().clone()
         return out
+
+    def _unfused_groups(self) -> Optional[tuple[list, list]]:
+        """bf16 without ZeRO runs DeepSpeed's FP16_UnfusedOptimizer: full fp32 masters
+        (``fp32_groups``) parallel to the model's parameters (``fp16_groups``), which
+        safe_get_full_fp32_param does not see. None for every other optimizer."""
+        opt = self.engine.optimizer
+        if self.cfg.parallel.zero_stage > 0 or not (hasattr(opt, "fp16_groups") and hasattr(opt, "fp32_groups")):
+            return None
+        return opt.fp16_groups, opt.fp32_groups
+
+    def _unfused_masters(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its fp32 master under FP16_UnfusedOptimizer (empty otherwise)."""
+        groups = self._unfused_groups()
+        if groups is None:
+            return {}
+        return {id(p): m for g16, g32 in zip(*groups) for p, m in zip(g16, g32)}
+
+    def master_group_names(self) -> Optional[list[list[str]]]:
+        """The names of FP16_UnfusedOptimizer's master groups, in its order (saved with the
+        checkpoint: its ``fp32_groups`` are lists without names); None for other optimizers."""
+        groups = self._unfused_groups()
+        if groups is None:
+            return None
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        return [[names[id(p)] for p in g16] for g16 in groups[0]]
 
     def full_state_dict(self) -> Optional[dict[str, torch.Tensor]]:
         """The single-device state dict (fp32, CPU) on global rank 0, None elsewhere. Collective:
@@ -299,38 +331,89 @@ class DistributedEngine:
 
     def save(self, directory: Path) -> None:
         """Every rank writes its shards (DeepSpeed's engine checkpoint: module and ZeRO optimizer
-        state, under ``deepspeed/``); rank 0 adds ``engine.pt`` and a consolidated
-        ``model.safetensors`` (the single-device layout, fp32), which the export and inspect
-        tools and ``train.init_from`` read like a single-process checkpoint. The caller
-        (CheckpointManager) makes the directory atomic."""
+        state, under ``deepspeed/``, with the ``universal_checkpoint_info`` its converter needs);
+        rank 0 adds ``engine.pt`` and, with ``checkpoint.consolidate`` (the default), a
+        consolidated ``model.safetensors`` (the single-device layout, fp32 masters), which the
+        export and inspect tools read like a single-process checkpoint (without it they
+        consolidate from the shards). The caller (CheckpointManager) makes the directory atomic."""
         directory = Path(directory)
-        self.engine.save_checkpoint(str(directory), tag=DS_TAG, client_state={}, save_latest=False)
-        full = self.full_state_dict()
+        client = {"universal_checkpoint_info": self.universal_info, "rlt_master_groups": self.master_group_names()}
+        self.engine.save_checkpoint(str(directory), tag=DS_TAG, client_state=client, save_latest=False)
+        consolidate = self.cfg.checkpoint.consolidate
+        full = self.full_state_dict() if consolidate else None
         if self.dims.rank == 0:
-            from safetensors.torch import save_model
-
             torch.save(self.state_dict(), directory / "engine.pt")
-            model = build_model(self.full_cfg, "meta")
-            model.to_empty(device="cpu")
-            if self.full_cfg.tie_embeddings:
-                model.lm_head.weight = model.embed.weight  # to_empty unties; re-tie before loading
-                full.setdefault("lm_head.weight", full["embed.weight"])
-            model.load_state_dict(full, strict=True)
-            save_model(model, str(directory / "model.safetensors"))
+            if consolidate:
+                self._save_consolidated(full, directory / "model.safetensors")
         dist.barrier()
 
+    def _save_consolidated(self, full: dict[str, torch.Tensor], file: Path) -> None:
+        from safetensors.torch import save_model
+
+        model = build_model(self.full_cfg, "meta")
+        model.to_empty(device="cpu")
+        if self.full_cfg.tie_embeddings:
+            model.lm_head.weight = model.embed.weight  # to_empty unties; re-tie before loading
+            full.setdefault("lm_head.weight", full["embed.weight"])
+        model.load_state_dict(full, strict=True)
+        save_model(model, str(file))
+
     def load(self, directory: Path) -> None:
-        """Resumes from a checkpoint written by :meth:`save` on the same layout."""
+        """Resumes from a checkpoint written by :meth:`save`: on the same layout bit for bit; on
+        another data-parallel size (or ZeRO stage within 1-2) with its optimizer state
+        re-partitioned (reshard.py); any other layout change is an error naming both layouts."""
         directory = Path(directory)
-        check_layout(directory, self.layout())
+        saved = reshard.saved_layout(directory) or self.layout()
+        plan = reshard.resume_plan(saved, self.layout(), directory)
         if not (directory / DS_TAG).is_dir():
             raise CheckpointError(f"checkpoint {directory} has no {DS_TAG}/ directory: it was not written by the "
-                                  "distributed engine; start from it with train.init_from (after export) instead")
-        load_path, _ = self.engine.load_checkpoint(str(directory), tag=DS_TAG, load_module_strict=True,
+                                  f"distributed engine; {reshard.weights_only_hint(directory)}")
+        if plan == reshard.UNIVERSAL:
+            self._load_universal(directory)
+        else:
+            self._load_deepspeed(directory, directory)
+        self.load_state_dict(torch.load(directory / "engine.pt", weights_only=False))
+        if plan != reshard.SAME:
+            log.warning("resumed %s, written with layout %s, on %s: optimizer state %s", directory,
+                        reshard.format_layout(saved), reshard.format_layout(self.layout()),
+                        "re-partitioned through DeepSpeed's universal checkpoint" if plan == reshard.UNIVERSAL
+                        else "replicated over data-parallel ranks, loaded as is")
+
+    def _load_deepspeed(self, load_dir: Path, directory: Path) -> None:
+        load_path, _ = self.engine.load_checkpoint(str(load_dir), tag=DS_TAG, load_module_strict=True,
                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {directory / DS_TAG} on layout {self.layout()}")
-        self.load_state_dict(torch.load(directory / "engine.pt", weights_only=False))
+
+    def _load_universal(self, directory: Path) -> None:
+        """Rank 0 converts the checkpoint's ZeRO shards with DeepSpeed's ds_to_universal into a
+        scratch directory under checkpoint.dir; every rank loads its new partition from it
+        (DeepSpeed's ``load_universal``, switched on for this load only); the scratch goes."""
+        scratch = reshard.scratch_dir(self.cfg.checkpoint.dir, directory)
+        error: Optional[Exception] = None
+        if self.dims.rank == 0:
+            try:
+                reshard.remove(scratch)
+                scratch.mkdir(parents=True)
+                reshard.to_universal(directory / DS_TAG, scratch / DS_TAG)
+            except Exception as exc:  # reported on every rank below, raised here
+                error = exc
+        failed = torch.tensor([float(error is not None)], device=self.dims.device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item():
+            if self.dims.rank == 0:
+                reshard.remove(scratch)
+                raise error
+            raise CheckpointError(f"rank 0 could not convert {directory / DS_TAG} to a universal checkpoint "
+                                  "(its log has the reason)")
+        self.engine._config.load_universal_checkpoint = True  # DeepSpeed reads it only while loading
+        try:
+            self._load_deepspeed(scratch, directory)
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+            dist.barrier()
+            if self.dims.rank == 0:
+                reshard.remove(scratch)
 
 
 def gather_pp_to_first(named: dict[str, torch.Tensor], dims: ParallelDims) -> Optional[dict[str, torch.Tensor]]:

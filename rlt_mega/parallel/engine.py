@@ -172,8 +172,9 @@ class LocalEngine:
 
 
 def check_layout(directory: Path, layout: dict) -> None:
-    """A training checkpoint resumes only on the layout that wrote it (the reshard tool
-    converts between layouts)."""
+    """The local engine resumes only checkpoints of its own layout (one process, no ZeRO); the
+    weights of any other move through export and train.init_from. (The distributed engine's
+    rules are in parallel/reshard.py.)"""
     manifest = Path(directory) / "manifest.json"
     saved = json.loads(manifest.read_text()).get("layout") if manifest.is_file() else None
     if saved is not None and saved != layout:

@@ -84,6 +84,15 @@ def _flatten(x: torch.Tensor) -> tuple[torch.Tensor, tuple]:
     return x.reshape(-1, x.shape[-1]), x.shape[:-1]
 
 
+# megatron's layers put "_extra_state": None into their state dicts (a hook for Transformer
+# Engine); DeepSpeed's universal-checkpoint converter (checkpoint/ds_to_universal.py) copies every
+# module-state entry as a tensor and fails on it. Our layers keep no extra state: torch's default
+# get_extra_state leaves the entry out of what we save. megatron's set_extra_state (which ignores
+# it) stays: its load pre-hook adds the entry to every state dict loaded, and without a setter a
+# strict load would call it unexpected.
+_NO_EXTRA_STATE = nn.Module.get_extra_state
+
+
 def _make_layers():
     """The megatron layer adapters, defined lazily so importing this module does not import
     megatron-core (its import alone takes seconds)."""
@@ -92,6 +101,8 @@ def _make_layers():
     class ColumnLinear(ColumnParallelLinear):
         """ColumnParallelLinear returning a tensor (megatron returns (out, bias))."""
 
+        get_extra_state = _NO_EXTRA_STATE
+
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in) -> (..., d_out / tp)
             flat, lead = _flatten(x)
             out, _ = super().forward(flat)
@@ -99,6 +110,8 @@ def _make_layers():
 
     class RowLinear(RowParallelLinear):
         """RowParallelLinear on an input already split by the column layer before it."""
+
+        get_extra_state = _NO_EXTRA_STATE
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:  # (..., d_in / tp) -> (..., d_out)
             flat, lead = _flatten(x)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from rlt_mega.checkpoint_tools.export import init_from
+from rlt_mega.checkpoint_tools.export import init_from, init_stage_from
 from rlt_mega.config import Config, ConfigError
 from rlt_mega.data.datasets import BatchIterator, DataStats, pack, text_of, train_eval_records
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
@@ -59,14 +59,14 @@ def build_local(cfg: Config) -> tuple[RLT, LocalEngine, torch.device]:
 
 
 def build_distributed(cfg: Config, dims) -> tuple[RLT, "distributed.DistributedEngine"]:
-    """This rank's part of the model (from the same seeded single-device model, or train.init_from)
-    and the distributed engine."""
+    """This rank's part of the model (from the same seeded single-device model, or only its
+    pipeline stage read from train.init_from) and the distributed engine."""
 
     def model_fn() -> RLT:
-        model = build_model(cfg.model, "cpu", seed=cfg.train.seed)
-        if cfg.train.init_from:
-            init_from(model, cfg.train.init_from)
-        return model
+        if cfg.train.init_from:  # only this rank's stage, read from the export
+            return init_stage_from(cfg.train.init_from, cfg.model, dims.layers, dims.is_first_stage,
+                                   dims.is_last_stage)
+        return build_model(cfg.model, "cpu", seed=cfg.train.seed)
 
     engine = distributed.build_engine(cfg, dims, model_fn)
     return engine.module, engine

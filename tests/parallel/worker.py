@@ -1,5 +1,8 @@
-"""Entry point of one rank: runs the scenarios listed in a JSON file, in order."""
+"""Entry point of one rank: runs the scenarios listed in a JSON file, in order. A scenario is a
+function of tests/parallel/scenarios.py, or ``module.function`` for another module of
+tests/parallel/."""
 
+import importlib
 import json
 import os
 import sys
@@ -10,6 +13,11 @@ from tests.parallel import scenarios
 from tests.parallel.launch import key
 
 
+def resolve(name: str):
+    module, _, function = name.rpartition(".")
+    return getattr(importlib.import_module(f"tests.parallel.{module}") if module else scenarios, function)
+
+
 def main() -> None:
     spec, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
 
@@ -18,7 +26,7 @@ def main() -> None:
     out = out_dir / f"rank{rank}.json"
     for name, args in json.loads(spec.read_text()):
         try:
-            results[key(name, args)] = getattr(scenarios, name)(**args)
+            results[key(name, args)] = resolve(name)(**args)
         except Exception:  # recorded; the test that reads it fails with this traceback
             results[key(name, args)] = {"error": traceback.format_exc()}
             out.write_text(json.dumps(results))
