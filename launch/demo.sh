@@ -31,7 +31,8 @@ import sys
 from rlt_mega.metrics import read_metrics
 rows = read_metrics(sys.argv[1])
 train = [(r["step"], r["train/loss"]) for r in rows if "train/loss" in r]
-print("SFT answer-token loss:", ", ".join(f"step {s}: {l:.3f}" for s, l in train[:: max(1, len(train) // 5)] + [train[-1]]))
+shown = train[:: max(1, len(train) // 5)] + [train[-1]]
+print("SFT answer-token loss:", ", ".join(f"step {s}: {l:.3f}" for s, l in shown))
 PY
 rlt-mega export $RUN/sft/checkpoints $RUN/sft/export
 

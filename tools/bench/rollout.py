@@ -68,15 +68,16 @@ def main() -> None:
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     params = SamplingParams(Processing(temperature=1.0, top_p=0.95), max_new_tokens=args.new_tokens)
     seeds = list(range(args.batch))
-    print(f"{args.config}: d={base.d_model} L={base.n_layers} H={base.n_heads}/{base.n_kv_heads} V={vocab} batch={args.batch} "
-          f"new_tokens={args.new_tokens} prompts={min(lengths)}..{max(lengths)} threads={torch.get_num_threads()} "
-          f"device={args.device}")
+    print(f"{args.config}: d={base.d_model} L={base.n_layers} H={base.n_heads}/{base.n_kv_heads} V={vocab} "
+          f"batch={args.batch} new_tokens={args.new_tokens} prompts={min(lengths)}..{max(lengths)} "
+          f"threads={torch.get_num_threads()} device={args.device}")
     header = (f"{'C':>3} {'rollout tok/s':>14} {'replay/rollout':>15} {'hybrid/dense step':>18} "
               f"{'fp32 max|d-r|':>14} {'bf16 max|d-r|':>14} {'bf16 mean|d-r|':>15} {'bf16 dense miss':>17}")
     print(header)
     models = {}
     for C in args.blocks:
-        cfg = dataclasses.replace(base, memory_block=C, max_seq_len=max(base.max_seq_len, max(lengths) + args.new_tokens))
+        max_len = max(base.max_seq_len, max(lengths) + args.new_tokens)
+        cfg = dataclasses.replace(base, memory_block=C, max_seq_len=max_len)
         models[C] = build_model(cfg, device=args.device, seed=0)  # the same weights for every C
         generate(models[C], [p[:4] for p in prompts], SamplingParams(max_new_tokens=4), seeds, pad_id=0)  # warm-up
     # Every timing below is the best of --repeats, taken in rounds over everything it is compared
