@@ -61,6 +61,11 @@ class ModelConfig:
     tie_embeddings: bool = False
     qkv_bias: bool = False  # biases on self-attention q/k/v (Qwen2 layout)
     init_std: float = 0.02
+    # Std of the token embeddings at init. None: 1.0 when untied, init_std when tied. The
+    # decoder's only token input is embed[x_t] added to recur_proj(recur_norm(z_{t-1})):
+    # embeddings at 0.02 are drowned by the recurrence, whose dynamics then fall into an
+    # input-ignoring attractor (loss spikes above the uniform loss; see docs/stability.md).
+    embed_init_std: Optional[float] = None
     max_seq_len: int = 2048
 
     def __post_init__(self) -> None:
@@ -87,6 +92,9 @@ class ModelConfig:
         _check(self.norm_eps > 0, f"model.norm_eps={self.norm_eps}: must be positive")
         _check(self.max_seq_len >= 1, f"model.max_seq_len={self.max_seq_len}: must be positive")
         _check(self.init_std > 0, f"model.init_std={self.init_std}: must be positive")
+        if self.embed_init_std is None:
+            self.embed_init_std = self.init_std if self.tie_embeddings else 1.0
+        _check(self.embed_init_std > 0, f"model.embed_init_std={self.embed_init_std}: must be positive")
 
     @property
     def head_dim(self) -> int:

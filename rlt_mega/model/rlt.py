@@ -72,10 +72,12 @@ class RLT(nn.Module):
     # ------------------------------------------------------------------ set-up
     @torch.no_grad()
     def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
-        """N(0, init_std) for projections and embeddings; the projections that write into the
-        residual stream (o, down, cross o, recur_proj) scaled by 1/sqrt(2 * 2L), since each
-        token's residual stream passes 2L blocks (GPT-2 / Megatron convention). The null memory
-        and z_init are N(0, 1): they live where normalised vectors live."""
+        """N(0, init_std) for projections; the projections that write into the residual
+        stream (o, down, cross o, recur_proj) scaled by 1/sqrt(2 * 2L), since each token's
+        residual stream passes 2L blocks (GPT-2 / Megatron convention). Embeddings N(0,
+        embed_init_std): 1.0 when untied, so the token is not drowned by the recurrence input
+        (a departure from GPT-2's 0.02, measured in docs/stability.md). The null memory and
+        z_init are N(0, 1): they live where normalised vectors live."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(4 * self.cfg.n_layers)
         residual_out = ("attn.o", "mlp.down", "recur_proj")
@@ -86,6 +88,8 @@ class RLT(nn.Module):
                 p.normal_(0.0, 1.0, generator=generator)
             elif name.endswith(".bias"):
                 p.zero_()
+            elif name == "embed.weight":
+                p.normal_(0.0, self.cfg.embed_init_std, generator=generator)
             elif any(name.endswith(s + ".weight") or name == s + ".weight" for s in residual_out):
                 p.normal_(0.0, out_std, generator=generator)
             else:
