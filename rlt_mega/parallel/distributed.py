@@ -323,8 +323,10 @@ class DistributedEngine:
 
         if self._sampling_copy is None:
             copy_ = shard_for_rank(build_model(self.full_cfg, "cpu"), self.dims)
-            dtype = next(self.module.parameters()).dtype
-            self._sampling_copy = copy_.to(dtype).requires_grad_(False)
+            # requires_grad stays as on the engine's parameters (no gradient is ever computed
+            # here): some kernels (F.rms_norm) take another path for a weight without it, and
+            # samples must not depend on the ZeRO stage.
+            self._sampling_copy = copy_.to(next(self.module.parameters()).dtype)
         mine = dict(self._sampling_copy.named_parameters())
         params = list(self.module.named_parameters())
         with torch.no_grad(), deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):

@@ -97,12 +97,6 @@ class GRPOTrainer:
         self.objective = GRPOObjective(g.eps_low, g.eps_high, g.kl_coef)
 
     # ------------------------------------------------------------------ one step
-    def _seeds(self, num: int) -> list[int]:
-        # Per-request seeds from (run seed, step, global row): replicas draw independent samples
-        # and a resumed run draws the same ones.
-        base = (self.cfg.train.seed * 1_000_003 + self.state.step) * 65_536 + self.replica.dp_rank * num
-        return [base + i for i in range(num)]
-
     def _micro(self, items: list, k: int) -> list[list]:
         """Minibatch k of a per-replica row list, as its rollout micro-batches."""
         mb = items[k * self.minibatch_rows:(k + 1) * self.minibatch_rows]
@@ -113,7 +107,7 @@ class GRPOTrainer:
         records = [self.train_records[i] for i in self.order.take(g.prompts_per_step, rep.dp_rank, rep.dp)]
         rows = [r for r in records for _ in range(g.group_size)]  # the G completions of a prompt are contiguous
         prompts = [prompt_ids(self.tokenizer, r["question"]) for r in rows]
-        seeds = self._seeds(len(rows))
+        seeds = request_seeds(self.cfg.train.seed, self.state.step, rep.dp_rank, len(rows))
 
         with self.timers("generate"):
             t0 = time.perf_counter()
@@ -239,8 +233,10 @@ class GRPOTrainer:
         scalars: dict[str, float] = {}
         accuracy = None
         steps_in_window = 0
+        end = cfg.train.steps if cfg.train.stop_after is None else min(cfg.train.steps,
+                                                                       self.state.step + cfg.train.stop_after)
         try:
-            while self.state.step < cfg.train.steps:
+            while self.state.step < end:
                 scalars = self.train_step()
                 self.state.step += 1
                 steps_in_window += 1
@@ -254,7 +250,7 @@ class GRPOTrainer:
                 last = step == cfg.train.steps
                 if (cfg.grpo.eval_every and step % cfg.grpo.eval_every == 0) or last:
                     accuracy = self.evaluate()
-                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and not last:
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < end:
                     self.save()
             if self.state.step > 0 and not (self.state.last_checkpoint or "").endswith(f"{self.state.step:08d}"):
                 self.save()
@@ -266,6 +262,13 @@ class GRPOTrainer:
 
 
 # ---------------------------------------------------------------------- set-up
+def request_seeds(seed: int, step: int, dp_rank: int, num: int) -> list[int]:
+    """Per-request sampling seeds from (run seed, step, global row): replicas draw independent
+    samples, and a resumed run draws the same ones."""
+    base = (seed * 1_000_003 + step) * 65_536 + dp_rank * num
+    return [base + i for i in range(num)]
+
+
 def num_micro_batches(cfg: Config) -> int:
     """Rollout micro-batches per minibatch: grad_accum, each cut into pieces when the pipeline
     keeps more micro-batches in flight than grad_accum (dims.micro_batch_plan)."""
@@ -312,14 +315,26 @@ def _run(cfg: Config, built: Config, dims, tokenizer: Tokenizer, reward_fn: Rewa
     stats = DataStats()
     train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
                                                ["question", "answer"], stats, seed=cfg.train.seed)
-    # train.init_from (e.g. the export of an SFT run), when set, is applied by the builders.
+    trainer = build_trainer(cfg, built, dims, tokenizer, reward_fn, train_recs, eval_recs)
+    result = trainer.run()
+    result["data/skipped"] = stats.total
+    return result
+
+
+def build_trainer(cfg: Config, built: Config, dims, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs,
+                  eval_recs) -> GRPOTrainer:
+    """The trainer on one process (dims None) or on this rank of a layout; ``built`` is
+    ``engine_config(cfg)``. train.init_from (e.g. the export of an SFT run), when set, is
+    applied by the builders."""
     reference = None
     if dims is None:
         model, engine, _ = build_local(built)
         sampler = Sampler(model)
         if cfg.grpo.kl_coef > 0:
             reference = Sampler(copy.deepcopy(model).requires_grad_(False))  # the initial policy, frozen
-        policy: Callable[[], Sampler] = lambda: sampler
+
+        def policy() -> Sampler:
+            return sampler
     else:
         _, engine = build_distributed(built, dims)
         comms = Comms.from_dims(dims)
@@ -332,13 +347,7 @@ def _run(cfg: Config, built: Config, dims, tokenizer: Tokenizer, reward_fn: Rewa
     log.info("GRPO: %d train prompts, %d held-out; %d x %d completions per step and replica (%d replicas) in %d "
              "minibatches of %d micro-batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,
              cfg.grpo.group_size, replica.dp, cfg.grpo.minibatches, num_micro_batches(built), cfg.grpo.epochs)
-    trainer = GRPOTrainer(built_for_trainer(cfg, built), engine, policy, tokenizer, train_recs, eval_recs, reward_fn,
-                          reference, replica)
-    result = trainer.run()
-    result["data/skipped"] = stats.total
-    return result
-
-
-def built_for_trainer(cfg: Config, built: Config) -> Config:
-    """The user's config with the derived micro-batch size (train.steps stays in GRPO steps)."""
-    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=built.train.micro_batch_size))
+    # The trainer's config: the user's (train.steps in GRPO steps) with the derived micro-batch size.
+    trainer_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                     micro_batch_size=built.train.micro_batch_size))
+    return GRPOTrainer(trainer_cfg, engine, policy, tokenizer, train_recs, eval_recs, reward_fn, reference, replica)
