@@ -7,7 +7,8 @@
 #   HOSTFILE=launch/hostfile.example bash launch/deepspeed.sh --config configs/rlt_48x48.yaml \
 #       parallel.tp=8 parallel.pp=4 parallel.zero_stage=1
 #
-# Every argument goes to `rlt-mega $COMMAND` (default pretrain; COMMAND=sft or grpo for the others). NPROC_PER_NODE (one node, no hostfile) defaults
+# Every argument goes to `rlt-mega $COMMAND` (default pretrain; COMMAND=sft or grpo for the
+# others). NPROC_PER_NODE (one node, no hostfile) defaults
 # to the number of GPUs, or 2 on a CPU-only machine. --no_local_rank: rlt-mega reads LOCAL_RANK
 # from the environment, as under torchrun.
 set -euo pipefail

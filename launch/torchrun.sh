@@ -5,7 +5,8 @@
 #   NNODES=4 NPROC_PER_NODE=8 RDZV_ENDPOINT=node0:29500 RDZV_ID=job42 \
 #       bash launch/torchrun.sh --config configs/rlt_48x48.yaml parallel.tp=8 parallel.pp=4 parallel.zero_stage=1
 #
-# Every argument goes to `rlt-mega $COMMAND` (default pretrain; COMMAND=sft or grpo for the others) (a config and dotted overrides). Run the same
+# Every argument goes to `rlt-mega $COMMAND` (a config and dotted overrides; COMMAND defaults to
+# pretrain, COMMAND=sft or COMMAND=grpo for the others). Run the same
 # command on every node (RDZV_ENDPOINT: host:port of any one of them). NPROC_PER_NODE defaults
 # to the number of GPUs, or 2 on a CPU-only machine (gloo). parallel.dp is what is left of the
 # world size after tp * pp.

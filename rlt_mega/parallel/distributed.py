@@ -245,8 +245,9 @@ class DistributedEngine:
         if self.dims.pp == 1:
             chunks = self._pieces(micro_batches, kind)
             if len(chunks) != self.ds_accum:
-                raise ValueError(f"train_step got {len(micro_batches)} micro-batches ({len(chunks)} pieces); the engine "
-                                 f"was built for train.grad_accum={self.cfg.train.grad_accum} x {self.pieces} pieces")
+                raise ValueError(f"train_step got {len(micro_batches)} micro-batches ({len(chunks)} pieces); the "
+                                 f"engine was built for train.grad_accum={self.cfg.train.grad_accum} x {self.pieces} "
+                                 "pieces")
             for i, (x, y) in enumerate(chunks):
                 part = self._dense_loss(x, y, kind, loss_fn)
                 self.engine.backward(part * scale, scale_wrt_gas=False)

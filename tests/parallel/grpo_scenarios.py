@@ -202,7 +202,8 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
     mu_diff = max(float((a.mu - b.mu).abs().max()) for a, b in zip(mine, theirs)) if same_tokens else float("inf")
     full = gather_full(trainer.engine.parameters_fp32(), dims)
     param_diff, worst = max_diff(full, ref["params"])
-    out = {"param_moved": ref["moved"], "same_tokens": same_tokens, "mu_diff": mu_diff, "loss": [s.loss for s in stats], "ref_loss": ref["loss"],
+    out = {"param_moved": ref["moved"], "same_tokens": same_tokens, "mu_diff": mu_diff,
+           "loss": [s.loss for s in stats], "ref_loss": ref["loss"],
            "norm": [s.grad_norm for s in stats], "ref_norm": ref["norm"], "param_diff": param_diff,
            "param_worst": worst, "scalars": scalars, "ref_reward_mean": sum(ref["rewards"]) / len(ref["rewards"])}
     trainer.engine.engine.destroy()

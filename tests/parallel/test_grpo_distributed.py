@@ -51,19 +51,24 @@ def test_sampler_ring_replay_is_bit_exact_and_follows_one_process(results, name,
 @pytest.mark.parametrize("name,args", STEP)
 def test_a_grpo_step_matches_one_process(results, name, args):
     for rank in range(2):
-        r = result(results, name, args, rank)
-        assert r["same_tokens"]
-        assert r["mu_diff"] <= 1e-5
-        assert r["scalars"]["ratio/onpolicy_max_dev"] == 0.0  # every rank's first minibatch: exactly 1
-        assert r["scalars"]["ratio/max"] > 1.0 + 1e-4  # the second minibatch is off-policy
-        assert r["scalars"]["reward/mean"] == pytest.approx(r["ref_reward_mean"], abs=1e-12)
-        assert r["ref_norm"][0] > 0.5  # grad_clip=0.5 acts: a wrong norm would change the update
-        for norm, ref in zip(r["norm"], r["ref_norm"]):
-            assert norm == pytest.approx(ref, rel=1e-5)
-        for loss, ref in zip(r["loss"], r["ref_loss"]):
-            assert loss == pytest.approx(ref, abs=1e-6)
-        assert r["param_moved"] > 1e-3
-        # Adam's first steps divide by |g|: TP's reordered sums move tiny gradients' updates most
-        assert r["param_diff"] < 5e-5, r["param_worst"]
-        if args.get("grpo", {}).get("kl_coef"):
-            assert r["scalars"]["kl/reference"] > 0.0
+        check_grpo_step(result(results, name, args, rank), args)
+
+
+def check_grpo_step(r: dict, args: dict) -> None:
+    """One rank's grpo_step_vs_reference against the one-process step (also used by the
+    four-rank tests)."""
+    assert r["same_tokens"]
+    assert r["mu_diff"] <= 1e-5
+    assert r["scalars"]["ratio/onpolicy_max_dev"] == 0.0  # every rank's first minibatch: exactly 1
+    assert r["scalars"]["ratio/max"] > 1.0 + 1e-4  # the second minibatch is off-policy
+    assert r["scalars"]["reward/mean"] == pytest.approx(r["ref_reward_mean"], abs=1e-12)
+    assert r["ref_norm"][0] > 0.5  # grad_clip=0.5 acts: a wrong norm would change the update
+    for norm, ref in zip(r["norm"], r["ref_norm"]):
+        assert norm == pytest.approx(ref, rel=1e-5)
+    for loss, ref in zip(r["loss"], r["ref_loss"]):
+        assert loss == pytest.approx(ref, abs=1e-6)
+    assert r["param_moved"] > 1e-3
+    # Adam's first steps divide by |g|: TP's reordered sums move tiny gradients' updates most
+    assert r["param_diff"] < 5e-5, r["param_worst"]
+    if args.get("grpo", {}).get("kl_coef"):
+        assert r["scalars"]["kl/reference"] > 0.0

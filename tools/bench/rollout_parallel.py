@@ -60,7 +60,8 @@ def main() -> None:
     rank = dist.get_rank()
     if rank == 0:
         print(f"{args.config}: d={model_cfg.d_model} L={model_cfg.n_layers} V={model_cfg.vocab_size} "
-              f"C={model_cfg.memory_block} rows={args.batch} new_tokens={args.new_tokens} ranks={dist.get_world_size()} "
+              f"C={model_cfg.memory_block} rows={args.batch} new_tokens={args.new_tokens} "
+              f"ranks={dist.get_world_size()} "
               f"threads/rank={torch.get_num_threads()}")
     best = {name: (float("inf"), float("inf")) for name, _, _ in layouts}
     tokens, exact = {}, {}
