@@ -7,7 +7,8 @@
 #   HOSTFILE=launch/hostfile.example bash launch/deepspeed.sh --config configs/rlt_48x48.yaml \
 #       parallel.tp=8 parallel.pp=4 parallel.zero_stage=1
 #
-# Every argument goes to `rlt-mega pretrain`. NPROC_PER_NODE (one node, no hostfile) defaults
+# Every argument goes to `rlt-mega $COMMAND` (default pretrain; COMMAND=sft or grpo for the
+# others). NPROC_PER_NODE (one node, no hostfile) defaults
 # to the number of GPUs, or 2 on a CPU-only machine. --no_local_rank: rlt-mega reads LOCAL_RANK
 # from the environment, as under torchrun.
 set -euo pipefail
@@ -17,8 +18,8 @@ cd "$ROOT"
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 PORT="${MASTER_PORT:-29500}"
 if [ -n "${HOSTFILE:-}" ]; then
-  exec deepspeed --hostfile "$HOSTFILE" --master_port "$PORT" --no_local_rank --module rlt_mega pretrain "$@"
+  exec deepspeed --hostfile "$HOSTFILE" --master_port "$PORT" --no_local_rank --module rlt_mega "${COMMAND:-pretrain}" "$@"
 fi
 GPUS="$(python -c 'import torch; print(torch.cuda.device_count())')"
 NPROC_PER_NODE="${NPROC_PER_NODE:-$([ "$GPUS" -gt 0 ] && echo "$GPUS" || echo 2)}"
-exec deepspeed --num_gpus "$NPROC_PER_NODE" --master_port "$PORT" --no_local_rank --module rlt_mega pretrain "$@"
+exec deepspeed --num_gpus "$NPROC_PER_NODE" --master_port "$PORT" --no_local_rank --module rlt_mega "${COMMAND:-pretrain}" "$@"

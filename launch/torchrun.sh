@@ -5,7 +5,8 @@
 #   NNODES=4 NPROC_PER_NODE=8 RDZV_ENDPOINT=node0:29500 RDZV_ID=job42 \
 #       bash launch/torchrun.sh --config configs/rlt_48x48.yaml parallel.tp=8 parallel.pp=4 parallel.zero_stage=1
 #
-# Every argument goes to `rlt-mega pretrain` (a config and dotted overrides). Run the same
+# Every argument goes to `rlt-mega $COMMAND` (a config and dotted overrides; COMMAND defaults to
+# pretrain, COMMAND=sft or COMMAND=grpo for the others). Run the same
 # command on every node (RDZV_ENDPOINT: host:port of any one of them). NPROC_PER_NODE defaults
 # to the number of GPUs, or 2 on a CPU-only machine (gloo). parallel.dp is what is left of the
 # world size after tp * pp.
@@ -29,6 +30,6 @@ MAX_RESTARTS="${MAX_RESTARTS:-0}"
 if [ "$NNODES" -gt 1 ]; then
   : "${RDZV_ENDPOINT:?set RDZV_ENDPOINT=host:port (any node of the job) for a multi-node run}"
   exec torchrun --nnodes "$NNODES" --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" --rdzv_backend c10d \
-    --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-rlt_mega}" -m rlt_mega pretrain "$@"
+    --rdzv_endpoint "$RDZV_ENDPOINT" --rdzv_id "${RDZV_ID:-rlt_mega}" -m rlt_mega "${COMMAND:-pretrain}" "$@"
 fi
-exec torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" -m rlt_mega pretrain "$@"
+exec torchrun --standalone --nproc_per_node "$NPROC_PER_NODE" --max-restarts "$MAX_RESTARTS" -m rlt_mega "${COMMAND:-pretrain}" "$@"

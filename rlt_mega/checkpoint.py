@@ -65,7 +65,8 @@ def _fsync_file(path: Path) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Makes a rename or a new entry in ``path`` durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -80,7 +81,7 @@ def _write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
 
 
 def step_dir_name(step: int) -> str:
@@ -159,7 +160,7 @@ class CheckpointManager:
             files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "sha256": _sha256(f)}
         manifest = {"step": step, "time": time.time(), "files": files, **(meta or {})}
         _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        _fsync_dir(tmp)
+        fsync_dir(tmp)
 
     def _publish(self, tmp: Path, final: Path) -> None:
         """Renames the sealed directory into place. Re-saving a step (after resuming from an
@@ -171,11 +172,11 @@ class CheckpointManager:
                 shutil.rmtree(aside)
             os.replace(final, aside)
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             shutil.rmtree(aside)
         else:
             os.replace(tmp, final)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
 
     def _point(self, final: Path) -> None:
         _write_atomic(self.root / LATEST, final.name)

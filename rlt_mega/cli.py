@@ -8,6 +8,7 @@ with exit status 2, not as a traceback.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from typing import Callable
 
@@ -76,6 +77,8 @@ def cmd_grpo(args: argparse.Namespace) -> int:
     cfg = _load(args)
     result = grpo.run(cfg)
     log.info("done: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+    if os.environ.get("RANK", "0") != "0":  # a launcher's other ranks: the summary is rank 0's to print
+        return 0
     before, after = result.get("eval/accuracy_before"), result.get("eval/accuracy")
     if after is not None:
         shown = "n/a" if before is None else f"{before:.3f}"
@@ -197,8 +200,23 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    """Like parse_args, but dotted overrides may also follow an option (``eval --limit 4
+    train.seed=1``): argparse ends a ``nargs="*"`` positional at the first option, and
+    parse_intermixed_args refuses parsers with subcommands, so what is left over after an option
+    is taken as more overrides when the subcommand has them (in command-line order: a later
+    override wins)."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(a.startswith("-") for a in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides or []) + extra
+    return args
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(argv)
     try:
         return args.fn(args)
     except USER_ERRORS as exc:

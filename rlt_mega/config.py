@@ -282,8 +282,11 @@ class SamplingConfig:
 class GRPOConfig:
     """GRPO (DESIGN section 6). One step: prompts_per_step x group_size completions per
     data-parallel rank, then epochs x minibatches optimizer steps (train.steps counts GRPO
-    steps). Each minibatch is generated as its own batch, so that its replay repeats the
-    rollout's calls with the same batch composition (DESIGN section 3, granularity)."""
+    steps). Each minibatch is sampled as train.grad_accum rollout micro-batches (more when a
+    pipeline keeps more than grad_accum in flight, parallel.micro_batches), each its own batch,
+    so that its replay repeats the rollout's calls with the same batch composition (DESIGN
+    section 3, granularity); their gradients accumulate into the minibatch's one step. GRPO
+    derives train.micro_batch_size (a minibatch's rows / grad_accum) and ignores the value set."""
 
     prompts_per_step: int = 8  # per data-parallel rank
     group_size: int = 8  # G completions per prompt

@@ -24,6 +24,8 @@ from typing import Any, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
+from rlt_mega.checkpoint import fsync_dir
+
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -204,15 +206,7 @@ def atomic_directory(out_dir: str | Path, overwrite: bool = False) -> Iterator[P
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.rename(tmp, out)
-    _fsync_dir(out.parent)  # the rename itself on disk
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(out.parent)  # the rename itself on disk
 
 
 def copy_files(src_dir: Path, names: list[str], out_dir: Path) -> list[str]:

@@ -14,6 +14,8 @@ is 0, it is counted (support misses), and nothing downstream may turn it into Na
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import torch
 
 from rlt_mega.model.rlt import RLT
@@ -28,14 +30,30 @@ def dense_logprobs(model: RLT, rollout: Rollout) -> torch.Tensor:
     right padding does not reach earlier positions (everything is causal), and positions are
     the rollout's own (prompts are left-aligned). -> (B, N) fp32.
     """
+    with precision(rollout.schedule.dtype, rollout.tokens.device):
+        logits = model(dense_inputs(rollout))  # (B, T, V) fp32
+    return dense_logprobs_from_logits(logits, rollout)
+
+
+def dense_inputs(rollout: Rollout) -> torch.Tensor:
+    """x_t of every step t of the rollout: (B, num_steps)."""
+    return rollout.tokens[:, :rollout.schedule.num_steps]
+
+
+def dense_logprobs_from_logits(logits: torch.Tensor, rollout: Rollout,
+                               gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """logits (B, T, V_local) of the dense schedule on ``dense_inputs(rollout)`` (T >= num_steps:
+    positions past the rollout's steps are never read) -> processed log-probs (B, N) fp32 of the
+    completion tokens, with autograd. Under tensor parallelism V_local = V / tp and
+    ``gather_vocab`` (differentiable) makes the picked rows whole before the processing, which
+    needs the whole distribution (top-k, top-p, the normalisation)."""
     s = rollout.schedule
     device = rollout.tokens.device
-    inputs = rollout.tokens[:, :s.num_steps]  # (B, T): x_t for every step t
-    with precision(s.dtype, device):
-        logits = model(inputs)  # (B, T, V) fp32
     step, mask = completion_positions(s.prompt_lens, rollout.completion_lens, device)  # (B, N)
     rows = torch.arange(rollout.batch_size, device=device)[:, None].expand_as(step)
-    picked = logits[rows[mask], step[mask]]  # (M, V), M = number of completion tokens
+    picked = logits[rows[mask], step[mask]]  # (M, V_local), M = number of completion tokens
+    if gather_vocab is not None:
+        picked = gather_vocab(picked)  # (M, V)
     logprobs = process_logits(picked, s.processing)
     targets = rollout.tokens.gather(1, step + 1)[mask]  # (M,)
     values = logprobs.gather(1, targets[:, None]).squeeze(1)

@@ -43,12 +43,12 @@ from rlt_mega.config import Config, ConfigError
 from rlt_mega.log import get_logger
 from rlt_mega.model.rlt import RLT, build_model
 from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
-from rlt_mega.parallel.engine import CountFn, LossFn, StepStats, lm_count, lm_loss, lr_lambda
+from rlt_mega.parallel.engine import CountFn, LogitsLoss, LossFn, StepStats, lm_count, lm_loss, lr_lambda
 from rlt_mega.parallel.gather import gather_tp
 from rlt_mega.parallel.grads import ShadowGrads, deposit_grads
 from rlt_mega.parallel.pipeline import P2P, RingSchedule
 from rlt_mega.parallel.stage import RLTStage, prune_to_stage
-from rlt_mega.parallel.tp import gather_vocab, apply_tensor_parallel, token_losses
+from rlt_mega.parallel.tp import IGNORE_INDEX, apply_tensor_parallel, gather_vocab, gather_vocab_grad, token_losses
 from rlt_mega.parallel import reshard
 from rlt_mega.parallel.zero import ZeroStepper, init_deepspeed, mark_for_grad_norm, sync_pipeline_replicas
 
@@ -91,16 +91,31 @@ def build_engine(cfg: Config, dims: ParallelDims, model_fn: Optional[Callable[[]
     return DistributedEngine(cfg, dims, model)
 
 
+def shard_for_rank(model: RLT, dims: ParallelDims) -> RLT:
+    """The full single-device model (or, from an export, only this rank's stage) -> this rank's
+    pipeline stage with its tensor-parallel shard, on the rank's device (in place)."""
+    if dims.pp > 1:  # idempotent: a stage read from an export is pruned already
+        prune_to_stage(model, dims.layers, dims.is_first_stage, dims.is_last_stage)
+    apply_tensor_parallel(model, dims)
+    return model.to(dims.device)
+
+
+def build_frozen(cfg: Config, dims: ParallelDims, model: RLT) -> RLT:
+    """A model in this rank's layout without an optimizer, no gradients (GRPO's reference), in
+    the dtype the engine's module computes in (DeepSpeed bf16 keeps bf16 parameters)."""
+    model = shard_for_rank(model, dims)
+    if cfg.train.dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    return model.requires_grad_(False).eval()
+
+
 class DistributedEngine:
     def __init__(self, cfg: Config, dims: ParallelDims, model: RLT) -> None:
         self.cfg, self.dims = cfg, dims
         self.M = cfg.parallel.micro_batches
         self.bf16 = cfg.train.dtype == "bf16"
         self.full_cfg = model.cfg
-        if dims.pp > 1:
-            prune_to_stage(model, dims.layers, dims.is_first_stage, dims.is_last_stage)
-        apply_tensor_parallel(model, dims)
-        model.to(dims.device)
+        shard_for_rank(model, dims)
         model.set_checkpointing(cfg.train.checkpointing)
         mark_for_grad_norm(model, dims)
         mbs, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
@@ -115,8 +130,10 @@ class DistributedEngine:
         self.stepper = ZeroStepper(self.engine, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16)
         self.lr_factor = lr_lambda(cfg.optim, cfg.train.steps)
         self.steps_taken = 0  # optimizer steps applied: the position in the learning-rate schedule
+        self._sampling_copy: Optional[nn.Module] = None  # ZeRO-3 only (sampling_module)
         if dims.pp > 1:
-            stage = RLTStage(self.engine.module, dims.layers, dims.is_first_stage, dims.is_last_stage, dims.tp)
+            stage = RLTStage(self.engine.module, dims.layers, dims.is_first_stage, dims.is_last_stage, dims.tp,
+                             gather_vocab=self._gather_vocab)
             self.ring = RingSchedule(stage, P2P(dims.pp_ranks, dims.pp_rank, dims.device), dims.pp_rank, dims.pp)
 
     # ------------------------------------------------------------------ helpers
@@ -133,27 +150,57 @@ class DistributedEngine:
     def data_parallel_size(self) -> int:
         return self.dims.dp
 
-    def _pieces(self, micro_batches: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """The step's micro-batches as pipeline micro-batches (dims.micro_batch_plan): each cut
-        into ``pieces`` row blocks (fewer when it has fewer rows, e.g. the last eval batch)."""
-        dev = self.dims.device
-        return [(x.to(dev), y.to(dev)) for mb in micro_batches
-                for x, y in zip(mb["inputs"].chunk(self.pieces), mb["targets"].chunk(self.pieces))]
-
-    def _rounds(self, micro_batches: list[dict]) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
-        """Pipeline micro-batches grouped into rounds of parallel.micro_batches in flight."""
-        pieces = self._pieces(micro_batches)
-        return [pieces[i:i + self.M] for i in range(0, len(pieces), self.M)]
-
-    def _check_loss_fn(self, loss_fn: LossFn) -> bool:
-        """True: the built-in token loss (TP/PP aware). A custom loss_fn(model, mb) needs the
-        whole model on each rank: tp == pp == 1."""
+    def _loss_kind(self, loss_fn: LossFn) -> str:
+        """"lm": the built-in token loss (micro-batches cut into pipeline pieces); "logits": an
+        engine.LogitsLoss (any layout; micro-batches used as given); "custom": a loss_fn(model, mb)
+        that needs the whole model on each rank, tp == pp == 1."""
         if loss_fn is lm_loss:
-            return True
+            return "lm"
+        if isinstance(loss_fn, LogitsLoss):
+            return "logits"
         if self.dims.tp > 1 or self.dims.pp > 1:
-            raise NotImplementedError("a custom loss_fn needs the full logits on one rank; under tensor or pipeline "
-                                      "parallelism the engine computes the token cross-entropy itself (lm_loss)")
-        return False
+            raise NotImplementedError("a loss_fn(model, mb) needs the full logits on one rank; under tensor or "
+                                      "pipeline parallelism write it as an engine.LogitsLoss (a function of the "
+                                      "logits the engine computes), as the token cross-entropy and GRPO are")
+        return "custom"
+
+    def _pieces(self, micro_batches: list[dict], kind: str) -> list[tuple[torch.Tensor, object]]:
+        """The step's micro-batches as pipeline micro-batches (inputs, targets or the whole dict).
+        The token loss cuts each into ``pieces`` row blocks (dims.micro_batch_plan; fewer when it
+        has fewer rows, e.g. the last eval batch); another loss gets its micro-batches whole (it
+        alone knows how its rows go together), so the caller forms them."""
+        dev = self.dims.device
+        if kind == "lm":
+            out = [(x.to(dev), y.to(dev)) for mb in micro_batches
+                   for x, y in zip(mb["inputs"].chunk(self.pieces), mb["targets"].chunk(self.pieces))]
+        else:
+            out = [(mb["inputs"].to(dev), mb) for mb in micro_batches]
+        if self.dims.pp == 1 and self.cfg.parallel.zero_stage == 3:
+            out = self._same_length_over_dp(out)
+        return out
+
+    def _same_length_over_dp(self, pieces: list[tuple[torch.Tensor, object]]) -> list[tuple[torch.Tensor, object]]:
+        """ZeRO-3 gathers a partitioned parameter with a collective over the data-parallel group at
+        each submodule call, and the decoder calls its blocks once per position: every rank must
+        run the same number of positions, so each piece is padded to the longest of its index
+        over the data-parallel ranks (pad tokens after the end: causal, so no earlier position
+        changes; their targets are ignored, and a LogitsLoss reads only its own positions)."""
+        lengths = torch.tensor([x.shape[1] for x, _ in pieces], dtype=torch.long, device=self.dims.device)
+        dist.all_reduce(lengths, op=dist.ReduceOp.MAX, group=self.dims.dp_group)
+        return [(_pad_to(x, int(T), 0), y if not torch.is_tensor(y) else _pad_to(y, int(T), IGNORE_INDEX))
+                for (x, y), T in zip(pieces, lengths.tolist())]
+
+    def _rounds(self, micro_batches: list[dict], kind: str) -> list[list[tuple[torch.Tensor, object]]]:
+        """Pipeline micro-batches grouped into rounds of parallel.micro_batches in flight; the ring
+        runs one length per round, so a LogitsLoss's inputs are padded to the round's longest."""
+        pieces = self._pieces(micro_batches, kind)
+        rounds = [pieces[i:i + self.M] for i in range(0, len(pieces), self.M)]
+        if kind == "logits":
+            rounds = [[(_pad_to(x, max(x2.shape[1] for x2, _ in r), 0), mb) for x, mb in r] for r in rounds]
+        return rounds
+
+    def _gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_vocab_grad(logits, self.dims)
 
     def _global_count(self, micro_batches: list[dict], count_fn: CountFn) -> float:
         """Loss tokens of the step summed over data-parallel ranks."""
@@ -172,10 +219,12 @@ class DistributedEngine:
             dist.all_reduce(total, group=self.dims.pp_group)
         return float(total) / max(count, 1.0)
 
-    def _dense_loss(self, x: torch.Tensor, y: torch.Tensor, builtin: bool, loss_fn: LossFn) -> torch.Tensor:
-        if builtin:
+    def _dense_loss(self, x: torch.Tensor, y, kind: str, loss_fn: LossFn) -> torch.Tensor:
+        if kind == "lm":
             return token_losses(self.engine(x), y, self.dims.tp).sum()  # logits (b, T, V / tp) fp32
-        return loss_fn(self.engine, {"inputs": x, "targets": y})
+        if kind == "logits":
+            return loss_fn.logits_loss(self.engine(x), y, self._gather_vocab)
+        return loss_fn(self.engine, {**y, "inputs": x})
 
     def _all_finite(self, grads: dict) -> bool:
         """Every rank's accumulated gradients finite (one flag over the world)."""
@@ -189,17 +238,18 @@ class DistributedEngine:
         """Forward and backward over the step's micro-batches; afterwards the gradients are in
         DeepSpeed, reduced over the data-parallel group. Returns (mean loss, global token count,
         finite). With pp == 1 the accumulation window's last engine.step() is optimizer_step's."""
-        builtin = self._check_loss_fn(loss_fn)
+        kind = self._loss_kind(loss_fn)
         count = self._global_count(micro_batches, count_fn)
         scale = self.dims.dp / max(count, 1.0)  # per-token weight; DeepSpeed averages over dp
         loss_sum = None
         if self.dims.pp == 1:
-            chunks = self._pieces(micro_batches)
+            chunks = self._pieces(micro_batches, kind)
             if len(chunks) != self.ds_accum:
-                raise ValueError(f"train_step got {len(micro_batches)} micro-batches; the engine was built for "
-                                 f"train.grad_accum={self.cfg.train.grad_accum}")
+                raise ValueError(f"train_step got {len(micro_batches)} micro-batches ({len(chunks)} pieces); the "
+                                 f"engine was built for train.grad_accum={self.cfg.train.grad_accum} x {self.pieces} "
+                                 "pieces")
             for i, (x, y) in enumerate(chunks):
-                part = self._dense_loss(x, y, builtin, loss_fn)
+                part = self._dense_loss(x, y, kind, loss_fn)
                 self.engine.backward(part * scale, scale_wrt_gas=False)
                 loss_sum = part.detach() if loss_sum is None else loss_sum + part.detach()
                 if i < len(chunks) - 1:
@@ -208,8 +258,8 @@ class DistributedEngine:
             return loss, count, math.isfinite(loss)
         shadows = ShadowGrads(self.module)
         with shadows.active():
-            for round_ in self._rounds(micro_batches):
-                part = self.ring.run(round_, scale, backward=True)
+            for round_ in self._rounds(micro_batches, kind):
+                part = self.ring.run(round_, scale, backward=True, objective=loss_fn if kind == "logits" else None)
                 if part is not None:
                     loss_sum = part if loss_sum is None else loss_sum + part
         loss = self._global_loss(loss_sum, count)
@@ -237,14 +287,14 @@ class DistributedEngine:
     def eval_loss(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss, count_fn: CountFn = lm_count) -> float:
         """Mean token loss over the micro-batches of every data-parallel rank (no gradients)."""
         self.module.eval()
-        builtin = self._check_loss_fn(loss_fn)
+        kind = self._loss_kind(loss_fn)
         count = self._global_count(micro_batches, count_fn)
         loss_sum = None
         if self.dims.pp == 1:
-            loss_sum = sum(self._dense_loss(x, y, builtin, loss_fn) for x, y in self._pieces(micro_batches))
+            loss_sum = sum(self._dense_loss(x, y, kind, loss_fn) for x, y in self._pieces(micro_batches, kind))
         else:
-            for round_ in self._rounds(micro_batches):
-                part = self.ring.run(round_, 1.0, backward=False)
+            for round_ in self._rounds(micro_batches, kind):
+                part = self.ring.run(round_, 1.0, backward=False, objective=loss_fn if kind == "logits" else None)
                 if part is not None:
                     loss_sum = part if loss_sum is None else loss_sum + part
         return self._global_loss(loss_sum, count)
@@ -255,6 +305,35 @@ class DistributedEngine:
         if self.dims.pp != 1:
             raise NotImplementedError("logits() runs the dense schedule and needs parallel.pp == 1")
         return gather_vocab(self.engine(inputs.to(self.dims.device)), self.dims)
+
+    # ------------------------------------------------------------------ the no-grad schedules
+    def sampling_module(self) -> nn.Module:
+        """The module that sampling, replay and evaluation run on: this rank's stage and TP shard
+        with its whole parameters, current as of the last optimizer step.
+
+        ZeRO 0-2: the engine's module itself. ZeRO-3 partitions every parameter over the
+        data-parallel group and gathers it with a collective at each submodule call; replicas
+        that sample different numbers of positions would then wait in different collectives. So
+        under ZeRO-3 this is a plain copy (built once, outside DeepSpeed's hooks) refreshed from the
+        partitions by one gather of every parameter: a collective over the data-parallel group,
+        which every rank must call at the same point. Its memory is one more model shard per rank
+        (what a hybrid engine pays to generate from a ZeRO-3 model)."""
+        if self.cfg.parallel.zero_stage != 3:
+            return self.module
+        import deepspeed
+
+        if self._sampling_copy is None:
+            copy_ = shard_for_rank(build_model(self.full_cfg, "cpu"), self.dims)
+            # requires_grad stays as on the engine's parameters (no gradient is ever computed
+            # here): some kernels (F.rms_norm) take another path for a weight without it, and
+            # samples must not depend on the ZeRO stage.
+            self._sampling_copy = copy_.to(next(self.module.parameters()).dtype)
+        mine = dict(self._sampling_copy.named_parameters())
+        params = list(self.module.named_parameters())
+        with torch.no_grad(), deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+            for name, p in params:
+                mine[name].copy_(p)
+        return self._sampling_copy
 
     # ------------------------------------------------------------------ inspection
     def gradients(self) -> dict[str, torch.Tensor]:
@@ -430,3 +509,10 @@ def gather_pp_to_first(named: dict[str, torch.Tensor], dims: ParallelDims) -> Op
         for k, v in part.items():
             out.setdefault(k, v)
     return out
+
+
+def _pad_to(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """(b, T) -> (b, length), right-padded with ``value``."""
+    if x.shape[1] == length:
+        return x
+    return torch.nn.functional.pad(x, (0, length - x.shape[1]), value=value)

@@ -13,6 +13,10 @@ which one it drives:
 A micro-batch is a dict of tensors. ``loss_fn(model, mb)`` returns the SUM of the per-token
 losses of ``mb``; ``count_fn(mb)`` its number of loss tokens. The engine divides by the total
 count over all micro-batches of the step (and, distributed, over all data-parallel ranks).
+
+A loss written as a :class:`LogitsLoss` (a function of the dense schedule's logits) runs on
+every layout: the distributed engine computes the logits itself (a vocab shard under tensor
+parallelism, on the last stage under pipeline parallelism) and hands them over.
 """
 
 from __future__ import annotations
@@ -35,6 +39,27 @@ from rlt_mega.learner.loss import count_tokens, cross_entropy_sum
 
 LossFn = Callable[[nn.Module, dict], torch.Tensor]
 CountFn = Callable[[dict], int]
+
+
+class LogitsLoss:
+    """A loss of the dense schedule's logits: ``logits_loss(logits, mb, gather_vocab)`` returns
+    the SUM of the per-token losses of ``mb``, where logits (b, T, V_local) fp32 are those of
+    the tokens ``mb["inputs"]`` (b, T0 <= T: a pipeline round pads its micro-batches to one
+    length with tokens whose logits the loss must not read) and ``gather_vocab`` makes rows
+    (..., V_local) whole (..., V), differentiably: V_local = V / tp under tensor parallelism.
+
+    The contract is Megatron's ``forward_step -> (output, loss_fn)``: the engine owns where the
+    logits come from, the loss only what is done with them."""
+
+    def logits_loss(self, logits: torch.Tensor, mb: dict, gather_vocab: Callable) -> torch.Tensor:
+        raise NotImplementedError
+
+    def __call__(self, model: nn.Module, mb: dict) -> torch.Tensor:  # as a LossFn: one device, whole vocabulary
+        return self.logits_loss(model(mb["inputs"]), mb, _whole)
+
+
+def _whole(logits: torch.Tensor) -> torch.Tensor:
+    return logits
 
 
 def lm_loss(model: nn.Module, mb: dict) -> torch.Tensor:

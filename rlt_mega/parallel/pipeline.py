@@ -74,7 +74,9 @@ def stage_program(stage: int, num_stages: int, num_micro: int, seq_len: int, bac
 
 # Message streams. The order already makes every pair unambiguous; distinct tags (which gloo
 # honours, NCCL ignores) make a schedule bug block and time out instead of swapping two tensors.
-TAGS = {"enc": 1, "mem": 2, "dec": 3, "ring": 4, "dec_grad": 5, "ring_grad": 6, "mem_grad": 7, "enc_grad": 8}
+TAGS = {"enc": 1, "mem": 2, "dec": 3, "ring": 4, "dec_grad": 5, "ring_grad": 6, "mem_grad": 7, "enc_grad": 8,
+        # the sampler's ring (rollout/executor.py)
+        "r_enc": 11, "r_mem": 12, "r_dec": 13, "r_ring": 14, "r_ctl": 15}
 # Shape class of each stream: "seq" (b, T, d) or "step" (b, 1, d).
 SHAPES = {"enc": "seq", "mem": "seq", "mem_grad": "seq", "enc_grad": "seq",
           "dec": "step", "ring": "step", "dec_grad": "step", "ring_grad": "step"}
@@ -170,12 +172,13 @@ class RingSchedule:
         self.s, self.P = my_stage, num_stages
         self.busy_s = 0.0  # compute time of the last round (bubble measurement)
 
-    def run(self, micro_batches: list, loss_scale: float, backward: bool) -> Optional[torch.Tensor]:
-        """One round: micro_batches is a list of (inputs (b, T), targets (b, T)). Returns the sum
-        of token losses on the last stage (None elsewhere)."""
+    def run(self, micro_batches: list, loss_scale: float, backward: bool, objective=None) -> Optional[torch.Tensor]:
+        """One round: micro_batches is a list of (inputs (b, T), targets (b, T)), or with an
+        ``objective`` (engine.LogitsLoss) of (inputs, its micro-batch dict). Returns the sum of
+        the losses on the last stage (None elsewhere)."""
         stage, p2p, s, P = self.stage, self.p2p, self.s, self.P
         M, T = len(micro_batches), micro_batches[0][0].shape[1]
-        stage.start(micro_batches, loss_scale, grad=backward)
+        stage.start(micro_batches, loss_scale, grad=backward, objective=objective)
         self.busy_s, p2p.wait_s = 0.0, 0.0
         loss_sum: Optional[torch.Tensor] = None
         mem_grads: dict[int, torch.Tensor] = {}  # last stage: summed memory gradient per micro-batch

@@ -10,11 +10,12 @@ whose gradient is summed with the first stage's, as Megatron does.
 The interface (``j`` is a micro-batch, ``t`` a position; tensors in and out are what the
 schedule sends and receives; the stage keeps its autograd graph between forward and backward)::
 
-    start(micro_batches, loss_scale, grad)      per round
+    start(micro_batches, loss_scale, grad, objective)      per round
     enc_fwd(j, x) -> y      encoder layers; x None on stage 0 (embeds); y on the last stage is m
     mem_fwd(j, m)           cross K/V of my layers from the memory m (None on the last stage)
     dec_fwd(j, t, x) -> y   decoder layers at position t; on stage 0 x is z_{t-1} (None at t=0)
-    loss_fwd(j) -> sum      last stage: head + token losses of micro-batch j (scaled for backward)
+    loss_fwd(j) -> sum      last stage: head + the loss of micro-batch j (scaled for backward): token
+                            cross-entropy, or an objective of the logits (engine.LogitsLoss)
     loss_bwd(j)             last stage
     dec_bwd(j, t, g) -> gx  g: gradient of y from the next stage (None where nothing was sent)
     mem_bwd(j) -> gm        gradient of m from my cross K/V
@@ -30,7 +31,7 @@ t on every stage; the reversed ring does exactly that.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -76,7 +77,7 @@ def _backward(outputs: list, grads: list) -> None:
 @dataclass
 class _MicroBatch:
     inputs: torch.Tensor  # (b, T) token ids
-    targets: torch.Tensor  # (b, T), IGNORE_INDEX where there is no target
+    targets: object  # (b, T), IGNORE_INDEX where there is no target; with an objective: its micro-batch dict
     dec: DecoderKV
     emb: Optional[torch.Tensor] = None  # (b, T, d) stage 0: the embeddings, with graph
     e_steps: list = field(default_factory=list)  # stage 0: leaf (b, d) per position
@@ -94,12 +95,15 @@ class _MicroBatch:
 class RLTStage:
     """The stage interface over a pruned (and possibly tensor-parallel) RLT."""
 
-    def __init__(self, model: RLT, layers: range, is_first: bool, is_last: bool, tp: int) -> None:
+    def __init__(self, model: RLT, layers: range, is_first: bool, is_last: bool, tp: int,
+                 gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
         self.model, self.layers = model, layers
         self.is_first, self.is_last, self.tp = is_first, is_last, tp
+        self.gather_vocab = gather_vocab  # (..., V / tp) -> (..., V) with autograd; objectives need it when tp > 1
         self.mbs: list[_MicroBatch] = []
         self.grad = True
         self.loss_scale = 1.0
+        self.objective = None  # an engine.LogitsLoss for this round; None: token cross-entropy
 
     # ------------------------------------------------------------------ shapes for receiving
     @property
@@ -114,13 +118,15 @@ class RLTStage:
         return (b, T, d) if kind == "seq" else (b, 1, d)
 
     # ------------------------------------------------------------------ round set-up
-    def start(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loss_scale: float, grad: bool) -> None:
-        """micro_batches: (inputs (b, T), targets (b, T)) per micro-batch of this round;
-        loss_scale multiplies the token-loss sum before backward (1 / global token count times
+    def start(self, micro_batches: list[tuple[torch.Tensor, object]], loss_scale: float, grad: bool,
+              objective=None) -> None:
+        """micro_batches: (inputs (b, T), targets (b, T)) per micro-batch of this round, or with
+        an ``objective`` (engine.LogitsLoss) (inputs, the objective's micro-batch dict);
+        loss_scale multiplies the loss sum before backward (1 / global token count times
         the data-parallel size, since DeepSpeed averages over data-parallel ranks)."""
         T = micro_batches[0][0].shape[1]
         self.mbs = [_MicroBatch(x, y, DecoderKV(self.model.cfg.n_layers, capacity=T)) for x, y in micro_batches]
-        self.loss_scale, self.grad = loss_scale, grad
+        self.loss_scale, self.grad, self.objective = loss_scale, grad, objective
 
     def finish(self) -> None:
         self.mbs = []
@@ -180,11 +186,16 @@ class RLTStage:
 
     def loss_fwd(self, j: int) -> torch.Tensor:
         """Head over all positions at once (one GEMM shape, as the dense model does) -> the
-        micro-batch's token-loss sum (fp32, no graph)."""
+        micro-batch's loss sum (fp32, no graph)."""
         mb = self.mbs[j]
         z = torch.cat([mb.z_cut[t] for t in range(len(mb.z_cut))], dim=1)  # (b, T, d)
-        losses = token_losses(self.model.head(z), mb.targets, self.tp)  # (b, T)
-        total = losses.sum()
+        logits = self.model.head(z)  # (b, T, V / tp) fp32
+        if self.objective is None:
+            total = token_losses(logits, mb.targets, self.tp).sum()  # (b, T) -> ()
+        else:
+            if self.tp > 1 and self.gather_vocab is None:
+                raise RuntimeError("an objective of the logits under tensor parallelism needs gather_vocab")
+            total = self.objective.logits_loss(logits, mb.targets, self.gather_vocab or (lambda x: x))
         if self.grad:
             mb.loss = total * self.loss_scale
         return total.detach()

@@ -217,3 +217,30 @@ def gather_vocab(logits: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     parts = [torch.empty_like(logits) for _ in range(dims.tp)]
     torch.distributed.all_gather(parts, logits.contiguous(), group=dims.tp_group)
     return torch.cat(parts, dim=-1)
+
+
+class _GatherVocab(torch.autograd.Function):
+    """All-gather of vocab shards along the last dimension; backward keeps this rank's slice of
+    the incoming gradient. Right when every TP rank computes the same function of the full
+    logits (the gradient of each full row is then the same on every rank), which is how the
+    GRPO loss uses it: megatron's gather_from_tensor_model_parallel_region, without its CUDA
+    assumptions."""
+
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, group, size: int, rank: int) -> torch.Tensor:
+        ctx.rank, ctx.width = rank, shard.shape[-1]
+        parts = [torch.empty_like(shard) for _ in range(size)]
+        torch.distributed.all_gather(parts, shard.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        lo = ctx.rank * ctx.width
+        return grad[..., lo:lo + ctx.width].contiguous(), None, None, None
+
+
+def gather_vocab_grad(logits: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
+    """(..., V / tp) vocab shard -> (..., V), differentiable (see _GatherVocab)."""
+    if dims.tp == 1:
+        return logits
+    return _GatherVocab.apply(logits, dims.tp_group, dims.tp, dims.tp_rank)

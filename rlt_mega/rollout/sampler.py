@@ -1,7 +1,8 @@
 """The rollout and replay schedules (DESIGN sections 2 and 3).
 
-Both run one executor, ``_execute``, so that with unchanged parameters their logits are
-equal bit for bit; they differ only in where the token after each step comes from (drawn,
+Both run one executor (``executor.Executor``, the same program on one process and on every
+stage of a tensor/pipeline-parallel replica), so that with unchanged parameters their logits
+are equal bit for bit; they differ only in where the token after each step comes from (drawn,
 or read from the recorded rollout).
 
 The schedule, for a batch of B prompts of lengths P_b (left-aligned, right-padded):
@@ -19,8 +20,9 @@ The schedule, for a batch of B prompts of lengths P_b (left-aligned, right-padde
   encoder call over its C tokens (the encoder K/V cache holds every earlier position), then
   ``append_memory``. The call runs before decoder step t, which is the first to see the
   block (vis(t) = t + 1): visibility is a function of the position alone.
-- Decoder: ``decoder_step`` on x_t with a preallocated decoder K/V cache, then the head
-  (fp32 logits) and ``process_logits`` on the whole (B, V) batch.
+- Decoder: ``decoder_input`` + ``decoder_layers`` on x_t with a preallocated decoder K/V cache,
+  then the head (fp32 logits; under tensor parallelism the vocab shards gathered) and
+  ``process_logits`` on the whole (B, V) batch.
 
 What the rollout records (``Schedule``) is enough to re-execute it: prompt lengths, the
 number of steps, the encoder calls, the cache capacity, processing and dtype.
@@ -29,14 +31,16 @@ number of steps, the encoder calls, the cache capacity, processing and dtype.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
-from rlt_mega.model.cache import KVCache
 from rlt_mega.model.rlt import RLT
-from rlt_mega.rollout.processing import Processing, make_generators, process_logits, sample
+from rlt_mega.rollout.comms import Comms
+from rlt_mega.rollout.executor import Executor, Plan, Result
+from rlt_mega.rollout.processing import Processing, make_generators, sample
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -104,6 +108,10 @@ class Rollout:
     def num_completion_tokens(self) -> int:
         return int(sum(self.completion_lens))
 
+    def to(self, device: torch.device | str) -> "Rollout":
+        return dataclasses.replace(self, tokens=self.tokens.to(device), mu=self.mu.to(device),
+                                   mask=self.mask.to(device))
+
 
 def completion_positions(prompt_lens: Sequence[int], completion_lens: Sequence[int], device
                          ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,60 +126,6 @@ def completion_positions(prompt_lens: Sequence[int], completion_lens: Sequence[i
     return step, mask
 
 
-def _encode_block(model: RLT, tokens: torch.Tensor, start: int, end: int, enc: KVCache, mem) -> None:
-    """Encoder over positions [start, end) of every row (attending to the cached prefix),
-    then its memory committed. tokens: (B, >= end)."""
-    h = model.encode(model.embed(tokens[:, start:end]), start=start, cache=enc)
-    model.append_memory(mem, model.memory_norm(h), start)
-
-
-def _execute(model: RLT, tokens: torch.Tensor, prompt_lens: Sequence[int], capacity: int,
-             processing: Processing, dtype: str, max_steps: int,
-             choose: Callable[[int, torch.Tensor], bool],
-             encoder_calls: Optional[Sequence[tuple[int, int]]] = None
-             ) -> tuple[torch.Tensor, list[tuple[int, int]], int]:
-    """Runs the schedule. tokens: (B, capacity) long, written by ``choose`` as it goes.
-
-    After decoder step t, ``choose(t, logprobs (B, V))`` must make tokens[:, t + 1] final and
-    return False to stop. ``encoder_calls``, when given (replay), must be the calls this
-    schedule makes; they are checked, never trusted blindly.
-    Returns (the log-prob of tokens[:, t + 1] under step t's processed distribution, for every
-    row and step: (B, num_steps) fp32), the encoder calls made, num_steps.
-    """
-    B = tokens.shape[0]
-    C = model.cfg.memory_block
-    L = model.cfg.n_layers
-    prefill_end = C * (min(prompt_lens) // C)
-    calls: list[tuple[int, int]] = []
-    step_logprobs = []
-    with torch.no_grad(), precision(dtype, tokens.device):
-        # Fresh preallocated caches on every call: nothing computed under other parameters
-        # is ever reused.
-        enc, dec = KVCache(L, capacity), KVCache(L, capacity)
-        mem = model.init_memory(B, capacity)
-        if prefill_end > 0:
-            _encode_block(model, tokens, 0, prefill_end, enc, mem)
-            calls.append((0, prefill_end))
-        z = model.initial_state(B)
-        num_steps = 0
-        for t in range(max_steps):
-            start = t + 1 - C
-            if (t + 1) % C == 0 and start >= prefill_end:
-                _encode_block(model, tokens, start, t + 1, enc, mem)
-                calls.append((start, t + 1))
-            z = model.decoder_step(model.embed(tokens[:, t]), z, t, dec, mem)  # (B, d)
-            logprobs = process_logits(model.head(z), processing)  # (B, V) fp32
-            go_on = choose(t, logprobs)
-            step_logprobs.append(logprobs.gather(1, tokens[:, t + 1:t + 2]))  # (B, 1)
-            num_steps = t + 1
-            if not go_on:
-                break
-    if encoder_calls is not None and [tuple(c) for c in encoder_calls] != calls:
-        raise RuntimeError(f"replay made encoder calls {calls} but the rollout recorded "
-                           f"{list(encoder_calls)}: the schedule (prompt lengths, C, steps) differs")
-    return torch.cat(step_logprobs, dim=1), calls, num_steps
-
-
 def _check_model_fits(model: RLT, capacity: int) -> None:
     if capacity > model.cfg.max_seq_len:
         raise ValueError(f"longest prompt + max_new_tokens = {capacity} positions exceeds "
@@ -179,14 +133,144 @@ def _check_model_fits(model: RLT, capacity: int) -> None:
                          "max_new_tokens or raise model.max_seq_len")
 
 
-def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
-             pad_id: int, dtype: str = "fp32", decode: Optional[Callable[[list[int]], str]] = None,
-             device: torch.device | str | None = None) -> Rollout:
-    """Samples one completion per prompt (the rollout schedule, module docstring).
+class _Draw:
+    """The rollout's chooser: rows past their prompt draw x_{t+1} from their own generator,
+    the others are forced (prompt tokens, or pad once finished); stop tokens, stop strings and
+    max_new_tokens end a row."""
 
-    seeds: one per prompt; a request's draws come from its own generator, so they do not
-    depend on its batch-mates. decode: token ids -> text, needed for stop strings.
-    """
+    def __init__(self, tokens: torch.Tensor, prompt_lens: Sequence[int], params: SamplingParams,
+                 generators: list, decode: Optional[Callable[[list[int]], str]]) -> None:
+        self.tokens, self.prompt_lens, self.params, self.generators = tokens, list(prompt_lens), params, generators
+        self.decode = decode
+        B = tokens.shape[0]
+        self.num_new = [0] * B
+        self.finish: list[Optional[str]] = [None] * B
+        self.stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=tokens.device)
+        self.rows: list[int] = []
+
+    def propose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
+        self.rows = [b for b in range(len(self.finish)) if self.finish[b] is None and t >= self.prompt_lens[b] - 1]
+        out = self.tokens[:, t + 1].clone()
+        out[self.rows] = sample(logprobs, self.generators, self.rows)
+        return out
+
+    def accept(self, t: int, tokens: torch.Tensor) -> bool:
+        drawn = tokens[self.rows]
+        is_stop = torch.isin(drawn, self.stop_ids).tolist() if len(self.stop_ids) else [False] * len(self.rows)
+        params = self.params
+        for b, stop in zip(self.rows, is_stop):
+            self.num_new[b] += 1
+            if stop:
+                self.finish[b] = "stop_token"
+            elif params.stop_strings and _has_stop_string(self.decode, self.tokens[b, self.prompt_lens[b]:t + 2],
+                                                          params.stop_strings):
+                self.finish[b] = "stop_string"
+            elif self.num_new[b] == params.max_new_tokens:
+                self.finish[b] = "length"
+        return any(f is None for f in self.finish)
+
+
+class _Force:
+    """The replay's chooser: the recorded tokens, to the recorded number of steps."""
+
+    def __init__(self, tokens: torch.Tensor) -> None:
+        self.tokens = tokens
+
+    def propose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
+        return self.tokens[:, t + 1]
+
+    def accept(self, t: int, tokens: torch.Tensor) -> bool:
+        return True
+
+
+class Sampler:
+    """Rollout and replay for one model replica: ``model`` is this rank's part of it (the whole
+    model on one process; the pipeline stage with its TP shard under parallelism, every rank of
+    the replica calling with the same arguments) and ``comms`` how the parts talk
+    (rollout/comms.py). Several batches passed together run as micro-batches in flight in the
+    pipeline ring; each remains its own batch (own caches, own schedule), so how batches are
+    grouped never changes a value."""
+
+    def __init__(self, model: RLT, comms: Optional[Comms] = None, layers: Optional[range] = None) -> None:
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.comms = comms if comms is not None else Comms.local(self.device)
+        self.executor = Executor(model, self.comms, layers)
+
+    def generate(self, batches: Sequence[Sequence[Sequence[int]]], params: SamplingParams | Sequence[SamplingParams],
+                 seeds: Sequence[Sequence[int]], pad_id: int, dtype: str = "fp32",
+                 decode: Optional[Callable[[list[int]], str]] = None) -> list[Rollout]:
+        """Samples one completion per prompt of each batch (the rollout schedule, module
+        docstring). seeds: one per prompt; a request's draws come from its own generator, so they
+        do not depend on its batch-mates. params: one for all batches or one per batch.
+        decode: token ids -> text, needed for stop strings. Every stage returns the rollouts."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(batches)
+        if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
+            raise ValueError(f"{len(batches)} batches, {len(params)} sampling params, {len(seeds)} seed lists: "
+                             "give at least one batch and one of each per batch")
+        plans, draws = [], []
+        for prompts, p, batch_seeds in zip(batches, params, seeds):
+            _check_request(prompts, p, batch_seeds, decode)
+            prompt_lens = [len(x) for x in prompts]
+            capacity = max(prompt_lens) + p.max_new_tokens
+            _check_model_fits(self.model, capacity)
+            tokens = torch.full((len(prompts), capacity), pad_id, dtype=torch.long, device=self.device)
+            for b, x in enumerate(prompts):
+                tokens[b, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+            draw = _Draw(tokens, prompt_lens, p, make_generators(batch_seeds, self.device), decode)
+            plans.append(Plan(tokens, prompt_lens, capacity - 1, draw))
+            draws.append(draw)
+        if len({p.processing for p in params}) != 1:
+            raise ValueError("batches sampled together must share one logits processing")
+        with torch.no_grad(), precision(dtype, self.device):
+            results = self.executor.run(plans, params[0].processing)
+        rollouts = None
+        if self.comms.is_last:
+            rollouts = [_rollout(res, plan, draw, p.processing, dtype, pad_id, self.model.cfg.memory_block)
+                        for res, plan, draw, p in zip(results, plans, draws, params)]
+            if self.comms.num_stages > 1:
+                rollouts = [ro.to("cpu") for ro in rollouts]
+        rollouts = self.comms.share_results(rollouts)
+        return [ro.to(self.device) for ro in rollouts]
+
+    def replay(self, rollouts: Sequence[Rollout]) -> list[Optional[torch.Tensor]]:
+        """Re-executes each rollout's schedule with the model's current parameters, tokens
+        forced, no grad, same batches, padding, cache capacity, processing and dtype -> log-probs
+        (B, N) in the layout of ``rollout.mu`` (0 where masked) on the last stage, None on the
+        others. With unchanged parameters they are torch.equal to ``rollout.mu``."""
+        if len(rollouts) == 0:
+            return []
+        schedules = [ro.schedule for ro in rollouts]
+        for s in schedules:
+            if s.memory_block != self.model.cfg.memory_block:
+                raise ValueError(f"the rollout was sampled with memory_block C={s.memory_block} but the model "
+                                 f"has C={self.model.cfg.memory_block}")
+        if len({(s.processing, s.dtype) for s in schedules}) != 1:
+            raise ValueError("rollouts replayed together must share one processing and dtype")
+        plans = []
+        for ro, s in zip(rollouts, schedules):
+            tokens = torch.full((ro.batch_size, s.capacity), s.pad_id, dtype=torch.long, device=self.device)
+            tokens[:, :s.num_steps + 1] = ro.tokens
+            plans.append(Plan(tokens, s.prompt_lens, s.num_steps, _Force(tokens)))
+        with torch.no_grad(), precision(schedules[0].dtype, self.device):
+            results = self.executor.run(plans, schedules[0].processing)
+        out: list[Optional[torch.Tensor]] = []
+        for ro, s, res in zip(rollouts, schedules, results):
+            if [tuple(c) for c in s.encoder_calls] != res.encoder_calls or res.num_steps != s.num_steps:
+                raise RuntimeError(f"replay made encoder calls {res.encoder_calls} in {res.num_steps} steps but the "
+                                   f"rollout recorded {list(s.encoder_calls)} in {s.num_steps}: the schedule "
+                                   "(prompt lengths, C, steps) differs")
+            if res.step_logprobs is None:
+                out.append(None)
+                continue
+            step, mask = completion_positions(s.prompt_lens, ro.completion_lens, self.device)
+            out.append(torch.where(mask, res.step_logprobs.gather(1, step), torch.zeros((), device=self.device)))
+        return out
+
+
+def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+                   decode: Optional[Callable]) -> None:
     if len(prompts) == 0:
         raise ValueError("generate needs at least one prompt")
     if len(seeds) != len(prompts):
@@ -195,44 +279,27 @@ def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParam
         raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
     if params.stop_strings and decode is None:
         raise ValueError("stop_strings need a decode function (token ids -> text)")
-    device = torch.device(device) if device is not None else next(model.parameters()).device
-    B = len(prompts)
-    prompt_lens = [len(p) for p in prompts]
-    capacity = max(prompt_lens) + params.max_new_tokens
-    _check_model_fits(model, capacity)
-    tokens = torch.full((B, capacity), pad_id, dtype=torch.long, device=device)
-    for b, p in enumerate(prompts):
-        tokens[b, :len(p)] = torch.as_tensor(list(p), dtype=torch.long)
-    generators = make_generators(seeds, device)
-    num_new = [0] * B
-    finish: list[Optional[str]] = [None] * B
-    stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
 
-    def choose(t: int, logprobs: torch.Tensor) -> bool:
-        rows = [b for b in range(B) if finish[b] is None and t >= prompt_lens[b] - 1]
-        drawn = sample(logprobs, generators, rows)
-        tokens[rows, t + 1] = drawn
-        is_stop = torch.isin(drawn, stop_ids).tolist() if len(stop_ids) else [False] * len(rows)
-        for b, stop in zip(rows, is_stop):
-            num_new[b] += 1
-            if stop:
-                finish[b] = "stop_token"
-            elif params.stop_strings and _has_stop_string(decode, tokens[b, prompt_lens[b]:t + 2],
-                                                          params.stop_strings):
-                finish[b] = "stop_string"
-            elif num_new[b] == params.max_new_tokens:
-                finish[b] = "length"
-        return any(f is None for f in finish)
 
-    step_logprobs, calls, num_steps = _execute(model, tokens, prompt_lens, capacity, params.processing,
-                                               dtype, capacity - 1, choose)
-    schedule = Schedule(prompt_lens=prompt_lens, memory_block=model.cfg.memory_block, capacity=capacity,
-                        num_steps=num_steps, encoder_calls=calls, processing=params.processing,
-                        dtype=dtype, pad_id=pad_id)
-    step, mask = completion_positions(prompt_lens, num_new, device)
-    mu = torch.where(mask, step_logprobs.gather(1, step), torch.zeros((), device=device))
-    return Rollout(tokens=tokens[:, :num_steps + 1].clone(), mu=mu, mask=mask, completion_lens=num_new,
-                   finish_reasons=[str(f) for f in finish], schedule=schedule)
+def _rollout(res: Result, plan: Plan, draw: _Draw, processing: Processing, dtype: str, pad_id: int,
+             memory_block: int) -> Rollout:
+    schedule = Schedule(prompt_lens=list(plan.prompt_lens), memory_block=memory_block,
+                        capacity=plan.tokens.shape[1], num_steps=res.num_steps, encoder_calls=res.encoder_calls,
+                        processing=processing, dtype=dtype, pad_id=pad_id)
+    device = plan.tokens.device
+    step, mask = completion_positions(plan.prompt_lens, draw.num_new, device)
+    mu = torch.where(mask, res.step_logprobs.gather(1, step), torch.zeros((), device=device))
+    return Rollout(tokens=plan.tokens[:, :res.num_steps + 1].clone(), mu=mu, mask=mask, completion_lens=draw.num_new,
+                   finish_reasons=[str(f) for f in draw.finish], schedule=schedule)
+
+
+def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
+             pad_id: int, dtype: str = "fp32", decode: Optional[Callable[[list[int]], str]] = None,
+             device: torch.device | str | None = None) -> Rollout:
+    """One batch on one process (``Sampler`` for several, or under parallelism)."""
+    if device is not None and torch.device(device) != next(model.parameters()).device:
+        raise ValueError(f"generate on {device}: the model is on {next(model.parameters()).device}")
+    return Sampler(model).generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
 
 
 def _has_stop_string(decode: Callable[[list[int]], str], completion: torch.Tensor,
@@ -244,18 +311,5 @@ def _has_stop_string(decode: Callable[[list[int]], str], completion: torch.Tenso
 
 
 def replay(model: RLT, rollout: Rollout) -> torch.Tensor:
-    """Re-executes the rollout's schedule with the model's current parameters, tokens forced,
-    no grad, same batch, padding, cache capacity, processing and dtype -> log-probs (B, N) in
-    the layout of ``rollout.mu`` (0 where masked). With unchanged parameters it is
-    torch.equal to ``rollout.mu``."""
-    s = rollout.schedule
-    if s.memory_block != model.cfg.memory_block:
-        raise ValueError(f"the rollout was sampled with memory_block C={s.memory_block} but the model "
-                         f"has C={model.cfg.memory_block}")
-    B = rollout.batch_size
-    tokens = torch.full((B, s.capacity), s.pad_id, dtype=torch.long, device=rollout.tokens.device)
-    tokens[:, :s.num_steps + 1] = rollout.tokens
-    step_logprobs, _, num_steps = _execute(model, tokens, s.prompt_lens, s.capacity, s.processing, s.dtype,
-                                           s.num_steps, lambda t, lp: True, encoder_calls=s.encoder_calls)
-    step, mask = completion_positions(s.prompt_lens, rollout.completion_lens, tokens.device)
-    return torch.where(mask, step_logprobs.gather(1, step), torch.zeros((), device=tokens.device))
+    """One rollout on one process (``Sampler.replay`` for several, or under parallelism)."""
+    return Sampler(model).replay([rollout])[0]

@@ -15,7 +15,7 @@ from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
 from rlt_mega.parallel.engine import resolve_device
-from rlt_mega.rollout import Processing, SamplingParams, generate
+from rlt_mega.rollout import Processing, Sampler, SamplingParams
 from rlt_mega.rollout.rewards import gsm8k_reward, score
 from rlt_mega.train.pretrain import build_local
 
@@ -60,19 +60,22 @@ def max_new_tokens_for(model: RLT, prompts: Sequence[Sequence[int]], params: Sam
     return dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
 
 
-def generate_texts(model: RLT, tokenizer: Tokenizer, questions: Sequence[str], params: SamplingParams,
+def generate_texts(model: RLT | Sampler, tokenizer: Tokenizer, questions: Sequence[str], params: SamplingParams,
                    seeds: Sequence[int], batch_size: int, dtype: str = "fp32",
                    on_batch: Optional[Callable[[int], None]] = None) -> list[str]:
     """Completions (decoded, end-of-text stripped) for each question, generated in batches of
-    similar prompt length (the batch advances in lockstep, so mixing lengths costs steps)."""
+    similar prompt length (the batch advances in lockstep, so mixing lengths costs steps).
+    ``model``: a model on one process, or the Sampler of a model replica (every rank of the
+    replica calls with the same questions)."""
+    sampler = model if isinstance(model, Sampler) else Sampler(model)
     prompts = [prompt_ids(tokenizer, q) for q in questions]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[Optional[str]] = [None] * len(prompts)
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
         batch = [prompts[i] for i in idx]
-        rollout = generate(model, batch, max_new_tokens_for(model, batch, params), [seeds[i] for i in idx],
-                           pad_id=tokenizer.pad_id, dtype=dtype, decode=tokenizer.decode)
+        rollout = sampler.generate([batch], max_new_tokens_for(sampler.model, batch, params), [[seeds[i] for i in idx]],
+                                   pad_id=tokenizer.pad_id, dtype=dtype, decode=tokenizer.decode)[0]
         for row, i in enumerate(idx):
             out[i] = tokenizer.decode(rollout.completion(row))
         if on_batch is not None:
@@ -80,7 +83,7 @@ def generate_texts(model: RLT, tokenizer: Tokenizer, questions: Sequence[str], p
     return out  # type: ignore[return-value]
 
 
-def greedy_accuracy(model: RLT, tokenizer: Tokenizer, records: Sequence[dict], cfg: Config,
+def greedy_accuracy(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequence[dict], cfg: Config,
                     dtype: str = "fp32") -> tuple[float, list[str]]:
     """Fraction of records whose greedy completion's answer equals the gold ``#### N``."""
     if len(records) == 0:

@@ -1,21 +1,31 @@
-"""The GRPO driver (DESIGN section 6), colocated: this process samples its own prompts and
-learns from them with the same model.
+"""The GRPO driver (DESIGN section 6), colocated: every data-parallel replica samples its own
+prompts with its learner's layout (one process, or TP x PP, the pipeline's sampler ring) and
+learns from them through the engine (local, or DeepSpeed ZeRO over the data-parallel group).
 
 One step, as named phases (each timed into the metrics):
 
-    generate    prompts_per_step x group_size completions, in ``grpo.minibatches`` batches
-                (one rollout call per learner minibatch: DESIGN section 3, granularity)
-    score       rewards (a reward function that raises scores 0, logged and counted)
+    generate    prompts_per_step x group_size completions per replica, each minibatch as
+                grad_accum (x pipeline pieces) rollout micro-batches sampled together (in flight
+                in the pipeline ring); each micro-batch is later replayed and learned as its own
+                batch (DESIGN section 3, granularity)
+    score       rewards, once per replica (a reward function that raises scores 0, counted)
     advantages  group advantages (grpo / dr_grpo)
     reference   frozen-reference log-probs (only with grpo.kl_coef > 0), by replay
-    replay      per minibatch: the rollout's own schedule with the current parameters
-    update      per minibatch: hybrid log-probs (value = replay, gradient = dense), the
-                clipped surrogate, one optimizer step; epochs x minibatches in all
+    replay      per minibatch: the rollouts' own schedule with the current parameters
+    update      per minibatch: hybrid log-probs (value = replay, gradient = dense), the clipped
+                surrogate over the global completion-token count, one optimizer step;
+                epochs x minibatches in all
 
-Metrics (TensorBoard + metrics.jsonl): reward, accuracy, ratio min/mean/max, clip fraction,
-support misses, max/mean |dense - replay|, KL(mu || dense), rollout and learner tokens/s,
-phase times, held-out greedy accuracy. ``ratio/onpolicy_max_dev`` is max |ratio - 1| on the
-first minibatch of each step, which the exactness contract makes exactly 0.
+train.grad_accum: a minibatch (one optimizer step) is learned as grad_accum micro-batches,
+each its own rollout batch, gradients accumulated (it bounds the dense schedule's activation
+memory, rows x positions); under pipeline parallelism parallel.micro_batches of them run in
+flight (dims.micro_batch_plan). train.micro_batch_size is derived: the minibatch's rows /
+grad_accum.
+
+Metrics (TensorBoard + metrics.jsonl, from rank 0, reduced over every rank): reward, accuracy,
+ratio min/mean/max, clip fraction, support misses, max/mean |dense - replay|, KL(mu || dense),
+rollout and learner tokens/s, phase times, held-out greedy accuracy. ``ratio/onpolicy_max_dev``
+is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract.
 """
 
 from __future__ import annotations
@@ -25,26 +35,28 @@ import dataclasses
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
 
-from rlt_mega.checkpoint import CheckpointManager, rng_state, set_rng_state
+from rlt_mega.checkpoint import CheckpointManager, check_resume_config, load_torch, rng_state, set_rng_state
 from rlt_mega.config import Config, ConfigError, save_config
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.pairs import RecordOrder, prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
-from rlt_mega.learner.grpo import group_advantages, grpo_loss
-from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs, mismatch_metrics
+from rlt_mega.learner.grpo import group_advantages
+from rlt_mega.learner.objective import GRPOObjective, count_completion_tokens, grpo_micro_batch
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
-from rlt_mega.model import RLT
 from rlt_mega.parallel import distributed
-from rlt_mega.rollout import Rollout, generate, replay
+from rlt_mega.parallel.dims import micro_batch_plan
+from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampling_params
-from rlt_mega.train.pretrain import build_local, check_vocab
+from rlt_mega.train.grpo_metrics import reduce_step_metrics
+from rlt_mega.train.pretrain import build_distributed, build_local, check_vocab, initial_model
+from rlt_mega.train.replica import Replica
 
 log = get_logger(__name__)
 
@@ -53,78 +65,89 @@ log = get_logger(__name__)
 class GRPOState:
     step: int = 0  # GRPO steps done (each: one rollout batch, epochs x minibatches updates)
     updates: int = 0  # optimizer steps
-    completions: int = 0
+    completions: int = 0  # over every replica
     nonfinite_total: int = 0
     accuracy_before: Optional[float] = None
     last_checkpoint: Optional[str] = None
 
 
-def _count(mb: dict) -> int:
-    return mb["rollout"].num_completion_tokens()
-
-
 class GRPOTrainer:
-    def __init__(self, cfg: Config, model: RLT, engine, tokenizer: Tokenizer, train_records, eval_records,
-                 reward_fn: RewardFn, reference: Optional[RLT] = None) -> None:
-        self.cfg, self.model, self.engine, self.tokenizer = cfg, model, engine, tokenizer
+    """``sampler()`` returns the Sampler of this rank's part of the policy with its current
+    parameters (called at each phase that needs them: under ZeRO-3 it refreshes a copy);
+    ``reference``, when set, the frozen reference's Sampler in the same layout."""
+
+    def __init__(self, cfg: Config, engine, sampler: Callable[[], Sampler], tokenizer: Tokenizer, train_records,
+                 eval_records, reward_fn: RewardFn, reference: Optional[Sampler] = None,
+                 replica: Optional[Replica] = None) -> None:
+        self.cfg, self.engine, self.sampler, self.tokenizer = cfg, engine, sampler, tokenizer
         self.train_records, self.eval_records, self.reward_fn = train_records, eval_records, reward_fn
         self.reference = reference
+        self.replica = replica or Replica()
         self.order = RecordOrder(len(train_records), cfg.train.seed, cfg.data.shuffle)
         self.params = sampling_params(cfg, tokenizer)
         self.state = GRPOState()
-        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep)
-        self.metrics = Metrics(cfg.logging.dir)
+        rank = self.replica.rank
+        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=rank, barrier=self.replica.barrier)
+        self.metrics = Metrics(cfg.logging.dir, enabled=rank == 0)
         self.timers = Timers(torch.cuda.synchronize if torch.cuda.is_available() else None)
-        self._minibatch_metrics: list[dict] = []
+        g = cfg.grpo
+        self.rows_per_step = g.prompts_per_step * g.group_size  # per replica
+        self.minibatch_rows = self.rows_per_step // g.minibatches
+        self.micro_rows = self.minibatch_rows // num_micro_batches(cfg)
+        self.objective = GRPOObjective(g.eps_low, g.eps_high, g.kl_coef)
 
     # ------------------------------------------------------------------ one step
-    def _seeds(self, num: int) -> list[int]:
-        # Per-request seeds from (run seed, step, row): a resumed run draws the same samples.
-        base = (self.cfg.train.seed * 1_000_003 + self.state.step) * 65_536
-        return [base + i for i in range(num)]
+    def _micro(self, items: list, k: int) -> list[list]:
+        """Minibatch k of a per-replica row list, as its rollout micro-batches."""
+        mb = items[k * self.minibatch_rows:(k + 1) * self.minibatch_rows]
+        return [mb[i:i + self.micro_rows] for i in range(0, len(mb), self.micro_rows)]
 
     def train_step(self) -> dict[str, float]:
-        g, dtype = self.cfg.grpo, self.cfg.train.dtype
-        records = [self.train_records[i] for i in self.order.take(g.prompts_per_step)]
+        g, dtype, rep = self.cfg.grpo, self.cfg.train.dtype, self.replica
+        records = [self.train_records[i] for i in self.order.take(g.prompts_per_step, rep.dp_rank, rep.dp)]
         rows = [r for r in records for _ in range(g.group_size)]  # the G completions of a prompt are contiguous
         prompts = [prompt_ids(self.tokenizer, r["question"]) for r in rows]
-        seeds = self._seeds(len(rows))
-        size = len(rows) // g.minibatches
+        seeds = request_seeds(self.cfg.train.seed, self.state.step, rep.dp_rank, len(rows))
 
         with self.timers("generate"):
             t0 = time.perf_counter()
-            rollouts: list[Rollout] = []
+            sampler = self.sampler()
+            rollouts: list[list[Rollout]] = []  # [minibatch][micro-batch]
             for k in range(g.minibatches):
-                batch = prompts[k * size:(k + 1) * size]
-                rollouts.append(generate(self.model, batch, max_new_tokens_for(self.model, batch, self.params),
-                                         seeds[k * size:(k + 1) * size], pad_id=self.tokenizer.pad_id, dtype=dtype,
-                                         decode=self.tokenizer.decode))
+                batches = self._micro(prompts, k)
+                params = [max_new_tokens_for(sampler.model, b, self.params) for b in batches]
+                rollouts.append(sampler.generate(batches, params, self._micro(seeds, k), pad_id=self.tokenizer.pad_id,
+                                                 dtype=dtype, decode=self.tokenizer.decode))
             t_generate = time.perf_counter() - t0
+        flat = [ro for mb in rollouts for ro in mb]
         with self.timers("score"):
-            texts = [self.tokenizer.decode(ro.completion(b)) for ro in rollouts for b in range(ro.batch_size)]
-            ids = [f"step{self.state.step}/row{i}" for i in range(len(rows))]
-            rewards, failures = score(texts, [r["answer"] for r in rows], ids, self.reward_fn)
+            rewards, failures = None, 0
+            if rep.is_replica_source:
+                texts = [self.tokenizer.decode(ro.completion(b)) for ro in flat for b in range(ro.batch_size)]
+                ids = [f"step{self.state.step}/dp{rep.dp_rank}/row{i}" for i in range(len(rows))]
+                rewards, failures = score(texts, [r["answer"] for r in rows], ids, self.reward_fn)
+            rewards, failures = rep.share_in_replica((rewards, failures))
         with self.timers("advantages"):
             advantages = group_advantages(torch.tensor(rewards), g.group_size, g.advantage, g.advantage_eps)
-            advantages = advantages.to(rollouts[0].mu.device)
-        refs: list[Optional[torch.Tensor]] = [None] * len(rollouts)
+        refs: list[list[Optional[torch.Tensor]]] = [[None] * len(mb) for mb in rollouts]
         if self.reference is not None:
             with self.timers("reference"):
-                refs = [replay(self.reference, ro) for ro in rollouts]
+                refs = [self.reference.replay(mb) for mb in rollouts]
 
-        self._minibatch_metrics = []
+        self.objective.records = []
         step_stats = []
         t_learn = 0.0
         for epoch in range(g.epochs):
-            for k, ro in enumerate(rollouts):
+            for k, mb_rollouts in enumerate(rollouts):
                 t0 = time.perf_counter()
                 with self.timers("replay"):
                     # Fresh caches under the current parameters (after the previous update).
-                    replayed = replay(self.model, ro)
-                mb = {"rollout": ro, "replay": replayed, "advantages": advantages[k * size:(k + 1) * size],
-                      "ref": refs[k]}
+                    replayed = self.sampler().replay(mb_rollouts)
+                adv = self._micro(list(advantages.unbind(0)), k)
+                micro_batches = [grpo_micro_batch(ro, rp, torch.stack(a), ref)
+                                 for ro, rp, a, ref in zip(mb_rollouts, replayed, adv, refs[k])]
                 with self.timers("update"):
-                    stats = self.engine.train_step([mb], self._loss, _count)
+                    stats = self.engine.train_step(micro_batches, self.objective, count_completion_tokens)
                 t_learn += time.perf_counter() - t0
                 step_stats.append(stats)
                 self.state.updates += 1
@@ -133,83 +156,48 @@ class GRPOTrainer:
                     log.warning("GRPO step %d, update %d: non-finite loss/gradient, skipped", self.state.step,
                                 self.state.updates)
 
-        num_completion = sum(ro.num_completion_tokens() for ro in rollouts)
-        num_learner = g.epochs * sum(ro.batch_size * ro.schedule.num_steps for ro in rollouts)
-        scalars = {
-            "reward/mean": sum(rewards) / len(rewards),
-            "reward/accuracy": sum(r >= 1.0 for r in rewards) / len(rewards),
-            "reward/failures": float(failures),
-            "completion/length_mean": num_completion / len(rows),
-            "completion/stopped_fraction": sum(f != "length" for ro in rollouts for f in ro.finish_reasons) / len(rows),
+        scalars = reduce_step_metrics(rep, rewards, failures, flat, self.objective.records,
+                                      first_records=num_micro_batches(self.cfg), epochs=g.epochs,
+                                      t_generate=t_generate, t_learn=t_learn, with_reference=self.reference is not None)
+        scalars.update({
             "train/loss": sum(s.loss for s in step_stats) / len(step_stats),
             "train/grad_norm": max(s.grad_norm for s in step_stats),
             "train/lr": step_stats[-1].lr,
             "train/nonfinite_skipped": float(self.state.nonfinite_total),
-            # Completions generated per second of the generate phase.
-            "perf/rollout_tokens_per_s": num_completion / max(t_generate, 1e-9),
-            # Sequence positions (prompt + completion) the learner ran through replay and the
-            # dense schedule, per second of the replay + update phases.
-            "perf/learner_tokens_per_s": num_learner / max(t_learn, 1e-9),
-        }
-        scalars.update(self._reduce_minibatch_metrics())
-        self.state.completions += len(rows)
+        })
+        self.state.completions += len(rows) * rep.dp
         return scalars
-
-    def _loss(self, model: RLT, mb: dict) -> torch.Tensor:
-        ro: Rollout = mb["rollout"]
-        dense = dense_logprobs(model, ro)
-        logp = hybrid_logprobs(dense, mb["replay"])
-        g = self.cfg.grpo
-        # num_tokens_global=1: this returns the SUM over the minibatch's tokens; the engine
-        # divides by the global completion-token count (every micro-batch, every DP rank).
-        out = grpo_loss(logp, ro.mu, mb["advantages"], ro.mask, num_tokens_global=1.0, eps_low=g.eps_low,
-                        eps_high=g.eps_high, ref_logp=mb["ref"], kl_coef=g.kl_coef if mb["ref"] is not None else 0.0)
-        metrics = {k: float(v) for k, v in out.metrics.items()}
-        metrics.update(mismatch_metrics(ro.mu, dense, mb["replay"], ro.mask))
-        self._minibatch_metrics.append(metrics)
-        return out.loss
-
-    def _reduce_minibatch_metrics(self) -> dict[str, float]:
-        ms = self._minibatch_metrics
-        tokens = sum(m["num_tokens"] for m in ms)
-        first = ms[0]  # epoch 0, minibatch 0: on-policy, every ratio must be exactly 1
-        out = {
-            "ratio/min": min(m["ratio_min"] for m in ms),
-            "ratio/mean": sum(m["ratio_sum"] for m in ms) / max(tokens, 1),
-            "ratio/max": max(m["ratio_max"] for m in ms),
-            "ratio/clip_fraction": sum(m["clipped"] for m in ms) / max(tokens, 1),
-            "ratio/onpolicy_max_dev": max(abs(first["ratio_max"] - 1.0), abs(first["ratio_min"] - 1.0)),
-            "support/miss_fraction": sum(m["support_miss"] for m in ms) / max(tokens, 1),
-            "mismatch/logprob_diff_max": max(m["logprob_diff_max"] for m in ms),
-            "mismatch/logprob_diff_mean": sum(m["logprob_diff_mean"] * m["num_tokens"] for m in ms) / max(tokens, 1),
-            # On the on-policy minibatch only: later ones were sampled before an update, so their
-            # KL(mu || dense) would mix the policy's own drift into the schedule mismatch.
-            "mismatch/kl_mu_dense": first["kl_mu_dense"],
-            "mismatch/support_miss_dense": sum(m["support_miss_dense"] * m["num_tokens"] for m in ms) / max(tokens, 1),
-        }
-        if self.reference is not None:
-            out["kl/reference"] = sum(m["kl_sum"] for m in ms) / max(tokens, 1)
-        return out
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> Optional[float]:
+        """Held-out greedy accuracy on the first grpo.eval_size records, each replica taking
+        every dp-th of them."""
         n = min(self.cfg.grpo.eval_size, len(self.eval_records))
         if n == 0:
             return None
+        rep = self.replica
         with self.timers("eval"):
-            accuracy, _ = greedy_accuracy(self.model, self.tokenizer, [self.eval_records[i] for i in range(n)],
-                                          self.cfg, self.cfg.train.dtype)
+            sampler = self.sampler()  # on every rank (a collective under ZeRO-3), records or not
+            mine = [self.eval_records[i] for i in range(rep.dp_rank, n, rep.dp)]
+            accuracy = 0.0
+            if mine:
+                accuracy, _ = greedy_accuracy(sampler, self.tokenizer, mine, self.cfg, self.cfg.train.dtype)
+            correct, total = rep.sum_over_dp([accuracy * len(mine), float(len(mine))])
+            accuracy = correct / total
         self.metrics.log(self.state.step, {"eval/accuracy": accuracy})
         log.info("GRPO step %d: held-out greedy accuracy %.3f (%d problems)", self.state.step, accuracy, n)
         return accuracy
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
+        rank = self.replica.rank
+
         def write(tmp: Path) -> None:
             self.engine.save(tmp)
-            torch.save({"state": asdict(self.state), "data": self.order.state_dict()}, tmp / "trainer.pt")
-            save_config(self.cfg, tmp / "config.yaml")
-            torch.save(rng_state(), tmp / "rng_rank0.pt")
+            if rank == 0:
+                torch.save({"state": asdict(self.state), "data": self.order.state_dict()}, tmp / "trainer.pt")
+                save_config(self.cfg, tmp / "config.yaml")
+            torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
 
         path = self.ckpt.save(self.state.step, write, meta={"layout": self.engine.layout(), "kind": "grpo"})
         self.state.last_checkpoint = str(path)
@@ -220,80 +208,146 @@ class GRPOTrainer:
         path = self.ckpt.resolve(self.cfg.train.resume)
         if path is None:
             return
+        check_resume_config(path, self.cfg)
         self.engine.load(path)
-        saved = torch.load(path / "trainer.pt", weights_only=False)
+        saved = load_torch(path / "trainer.pt")
         self.state = GRPOState(**saved["state"])
         self.state.last_checkpoint = str(path)
         self.order.load_state_dict(saved["data"])
-        if (path / "rng_rank0.pt").is_file():
-            set_rng_state(torch.load(path / "rng_rank0.pt", weights_only=False))
+        rng_file = path / f"rng_rank{self.replica.rank}.pt"
+        if rng_file.is_file():
+            set_rng_state(load_torch(rng_file))
         log.info("resumed GRPO from %s at step %d", path, self.state.step)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         cfg = self.cfg
         self.resume()
-        Path(cfg.logging.dir).mkdir(parents=True, exist_ok=True)
-        save_config(cfg, Path(cfg.logging.dir) / "config.yaml")
+        if self.replica.rank == 0:
+            Path(cfg.logging.dir).mkdir(parents=True, exist_ok=True)
+            save_config(cfg, Path(cfg.logging.dir) / "config.yaml")
         if self.state.step == 0:
             self.state.accuracy_before = self.evaluate()
-        bar = tqdm(total=cfg.train.steps, initial=self.state.step, disable=not cfg.logging.progress, desc="grpo",
-                   dynamic_ncols=True)
+        bar = tqdm(total=cfg.train.steps, initial=self.state.step,
+                   disable=not (cfg.logging.progress and self.replica.rank == 0), desc="grpo", dynamic_ncols=True)
         scalars: dict[str, float] = {}
         accuracy = None
         steps_in_window = 0
-        while self.state.step < cfg.train.steps:
-            scalars = self.train_step()
-            self.state.step += 1
-            steps_in_window += 1
-            bar.update(1)
-            step = self.state.step
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
-                times = {k: v / steps_in_window for k, v in self.timers.pop().items()}  # seconds per step
-                self.metrics.log(step, {**scalars, **times})
-                steps_in_window = 0
-                bar.set_postfix(reward=f"{scalars['reward/mean']:.3f}", loss=f"{scalars['train/loss']:.4f}")
-            last = step == cfg.train.steps
-            if (cfg.grpo.eval_every and step % cfg.grpo.eval_every == 0) or last:
-                accuracy = self.evaluate()
-            if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and not last:
+        end = cfg.train.steps if cfg.train.stop_after is None else min(cfg.train.steps,
+                                                                       self.state.step + cfg.train.stop_after)
+        try:
+            while self.state.step < end:
+                scalars = self.train_step()
+                self.state.step += 1
+                steps_in_window += 1
+                bar.update(1)
+                step = self.state.step
+                if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                    times = {k: v / steps_in_window for k, v in self.timers.pop().items()}  # seconds per step
+                    self.metrics.log(step, {**scalars, **times})
+                    steps_in_window = 0
+                    bar.set_postfix(reward=f"{scalars['reward/mean']:.3f}", loss=f"{scalars['train/loss']:.4f}")
+                last = step == cfg.train.steps
+                if (cfg.grpo.eval_every and step % cfg.grpo.eval_every == 0) or last:
+                    accuracy = self.evaluate()
+                if cfg.checkpoint.every and step % cfg.checkpoint.every == 0 and step < end:
+                    self.save()
+            if self.state.step > 0 and not (self.state.last_checkpoint or "").endswith(f"{self.state.step:08d}"):
                 self.save()
-        bar.close()
-        if self.state.step > 0 and not (self.state.last_checkpoint or "").endswith(f"{self.state.step:08d}"):
-            self.save()
-        self.metrics.close()
+        finally:
+            bar.close()
+            self.metrics.close()
         return {"step": self.state.step, "eval/accuracy_before": self.state.accuracy_before,
                 "eval/accuracy": accuracy, **scalars}
 
 
+# ---------------------------------------------------------------------- set-up
+def request_seeds(seed: int, step: int, dp_rank: int, num: int) -> list[int]:
+    """Per-request sampling seeds from (run seed, step, global row): replicas draw independent
+    samples, and a resumed run draws the same ones."""
+    base = (seed * 1_000_003 + step) * 65_536 + dp_rank * num
+    return [base + i for i in range(num)]
+
+
+def num_micro_batches(cfg: Config) -> int:
+    """Rollout micro-batches per minibatch: grad_accum, each cut into pieces when the pipeline
+    keeps more micro-batches in flight than grad_accum (dims.micro_batch_plan)."""
+    pieces, _ = micro_batch_plan(cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.parallel.micro_batches)
+    return cfg.train.grad_accum * pieces
+
+
+def engine_config(cfg: Config) -> Config:
+    """The config the engine and the layout are built from: train.steps counts optimizer steps
+    (epochs x minibatches per GRPO step, for the learning-rate schedule) and
+    train.micro_batch_size is a minibatch's rows / grad_accum."""
+    g, accum, M = cfg.grpo, cfg.train.grad_accum, cfg.parallel.micro_batches
+    rows = g.prompts_per_step * g.group_size // g.minibatches
+    if rows % accum:
+        raise ConfigError(f"train.grad_accum={accum} does not divide a GRPO minibatch of {rows} rows "
+                          f"(grpo.prompts_per_step x grpo.group_size / grpo.minibatches): choose among "
+                          f"{[a for a in range(1, rows + 1) if rows % a == 0]}")
+    micro = rows // accum
+    if M > accum and (M % accum or micro % (M // accum)):
+        raise ConfigError(f"parallel.micro_batches={M} rollout micro-batches in flight cannot be formed from a "
+                          f"GRPO minibatch of {rows} rows in train.grad_accum={accum} micro-batches: with M > "
+                          "grad_accum, M must be a multiple of grad_accum dividing the minibatch's rows; or set "
+                          f"train.grad_accum={M}")
+    if M <= accum and accum % M:
+        raise ConfigError(f"train.grad_accum={accum} is not a multiple of parallel.micro_batches={M}: a GRPO "
+                          f"minibatch's micro-batches run in rounds of {M}")
+    updates = cfg.train.steps * g.epochs * g.minibatches
+    return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=updates, micro_batch_size=micro))
+
+
 def run(cfg: Config) -> dict:
-    if distributed.requested(cfg):
-        raise ConfigError("rlt-mega grpo runs in one process for now (parallel.tp = parallel.pp = 1, "
-                          "parallel.zero_stage = 0, no launcher): the sampler and replay under tensor/pipeline "
-                          "parallelism and the ZeRO update are not wired in yet")
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
-    if cfg.train.grad_accum != 1:
-        log.warning("train.grad_accum=%d is not used by GRPO: each minibatch is one optimizer step "
-                    "(set grpo.minibatches)", cfg.train.grad_accum)
     try:
         reward_fn = resolve_reward(cfg.grpo.reward)
     except ValueError as exc:
         raise ConfigError(f"grpo.reward: {exc}") from None
+    built = engine_config(cfg)
+    with distributed.launch(built) as dims:  # None: one process, the local engine
+        return _run(cfg, built, dims, tokenizer, reward_fn)
+
+
+def _run(cfg: Config, built: Config, dims, tokenizer: Tokenizer, reward_fn: RewardFn) -> dict:
     stats = DataStats()
     train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
                                                ["question", "answer"], stats, seed=cfg.train.seed)
-    # The engine's LR schedule counts optimizer steps: epochs x minibatches per GRPO step.
-    updates = cfg.train.steps * cfg.grpo.epochs * cfg.grpo.minibatches
-    # train.init_from (e.g. the export of an SFT run), when set, is applied by build_local.
-    model, engine, _ = build_local(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, steps=updates)))
-    reference = None
-    if cfg.grpo.kl_coef > 0:
-        reference = copy.deepcopy(model).requires_grad_(False)  # frozen copy of the initial policy
-    log.info("GRPO: %d train prompts, %d held-out; %d x %d completions per step in %d minibatches, %d epochs",
-             len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step, cfg.grpo.group_size, cfg.grpo.minibatches,
-             cfg.grpo.epochs)
-    trainer = GRPOTrainer(cfg, model, engine, tokenizer, train_recs, eval_recs, reward_fn, reference)
+    trainer = build_trainer(cfg, built, dims, tokenizer, reward_fn, train_recs, eval_recs)
     result = trainer.run()
     result["data/skipped"] = stats.total
     return result
+
+
+def build_trainer(cfg: Config, built: Config, dims, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs,
+                  eval_recs) -> GRPOTrainer:
+    """The trainer on one process (dims None) or on this rank of a layout; ``built`` is
+    ``engine_config(cfg)``. train.init_from (e.g. the export of an SFT run), when set, is
+    applied by the builders."""
+    reference = None
+    if dims is None:
+        model, engine, _ = build_local(built)
+        sampler = Sampler(model)
+        if cfg.grpo.kl_coef > 0:
+            reference = Sampler(copy.deepcopy(model).requires_grad_(False))  # the initial policy, frozen
+
+        def policy() -> Sampler:
+            return sampler
+    else:
+        _, engine = build_distributed(built, dims)
+        comms = Comms.from_dims(dims)
+        if cfg.grpo.kl_coef > 0:  # the initial policy in the same layout, frozen
+            reference = Sampler(distributed.build_frozen(built, dims, initial_model(built, dims)), comms, dims.layers)
+
+        def policy() -> Sampler:
+            return Sampler(engine.sampling_module(), comms, dims.layers)
+    replica = Replica(dims)
+    log.info("GRPO: %d train prompts, %d held-out; %d x %d completions per step and replica (%d replicas) in %d "
+             "minibatches of %d micro-batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,
+             cfg.grpo.group_size, replica.dp, cfg.grpo.minibatches, num_micro_batches(built), cfg.grpo.epochs)
+    # The trainer's config: the user's (train.steps in GRPO steps) with the derived micro-batch size.
+    trainer_cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
+                                                                     micro_batch_size=built.train.micro_batch_size))
+    return GRPOTrainer(trainer_cfg, engine, policy, tokenizer, train_recs, eval_recs, reward_fn, reference, replica)

@@ -58,17 +58,17 @@ def build_local(cfg: Config) -> tuple[RLT, LocalEngine, torch.device]:
     return model, LocalEngine(model, cfg.optim, cfg.train, device), device
 
 
+def initial_model(cfg: Config, dims) -> RLT:
+    """The starting weights of a distributed run on the CPU: the same seeded single-device model
+    on every rank, or only this rank's pipeline stage read from train.init_from."""
+    if cfg.train.init_from:
+        return init_stage_from(cfg.train.init_from, cfg.model, dims.layers, dims.is_first_stage, dims.is_last_stage)
+    return build_model(cfg.model, "cpu", seed=cfg.train.seed)
+
+
 def build_distributed(cfg: Config, dims) -> tuple[RLT, "distributed.DistributedEngine"]:
-    """This rank's part of the model (from the same seeded single-device model, or only its
-    pipeline stage read from train.init_from) and the distributed engine."""
-
-    def model_fn() -> RLT:
-        if cfg.train.init_from:  # only this rank's stage, read from the export
-            return init_stage_from(cfg.train.init_from, cfg.model, dims.layers, dims.is_first_stage,
-                                   dims.is_last_stage)
-        return build_model(cfg.model, "cpu", seed=cfg.train.seed)
-
-    engine = distributed.build_engine(cfg, dims, model_fn)
+    """This rank's part of the model (``initial_model``) and the distributed engine."""
+    engine = distributed.build_engine(cfg, dims, lambda: initial_model(cfg, dims))
     return engine.module, engine
 
 

@@ -18,7 +18,7 @@ PP2_VARIANTS = [("gradients_vs_reference", {"model": {"tie_embeddings": True, "m
 ZERO = [("steps_vs_reference", {"parallel": {"zero_stage": z}, "optim": {"lr": 1e-3, "grad_clip": 0.5}})
         for z in (0, 1, 2, 3)] + \
        [("steps_vs_reference", {"parallel": {"zero_stage": 2, "micro_batches": 2},  # DeepSpeed accumulates 2
-                                "optim": {"lr": 1e-3, "grad_clip": 0.5}, "train": {"grad_accum": 2}}),
+                                "optim": {"lr": 1e-3, "grad_clip": 0.3}, "train": {"grad_accum": 2}}),
         # tied copies on two stages: counted once in the norm, same weight decay, kept equal
         ("steps_vs_reference", {"model": {"tie_embeddings": True}, "parallel": {"pp": 2, "zero_stage": 1},
                                 "optim": {"lr": 1e-3, "grad_clip": 0.5}})]
@@ -67,7 +67,7 @@ def test_two_stage_ring_loss_and_gradients_equal_one_process(results, name, args
 @pytest.mark.parametrize("name,args", ZERO)
 def test_zero_optimizer_steps_equal_one_process_on_the_combined_batch(results, name, args):
     for r in each_rank(results, name, args):
-        assert r["ref_norm"][0] > 0.5  # clipping acts, so a wrong norm would change the update
+        assert r["ref_norm"][0] > args["optim"]["grad_clip"]  # clipping acts, so a wrong norm would change the update
         for norm, ref in zip(r["norm"], r["ref_norm"]):
             assert norm == pytest.approx(ref, rel=1e-5)
         for loss, ref in zip(r["loss"], r["ref_loss"]):

@@ -77,7 +77,7 @@ class SleepStage:
 
     dtype = torch.float32
 
-    def start(self, micro_batches, loss_scale, grad):
+    def start(self, micro_batches, loss_scale, grad, objective=None):
         self.shapes = [x.shape for x, _ in micro_batches]
 
     def finish(self):

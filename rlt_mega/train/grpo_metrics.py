@@ -1,0 +1,90 @@
+"""A GRPO step's metrics, reduced over every rank (train/replica.py says who contributes what).
+
+Replica totals (rewards, completion lengths, positions the learner ran) come from each
+replica's source rank; the learner's per-token metrics from the loss ranks, one record per
+micro-batch (learner/objective.py); phase times are the slowest rank's. Means are taken after
+the reduction: sums / global counts, never a mean of means.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from rlt_mega.rollout import Rollout
+from rlt_mega.train.replica import Replica
+
+INF = float("inf")
+
+
+def reduce_step_metrics(rep: Replica, rewards: Sequence[float], failures: int, rollouts: Sequence[Rollout],
+                        records: Sequence[dict], first_records: int, epochs: int, t_generate: float, t_learn: float,
+                        with_reference: bool) -> dict[str, float]:
+    """rewards: this replica's, one per row; rollouts: its micro-batches of the step; records:
+    the objective's per-micro-batch metrics on a loss rank (empty elsewhere), the first
+    ``first_records`` of them the on-policy minibatch (epoch 0, minibatch 0)."""
+    src = 1.0 if rep.is_replica_source else 0.0
+    sums = {
+        "rows": src * len(rewards),
+        "reward": src * sum(rewards),
+        "correct": src * sum(r >= 1.0 for r in rewards),
+        "failures": src * failures,
+        "completion_tokens": src * sum(ro.num_completion_tokens() for ro in rollouts),
+        "stopped": src * sum(f != "length" for ro in rollouts for f in ro.finish_reasons),
+        # sequence positions (prompt + completion) the learner ran through replay and dense
+        "learner_positions": src * epochs * sum(ro.batch_size * ro.schedule.num_steps for ro in rollouts),
+    }
+    mins: dict[str, float] = {"ratio_min": INF, "first_ratio_min": INF}
+    maxs: dict[str, float] = {"ratio_max": -INF, "first_ratio_max": -INF, "diff_max": -INF,
+                              "t_generate": t_generate, "t_learn": t_learn}
+    learner = {k: 0.0 for k in ("tokens", "ratio_sum", "clipped", "support_miss", "kl_sum", "diff_sum",
+                                "miss_dense_sum", "first_tokens", "first_kl_sum")}
+    if rep.is_loss_rank:
+        for i, m in enumerate(records):
+            n = m["num_tokens"]
+            learner["tokens"] += n
+            learner["ratio_sum"] += m["ratio_sum"]
+            learner["clipped"] += m["clipped"]
+            learner["support_miss"] += m["support_miss"]
+            learner["kl_sum"] += m["kl_sum"]
+            learner["diff_sum"] += m["logprob_diff_mean"] * n
+            learner["miss_dense_sum"] += m["support_miss_dense"] * n
+            if n:
+                mins["ratio_min"] = min(mins["ratio_min"], m["ratio_min"])
+                maxs["ratio_max"] = max(maxs["ratio_max"], m["ratio_max"])
+            maxs["diff_max"] = max(maxs["diff_max"], m["logprob_diff_max"])
+            if i < first_records:
+                learner["first_tokens"] += n
+                # KL(mu || dense) on the on-policy minibatch only: later ones were sampled before an
+                # update, so theirs would mix the policy's own drift into the schedule mismatch.
+                learner["first_kl_sum"] += m["kl_mu_dense"] * n
+                if n:
+                    mins["first_ratio_min"] = min(mins["first_ratio_min"], m["ratio_min"])
+                    maxs["first_ratio_max"] = max(maxs["first_ratio_max"], m["ratio_max"])
+    sums.update(learner)
+    r = rep.reduce(sums, mins, maxs)
+    rows, tokens = max(r["rows"], 1.0), max(r["tokens"], 1.0)
+    first_min = r["first_ratio_min"] if r["first_ratio_min"] != INF else 1.0
+    first_max = r["first_ratio_max"] if r["first_ratio_max"] != -INF else 1.0
+    out = {
+        "reward/mean": r["reward"] / rows,
+        "reward/accuracy": r["correct"] / rows,
+        "reward/failures": r["failures"],
+        "completion/length_mean": r["completion_tokens"] / rows,
+        "completion/stopped_fraction": r["stopped"] / rows,
+        "ratio/min": r["ratio_min"] if r["ratio_min"] != INF else 1.0,
+        "ratio/mean": r["ratio_sum"] / tokens,
+        "ratio/max": r["ratio_max"] if r["ratio_max"] != -INF else 1.0,
+        "ratio/clip_fraction": r["clipped"] / tokens,
+        "ratio/onpolicy_max_dev": max(abs(first_max - 1.0), abs(first_min - 1.0)),
+        "support/miss_fraction": r["support_miss"] / tokens,
+        "mismatch/logprob_diff_max": max(r["diff_max"], 0.0),
+        "mismatch/logprob_diff_mean": r["diff_sum"] / tokens,
+        "mismatch/kl_mu_dense": r["first_kl_sum"] / max(r["first_tokens"], 1.0),
+        "mismatch/support_miss_dense": r["miss_dense_sum"] / tokens,
+        # every replica's completions per second of the (slowest rank's) generate phase
+        "perf/rollout_tokens_per_s": r["completion_tokens"] / max(r["t_generate"], 1e-9),
+        "perf/learner_tokens_per_s": r["learner_positions"] / max(r["t_learn"], 1e-9),
+    }
+    if with_reference:
+        out["kl/reference"] = r["kl_sum"] / tokens
+    return out
