@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from rlt_mega.model.cache import DecoderKV, KVCache
+from rlt_mega.model.cache import DecoderKV, KVCache, MemoryKV
 
 
 def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
@@ -33,6 +33,53 @@ def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.
     """q: (B, h_kv, g, Dh) grouped queries of one position; k, v: (B, h_kv, 1 + vis, Dh), all
     visible (the null slot and the committed memory) -> (B, h_kv, g, Dh)."""
     return F.scaled_dot_product_attention(q, k, v)
+
+
+def memory_attention(q: torch.Tensor, mem: MemoryKV, layer: int, n: int) -> torch.Tensor:
+    """Cross-attention of one position into memory slots [0, n) of ``layer``: q (B, h_kv, g,
+    Dh) grouped -> (B, h_kv, g, Dh). The forward is ``cross_attention`` in every schedule
+    (sampling, replay, training), so values are identical; with autograd the prefix's
+    gradient goes to ``mem.accumulate`` instead of through a slice (see MemoryKV)."""
+    k, v = mem.k[layer], mem.v[layer]
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return MemoryAttention.apply(q, k, v, mem, layer, n)
+    return cross_attention(q, k[:, :, :n], v[:, :, :n])
+
+
+class MemoryAttention(torch.autograd.Function):
+    """``cross_attention`` into the prefix [0, n) of the memory K/V whose backward adds the
+    prefix's K/V gradient to ``mem`` (returning none for k, v themselves).
+
+    Backward recomputes the attention with autograd on the same inputs, under the forward's
+    autocast state, so q, k and v get exactly the gradients a plain autograd graph gives
+    (the same kernels on the same values); the extra forward of one query row per head is
+    cheap next to the full-size fill the slice would cost."""
+
+    @staticmethod
+    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem: MemoryKV, layer: int,
+                n: int) -> torch.Tensor:
+        ctx.save_for_backward(q)
+        ctx.mem, ctx.layer, ctx.n = mem, layer, n
+        ctx.autocast = (torch.is_autocast_enabled(q.device.type), torch.get_autocast_dtype(q.device.type))
+        return cross_attention(q, k[:, :, :n], v[:, :, :n])
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        (q,) = ctx.saved_tensors
+        mem: MemoryKV = ctx.mem
+        k, v = mem.k[ctx.layer][:, :, :ctx.n], mem.v[ctx.layer][:, :, :ctx.n]
+        needs = ctx.needs_input_grad
+        with torch.enable_grad():
+            q_, k_, v_ = (x.detach().requires_grad_(r) for x, r in zip((q, k, v), needs[:3]))
+            enabled, dtype = ctx.autocast
+            with torch.autocast(device_type=q.device.type, dtype=dtype, enabled=enabled):
+                out = cross_attention(q_, k_, v_)
+            wrt = [x for x in (q_, k_, v_) if x.requires_grad]
+            grads = iter(torch.autograd.grad(out, wrt, grad_out))
+        grad_q, grad_k, grad_v = (next(grads) if r else None for r in needs[:3])
+        if grad_k is not None:
+            mem.accumulate(ctx.layer, grad_k, grad_v)
+        return grad_q, None, None, None, None, None
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

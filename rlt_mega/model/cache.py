@@ -82,10 +82,70 @@ class MemoryKV(KVCache):
     Dense schedule: set once per layer from the whole memory (``set``; autograd flows into
     the encoder). Rollout/replay: a preallocated buffer (``write``) that grows by one memory
     block per encoder call.
+
+    Gradients (dense schedule): every decoder step reads a growing prefix of the memory. Had
+    each step's prefix slice gone through autograd, its backward would build a full-size zero
+    gradient and add it to the memory's (fill + add of (B, h_kv, 1 + S, Dh) per step and
+    layer, O(T^2) traffic: 45% of a small_cpu step at T=512, measured). Instead the step
+    adds its prefix gradient here (``accumulate``) and the total is handed to the producer
+    once: by ``MemoryGradients`` in one backward pass, or read with ``take_grads`` by a
+    pipeline stage that backwards step by step.
     """
+
+    def __init__(self, num_layers: int, capacity: int) -> None:
+        super().__init__(num_layers, capacity)
+        self.grad_k: list[Optional[torch.Tensor]] = [None] * num_layers
+        self.grad_v: list[Optional[torch.Tensor]] = [None] * num_layers
 
     def set(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer], self.v[layer] = k, v
 
     def visible(self, layer: int, vis: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.view(layer, 1 + vis)
+
+    def accumulate(self, layer: int, dk: torch.Tensor, dv: torch.Tensor) -> None:
+        """Adds the gradients (B, h_kv, n, Dh) of slots [0, n). fp32 accumulation even for
+        bf16 K/V, as in DecoderKV."""
+        if self.grad_k[layer] is None:
+            shape = self.k[layer].shape
+            acc_dtype = torch.promote_types(dk.dtype, torch.float32)
+            self.grad_k[layer] = torch.zeros(shape, dtype=acc_dtype, device=dk.device)
+            self.grad_v[layer] = torch.zeros(shape, dtype=acc_dtype, device=dv.device)
+        n = dk.shape[2]
+        self.grad_k[layer][:, :, :n] += dk
+        self.grad_v[layer][:, :, :n] += dv
+
+    def take_grads(self, layer: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """The accumulated gradients of layer's K and V in their dtype (None if no step
+        read them); cleared, so that a second backward starts from zero."""
+        gk, gv = self.grad_k[layer], self.grad_v[layer]
+        self.grad_k[layer] = self.grad_v[layer] = None
+        if gk is None:
+            return None, None
+        return gk.to(self.k[layer].dtype), gv.to(self.v[layer].dtype)
+
+
+class MemoryGradients(torch.autograd.Function):
+    """Dense schedule: passes a layer's memory K/V through unchanged and, in backward, hands
+    their producer the gradient the decoder steps accumulated in ``mem``. Every step reads
+    the outputs, so autograd runs this node after the last of them.
+
+    k, v: (B, h_kv, 1 + S, Dh) -> the same (views)."""
+
+    @staticmethod
+    def forward(ctx, k: torch.Tensor, v: torch.Tensor, mem: MemoryKV, layer: int):
+        ctx.set_materialize_grads(False)
+        ctx.mem, ctx.layer = mem, layer
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, grad_k: Optional[torch.Tensor], grad_v: Optional[torch.Tensor]):
+        acc_k, acc_v = ctx.mem.take_grads(ctx.layer)
+        # Gradients that reached the outputs through autograd (a reader other than the
+        # decoder's cross-attention) add to the accumulated ones.
+        if acc_k is None:
+            acc_k, acc_v = grad_k, grad_v
+        else:
+            acc_k = acc_k if grad_k is None else acc_k + grad_k
+            acc_v = acc_v if grad_v is None else acc_v + grad_v
+        return acc_k, acc_v, None, None

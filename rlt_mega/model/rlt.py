@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
-from rlt_mega.model.attention import DecoderSelfAttention, cross_attention, encoder_attention
-from rlt_mega.model.cache import DecoderKV, KVCache, MemoryKV
+from rlt_mega.model.attention import DecoderSelfAttention, encoder_attention, memory_attention
+from rlt_mega.model.cache import DecoderKV, KVCache, MemoryGradients, MemoryKV
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
 
 
@@ -137,7 +137,10 @@ class RLT(nn.Module):
         mem = MemoryKV(self.cfg.n_layers, capacity=1 + m.shape[1])
         slots = torch.cat([self.null_memory.to(m.dtype).expand(m.shape[0], 1, -1), m], dim=1)
         for i in self._layers(layers):
-            mem.set(i, *self.cross[i].attn.kv(slots))
+            k, v = self.cross[i].attn.kv(slots)
+            if torch.is_grad_enabled() and k.requires_grad:  # the steps' gradients reach k, v here
+                k, v = MemoryGradients.apply(k, v, mem, i)
+            mem.set(i, k, v)
         return mem
 
     def init_memory(self, batch_size: int, capacity: int, layers: Optional[Sequence[int]] = None,
@@ -173,8 +176,8 @@ class RLT(nn.Module):
 
         cb = self.cross[i]
         cq = cb.attn.query(cb.cross_norm(u))  # (B, h, 1, Dh)
-        ck, cv = mem.visible(i, vis(t, self.cfg.memory_block))
-        c = cross_attention(group_query(cq, ck.shape[1]), ck, cv)
+        n_kv = mem.k[i].shape[1]
+        c = memory_attention(group_query(cq, n_kv), mem, i, 1 + vis(t, self.cfg.memory_block))
         u = u + cb.attn.out(ungroup_query(c, cq.shape[1]))
         return u + blk.mlp(blk.mlp_norm(u))
 

@@ -217,10 +217,10 @@ class RLTStage:
 
     def mem_bwd(self, j: int) -> torch.Tensor:
         mb = self.mbs[j]
-        leaves = []
-        for i in self.layers:
-            leaves += [mb.mem.k[i], mb.mem.v[i]]
-        _backward(mb.mem_out, [leaf.grad for leaf in leaves])
+        grads = []
+        for i in self.layers:  # the decoder steps accumulated them in mb.mem (see MemoryKV)
+            grads += mb.mem.take_grads(i)
+        _backward(mb.mem_out, grads)
         mb.mem, mb.mem_out = None, []
         g = mb.m_in.grad
         return torch.zeros_like(mb.m_in) if g is None else g
