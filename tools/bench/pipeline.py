@@ -1,7 +1,10 @@
 """Benchmark of the distributed engine (a measurement, not a test: it asserts nothing).
 
 1. Bubble of the decoder-ring schedule for P = 2, 4 stages and M = 1, 2, 4, 8 micro-batches,
-   against the ideal (P - 1) / (M*T + P - 1):
+   against the ideal (P - 1) / (M*T + P - 1) ("formula", issue 6 target 6). The formula holds
+   for M >= P only: with M < P a position cannot start before its predecessor went round the
+   ring, the makespan is P*T + M - 1 ticks, not M*T + P - 1 ("ring bound" = 1 - M*T / max of
+   the two; equal to the formula for M >= P).
    * "model clock": rlt_mega.parallel.pipeline.simulate, each decoder op one tick, transfers free.
    * "clock+lat": the same with the measured one-way message latency of this machine.
    * "emul": the real schedule, real gloo messages and real ranks, with a stage whose decoder
@@ -10,6 +13,10 @@
      stages of the round's wall time; busy = time inside stage ops, so message latency and
      the schedule's own Python overhead count as bubble.
    * "RLT tiny": the same with the real tiny model (P = 2 only: one rank per core here).
+   * "hop": the one-way message delay that makes the model clock reproduce the emulated bubble
+     (bisection on ``simulate(latency=...)``). The measured departure from the formula is
+     entirely a per-message delay when this is about constant across M and op cost; compare it
+     with the ping-pong latency, measured with both ranks spinning in receive.
 2. Training tokens/s of TP=2, PP=2 (M=2) and DP=2 relative to one process (the same engine in a
    world of one), on a tiny model, after warm-up steps.
 
@@ -219,6 +226,25 @@ def _throughput_worker(rank, parallel, steps):
     return steps * tokens[:, :-1].numel() * dims.dp / wall  # training tokens per second, all replicas
 
 
+def ring_bound(P: int, M: int, T: int) -> float:
+    """Bubble of the ring on a model clock (unit decoder ops, free messages)."""
+    return 1.0 - M * T / max(M * T + P - 1, P * T + M - 1)
+
+
+def implied_hop(P: int, M: int, T: int, bubble: float, cost: float) -> float:
+    """Seconds of one-way message delay for which ``simulate`` gives ``bubble`` (None if the
+    measured bubble is below the model's with free messages)."""
+    from rlt_mega.parallel.pipeline import simulate
+
+    lo, hi = 0.0, 20.0  # in units of one op
+    if simulate(P, M, T)["bubble"] >= bubble:
+        return 0.0
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulate(P, M, T, latency=mid)["bubble"] < bubble else (lo, mid)
+    return lo * cost
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per layout and repeat")
@@ -233,15 +259,19 @@ def main() -> None:
     latency = measured[2]["latency"]
     out.write(f"\nBubble of the ring schedule, forward + backward, T = {T_BUBBLE}. Measured one-way latency of a "
               f"decoder message (gloo, this machine): {latency * 1e3:.2f} ms\n")
-    head = ["P", "M", "ideal", "clock", "clock+lat 4ms", "emul 4ms", "clock+lat 20ms", "emul 20ms", "RLT tiny"]
+    head = ["P", "M", "formula", "ring bound", "clock", "clock+lat 4ms", "emul 4ms", "hop 4ms", "clock+lat 20ms",
+            "emul 20ms", "hop 20ms", "RLT tiny"]
     out.write(" ".join(f"{h:>{max(5, len(h))}}" for h in head) + "\n")
     for P in (2, 4):
         for M in Ms:
-            cells = [P, M, (P - 1) / (M * T_BUBBLE + P - 1), simulate(P, M, T_BUBBLE)["bubble"]]
+            cells = [P, M, (P - 1) / (M * T_BUBBLE + P - 1), ring_bound(P, M, T_BUBBLE),
+                     simulate(P, M, T_BUBBLE)["bubble"]]
             for cost in COSTS_S:
-                cells += [simulate(P, M, T_BUBBLE, latency=latency / cost)["bubble"], measured[P][cost][M]]
+                emul = measured[P][cost][M]
+                cells += [simulate(P, M, T_BUBBLE, latency=latency / cost)["bubble"], emul,
+                          f"{implied_hop(P, M, T_BUBBLE, emul, cost) * 1e3:.2f}ms"]
             cells.append(measured[P]["rlt"][M] if "rlt" in measured[P] else None)
-            text = [f"{c:>{max(5, len(h))}}" if isinstance(c, int) else
+            text = [f"{c:>{max(5, len(h))}}" if isinstance(c, (int, str)) else
                     (f"{'-':>{max(5, len(h))}}" if c is None else f"{c:>{max(5, len(h))}.3f}")
                     for c, h in zip(cells, head)]
             out.write(" ".join(text) + "\n")

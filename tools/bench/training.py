@@ -8,9 +8,10 @@ Sections
 - throughput: training tokens/s of a full step (forward, backward, AdamW) for tiny_cpu and
   small_cpu at their configured sequence lengths and micro-batch sizes.
 - memory (issue 6, target 4): small_cpu at T=--seq-len, B=--batch, one model and one engine,
-  every checkpointing mode switched on it in turn, in interleaved rounds: the peak memory of a
-  training step above what lives before it (weights, Adam state, inputs) and the step time,
-  each against no checkpointing.
+  every checkpointing mode switched on it in turn: the peak memory of a training step above
+  what lives before it (weights, Adam state, inputs), as tensor bytes (harness.peak_tensor_bytes,
+  the target's measure: one profiled step per mode) and as resident set size (RSS, allocator
+  included), and the step time (interleaved rounds, unprofiled), each against no checkpointing.
 - flops (target 5): the encoder's forward+backward FLOP rate at d=512 against a large torch.mm
   in the same run (this CPU's fp32 matmul peak at the same thread count), and the decoder's
   (dense schedule, full BPTT). FLOPs are counted by torch's FlopCounterMode
@@ -23,7 +24,7 @@ import argparse
 
 import torch
 
-from harness import add_common_args, best_of_rounds, describe, peak_rss, setup
+from harness import add_common_args, best_of_rounds, describe, peak_rss, peak_tensor_bytes, setup
 from rlt_mega.config import CheckpointingConfig, load_config
 from rlt_mega.model import build_model
 from rlt_mega.parallel.engine import LocalEngine
@@ -66,19 +67,25 @@ def section_memory(args, clock) -> None:
     T, B = args.seq_len, args.batch
     model, _, step = make_step("configs/small_cpu.yaml", T, B)
     step()  # warm-up: Adam state, so that it is not counted as step memory
-    peak: dict[str, int] = {}
-    times = {label: float("inf") for label in MODES}
-    for _ in range(args.repeats):  # rounds over the modes; best of each
-        for label, mode in MODES.items():
-            model.set_checkpointing(CheckpointingConfig(**mode))
-            t0 = clock()
-            peak[label] = min(peak.get(label, 1 << 62), peak_rss(step))
-            times[label] = min(times[label], clock() - t0)
-    print(f"\n## activation checkpointing, small_cpu, B={B}, T={T}: peak = the step's resident memory above "
-          f"what lives before it; best of {args.repeats} interleaved rounds")
-    print(f"{'mode':<14} {'peak MiB':>9} {'vs none':>8} {'step s':>8} {'vs none':>8}")
-    for label in MODES:
-        print(f"{label:<14} {peak[label] / 2**20:9.1f} {peak[label] / peak['none']:8.2f} {times[label]:8.2f} "
+    modes = {label: CheckpointingConfig(**MODES[label]) for label in args.modes}
+    tensors, rss = {}, {}
+    for label, mode in modes.items():  # memory is deterministic: one step each
+        model.set_checkpointing(mode)
+        tensors[label] = peak_tensor_bytes(step)
+        rss[label] = peak_rss(step)
+
+    def run(mode):
+        model.set_checkpointing(mode)
+        step()
+
+    times, _ = best_of_rounds({label: (lambda m=mode: run(m)) for label, mode in modes.items()}, args.repeats, clock)
+    print(f"\n## activation checkpointing, small_cpu, B={B}, T={T}: peak = the step's memory above what lives "
+          f"before it (tensors: the target's measure; RSS: with glibc's heap); time: best of {args.repeats} "
+          "interleaved rounds")
+    print(f"{'mode':<14} {'tensors MiB':>11} {'vs none':>8} {'RSS MiB':>8} {'vs none':>8} {'step s':>7} {'vs none':>8}")
+    for label in modes:
+        print(f"{label:<14} {tensors[label] / 2**20:11.1f} {tensors[label] / tensors['none']:8.2f} "
+              f"{rss[label] / 2**20:8.1f} {rss[label] / rss['none']:8.2f} {times[label]:7.2f} "
               f"{times[label] / times['none']:8.2f}")
 
 
@@ -131,11 +138,14 @@ def main() -> None:
     p.add_argument("--only", choices=["throughput", "memory", "flops"], nargs="+")
     p.add_argument("--seq-len", type=int, default=512, help="memory section: T")
     p.add_argument("--batch", type=int, default=8, help="memory section: B")
+    p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
+                   help="memory section: checkpointing modes (none is always measured)")
     p.add_argument("--enc-len", type=int, default=256, help="flops section: encoder T")
     p.add_argument("--dec-len", type=int, default=64, help="flops section: decoder T")
     p.add_argument("--repeats", type=int, default=2, help="rounds; each figure is the best")
     add_common_args(p)
     args = p.parse_args()
+    args.modes = ["none"] + [m for m in args.modes if m != "none"]
     clock = setup(args)
     print(describe(args))
     for name, fn in (("throughput", section_throughput), ("memory", section_memory), ("flops", section_flops)):
