@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Runs every benchmark in tools/bench once, one after another (never two at a time: on a
+# 2-core machine they would time each other), in quick settings that keep the whole run under
+# 10 minutes on this CPU; each prints its own table of ratios measured within its run.
+# Creates or reuses .venv like launch/test.sh. Extra arguments: the benchmarks to run
+# (training pipeline rollout peer rollout_parallel stability; default all).
+#
+#     bash tools/bench/all.sh                 # everything, ~10 minutes on 2 CPU cores
+#     bash tools/bench/all.sh training        # one of them
+set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/../../launch/env.sh"
+cd "$ROOT"
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+export OMP_NUM_THREADS=1  # multi-process benchmarks: one thread per rank
+
+run() {  # name, command...
+  local name=$1; shift
+  echo; echo "==== $name: $*"
+  local t0=$SECONDS
+  "$@"
+  echo "==== $name: $((SECONDS - t0)) s"
+}
+
+want() { [[ " ${SELECTED} " == *" $1 "* ]]; }
+SELECTED="${*:-training pipeline rollout peer rollout_parallel stability}"
+
+# Targets 4 and 5 (activation checkpointing at T=512; FLOP rate against the matmul peak).
+# Memory: the modes small_cpu uses and the cheapest in memory, one profiled step each, two
+# timing rounds.
+want training && run training python tools/bench/training.py --only memory flops \
+  --modes every_k=8+enc step+enc --repeats 2
+# Target 6 (ring bubble): emulated stages and the tiny model; throughput layouts skipped.
+want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
+# Targets 1-3 (owned by the rollout benchmarks; the quick lines are fixed at merge).
+want rollout && run rollout python tools/bench/rollout.py --blocks 1 16 --repeats 1
+want peer && run peer python tools/bench/peer.py --blocks 16 --repeats 1
+want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
+  --new-tokens 16 --repeats 1
+want stability && run stability python tools/bench/stability.py --steps 40
+echo; echo "==== all: $SECONDS s"
