@@ -40,6 +40,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from rlt_mega.model.cache import KVCache, MemoryKV
+from rlt_mega.model.fast_decode import DecodeWeights
 from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits
@@ -99,6 +100,7 @@ class Executor:
         self.layers = layers  # None: every layer
         self.C = model.cfg.memory_block
         self.d = model.cfg.d_model
+        self.fast: Optional[DecodeWeights] = None  # this run's weight snapshot (fast_decode.py)
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -111,6 +113,8 @@ class Executor:
         """Runs the micro-batches together (all in flight). Call under no_grad and the
         rollout's precision context."""
         model, L = self.model, self.model.cfg.n_layers
+        # A fresh snapshot per run, like the caches: parameters may have changed since the last.
+        self.fast = DecodeWeights.build(model, self.layers)
         runs = []
         for plan in plans:
             B, capacity = plan.tokens.shape
@@ -130,6 +134,7 @@ class Executor:
                     self._item(run, t, processing)
             t += 1
         self.comms.p2p.drain()
+        self.fast = None
         return [Result(run.plan.tokens, run.num_steps, run.calls,
                        torch.cat(run.logprobs, dim=1) if run.logprobs else None) for run in runs]
 
@@ -179,7 +184,10 @@ class Executor:
             u = model.decoder_input(model.embed(tokens[:, t]), z)  # (B, 1, d)
         else:
             u = comms.p2p.recv((B, 1, self.d), self.act_dtype, comms.stage - 1, "r_dec")
-        y = model.decoder_layers(u, t, run.dec, run.mem, self.layers)  # (B, 1, d)
+        if self.fast is not None:
+            y = self.fast.decoder_layers(u, t, run.dec, run.mem, self.layers or range(model.cfg.n_layers))
+        else:
+            y = model.decoder_layers(u, t, run.dec, run.mem, self.layers)  # (B, 1, d)
         run.num_steps = t + 1
         if not comms.is_last:
             self._send(y, comms.stage + 1, "r_dec")

@@ -1,0 +1,79 @@
+"""Measurement helpers shared by the benchmarks in tools/bench (imported as ``harness``: they run as scripts).
+
+This machine is shared: other engineers' jobs take the cores at random moments. Two choices
+make the ratios stable there:
+
+- One torch thread per process and the process's CPU time (``time.process_time``) as the
+  clock ("cpu"): a process that is descheduled by a neighbour does not accumulate CPU time, so
+  the figure is the work done. With two threads on two busy cores, OpenMP barriers wait for a
+  descheduled thread and a 5 s rollout takes 23 s (measured). ``--clock wall`` and
+  ``--threads 2`` give wall-clock figures for a quiet machine.
+- Everything that is compared is timed in interleaved rounds and each figure is the best
+  (minimum) over the rounds, so a busy neighbour slows all contestants alike and the minimum
+  is the least disturbed run.
+
+Peak memory: the peak resident set size of the process during one call, after the allocator
+has returned freed memory (``malloc_trim``) and the kernel's high-water mark was reset
+(``/proc/self/clear_refs``), minus the resident size just before the call: what the call
+allocates on top of what already lives (weights, optimizer state, inputs). It counts tensor
+storages plus allocator overhead; it needs Linux and glibc.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import time
+from typing import Callable, Hashable
+
+import torch
+
+CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
+
+
+def add_common_args(parser) -> None:
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (default 1: stable figures on a shared machine; 0: torch's default)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
+                        help="cpu: the process's CPU time (robust to neighbours); wall: elapsed time")
+
+
+def setup(args) -> Callable[[], float]:
+    """Applies --threads and returns the clock of --clock."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return CLOCKS[args.clock]
+
+
+def describe(args) -> str:
+    return (f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), clock={args.clock} "
+            f"({'process CPU time' if args.clock == 'cpu' else 'elapsed time'})")
+
+
+def best_of_rounds(fns: dict[Hashable, Callable[[], object]], repeats: int, clock: Callable[[], float]
+                   ) -> tuple[dict[Hashable, float], dict[Hashable, object]]:
+    """Times every fn once per round, ``repeats`` rounds, in the given order -> (best time of
+    each, last output of each)."""
+    best = {k: float("inf") for k in fns}
+    outs: dict[Hashable, object] = {}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = clock()
+            outs[k] = fn()
+            best[k] = min(best[k], clock() - t0)
+    return best, outs
+
+
+def _status_bytes(key: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"^{key}:\s+(\d+) kB", f.read(), re.M).group(1)) * 1024
+
+
+def peak_rss(fn: Callable[[], object]) -> int:
+    """Bytes by which the resident set size peaked above its value just before ``fn()``."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current VmRSS
+    base = _status_bytes("VmRSS")
+    fn()
+    return _status_bytes("VmHWM") - base
