@@ -34,17 +34,6 @@ class KVCache:
             self.k[layer][:, :, start:end] = k
             self.v[layer][:, :, start:end] = v
 
-    def write_position(self, layer: int, t: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """One position (the no-grad decoder step): k, v (B, h_kv, Dh) for position t."""
-        if self.k[layer] is None:
-            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[2])
-            self.k[layer] = k.new_zeros(shape)
-            self.v[layer] = v.new_zeros(shape)
-        if t >= self.capacity:
-            raise ValueError(f"cache capacity {self.capacity} exceeded by a write at position {t}")
-        self.k[layer][:, :, t] = k
-        self.v[layer][:, :, t] = v
-
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, end): (B, h_kv, end, Dh) views of the buffers."""
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]

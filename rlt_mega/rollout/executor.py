@@ -40,7 +40,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from rlt_mega.model.cache import KVCache, MemoryKV
-from rlt_mega.model.fast_decode import DecodeWeights
+from rlt_mega.model.fast_decode import DecodeWeights, StepKV
 from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits
@@ -83,8 +83,8 @@ class _Run:
     plan: Plan
     prefill_end: int
     enc: KVCache
-    dec: KVCache
-    mem: MemoryKV
+    dec: KVCache | StepKV  # StepKV on the fast path (model/fast_decode.py)
+    mem: MemoryKV | StepKV
     active: bool = True
     num_steps: int = 0
     calls: list = field(default_factory=list)
@@ -120,8 +120,12 @@ class Executor:
             B, capacity = plan.tokens.shape
             # Fresh preallocated caches on every call: nothing computed under other parameters
             # is ever reused.
+            if self.fast is None:
+                dec, mem = KVCache(L, capacity), model.init_memory(B, capacity, self.layers)
+            else:
+                dec, mem = self.fast.new_cache(capacity), self.fast.new_memory(model.null_memory, B, capacity)
             runs.append(_Run(plan, prefill_end=self.C * (min(plan.prompt_lens) // self.C), enc=KVCache(L, capacity),
-                             dec=KVCache(L, capacity), mem=model.init_memory(B, capacity, self.layers)))
+                             dec=dec, mem=mem))
         # warm-up: every micro-batch's prefill
         for run in runs:
             if run.prefill_end > 0:
@@ -172,7 +176,10 @@ class Executor:
         else:
             self._send(h, comms.stage + 1, "r_enc")
             m = comms.p2p.recv(shape, self.act_dtype, P - 1, "r_mem")
-        model.append_memory(run.mem, m, start, self.layers)
+        if self.fast is None:
+            model.append_memory(run.mem, m, start, self.layers)
+        else:
+            self.fast.append_memory(run.mem, m, start)
         run.calls.append((start, end))
 
     def _decoder_step(self, run: _Run, t: int, z_prev: Optional[torch.Tensor], processing: Processing) -> None:
@@ -185,7 +192,7 @@ class Executor:
         else:
             u = comms.p2p.recv((B, 1, self.d), self.act_dtype, comms.stage - 1, "r_dec")
         if self.fast is not None:
-            y = self.fast.decoder_layers(u, t, run.dec, run.mem, self.layers or range(model.cfg.n_layers))
+            y = self.fast.decoder_layers(u, t, run.dec, run.mem)  # (B, 1, d)
         else:
             y = model.decoder_layers(u, t, run.dec, run.mem, self.layers)  # (B, 1, d)
         run.num_steps = t + 1
