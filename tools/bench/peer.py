@@ -19,7 +19,9 @@ position. Per generated token:
   over the prompt (the RLT's decoder walks the prompt position by position; the Llama
   prefills it in one call): both are inside the RLT's measured time.
 So blocks/s = generated tokens/s x 2L (RLT) or x L (Llama); the target is RLT blocks/s >=
-Llama blocks/s, at the config's memory block C (other C shown for reference).
+Llama blocks/s, at the config's memory block C (other C shown for reference). The "module
+path" row is the sampler at the config's C with the fast decoder step switched off
+(rlt_mega/model/fast_decode.py): the before/after of that change, in the same rounds.
 
     PYTHONPATH=. python tools/bench/peer.py            # small_cpu sizes, batch 8, prompts 32, 128 new tokens
     PYTHONPATH=. python tools/bench/peer.py --quick    # 32 new tokens, 1 round
@@ -32,6 +34,7 @@ import os
 import sys
 import tempfile
 import warnings
+from unittest import mock
 
 import torch
 
@@ -41,6 +44,7 @@ import harness  # noqa: E402  (tools/bench is not a package: the scripts run as 
 from rlt_mega.checkpoint_tools import convert_hf  # noqa: E402
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.model import RLT  # noqa: E402
+from rlt_mega.model.fast_decode import DecodeWeights  # noqa: E402
 from rlt_mega.rollout import Processing, SamplingParams, generate  # noqa: E402
 
 
@@ -85,7 +89,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=None,
                     help="memory blocks C of the RLT (default: 1, the config's, 16)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each figure is the best")
-    ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 round")
+    ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 round, no module-path row")
     harness.add_common_args(ap)
     args = ap.parse_args()
     if args.quick:
@@ -114,7 +118,13 @@ def main() -> None:
     run_hf()  # warm-up
     for C in blocks:
         generate(rlts[C], prompts[:, :4].tolist(), SamplingParams(max_new_tokens=4), seeds, pad_id=0)
+    def run_module_path(C):
+        with mock.patch.object(DecodeWeights, "build", return_value=None):
+            return run_rlt(C)
+
     fns = {"hf": run_hf, **{C: (lambda C=C: run_rlt(C)) for C in blocks}}
+    if not args.quick:
+        fns["module"] = lambda: run_module_path(base.memory_block)
     best, tokens = harness.best_of_rounds(fns, args.repeats, clock)
 
     hf_tps = B * N / best["hf"]
@@ -132,6 +142,11 @@ def main() -> None:
         ratio[C] = tps * 2 * L / (hf_tps * L)
         agree = float((tokens[C] == tokens["hf"]).float().mean())
         print(f"{f'RLT sampler C={C}':<22} {tps:9.1f} {2 * L:10d} {tps * 2 * L:9.0f} {ratio[C]:9.2f} {agree:12.3f}")
+    if "module" in best:
+        tps = B * N / best["module"]
+        agree = float((tokens["module"] == tokens["hf"]).float().mean())
+        label = f"C={base.memory_block} module path"
+        print(f"{label:<22} {tps:9.1f} {2 * L:10d} {tps * 2 * L:9.0f} {tps * 2 / hf_tps:9.2f} {agree:12.3f}")
     print("('greedy = HF': fraction of generated tokens equal to HF's; a near-tie broken the other way by "
           "rounding makes the rest of a row differ)")
     print("\nissue 6 target (ratio within this run):")

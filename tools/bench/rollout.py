@@ -10,12 +10,15 @@ In one run, side by side on the same weights and ragged prompts, for each memory
   (fp32 max for reference), and the fraction of sampled tokens outside the dense schedule's
   top-p set in bf16 (the boundary moves with the rounding gap).
 Every replay is checked torch.equal to its rollout's mu (fp32 and bf16).
+- "module path": rollout tokens/s with the fast decoder step switched off
+  (rlt_mega/model/fast_decode.py; what the executor ran before it, and what it runs for a
+  tensor-parallel model), in the same rounds: the before/after of that change.
 
 Clock and rounds (tools/bench/harness.py): one torch thread and the process's CPU time by
 default; each figure is the best of --repeats interleaved rounds.
 
     PYTHONPATH=. python tools/bench/rollout.py            # small_cpu (d=256, L=4), batch 8, 128 new tokens, C=1,8,16
-    PYTHONPATH=. python tools/bench/rollout.py --quick    # 32 new tokens, 1 round, no bf16 columns
+    PYTHONPATH=. python tools/bench/rollout.py --quick    # 32 new tokens, 2 rounds, no bf16 or module-path columns
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import argparse
 import dataclasses
 import os
 import sys
+from unittest import mock
 
 import torch
 
@@ -35,6 +39,7 @@ from rlt_mega.learner.grpo import group_advantages, grpo_loss  # noqa: E402
 from rlt_mega.learner.logprob import (dense_logprobs, hybrid_logprobs, mismatch_metrics,  # noqa: E402
                                       replay_logprobs)
 from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.model.fast_decode import DecodeWeights  # noqa: E402
 from rlt_mega.rollout import Processing, SamplingParams, generate  # noqa: E402
 
 TARGET_SPEEDUP = 1.8  # tokens/s at C=16 over C=1
@@ -50,8 +55,18 @@ def learner_step(model, rollout, hybrid: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
+def module_path():
+    """The executor without the fast decoder step: it then runs RLT.decoder_layers."""
+    return mock.patch.object(DecodeWeights, "build", return_value=None)
+
+
 def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
+
+
+def _on_module_path(fn, *args, **kwargs):
+    with module_path():
+        return fn(*args, **kwargs)
 
 
 def main() -> None:
@@ -62,12 +77,15 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 16], help="memory blocks C (first: the base)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each figure is the best")
-    ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 round, no bf16 columns")
+    ap.add_argument("--learner-repeats", type=int, default=2, help="rounds of the learner steps (seconds each)")
+    ap.add_argument("--no-module-path", action="store_true", help="skip the module-path rollouts")
+    ap.add_argument("--quick", action="store_true",
+                    help="32 new tokens, 2 rounds (1 for the learner), no bf16 or module-path columns")
     ap.add_argument("--device", default="cpu")
     harness.add_common_args(ap)
     args = ap.parse_args()
     if args.quick:
-        args.new_tokens, args.repeats = 32, 1
+        args.new_tokens, args.repeats, args.learner_repeats, args.no_module_path = 32, 2, 1, True
     clock = harness.setup(args)
     base = load_config(args.config, args.overrides).model
     vocab = base.vocab_size
@@ -93,6 +111,8 @@ def main() -> None:
     for C, model in models.items():
         fns[("rollout", C)] = lambda model=model: generate(model, prompts, params, seeds, pad_id=0)
         fns[("replay", C)] = lambda C=C, model=model: replay_logprobs(model, rollouts[C])
+        if not args.no_module_path:
+            fns[("module", C)] = lambda model=model: _on_module_path(generate, model, prompts, params, seeds, pad_id=0)
     best = {k: float("inf") for k in fns}
     for _ in range(args.repeats):
         for (kind, C), fn in fns.items():
@@ -101,16 +121,16 @@ def main() -> None:
             best[kind, C] = min(best[kind, C], clock() - t0)
             if kind == "rollout":
                 rollouts[C] = out
-            elif not torch.equal(out, rollouts[C].mu):
+            elif kind == "replay" and not torch.equal(out, rollouts[C].mu):
                 raise SystemExit(f"C={C}: replay is not bit-exact")
     steps = {}
     for C, model in models.items():
         steps[("dense", C)] = lambda C=C, model=model: learner_step(model, rollouts[C], hybrid=False)
         steps[("hybrid", C)] = lambda C=C, model=model: learner_step(model, rollouts[C], hybrid=True)
-    best.update(harness.best_of_rounds(steps, args.repeats, clock)[0])
+    best.update(harness.best_of_rounds(steps, args.learner_repeats, clock)[0])
 
     header = (f"{'C':>3} {'rollout tok/s':>14} {'vs C=' + str(args.blocks[0]):>8} {'replay/rollout':>15} "
-              f"{'hybrid/dense':>13}")
+              f"{'hybrid/dense':>13}" + ("" if args.no_module_path else f" {'module path tok/s':>18} {'fast/module':>12}"))
     if not args.quick:
         header += f" {'fp32 max|d-r|':>14} {'bf16 max|d-r|':>14} {'bf16 mean|d-r|':>15} {'bf16 dense miss':>16}"
     print(header)
@@ -119,6 +139,9 @@ def main() -> None:
         rollout = rollouts[C]
         line = (f"{C:>3} {tps[C]:>14.1f} {tps[C] / tps[args.blocks[0]]:>8.2f} "
                 f"{best['replay', C] / best['rollout', C]:>15.3f} {best['hybrid', C] / best['dense', C]:>13.3f}")
+        if not args.no_module_path:
+            module_tps = rollout.num_completion_tokens() / best["module", C]
+            line += f" {module_tps:>18.1f} {tps[C] / module_tps:>12.2f}"
         if not args.quick:
             with torch.no_grad():
                 gap32 = (dense_logprobs(model, rollout) - rollout.mu)[rollout.mask].abs().max().item()
@@ -138,6 +161,9 @@ def main() -> None:
         print(f"  1. rollout tok/s C=16 / C=1       {r:6.2f}   target >= {TARGET_SPEEDUP}   {verdict(r >= TARGET_SPEEDUP)}")
     else:
         print("  1. needs --blocks with 1 and 16")
+    if not args.no_module_path and 1 in models and 16 in models:
+        r = best["module", 1] / best["module", 16]
+        print(f"     (module path: {r:.2f})")
     worst_replay = max(best["replay", C] / best["rollout", C] for C in models)
     worst_hybrid = max(best["hybrid", C] / best["dense", C] for C in models)
     print(f"  3. replay / rollout (worst C)     {worst_replay:6.3f}   target <= {TARGET_REPLAY}   "
