@@ -3,8 +3,9 @@ fewer, larger kernels.
 
 At sampling batch sizes a decoder step is a few dozen small GEMMs and a few hundred small
 ops; their dispatch cost, not their FLOPs, sets the step time (small_cpu, batch 8, one CPU
-thread: the module path takes ~4.5 ms for the 4 decoder layers of a step, of which ~0.8 ms
-are GEMMs; tools/bench/rollout.py). This path computes the function of
+thread: the module path took ~4.5 ms for the 4 decoder layers of a step, of which ~0.8 ms
+were GEMMs; this path ~2 ms; tools/bench/rollout.py shows both). This path computes the
+function of
 ``RLT.decoder_layer`` / ``RLT.append_memory`` with:
 
 - q, k, v fused into one GEMM, gate and up into another, the cross-attention's k and v into a

@@ -28,6 +28,11 @@ same items in the same order; pipeline.P2P: blocking receives, non-blocking send
                          every earlier stage (stage 0 embeds x_{t+1}; the others learn that it stops)
     r_ring  last -> 0    z_t (B, 1, d), when the micro-batch goes on
 
+The decoder layers and the memory writes run the fused no-grad step of model/fast_decode.py
+(weights snapshotted at the start of every run) when the stage's projections are plain
+nn.Linear, else the model's own modules (tensor parallelism); either way rollout and replay
+run the same one.
+
 Stopping is data-dependent, so it travels with x_{t+1}: a stage learns at the start of item
 (t+1, j) whether it exists. Replicas never communicate here: each runs its own lengths.
 """

@@ -20,8 +20,9 @@ The schedule, for a batch of B prompts of lengths P_b (left-aligned, right-padde
   encoder call over its C tokens (the encoder K/V cache holds every earlier position), then
   ``append_memory``. The call runs before decoder step t, which is the first to see the
   block (vis(t) = t + 1): visibility is a function of the position alone.
-- Decoder: ``decoder_input`` + ``decoder_layers`` on x_t with a preallocated decoder K/V cache,
-  then the head (fp32 logits; under tensor parallelism the vocab shards gathered) and
+- Decoder: ``decoder_input`` + ``decoder_layers`` on x_t with a preallocated decoder K/V cache
+  (the same function with fused kernels, ``model/fast_decode.py``, whenever every projection
+  is a plain nn.Linear; rollout and replay always take the same path), then the head (fp32 logits; under tensor parallelism the vocab shards gathered) and
   ``process_logits`` on the whole (B, V) batch.
 
 What the rollout records (``Schedule``) is enough to re-execute it: prompt lengths, the
