@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 16], help="memory blocks C (first: the base)")
     ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each figure is the best")
-    ap.add_argument("--learner-repeats", type=int, default=2, help="rounds of the learner steps (seconds each)")
+    ap.add_argument("--learner-repeats", type=int, default=3, help="rounds of the learner steps (seconds each)")
     ap.add_argument("--no-module-path", action="store_true", help="skip the module-path rollouts")
     ap.add_argument("--quick", action="store_true",
                     help="32 new tokens, 2 rounds (1 for the learner), no bf16 or module-path columns")
@@ -130,7 +130,7 @@ def main() -> None:
     best.update(harness.best_of_rounds(steps, args.learner_repeats, clock)[0])
 
     header = (f"{'C':>3} {'rollout tok/s':>14} {'vs C=' + str(args.blocks[0]):>8} {'replay/rollout':>15} "
-              f"{'hybrid/dense':>13}")
+              f"{'hybrid/dense':>13} {'dense step s':>13} {'replay s':>9}")
     if not args.no_module_path:
         header += f" {'module path tok/s':>18} {'fast/module':>12}"
     if not args.quick:
@@ -140,7 +140,8 @@ def main() -> None:
     for C, model in models.items():
         rollout = rollouts[C]
         line = (f"{C:>3} {tps[C]:>14.1f} {tps[C] / tps[args.blocks[0]]:>8.2f} "
-                f"{best['replay', C] / best['rollout', C]:>15.3f} {best['hybrid', C] / best['dense', C]:>13.3f}")
+                f"{best['replay', C] / best['rollout', C]:>15.3f} {best['hybrid', C] / best['dense', C]:>13.3f} "
+                f"{best['dense', C]:>13.2f} {best['replay', C]:>9.2f}")
         if not args.no_module_path:
             module_tps = rollout.num_completion_tokens() / best["module", C]
             line += f" {module_tps:>18.1f} {tps[C] / module_tps:>12.2f}"
