@@ -5,7 +5,8 @@ In one run, side by side on the same weights and ragged prompts, for each memory
   tokens) and its ratio to C=1 (target 1: C=16 / C=1 >= 1.8);
 - replay time / rollout time, the same schedule with the tokens forced (target 3: <= 1.1);
 - hybrid learner step / dense-only learner step: forward + backward of a GRPO loss, the
-  hybrid adding one replay to the dense forward/backward (target 3: <= 1.3);
+  hybrid adding one replay to the dense forward/backward (target 3: <= 1.3); also
+  1 + replay / dense from the separately timed parts, less noisy;
 - the bf16 gap max/mean |dense - replay| over the completion tokens where both are finite
   (fp32 max for reference), and the fraction of sampled tokens outside the dense schedule's
   top-p set in bf16 (the boundary moves with the rounding gap).
@@ -130,7 +131,7 @@ def main() -> None:
     best.update(harness.best_of_rounds(steps, args.learner_repeats, clock)[0])
 
     header = (f"{'C':>3} {'rollout tok/s':>14} {'vs C=' + str(args.blocks[0]):>8} {'replay/rollout':>15} "
-              f"{'hybrid/dense':>13} {'dense step s':>13} {'replay s':>9}")
+              f"{'hybrid/dense':>13} {'1+replay/dense':>15} {'dense step s':>13} {'replay s':>9}")
     if not args.no_module_path:
         header += f" {'module path tok/s':>18} {'fast/module':>12}"
     if not args.quick:
@@ -141,7 +142,8 @@ def main() -> None:
         rollout = rollouts[C]
         line = (f"{C:>3} {tps[C]:>14.1f} {tps[C] / tps[args.blocks[0]]:>8.2f} "
                 f"{best['replay', C] / best['rollout', C]:>15.3f} {best['hybrid', C] / best['dense', C]:>13.3f} "
-                f"{best['dense', C]:>13.2f} {best['replay', C]:>9.2f}")
+                f"{1 + best['replay', C] / best['dense', C]:>15.3f} {best['dense', C]:>13.2f} "
+                f"{best['replay', C]:>9.2f}")
         if not args.no_module_path:
             module_tps = rollout.num_completion_tokens() / best["module", C]
             line += f" {module_tps:>18.1f} {tps[C] / module_tps:>12.2f}"
@@ -174,6 +176,11 @@ def main() -> None:
           f"{verdict(worst_replay <= TARGET_REPLAY)}")
     print(f"  3. hybrid / dense step (worst C)  {worst_hybrid:6.3f}   target <= {TARGET_HYBRID}   "
           f"{verdict(worst_hybrid <= TARGET_HYBRID)}")
+    # The hybrid step is the dense step plus one replay; its best-of-rounds ratio is noisy (two
+    # multi-second steps), so the ratio implied by the separately timed parts is shown as well.
+    worst_implied = max(1 + best["replay", C] / best["dense", C] for C in models)
+    print(f"     1 + replay / dense (worst C)   {worst_implied:6.3f}   target <= {TARGET_HYBRID}   "
+          f"{verdict(worst_implied <= TARGET_HYBRID)}")
 
 
 if __name__ == "__main__":
