@@ -144,20 +144,22 @@ class DecodeWeights:
             if not _plain(a.q, a.k, a.v, a.o, c.q, c.k, c.v, c.o, m.gate, m.up, m.down):
                 return None
 
+            def wide(w: torch.Tensor) -> torch.Tensor:  # folding happens in fp32 at least, rounded once
+                return w.to(torch.promote_types(w.dtype, torch.float32))
+
             def t(w: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
-                """(out, in) -> (in, out) in the compute dtype, a norm's weight folded into the rows
-                (in fp32 at least, rounded once)."""
-                w = w.t().to(torch.promote_types(w.dtype, torch.float32))
+                """(out, in) -> (in, out) in the compute dtype, a norm's weight folded into the rows."""
+                w = wide(w).t()
                 if norm is not None:
-                    w = w * norm.weight.to(w.dtype)[:, None]
+                    w = w * wide(norm.weight)[:, None]
                 return w.to(compute_dtype).contiguous()
 
             bias = None
             if a.q.bias is not None:
-                bias = torch.cat([a.q.bias * scale, a.k.bias, a.v.bias]).to(compute_dtype)
+                bias = torch.cat([wide(a.q.bias) * scale, wide(a.k.bias), wide(a.v.bias)]).to(compute_dtype)
             out[i] = _LayerWeights(
-                qkv=t(torch.cat([a.q.weight * scale, a.k.weight, a.v.weight]), blk.attn_norm), qkv_bias=bias,
-                o=t(a.o.weight), cross_q=t(c.q.weight * scale, cb.cross_norm),
+                qkv=t(torch.cat([wide(a.q.weight) * scale, wide(a.k.weight), wide(a.v.weight)]), blk.attn_norm),
+                qkv_bias=bias, o=t(a.o.weight), cross_q=t(wide(c.q.weight) * scale, cb.cross_norm),
                 cross_kv=t(torch.cat([c.k.weight, c.v.weight])), cross_o=t(c.o.weight),
                 gate_up=t(torch.cat([m.gate.weight, m.up.weight]), blk.mlp_norm), down=t(m.down.weight),
                 num_heads=a.q.weight.shape[0] // Dh, num_kv_heads=a.k.weight.shape[0] // Dh)
