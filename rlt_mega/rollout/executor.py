@@ -81,6 +81,7 @@ class Result:
     num_steps: int
     encoder_calls: list
     step_logprobs: Optional[torch.Tensor]
+    fast_decode: bool  # whether the decoder ran model/fast_decode.py's fused step
 
 
 @dataclass
@@ -114,12 +115,13 @@ class Executor:
         return self.model.null_memory.dtype
 
     # ------------------------------------------------------------------ the program
-    def run(self, plans: Sequence[Plan], processing: Processing) -> list[Result]:
+    def run(self, plans: Sequence[Plan], processing: Processing, fast_decode: bool = True) -> list[Result]:
         """Runs the micro-batches together (all in flight). Call under no_grad and the
-        rollout's precision context."""
+        rollout's precision context. fast_decode: use the fused decoder step where the
+        stage's projections allow it (Result.fast_decode says whether it did)."""
         model, L = self.model, self.model.cfg.n_layers
         # A fresh snapshot per run, like the caches: parameters may have changed since the last.
-        self.fast = DecodeWeights.build(model, self.layers)
+        self.fast = DecodeWeights.build(model, self.layers) if fast_decode else None
         runs = []
         for plan in plans:
             B, capacity = plan.tokens.shape
@@ -143,9 +145,9 @@ class Executor:
                     self._item(run, t, processing)
             t += 1
         self.comms.p2p.drain()
-        self.fast = None
+        used_fast, self.fast = self.fast is not None, None  # the snapshot's memory goes with the run
         return [Result(run.plan.tokens, run.num_steps, run.calls,
-                       torch.cat(run.logprobs, dim=1) if run.logprobs else None) for run in runs]
+                       torch.cat(run.logprobs, dim=1) if run.logprobs else None, used_fast) for run in runs]
 
     def _item(self, run: _Run, t: int, processing: Processing) -> None:
         comms, P = self.comms, self.comms.num_stages

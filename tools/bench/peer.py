@@ -34,7 +34,6 @@ import os
 import sys
 import tempfile
 import warnings
-from unittest import mock
 
 import torch
 
@@ -44,7 +43,6 @@ import harness  # noqa: E402  (tools/bench is not a package: the scripts run as 
 from rlt_mega.checkpoint_tools import convert_hf  # noqa: E402
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.model import RLT  # noqa: E402
-from rlt_mega.model.fast_decode import DecodeWeights  # noqa: E402
 from rlt_mega.rollout import Processing, SamplingParams, generate  # noqa: E402
 
 
@@ -112,19 +110,16 @@ def main() -> None:
             return hf.generate(prompts, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
                                do_sample=False, use_cache=True)[:, P:]
 
-    def run_rlt(C):
-        return generate(rlts[C], prompts.tolist(), params, seeds, pad_id=0).tokens[:, P:P + N]
+    def run_rlt(C, fast_decode=True):
+        out = generate(rlts[C], prompts.tolist(), params, seeds, pad_id=0, fast_decode=fast_decode)
+        return out.tokens[:, P:P + N]
 
     run_hf()  # warm-up
     for C in blocks:
         generate(rlts[C], prompts[:, :4].tolist(), SamplingParams(max_new_tokens=4), seeds, pad_id=0)
-    def run_module_path(C):
-        with mock.patch.object(DecodeWeights, "build", return_value=None):
-            return run_rlt(C)
-
     fns = {"hf": run_hf, **{C: (lambda C=C: run_rlt(C)) for C in blocks}}
     if not args.quick:
-        fns["module"] = lambda: run_module_path(base.memory_block)
+        fns["module"] = lambda: run_rlt(base.memory_block, fast_decode=False)
     best, tokens = harness.best_of_rounds(fns, args.repeats, clock)
 
     hf_tps = B * N / best["hf"]

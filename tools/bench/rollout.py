@@ -28,7 +28,6 @@ import argparse
 import dataclasses
 import os
 import sys
-from unittest import mock
 
 import torch
 
@@ -40,7 +39,6 @@ from rlt_mega.learner.grpo import group_advantages, grpo_loss  # noqa: E402
 from rlt_mega.learner.logprob import (dense_logprobs, hybrid_logprobs, mismatch_metrics,  # noqa: E402
                                       replay_logprobs)
 from rlt_mega.model import build_model  # noqa: E402
-from rlt_mega.model.fast_decode import DecodeWeights  # noqa: E402
 from rlt_mega.rollout import Processing, SamplingParams, generate  # noqa: E402
 
 TARGET_SPEEDUP = 1.8  # tokens/s at C=16 over C=1
@@ -56,18 +54,8 @@ def learner_step(model, rollout, hybrid: bool) -> None:
     model.zero_grad(set_to_none=True)
 
 
-def module_path():
-    """The executor without the fast decoder step: it then runs RLT.decoder_layers."""
-    return mock.patch.object(DecodeWeights, "build", return_value=None)
-
-
 def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
-
-
-def _on_module_path(fn, *args, **kwargs):
-    with module_path():
-        return fn(*args, **kwargs)
 
 
 def main() -> None:
@@ -113,7 +101,8 @@ def main() -> None:
         fns[("rollout", C)] = lambda model=model: generate(model, prompts, params, seeds, pad_id=0)
         fns[("replay", C)] = lambda C=C, model=model: replay_logprobs(model, rollouts[C])
         if not args.no_module_path:
-            fns[("module", C)] = lambda model=model: _on_module_path(generate, model, prompts, params, seeds, pad_id=0)
+            fns[("module", C)] = lambda model=model: generate(model, prompts, params, seeds, pad_id=0,
+                                                              fast_decode=False)
     best = {k: float("inf") for k in fns}
     for _ in range(args.repeats):
         for (kind, C), fn in fns.items():
