@@ -86,7 +86,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--blocks", type=int, nargs="+", default=None,
                     help="memory blocks C of the RLT (default: 1, the config's, 16)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each figure is the best")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; each figure is the best")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 round, no module-path row")
     harness.add_common_args(ap)
     args = ap.parse_args()

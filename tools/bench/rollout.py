@@ -65,7 +65,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 16], help="memory blocks C (first: the base)")
-    ap.add_argument("--repeats", type=int, default=3, help="interleaved rounds; each figure is the best")
+    ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; each figure is the best")
     ap.add_argument("--learner-repeats", type=int, default=3, help="rounds of the learner steps (seconds each)")
     ap.add_argument("--no-module-path", action="store_true", help="skip the module-path rollouts")
     ap.add_argument("--quick", action="store_true",
