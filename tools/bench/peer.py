@@ -24,7 +24,8 @@ path" row is the sampler at the config's C with the fast decoder step switched o
 (rlt_mega/model/fast_decode.py): the before/after of that change, in the same rounds.
 
     PYTHONPATH=. python tools/bench/peer.py            # small_cpu sizes, batch 8, prompts 32, 128 new tokens
-    PYTHONPATH=. python tools/bench/peer.py --quick    # 32 new tokens, 1 round
+    PYTHONPATH=. python tools/bench/peer.py --quick    # 32 new tokens, 1 round: a smoke test (the RLT's
+                                                       # prompt walk then weighs 4x more than in the target's run)
 """
 
 from __future__ import annotations

@@ -19,7 +19,8 @@ Clock and rounds (tools/bench/harness.py): one torch thread and the process's CP
 default; each figure is the best of --repeats interleaved rounds.
 
     PYTHONPATH=. python tools/bench/rollout.py            # small_cpu (d=256, L=4), batch 8, 128 new tokens, C=1,8,16
-    PYTHONPATH=. python tools/bench/rollout.py --quick    # 32 new tokens, 2 rounds, no bf16 or module-path columns
+    PYTHONPATH=. python tools/bench/rollout.py --quick    # 32 new tokens, 2 rounds, no bf16 or module-path
+                                                          # columns: a smoke test, not the targets' figures
 """
 
 from __future__ import annotations
