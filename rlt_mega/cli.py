@@ -96,7 +96,9 @@ def _inference_model(cfg: Config):
     from rlt_mega.data.tokenizer import load_tokenizer
     from rlt_mega.train.common import inference_model
 
-    return cfg, inference_model(cfg), load_tokenizer(cfg.data.tokenizer)
+    from rlt_mega.rollout import Sampler
+
+    return cfg, Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode), load_tokenizer(cfg.data.tokenizer)
 
 
 def _read_questions(source: str) -> list[str]:
