@@ -38,11 +38,16 @@ def _load(args: argparse.Namespace) -> Config:
     return cfg
 
 
+def _log_done(result: dict) -> None:
+    """The final metrics, four significant digits (a 5e-6 log-prob gap must not print as 0.0)."""
+    log.info("done: %s", {k: float(f"{v:.4g}") if isinstance(v, float) else v for k, v in result.items()})
+
+
 def cmd_pretrain(args: argparse.Namespace) -> int:
     from rlt_mega.train import pretrain
 
     result = pretrain.run(_load(args))
-    log.info("done: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+    _log_done(result)
     return 0
 
 
@@ -67,7 +72,7 @@ def cmd_sft(args: argparse.Namespace) -> int:
     from rlt_mega.train import sft
 
     result = sft.run(_load(args))
-    log.info("done: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+    _log_done(result)
     return 0
 
 
@@ -76,7 +81,7 @@ def cmd_grpo(args: argparse.Namespace) -> int:
 
     cfg = _load(args)
     result = grpo.run(cfg)
-    log.info("done: %s", {k: round(v, 4) if isinstance(v, float) else v for k, v in result.items()})
+    _log_done(result)
     if os.environ.get("RANK", "0") != "0":  # a launcher's other ranks: the summary is rank 0's to print
         return 0
     before, after = result.get("eval/accuracy_before"), result.get("eval/accuracy")
@@ -91,7 +96,9 @@ def _inference_model(cfg: Config):
     from rlt_mega.data.tokenizer import load_tokenizer
     from rlt_mega.train.common import inference_model
 
-    return cfg, inference_model(cfg), load_tokenizer(cfg.data.tokenizer)
+    from rlt_mega.rollout import Sampler
+
+    return cfg, Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode), load_tokenizer(cfg.data.tokenizer)
 
 
 def _read_questions(source: str) -> list[str]:

@@ -54,9 +54,11 @@ def test_grpo_cli_learns_a_reward_and_logs_every_metric(tmp_path, prompts, capsy
     assert (tmp_path / "run" / "ckpt" / "step_00000014" / "model.safetensors").is_file()
 
 
-def test_grpo_bf16_with_reference_kl(tmp_path, prompts):
+@pytest.mark.parametrize("fast_decode", ["true", "false"])
+def test_grpo_bf16_with_reference_kl(tmp_path, prompts, fast_decode):
     args = grpo_args(tmp_path, prompts, "bf16", "train.steps=2", "train.dtype=bf16", "grpo.kl_coef=0.05",
-                     "grpo.epochs=2", "grpo.eps_high=0.28", "grpo.advantage=dr_grpo")
+                     "grpo.epochs=2", "grpo.eps_high=0.28", "grpo.advantage=dr_grpo",
+                     f"sampling.fast_decode={fast_decode}")
     assert main(args) == 0
     records = [r for r in read_metrics(tmp_path / "bf16" / "tb") if "reward/mean" in r]
     assert len(records) == 2

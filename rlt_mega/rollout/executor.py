@@ -28,6 +28,11 @@ same items in the same order; pipeline.P2P: blocking receives, non-blocking send
                          every earlier stage (stage 0 embeds x_{t+1}; the others learn that it stops)
     r_ring  last -> 0    z_t (B, 1, d), when the micro-batch goes on
 
+The decoder layers and the memory writes run the fused no-grad step of model/fast_decode.py
+(weights snapshotted at the start of every run) when the stage's projections are plain
+nn.Linear, else the model's own modules (tensor parallelism); either way rollout and replay
+run the same one.
+
 Stopping is data-dependent, so it travels with x_{t+1}: a stage learns at the start of item
 (t+1, j) whether it exists. Replicas never communicate here: each runs its own lengths.
 """
@@ -40,6 +45,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from rlt_mega.model.cache import KVCache, MemoryKV
+from rlt_mega.model.fast_decode import DecodeWeights, StepKV
 from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits
@@ -75,6 +81,7 @@ class Result:
     num_steps: int
     encoder_calls: list
     step_logprobs: Optional[torch.Tensor]
+    fast_decode: bool  # whether the decoder ran model/fast_decode.py's fused step
 
 
 @dataclass
@@ -82,8 +89,8 @@ class _Run:
     plan: Plan
     prefill_end: int
     enc: KVCache
-    dec: KVCache
-    mem: MemoryKV
+    dec: KVCache | StepKV  # StepKV on the fast path (model/fast_decode.py)
+    mem: MemoryKV | StepKV
     active: bool = True
     num_steps: int = 0
     calls: list = field(default_factory=list)
@@ -99,6 +106,7 @@ class Executor:
         self.layers = layers  # None: every layer
         self.C = model.cfg.memory_block
         self.d = model.cfg.d_model
+        self.fast: Optional[DecodeWeights] = None  # this run's weight snapshot (fast_decode.py)
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -107,17 +115,24 @@ class Executor:
         return self.model.null_memory.dtype
 
     # ------------------------------------------------------------------ the program
-    def run(self, plans: Sequence[Plan], processing: Processing) -> list[Result]:
+    def run(self, plans: Sequence[Plan], processing: Processing, fast_decode: bool = True) -> list[Result]:
         """Runs the micro-batches together (all in flight). Call under no_grad and the
-        rollout's precision context."""
+        rollout's precision context. fast_decode: use the fused decoder step where the
+        stage's projections allow it (Result.fast_decode says whether it did)."""
         model, L = self.model, self.model.cfg.n_layers
+        # A fresh snapshot per run, like the caches: parameters may have changed since the last.
+        self.fast = DecodeWeights.build(model, self.layers) if fast_decode else None
         runs = []
         for plan in plans:
             B, capacity = plan.tokens.shape
             # Fresh preallocated caches on every call: nothing computed under other parameters
             # is ever reused.
+            if self.fast is None:
+                dec, mem = KVCache(L, capacity), model.init_memory(B, capacity, self.layers)
+            else:
+                dec, mem = self.fast.new_cache(capacity), self.fast.new_memory(model.null_memory, B, capacity)
             runs.append(_Run(plan, prefill_end=self.C * (min(plan.prompt_lens) // self.C), enc=KVCache(L, capacity),
-                             dec=KVCache(L, capacity), mem=model.init_memory(B, capacity, self.layers)))
+                             dec=dec, mem=mem))
         # warm-up: every micro-batch's prefill
         for run in runs:
             if run.prefill_end > 0:
@@ -130,8 +145,9 @@ class Executor:
                     self._item(run, t, processing)
             t += 1
         self.comms.p2p.drain()
+        used_fast, self.fast = self.fast is not None, None  # the snapshot's memory goes with the run
         return [Result(run.plan.tokens, run.num_steps, run.calls,
-                       torch.cat(run.logprobs, dim=1) if run.logprobs else None) for run in runs]
+                       torch.cat(run.logprobs, dim=1) if run.logprobs else None, used_fast) for run in runs]
 
     def _item(self, run: _Run, t: int, processing: Processing) -> None:
         comms, P = self.comms, self.comms.num_stages
@@ -167,7 +183,10 @@ class Executor:
         else:
             self._send(h, comms.stage + 1, "r_enc")
             m = comms.p2p.recv(shape, self.act_dtype, P - 1, "r_mem")
-        model.append_memory(run.mem, m, start, self.layers)
+        if self.fast is None:
+            model.append_memory(run.mem, m, start, self.layers)
+        else:
+            self.fast.append_memory(run.mem, m, start)
         run.calls.append((start, end))
 
     def _decoder_step(self, run: _Run, t: int, z_prev: Optional[torch.Tensor], processing: Processing) -> None:
@@ -179,7 +198,10 @@ class Executor:
             u = model.decoder_input(model.embed(tokens[:, t]), z)  # (B, 1, d)
         else:
             u = comms.p2p.recv((B, 1, self.d), self.act_dtype, comms.stage - 1, "r_dec")
-        y = model.decoder_layers(u, t, run.dec, run.mem, self.layers)  # (B, 1, d)
+        if self.fast is not None:
+            y = self.fast.decoder_layers(u, t, run.dec, run.mem)  # (B, 1, d)
+        else:
+            y = model.decoder_layers(u, t, run.dec, run.mem, self.layers)  # (B, 1, d)
         run.num_steps = t + 1
         if not comms.is_last:
             self._send(y, comms.stage + 1, "r_dec")

@@ -20,12 +20,14 @@ The schedule, for a batch of B prompts of lengths P_b (left-aligned, right-padde
   encoder call over its C tokens (the encoder K/V cache holds every earlier position), then
   ``append_memory``. The call runs before decoder step t, which is the first to see the
   block (vis(t) = t + 1): visibility is a function of the position alone.
-- Decoder: ``decoder_input`` + ``decoder_layers`` on x_t with a preallocated decoder K/V cache,
-  then the head (fp32 logits; under tensor parallelism the vocab shards gathered) and
-  ``process_logits`` on the whole (B, V) batch.
+- Decoder: ``decoder_input`` + ``decoder_layers`` on x_t with a preallocated decoder K/V cache
+  (the same function with fused kernels, ``model/fast_decode.py``, whenever every projection
+  is a plain nn.Linear), then the head (fp32 logits; under tensor parallelism the vocab
+  shards gathered) and ``process_logits`` on the whole (B, V) batch.
 
 What the rollout records (``Schedule``) is enough to re-execute it: prompt lengths, the
-number of steps, the encoder calls, the cache capacity, processing and dtype.
+number of steps, the encoder calls, the cache capacity, processing, dtype and which decoder
+step ran (fused or the modules'; they round differently, so the replay takes the same one).
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class Schedule:
     processing: Processing
     dtype: str  # "fp32" or "bf16"
     pad_id: int
+    # The decoder ran model/fast_decode.py's fused step (it rounds differently from the
+    # modules' path, so the replay must take the same one).
+    fast_decode: bool = True
 
 
 @dataclass
@@ -191,8 +196,13 @@ class Sampler:
     pipeline ring; each remains its own batch (own caches, own schedule), so how batches are
     grouped never changes a value."""
 
-    def __init__(self, model: RLT, comms: Optional[Comms] = None, layers: Optional[range] = None) -> None:
+    def __init__(self, model: RLT, comms: Optional[Comms] = None, layers: Optional[range] = None,
+                 fast_decode: bool = True) -> None:
+        """fast_decode: sample with the fused decoder step (model/fast_decode.py) where the
+        projections allow it; it holds a copy of the decoder weights during a run (false: the
+        modules' path, no copy). A replay always takes the path its rollout recorded."""
         self.model = model
+        self.fast_decode = fast_decode
         self.device = next(model.parameters()).device
         self.comms = comms if comms is not None else Comms.local(self.device)
         self.executor = Executor(model, self.comms, layers)
@@ -224,7 +234,7 @@ class Sampler:
         if len({p.processing for p in params}) != 1:
             raise ValueError("batches sampled together must share one logits processing")
         with torch.no_grad(), precision(dtype, self.device):
-            results = self.executor.run(plans, params[0].processing)
+            results = self.executor.run(plans, params[0].processing, self.fast_decode)
         rollouts = None
         if self.comms.is_last:
             rollouts = [_rollout(res, plan, draw, p.processing, dtype, pad_id, self.model.cfg.memory_block)
@@ -246,17 +256,22 @@ class Sampler:
             if s.memory_block != self.model.cfg.memory_block:
                 raise ValueError(f"the rollout was sampled with memory_block C={s.memory_block} but the model "
                                  f"has C={self.model.cfg.memory_block}")
-        if len({(s.processing, s.dtype) for s in schedules}) != 1:
-            raise ValueError("rollouts replayed together must share one processing and dtype")
+        if len({(s.processing, s.dtype, s.fast_decode) for s in schedules}) != 1:
+            raise ValueError("rollouts replayed together must share one processing, dtype and decoder path "
+                             "(Schedule.fast_decode)")
         plans = []
         for ro, s in zip(rollouts, schedules):
             tokens = torch.full((ro.batch_size, s.capacity), s.pad_id, dtype=torch.long, device=self.device)
             tokens[:, :s.num_steps + 1] = ro.tokens
             plans.append(Plan(tokens, s.prompt_lens, s.num_steps, _Force(tokens)))
         with torch.no_grad(), precision(schedules[0].dtype, self.device):
-            results = self.executor.run(plans, schedules[0].processing)
+            results = self.executor.run(plans, schedules[0].processing, schedules[0].fast_decode)
         out: list[Optional[torch.Tensor]] = []
         for ro, s, res in zip(rollouts, schedules, results):
+            if res.fast_decode != s.fast_decode:
+                raise RuntimeError(f"the rollout ran the {_path(s.fast_decode)} but this model runs the "
+                                   f"{_path(res.fast_decode)} (its projections are {'' if res.fast_decode else 'not '}"
+                                   "plain nn.Linear): replay on the layout the rollout was sampled with")
             if [tuple(c) for c in s.encoder_calls] != res.encoder_calls or res.num_steps != s.num_steps:
                 raise RuntimeError(f"replay made encoder calls {res.encoder_calls} in {res.num_steps} steps but the "
                                    f"rollout recorded {list(s.encoder_calls)} in {s.num_steps}: the schedule "
@@ -281,11 +296,15 @@ def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, see
         raise ValueError("stop_strings need a decode function (token ids -> text)")
 
 
+def _path(fast: bool) -> str:
+    return "fused decoder step (model/fast_decode.py)" if fast else "modules' decoder step"
+
+
 def _rollout(res: Result, plan: Plan, draw: _Draw, processing: Processing, dtype: str, pad_id: int,
              memory_block: int) -> Rollout:
     schedule = Schedule(prompt_lens=list(plan.prompt_lens), memory_block=memory_block,
                         capacity=plan.tokens.shape[1], num_steps=res.num_steps, encoder_calls=res.encoder_calls,
-                        processing=processing, dtype=dtype, pad_id=pad_id)
+                        processing=processing, dtype=dtype, pad_id=pad_id, fast_decode=res.fast_decode)
     device = plan.tokens.device
     step, mask = completion_positions(plan.prompt_lens, draw.num_new, device)
     mu = torch.where(mask, res.step_logprobs.gather(1, step), torch.zeros((), device=device))
@@ -295,11 +314,11 @@ def _rollout(res: Result, plan: Plan, draw: _Draw, processing: Processing, dtype
 
 def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
              pad_id: int, dtype: str = "fp32", decode: Optional[Callable[[list[int]], str]] = None,
-             device: torch.device | str | None = None) -> Rollout:
+             device: torch.device | str | None = None, fast_decode: bool = True) -> Rollout:
     """One batch on one process (``Sampler`` for several, or under parallelism)."""
     if device is not None and torch.device(device) != next(model.parameters()).device:
         raise ValueError(f"generate on {device}: the model is on {next(model.parameters()).device}")
-    return Sampler(model).generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
+    return Sampler(model, fast_decode=fast_decode).generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
 
 
 def _has_stop_string(decode: Callable[[list[int]], str], completion: torch.Tensor,
