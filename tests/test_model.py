@@ -103,6 +103,18 @@ def test_checkpointing_gradients_are_bit_identical(mode):
         assert torch.equal(a, b)
 
 
+def test_a_second_backward_through_the_same_graph_gives_the_same_gradients():
+    # The decoder K/V and memory K/V gradients accumulate in buffers outside autograd
+    # (DecoderKV, MemoryKV); each backward must start them from zero.
+    model = build_model(tiny(memory_block=3), seed=0)
+    loss = scalar_loss(model(tokens(T=9)))
+    params = list(model.parameters())
+    first = torch.autograd.grad(loss, params, retain_graph=True)
+    second = torch.autograd.grad(loss, params)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
 # ------------------------------------------------------------------ structure
 def test_causality():
     model = build_model(tiny(), seed=0)

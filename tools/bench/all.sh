@@ -32,8 +32,8 @@ want training && run training python tools/bench/training.py --only memory flops
 # Target 6 (ring bubble): emulated stages and the tiny model; throughput layouts skipped.
 want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
 # Targets 1-3 (owned by the rollout benchmarks; the quick lines are fixed at merge).
-want rollout && run rollout python tools/bench/rollout.py --blocks 1 16 --repeats 1
-want peer && run peer python tools/bench/peer.py --blocks 16 --repeats 1
+want rollout && run rollout python tools/bench/rollout.py --quick
+want peer && run peer python tools/bench/peer.py --quick
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
 want stability && run stability python tools/bench/stability.py --steps 40
