@@ -86,7 +86,7 @@ class MemoryKV(KVCache):
     Gradients (dense schedule): every decoder step reads a growing prefix of the memory. Had
     each step's prefix slice gone through autograd, its backward would build a full-size zero
     gradient and add it to the memory's (fill + add of (B, h_kv, 1 + S, Dh) per step and
-    layer, O(T^2) traffic: 45% of a small_cpu step at T=512, measured). Instead the step
+    layer, O(T^2) traffic: ~45% of a profiled small_cpu step at T=512). Instead the step
     adds its prefix gradient here (``accumulate``) and the total is handed to the producer
     once: by ``MemoryGradients`` in one backward pass, or read with ``take_grads`` by a
     pipeline stage that backwards step by step.

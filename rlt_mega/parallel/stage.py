@@ -24,8 +24,9 @@ schedule sends and receives; the stage keeps its autograd graph between forward 
 Autograd cuts: each decoder step is backwarded on its own (its output gradient arrives over the
 wire), so tensors that many steps read (the memory K/V, the embeddings, the head input) are
 detached leaves whose gradients accumulate over the steps and are pushed into their producers
-once. The per-layer ``DecoderKV`` needs the steps of one micro-batch backwarded in decreasing
-t on every stage; the reversed ring does exactly that.
+once (the memory K/V's in the MemoryKV's own buffers, so a step adds only its visible
+prefix). The per-layer ``DecoderKV`` needs the steps of one micro-batch backwarded in
+decreasing t on every stage; the reversed ring does exactly that.
 """
 
 from __future__ import annotations
