@@ -31,9 +31,10 @@ want training && run training python tools/bench/training.py --only memory flops
   --modes every_k=8+enc step+enc --repeats 2
 # Target 6 (ring bubble): emulated stages and the tiny model; throughput layouts skipped.
 want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
-# Targets 1-3 (owned by the rollout benchmarks; the quick lines are fixed at merge).
-want rollout && run rollout python tools/bench/rollout.py --quick
-want peer && run peer python tools/bench/peer.py --quick
+# Targets 1-3: rollout tokens/s across C, replay/rollout, hybrid/dense (small_cpu, batch 8, 128
+# new tokens, with the module path's figures beside the fused step's); the HF generate peer.
+want rollout && run rollout python tools/bench/rollout.py
+want peer && run peer python tools/bench/peer.py
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
 want stability && run stability python tools/bench/stability.py --steps 40
