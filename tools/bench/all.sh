@@ -25,17 +25,16 @@ want() { [[ " ${SELECTED} " == *" $1 "* ]]; }
 SELECTED="${*:-training pipeline rollout peer rollout_parallel stability}"
 
 # Targets 4 and 5 (activation checkpointing at T=512; FLOP rate against the matmul peak).
-# Memory: the modes small_cpu uses and the cheapest in memory, one profiled step each, two
-# timing rounds.
-want training && run training python tools/bench/training.py --only memory flops \
-  --modes every_k=8+enc step+enc --repeats 2
+# Memory: no checkpointing against decoder-per-step + encoder-per-layer, one profiled step each,
+# two timing rounds (`--modes every_k=8+enc step+enc` adds the cheapest mode, ~90 s more).
+want training && run training python tools/bench/training.py --only memory flops --modes step+enc --repeats 2
 # Target 6 (ring bubble): emulated stages and the tiny model; throughput layouts skipped.
 want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
 # Targets 1-3: rollout tokens/s across C, replay/rollout, hybrid/dense (small_cpu, batch 8, 128
 # new tokens, with the module path's figures beside the fused step's); the HF generate peer.
-want rollout && run rollout python tools/bench/rollout.py
+want rollout && run rollout python tools/bench/rollout.py --repeats 4
 want peer && run peer python tools/bench/peer.py
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
-want stability && run stability python tools/bench/stability.py --steps 40
+want stability && run stability python tools/bench/stability.py --steps 30
 echo; echo "==== all: $SECONDS s"
