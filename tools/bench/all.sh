@@ -32,9 +32,9 @@ want training && run training python tools/bench/training.py --only memory flops
 want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
 # Targets 1-3: rollout tokens/s across C, replay/rollout, hybrid/dense (small_cpu, batch 8, 128
 # new tokens, with the module path's figures beside the fused step's); the HF generate peer.
-want rollout && run rollout python tools/bench/rollout.py --repeats 4
+want rollout && run rollout python tools/bench/rollout.py --repeats 4 --learner-repeats 2
 want peer && run peer python tools/bench/peer.py
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
-want stability && run stability python tools/bench/stability.py --steps 30
+want stability && run stability python tools/bench/stability.py --steps 30 --lr 1e-3
 echo; echo "==== all: $SECONDS s"
