@@ -36,5 +36,5 @@ want rollout && run rollout python tools/bench/rollout.py --repeats 4 --learner-
 want peer && run peer python tools/bench/peer.py
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
-want stability && run stability python tools/bench/stability.py --steps 30 --lr 1e-3
+want stability && run stability python tools/bench/stability.py --steps 40 --lr 1e-3
 echo; echo "==== all: $SECONDS s"
