@@ -33,14 +33,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from tqdm import tqdm
 
-from rlt_mega.checkpoint import CheckpointManager, check_resume_config, load_torch, rng_state, set_rng_state
+from rlt_mega.checkpoint import CheckpointManager
 from rlt_mega.config import Config, ConfigError, save_config
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.pairs import RecordOrder, prompt_ids
@@ -55,6 +55,7 @@ from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampling_params
 from rlt_mega.train.grpo_metrics import reduce_step_metrics
+from rlt_mega.train.loop import resume_trainer_checkpoint, save_trainer_checkpoint
 from rlt_mega.train.pretrain import build_distributed, build_local, check_vocab, initial_model
 from rlt_mega.train.replica import Replica
 
@@ -190,34 +191,18 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        rank = self.replica.rank
-
-        def write(tmp: Path) -> None:
-            self.engine.save(tmp)
-            if rank == 0:
-                torch.save({"state": asdict(self.state), "data": self.order.state_dict()}, tmp / "trainer.pt")
-                save_config(self.cfg, tmp / "config.yaml")
-            torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-
-        path = self.ckpt.save(self.state.step, write, meta={"layout": self.engine.layout(), "kind": "grpo"})
-        self.state.last_checkpoint = str(path)
-        log.info("saved checkpoint %s", path)
-        return path
+        return save_trainer_checkpoint(self.ckpt, self.engine, self.cfg, self.replica.rank, self.state,
+                                       self.order.state_dict(), kind="grpo")
 
     def resume(self) -> None:
-        path = self.ckpt.resolve(self.cfg.train.resume)
-        if path is None:
-            return
-        check_resume_config(path, self.cfg)
-        self.engine.load(path)
-        saved = load_torch(path / "trainer.pt")
-        self.state = GRPOState(**saved["state"])
-        self.state.last_checkpoint = str(path)
-        self.order.load_state_dict(saved["data"])
-        rng_file = path / f"rng_rank{self.replica.rank}.pt"
-        if rng_file.is_file():
-            set_rng_state(load_torch(rng_file))
-        log.info("resumed GRPO from %s at step %d", path, self.state.step)
+        def restore(saved: dict) -> None:
+            self.state = GRPOState(**saved["state"])
+            self.order.load_state_dict(saved["data"])
+
+        path = resume_trainer_checkpoint(self.ckpt, self.engine, self.cfg, self.replica.rank, restore)
+        if path is not None:
+            self.state.last_checkpoint = str(path)
+            log.info("resumed GRPO from %s at step %d", path, self.state.step)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:

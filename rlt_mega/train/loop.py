@@ -60,40 +60,18 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
-        def write(tmp: Path) -> None:
-            self.engine.save(tmp)
-            if self.rank == 0:
-                torch.save({"state": asdict(self.state), "data": self.batches.state_dict()},
-                           tmp / "trainer.pt")
-                save_config(self.cfg, tmp / "config.yaml")
-            # every rank's RNG state: the data order is seeded, but a user hook may draw numbers
-            torch.save(rng_state(), tmp / f"rng_rank{self.rank}.pt")
-
-        path = self.ckpt.save(self.state.step, write, meta={"layout": self.engine.layout()})
-        self.state.last_checkpoint = str(path)
-        log.info("saved checkpoint %s", path)
-        return path
+        return save_trainer_checkpoint(self.ckpt, self.engine, self.cfg, self.rank, self.state,
+                                       self.batches.state_dict())
 
     def resume(self) -> None:
-        path = self.ckpt.resolve(self.cfg.train.resume)
-        if path is None:
-            if self.cfg.train.resume == "auto":
-                log.info("train.resume=auto: no checkpoint in %s, starting fresh", self.cfg.checkpoint.dir)
-            return
-        check_resume_config(path, self.cfg)
-        self.engine.load(path)
-        saved = load_torch(path / "trainer.pt")
-        try:
+        def restore(saved: dict) -> None:
             self.state = TrainState(**saved["state"])
             self.batches.load_state_dict(saved["data"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold this trainer's state "
-                                  f"({type(exc).__name__}: {exc})") from None
-        self.state.last_checkpoint = str(path)
-        rng_file = path / f"rng_rank{self.rank}.pt"
-        if rng_file.is_file():
-            set_rng_state(load_torch(rng_file))
-        log.info("resumed from %s at step %d", path, self.state.step)
+
+        path = resume_trainer_checkpoint(self.ckpt, self.engine, self.cfg, self.rank, restore)
+        if path is not None:
+            self.state.last_checkpoint = str(path)
+            log.info("resumed from %s at step %d", path, self.state.step)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
@@ -169,4 +147,46 @@ class Trainer:
 
 def _mkdir(path: Path) -> Path:
     path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def save_trainer_checkpoint(ckpt: CheckpointManager, engine, cfg: Config, rank: int, state, data_state: dict,
+                            **meta) -> Path:
+    """One atomic checkpoint of a trainer: the engine's shards, rank 0's trainer state (a
+    dataclass with ``step`` and ``last_checkpoint``) with its data order and the config, and every
+    rank's RNG state (the data order is seeded, but a user hook may draw numbers)."""
+    def write(tmp: Path) -> None:
+        engine.save(tmp)
+        if rank == 0:
+            torch.save({"state": asdict(state), "data": data_state}, tmp / "trainer.pt")
+            save_config(cfg, tmp / "config.yaml")
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+
+    path = ckpt.save(state.step, write, meta={"layout": engine.layout(), **meta})
+    state.last_checkpoint = str(path)
+    log.info("saved checkpoint %s", path)
+    return path
+
+
+def resume_trainer_checkpoint(ckpt: CheckpointManager, engine, cfg: Config, rank: int,
+                              restore: Callable[[dict], None]) -> Optional[Path]:
+    """Loads the checkpoint train.resume names (None: there is none) into the engine, hands the
+    trainer.pt contents to ``restore`` and sets this rank's RNG state; the restored state's
+    last_checkpoint is the caller's to set (``restore`` replaces the state object)."""
+    path = ckpt.resolve(cfg.train.resume)
+    if path is None:
+        if cfg.train.resume == "auto":
+            log.info("train.resume=auto: no checkpoint in %s, starting fresh", cfg.checkpoint.dir)
+        return None
+    check_resume_config(path, cfg)
+    engine.load(path)
+    saved = load_torch(path / "trainer.pt")
+    try:
+        restore(saved)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold this trainer's state "
+                              f"({type(exc).__name__}: {exc})") from None
+    rng_file = path / f"rng_rank{rank}.pt"
+    if rng_file.is_file():
+        set_rng_state(load_torch(rng_file))
     return path
