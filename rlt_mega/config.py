@@ -67,6 +67,10 @@ class ModelConfig:
     # input-ignoring attractor (loss spikes above the uniform loss; see docs/stability.md).
     embed_init_std: Optional[float] = None
     max_seq_len: int = 2048
+    # The dense schedule's decoder (pretraining, SFT, evaluation, the GRPO learner) on the fused
+    # step with a hand-written backward and deferred weight gradients (model/fused_run.py); false:
+    # the module path, the reference the tests compare it with. Same function, other rounding.
+    fused_decoder: bool = True
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
