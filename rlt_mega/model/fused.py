@@ -124,7 +124,7 @@ class Gemm:
 
     def __init__(self, w: torch.Tensor, rows: int, backward: bool = False,
                  bias: Optional[torch.Tensor] = None) -> None:
-        self.w, self.bias = w, bias
+        self.w, self.bias, self.rows = w, bias, rows
         self.out_features, self.in_features = w.shape
         self.mkldnn = (_MKLDNN and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
                        and w.numel() >= MKLDNN_MIN_ELEMENTS)
@@ -134,6 +134,14 @@ class Gemm:
             self.bwd = reorder(w.t().contiguous(), rows) if backward else None
         else:
             self.fwd = self.bwd = None
+
+    def load(self, w: torch.Tensor) -> None:
+        """New values for the weight, in place (a captured CUDA graph reads its address)."""
+        self.w.copy_(w)
+        if self.mkldnn:
+            reorder = torch.ops.mkldnn._reorder_linear_weight
+            self.fwd = reorder(self.w.contiguous(), self.rows)
+            self.bwd = reorder(self.w.t().contiguous(), self.rows) if self.bwd is not None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, in) -> x @ w^T (+ bias) (B, out)."""

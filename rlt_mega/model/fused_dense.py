@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
+from rlt_mega.model.cuda_graphs import CapturedRun, GraphCache, GraphedDecode
 from rlt_mega.model.fused_run import (FusedRun, FusedStack, StackSpec, WeightGrads, fused_weights, ring_slots,
                                       wgrad_positions)
 
@@ -157,6 +158,25 @@ def decode_dense_fused(model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor]
     segment = {"none": None, "step": 1, "every_k": ckpt.decoder_k}[ckpt.decoder]
     if segment is not None and segment >= T:
         segment = None  # one segment of the whole sequence: the same as saving everything
-    plan = _Plan(model, spec, 2 * len(memory), segment, compute, static)
     flat_memory = [t for pair in memory for t in pair]
+    if getattr(model, "cuda_graphs", False):
+        captured = _captured_run(model, spec, weights, emb, memory, segment, compute)
+        return GraphedDecode.apply(captured, len(flat_memory), emb, z0, *flat_memory, *weights)
+    plan = _Plan(model, spec, 2 * len(memory), segment, compute, static)
     return FusedDecode.apply(plan, emb, z0, *flat_memory, *weights)
+
+
+def _captured_run(model, spec: StackSpec, weights, emb: torch.Tensor, memory, segment, compute: torch.dtype):
+    """The model's captured run for these shapes (model/cuda_graphs.py), built on first use."""
+    B, T, _ = emb.shape
+    key = (B, T, emb.dtype, compute, segment, tuple(spec.keys), tuple(tuple(w.shape) for w in weights),
+           tuple(tuple(k.shape) for k, _ in memory))
+    if getattr(model, "_graph_cache", None) is None:
+        model._graph_cache = GraphCache()
+
+    def build() -> CapturedRun:
+        private = [w.detach().clone() for w in weights]  # the graphs read these; refreshed per forward
+        stack = build_stack(model, spec, private, B, True, emb.dtype, compute)
+        return CapturedRun(stack, spec, private, B, T, memory, segment, capture=emb.is_cuda)
+
+    return model._graph_cache.get(key, build)

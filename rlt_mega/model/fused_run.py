@@ -262,11 +262,7 @@ class FusedRun:
         self.v = {i: self.v4[i].view(BH, capacity, Dh) for i in spec.layers}
         self.mkt = {i: self.tensors[f"mkt{i}"] for i in spec.layers}
         self.mv = {i: self.tensors[f"mv{i}"] for i in spec.layers}
-        self.mem_meta = {}
-        for i, (k, v) in zip(spec.layers, memory):  # the memory K/V in the step's layout, once per batch
-            self.mem_meta[i] = (k.shape, k.dtype)
-            self.mkt[i].view(B, h_kv, Dh, S).copy_(k.detach().transpose(-1, -2))
-            self.mv[i].view(B, h_kv, S, Dh).copy_(v.detach())
+        self.load_memory(memory)
         if spec.with_input:
             self.a0, self.r0 = self.tensors["a0"], self.tensors["r0"]
             self.du = self.tensors["du"] if grad else None
@@ -281,6 +277,15 @@ class FusedRun:
         if static:
             self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
                                            stack.sin_bwd, cd, stack.device)
+
+    def load_memory(self, memory: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The memory K/V (B, h_kv, S, Dh) per layer, copied into the step's layout (once per batch)."""
+        self.mem_meta = {}
+        for i, (k, v) in zip(self.stack.spec.layers, memory):
+            B, h_kv, S, Dh = k.shape
+            self.mem_meta[i] = (k.shape, k.dtype)
+            self.mkt[i].view(B, h_kv, Dh, S).copy_(k.detach().transpose(-1, -2))
+            self.mv[i].view(B, h_kv, S, Dh).copy_(v.detach())
 
     # ------------------------------------------------------------------ positions
     def at(self, t: int):

@@ -23,10 +23,10 @@ The dense schedule's decoder has two implementations of the same function: the f
 (model/fused_dense.py, ``model.fused_decoder``, the default) and the module path below
 (``decoder_step`` per position through autograd), the reference the tests compare it with.
 
-Two attributes are set from outside, and only there: ``tp_all_reduce`` (parallel/tp.py: the
-in-place sum over the tensor-parallel ranks that the fused step calls where megatron's layers
-would communicate; None on one process) and ``static_decoder`` (the fused step's capture-ready
-form, for CUDA graphs).
+Set from outside: ``tp_all_reduce`` (parallel/tp.py: the in-place sum over the tensor-parallel
+ranks that the fused step calls where megatron's layers would communicate; None on one
+process), ``static_decoder`` (the fused step's capture-ready form) and, through
+``set_cuda_graphs``, the capture of that form as CUDA graphs (model/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -78,6 +78,8 @@ class RLT(nn.Module):
         self.checkpointing = CheckpointingConfig()
         self.tp_all_reduce = None  # set by parallel/tp.py under tensor parallelism
         self.static_decoder = False  # the fused step's capture-ready form (model/fused_run.py)
+        self.cuda_graphs = False  # its capture (train.cuda_graphs, set_cuda_graphs)
+        self._graph_cache = None
         if self.null_memory.device.type != "meta":
             self.init_weights()
 
@@ -109,6 +111,21 @@ class RLT(nn.Module):
 
     def set_checkpointing(self, cfg: CheckpointingConfig) -> None:
         self.checkpointing = cfg
+
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        """train.cuda_graphs: the dense schedule's decoder positions run as captured CUDA graphs
+        of the fused step's capture-ready form (model/cuda_graphs.py)."""
+        if enabled:
+            device = self.null_memory.device
+            if device.type != "cuda":
+                raise ValueError(f"train.cuda_graphs=true needs the model on a CUDA device, not {device}: set "
+                                 "train.cuda_graphs=false (CUDA graphs are a GPU feature; on a CPU the fused "
+                                 "decoder runs eagerly)")
+            if not self.cfg.fused_decoder:
+                raise ValueError("train.cuda_graphs=true captures the fused decoder: set model.fused_decoder=true")
+        self.cuda_graphs = enabled
+        self.static_decoder = enabled
+        self._graph_cache = None
 
     def decoder_block(self, i: int) -> Block:
         return self.blocks[i] if self.dec_blocks is None else self.dec_blocks[i]

@@ -117,6 +117,7 @@ class DistributedEngine:
         self.full_cfg = model.cfg
         shard_for_rank(model, dims)
         model.set_checkpointing(cfg.train.checkpointing)
+        model.set_cuda_graphs(cfg.train.cuda_graphs)
         mark_for_grad_norm(model, dims)
         mbs, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
         self.pieces, _ = micro_batch_plan(mbs, accum, self.M)

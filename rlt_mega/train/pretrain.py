@@ -55,6 +55,7 @@ def build_local(cfg: Config) -> tuple[RLT, LocalEngine, torch.device]:
         # them, so a restarted job continues from its own checkpoints.
         init_from(model, cfg.train.init_from)
     model.set_checkpointing(cfg.train.checkpointing)
+    model.set_cuda_graphs(cfg.train.cuda_graphs)
     return model, LocalEngine(model, cfg.optim, cfg.train, device), device
 
 
