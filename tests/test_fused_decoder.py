@@ -133,8 +133,10 @@ MODES = [dict(decoder="step"), dict(decoder="every_k", decoder_k=3), dict(decode
 
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_checkpointing_modes_give_bit_identical_gradients(kernel, static, monkeypatch):
-    """T = 37 spans several K/V-gradient chunks (16) and, with 8-row weight-gradient flushes
-    (W = 4 positions at B = 2), many flushes that a segment of 3 or 7 positions straddles."""
+    """Saving everything against recomputing each position from what a checkpointed run keeps
+    (model/fused_run.py; in this path "step" and "every_k" are one mode). T = 37 spans several
+    K/V-gradient chunks (16) and, with 8-row weight-gradient flushes (W = 4 positions at B = 2),
+    ten flushes through a 4-slot ring."""
     monkeypatch.setattr(fused_run, "WGRAD_ROWS", 8)
     cfg, x = cfg_of(memory_block=3, max_seq_len=64), tokens(B=2, T=37)
     base_loss, base = loss_and_grads(cfg, x, static=static)

@@ -23,11 +23,11 @@ capture itself is checked by tools/gpu/cuda_graphs.py on a GPU.
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
-from rlt_mega.model.fused_run import FusedRun, FusedStack, StackSpec, WeightGrads, ring_slots, wgrad_positions
+from rlt_mega.model.fused_run import FusedRun, FusedStack, StackSpec, WeightGrads, checkpoint_slots
 
 
 class _Body:
@@ -57,13 +57,13 @@ class CapturedRun:
     """A static FusedRun whose per-position steps are captured (see the module docstring).
 
     stack: built from private copies of the weights (:meth:`load_weights` refreshes them);
-    memory_shapes: per layer, the memory K/V's shape (B, h_kv, S, Dh); segment: None (every
-    position saved) or the checkpointed segment length."""
+    memory_like: per layer, memory K/V of the shapes to come; checkpointed: keep the per-position
+    tensors only and recompute the rest before each position's backward."""
 
     def __init__(self, stack: FusedStack, spec: StackSpec, weights, batch: int, capacity: int,
-                 memory_like, segment: Optional[int], capture: bool) -> None:
-        self.stack, self.spec, self.B, self.T, self.segment = stack, spec, batch, capacity, segment
-        slots = None if segment is None else ring_slots(segment, wgrad_positions(batch, capacity), capacity)
+                 memory_like, checkpointed: bool, capture: bool) -> None:
+        self.stack, self.spec, self.B, self.T, self.checkpointed = stack, spec, batch, capacity, checkpointed
+        slots = checkpoint_slots(batch, capacity) if checkpointed else None
         self.run = FusedRun(stack, batch, capacity, memory_like, grads=WeightGrads(spec, weights), slots=slots,
                             static=True)
         self.busy = False
@@ -73,8 +73,8 @@ class CapturedRun:
         self.gz = torch.zeros(capacity, batch, d, dtype=stack.stream_dtype, device=device)
         self.carry = torch.zeros(batch, d, dtype=stack.stream_dtype, device=device)
         pool = torch.cuda.graph_pool_handle() if capture else None
-        modes = ("save",) if segment is None else ("checkpoint", "recompute")
-        self.forward_body = {m: _Body(lambda m=m: self._forward(m), capture, pool) for m in modes}
+        self.forward_body = _Body(lambda: self._forward("checkpoint" if checkpointed else "save"), capture, pool)
+        self.recompute_body = _Body(self._recompute, capture, pool) if checkpointed else None
         self.backward_body = _Body(self._backward, capture, pool)
         self.run.reset_grads()  # the warm-up ran the bodies once
 
@@ -86,6 +86,11 @@ class CapturedRun:
         e = self.e.index_select(0, pos.t1).squeeze(0)
         y = self.run.step_forward(pos, x, e, mode)
         self.zs.index_copy_(0, pos.t1 + 1, y.unsqueeze(0))
+
+    def _recompute(self) -> None:
+        pos = self.run.position
+        pos.update()
+        self.run.step_forward(pos, None, None, "recompute")
 
     def _backward(self) -> None:
         pos = self.run.position
@@ -111,10 +116,9 @@ class CapturedRun:
 
     def forward(self) -> torch.Tensor:
         """Every position -> z (T, B, d), a new tensor."""
-        mode = "save" if self.segment is None else "checkpoint"
         for t in range(self.T):
             self.run.position.t.fill_(t)
-            self.forward_body[mode]()
+            self.forward_body()
         return self.zs[1:].clone()
 
     def backward(self, grad_z: torch.Tensor, weights) -> tuple:
@@ -124,18 +128,13 @@ class CapturedRun:
         run.reset_grads()
         self.gz.copy_(grad_z.transpose(0, 1))
         self.carry.zero_()
-        seg = self.T if self.segment is None else self.segment
-        for t0 in reversed(range(0, self.T, seg)):
-            t1 = min(self.T, t0 + seg)
-            if self.segment is not None:
-                for t in range(t0, t1):
-                    run.position.t.fill_(t)
-                    self.forward_body["recompute"]()
-            for t in reversed(range(t0, t1)):
-                run.position.t.fill_(t)
-                self.backward_body()
-                if t % run.chunk == 0:
-                    run.flush(t, min(t + run.chunk, self.T))
+        for t in reversed(range(self.T)):
+            run.position.t.fill_(t)
+            if self.recompute_body is not None:
+                self.recompute_body()
+            self.backward_body()
+            if t % run.chunk == 0:
+                run.flush(t, min(t + run.chunk, self.T))
         memory = [g for pair in run.memory_grads() for g in pair]
         return run.input_grads(), self.carry.clone(), memory, run.grads.grads()
 

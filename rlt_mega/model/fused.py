@@ -36,10 +36,11 @@ from torch import nn
 
 LOW_PRECISION = (torch.float16, torch.bfloat16)
 
-# Weights with fewer elements run torch.mm: oneDNN's per-call cost exceeds its gain below about
-# d=192 (measured: d=128 tiny_cpu shapes 50 vs 62 GFLOP/s; d=256 58 vs 37). Tests set it to 0 to
-# run the oneDNN kernels on tiny models.
-MKLDNN_MIN_ELEMENTS = 192 * 192
+# Weights with fewer elements run torch.mm: oneDNN's linear costs ~10 us more per call, which
+# it wins back only on larger weights (measured at 8-16 rows: 256 x 1408 84 vs 107 us, 704 x 256
+# 47 vs 49, 256 x 512 38 vs 38, 128 x 768 31 vs 28). Tests set it to 0 to run the oneDNN kernels
+# on tiny models.
+MKLDNN_MIN_ELEMENTS = 150_000
 
 
 def _mkldnn_available() -> bool:

@@ -11,13 +11,12 @@ autograd carries their gradients on to q/k/v, the norm weights and recur_proj); 
 z (B, T, d). Backward returns the gradient of each: the three BPTT paths (recurrence, decoder
 K/V, encoder memory) are all inside it, none detached.
 
-Checkpointing (train.checkpointing.decoder): "none" saves every position's activations in the
-forward; "step" and "every_k" keep only the K/V, the attention outputs and the z_t in the
-forward, and the backward of each segment of k positions (k = 1 for "step") first runs the
-segment's forward again from z_{t0 - 1}, saving into a ring of slots (fused_run.ring_slots;
-why the attention outputs are kept: fused_run's docstring). The recomputation is the same
-computation on the same values, and the deferred-gradient flushes do not depend on the mode
-(fused_run.wgrad_positions, KV_CHUNK), so every mode gives bit-identical gradients.
+Checkpointing (train.checkpointing.decoder): "none" saves everything the backward reads;
+"step" and "every_k" (one mode here) keep the per-position tensors only and recompute the rest
+of each position just before its backward (what is kept and why: fused_run's docstring). The
+recomputation repeats the same operations on the same values, and the deferred-gradient flushes
+do not depend on the mode (fused_run.wgrad_positions, KV_CHUNK), so every mode gives
+bit-identical gradients.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from rlt_mega.model.cuda_graphs import CapturedRun, GraphCache, GraphedDecode
-from rlt_mega.model.fused_run import (FusedRun, FusedStack, StackSpec, WeightGrads, fused_weights, ring_slots,
-                                      wgrad_positions)
+from rlt_mega.model.fused_run import FusedRun, FusedStack, StackSpec, WeightGrads, checkpoint_slots, fused_weights
 
 
 class ReduceGrad(torch.autograd.Function):
@@ -77,14 +75,9 @@ class _Plan:
     model: object
     spec: StackSpec
     num_memory: int  # 2 x layers: k, v per layer
-    segment: Optional[int]  # None: save every position; else checkpointed segments of this length
+    checkpointed: bool  # keep the per-position tensors only, recompute the rest before each backward
     compute_dtype: torch.dtype
     static: bool
-
-
-def _segments(T: int, segment: Optional[int]) -> list[tuple[int, int]]:
-    seg = T if segment is None else segment
-    return [(t0, min(T, t0 + seg)) for t0 in range(0, T, seg)]
 
 
 class FusedDecode(torch.autograd.Function):
@@ -94,30 +87,26 @@ class FusedDecode(torch.autograd.Function):
         mem_flat, weights = tensors[:plan.num_memory], tensors[plan.num_memory:]
         memory = list(zip(mem_flat[0::2], mem_flat[1::2]))
         stack = build_stack(plan.model, plan.spec, weights, B, True, emb.dtype, plan.compute_dtype)
-        slots = None if plan.segment is None else ring_slots(plan.segment, wgrad_positions(B, T), T)
+        slots = checkpoint_slots(B, T) if plan.checkpointed else None
         run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights), slots=slots, static=plan.static)
         e = emb.detach().transpose(0, 1).contiguous()  # (T, B, d): one contiguous row block per position
-        zs = _run_forward(run, e, z0.detach(), mode="save" if plan.segment is None else "checkpoint")
-        ctx.plan, ctx.run, ctx.e, ctx.zs, ctx.z0 = plan, run, e, zs, z0.detach()
+        zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if plan.checkpointed else "save")
+        ctx.plan, ctx.run, ctx.T = plan, run, T
         ctx.weights = [w.detach() for w in weights]
         return zs.transpose(0, 1)  # (B, T, d)
 
     @staticmethod
     def backward(ctx, grad_z: torch.Tensor):
-        plan, run, e, zs = ctx.plan, ctx.run, ctx.e, ctx.zs
-        T = e.shape[0]
+        plan, run = ctx.plan, ctx.run
         run.grads = WeightGrads(plan.spec, ctx.weights)  # fresh accumulators: a second backward starts from zero
         run.reset_grads()
         gz = grad_z.transpose(0, 1)  # (T, B, d) view
         carry = None  # the gradient of z_{t} through the recurrence, from position t + 1
-        for t0, t1 in reversed(_segments(T, plan.segment)):
-            if plan.segment is not None:  # recompute the segment's forward, saving
-                z = ctx.z0 if t0 == 0 else zs[t0 - 1]
-                for t in range(t0, t1):
-                    z = run.forward(t, z, e[t], mode="recompute")
-            for t in reversed(range(t0, t1)):
-                gy = gz[t] if carry is None else gz[t] + carry
-                carry = run.backward(t, gy)
+        for t in reversed(range(ctx.T)):
+            if plan.checkpointed:
+                run.forward(t, None, None, mode="recompute")
+            gy = gz[t] if carry is None else gz[t] + carry
+            carry = run.backward(t, gy)
         mem_grads = [g for pair in run.memory_grads() for g in pair]
         return (None, run.input_grads(), carry, *mem_grads, *run.grads.grads())
 
@@ -154,22 +143,20 @@ def decode_dense_fused(model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor]
             stack = build_stack(model, spec, weights, B, False, emb.dtype, compute)
             run = FusedRun(stack, B, T, memory, grads=None, slots=1, static=static)
             return _run_forward(run, emb.transpose(0, 1).contiguous(), z0, mode="none").transpose(0, 1)
-    ckpt = model.checkpointing
-    segment = {"none": None, "step": 1, "every_k": ckpt.decoder_k}[ckpt.decoder]
-    if segment is not None and segment >= T:
-        segment = None  # one segment of the whole sequence: the same as saving everything
+    checkpointed = model.checkpointing.decoder != "none"
     flat_memory = [t for pair in memory for t in pair]
     if getattr(model, "cuda_graphs", False):
-        captured = _captured_run(model, spec, weights, emb, memory, segment, compute)
+        captured = _captured_run(model, spec, weights, emb, memory, checkpointed, compute)
         return GraphedDecode.apply(captured, len(flat_memory), emb, z0, *flat_memory, *weights)
-    plan = _Plan(model, spec, 2 * len(memory), segment, compute, static)
+    plan = _Plan(model, spec, 2 * len(memory), checkpointed, compute, static)
     return FusedDecode.apply(plan, emb, z0, *flat_memory, *weights)
 
 
-def _captured_run(model, spec: StackSpec, weights, emb: torch.Tensor, memory, segment, compute: torch.dtype):
+def _captured_run(model, spec: StackSpec, weights, emb: torch.Tensor, memory, checkpointed: bool,
+                  compute: torch.dtype):
     """The model's captured run for these shapes (model/cuda_graphs.py), built on first use."""
     B, T, _ = emb.shape
-    key = (B, T, emb.dtype, compute, segment, tuple(spec.keys), tuple(tuple(w.shape) for w in weights),
+    key = (B, T, emb.dtype, compute, checkpointed, tuple(spec.keys), tuple(tuple(w.shape) for w in weights),
            tuple(tuple(k.shape) for k, _ in memory))
     if getattr(model, "_graph_cache", None) is None:
         model._graph_cache = GraphCache()
@@ -177,6 +164,6 @@ def _captured_run(model, spec: StackSpec, weights, emb: torch.Tensor, memory, se
     def build() -> CapturedRun:
         private = [w.detach().clone() for w in weights]  # the graphs read these; refreshed per forward
         stack = build_stack(model, spec, private, B, True, emb.dtype, compute)
-        return CapturedRun(stack, spec, private, B, T, memory, segment, capture=emb.is_cuda)
+        return CapturedRun(stack, spec, private, B, T, memory, checkpointed, capture=emb.is_cuda)
 
     return model._graph_cache.get(key, build)

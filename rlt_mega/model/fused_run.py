@@ -41,18 +41,21 @@ added directly, and the rest (keys before the chunk, and the whole memory, whose
 needed at the end) is formed once per chunk as one batched GEMM over the chunk's stored score
 gradients and probabilities.
 
-Checkpointing. ``slots`` activation slots hold the saved tensors; with every position saved
-(slots = capacity) a slot is a position. A checkpointed caller runs the forward in mode
-"checkpoint", and before the backward of a segment runs its forward again in mode "recompute"
-into a ring of slots (t mod slots; :func:`ring_slots` keeps every unflushed chunk's inputs
-alive). What the checkpointed forward keeps is the K/V and the two attention outputs per layer
-and position (2 h Dh values per row: 13% of everything saved at small_cpu's sizes), and the
-recomputation skips both attentions: at one query row per head attention is memory-bound (it
-reads every key and value) and costs more to recompute than the GEMMs around it, while its
-output is small; recomputing the projections, norms and MLP from it is cheap. (Megatron's
-selective recomputation chooses the other way round, for the opposite shapes: its attention
-activations are quadratic in T.) The recomputation repeats the forward exactly, so the saved
-values, and with them the gradients, are the same in every mode.
+Checkpointing. The forward always keeps, per layer and position, the normalised inputs of the
+three norms with their 1/rms and the two attention outputs (3d + 2 h Dh + 3 values per row); the
+rest of what the backward reads (RoPE'd q/k, the cross query, gate/up, the SwiGLU product: the
+"slot tensors") is kept too in mode "save" (slots = capacity), and in a checkpointed run (mode
+"checkpoint", ``checkpoint_slots`` slots) recomputed from the kept tensors just before each
+position's backward (mode "recompute"): three products, RoPE and SwiGLU, with no norm, no
+attention and no residual product, and nothing from any other position, so no segment of
+positions has to be replayed (in this path "step" and "every_k" are one mode). The choice:
+attention at one query row per head is memory-bound (it reads every key and value) and costs
+more to recompute than its output costs to keep (Megatron's selective recomputation chooses the
+other way round, for the opposite shapes: its attention activations are quadratic in T), and
+keeping the normalised inputs makes positions independent. What a checkpointed run keeps is about
+a third of what "save" keeps at small_cpu's sizes (d=256, F=704: 1283 of 4035 values per row and
+layer), next to the K/V and their gradients that every mode holds. The recomputation repeats the
+forward's operations on the same values, so the gradients are the same in every mode, bit for bit.
 
 The capture-ready step (``static=True``). Nothing in a position's computation depends on t
 through a shape or a Python value: t is a device tensor, K/V and saved tensors are written with
@@ -103,12 +106,11 @@ def wgrad_positions(batch: int, capacity: int) -> int:
     return max(1, min(capacity, math.ceil(WGRAD_ROWS / batch)))
 
 
-def ring_slots(segment: int, chunk: int, capacity: int) -> int:
-    """Activation slots for a checkpointed run with segments of ``segment`` positions and
-    weight-gradient flushes every ``chunk``: the live positions at a flush span the chunk plus
-    the part of a segment before it, so chunk * (1 + ceil(segment / chunk)) slots (a multiple of
-    the chunk, so a flushed chunk is contiguous) never collide."""
-    return min(capacity, chunk * (1 + math.ceil(segment / chunk)))
+def checkpoint_slots(batch: int, capacity: int) -> int:
+    """Activation slots of a checkpointed run: each position's slot tensors are recomputed just
+    before its backward, and the one read later (the down product's input, at its chunk's
+    weight-gradient flush) must live until then: one chunk."""
+    return wgrad_positions(batch, capacity)
 
 
 # ------------------------------------------------------------------------------------------
@@ -190,8 +192,10 @@ class WeightGrads:
 # The run
 # ------------------------------------------------------------------------------------------
 
-_SAVED = ("a1", "r1", "qk", "a2", "r2", "cq", "a3", "r3", "gu", "f")  # per layer and activation slot
-_ATTENTION = ("o1", "c")  # per layer and position: kept in every mode (see "Checkpointing")
+_SAVED = ("qk", "cq", "gu", "f")  # per layer and activation slot: recomputed when checkpointed
+# per layer and position, kept in every mode (see "Checkpointing"): the normalised inputs of the
+# three norms with their 1/rms, and the two attention outputs
+_POSITIONAL = ("a1", "r1", "a2", "r2", "a3", "r3", "o1", "c")
 _RING = ("dqkv", "g2", "dcq", "g3", "dgu", "g4")  # per layer and ring slot: the products' dY
 
 
@@ -200,8 +204,8 @@ class FusedRun:
 
     memory: per layer of the stack, the memory K/V (B, h_kv, S, Dh) (slot 0 the null memory),
     any dtype, read only. grads: the accumulators of the deferred weight gradients (None: no
-    backward). slots: activation slots (None: every position saved; fewer: a checkpointed run,
-    see :func:`ring_slots`). static: the capture-ready form."""
+    backward). slots: activation slots (None: every position saved; a checkpointed run:
+    :func:`checkpoint_slots`). static: the capture-ready form."""
 
     def __init__(self, stack: FusedStack, batch: int, capacity: int,
                  memory: Sequence[tuple[torch.Tensor, torch.Tensor]], grads: Optional[WeightGrads] = None,
@@ -224,37 +228,43 @@ class FusedRun:
                   "dqkv": (h + 2 * h_kv) * Dh, "g2": d, "dcq": h * Dh, "g3": d, "dgu": 2 * ffn, "g4": d}
         dtypes = {"r1": st, "r2": st, "r3": st, "g2": sd, "g3": sd, "g4": sd}
         slab = Slab(stack.device)
+        self._purpose: dict[str, str] = {}
+
+        def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
+            self._purpose[name] = purpose
+            slab.add(name, shape, dtype, zero)
+
         for i in spec.layers:
             for n in _SAVED:
-                slab.add(f"{n}{i}", (self.slots, B, widths[n]), dtypes.get(n, cd))
-            for n in _ATTENTION:  # (a run without backward keeps none)
-                slab.add(f"{n}{i}", (capacity if grad else 1, B, widths[n]), cd)
+                add(f"{n}{i}", "saved", (self.slots, B, widths[n]), dtypes.get(n, cd))
+            for n in _POSITIONAL:  # (a run without backward keeps none)
+                add(f"{n}{i}", "saved", (capacity if grad else 1, B, widths[n]), dtypes.get(n, cd))
             # decoder K/V, keys transposed as in the sampler: (B, h_kv, Dh, cap), (B, h_kv, cap, Dh)
-            slab.add(f"kt{i}", (B, h_kv, Dh, capacity), cd, zero=True)
-            slab.add(f"v{i}", (B, h_kv, capacity, Dh), cd, zero=True)
-            slab.add(f"mkt{i}", (BH, Dh, S), cd)
-            slab.add(f"mv{i}", (BH, S, Dh), cd)
+            add(f"kt{i}", "kv", (B, h_kv, Dh, capacity), cd, zero=True)
+            add(f"v{i}", "kv", (B, h_kv, capacity, Dh), cd, zero=True)
+            add(f"mkt{i}", "kv", (BH, Dh, S), cd)
+            add(f"mv{i}", "kv", (BH, S, Dh), cd)
             if grad:
                 for n in _RING:
-                    slab.add(f"{n}{i}", (self.chunk, B, widths[n]), dtypes.get(n, cd))
-                slab.add(f"gkt{i}", (B, h_kv, Dh, capacity), st, zero=True)
-                slab.add(f"gv{i}", (B, h_kv, capacity, Dh), st, zero=True)
-                slab.add(f"gmkt{i}", (BH, Dh, S), st, zero=True)
-                slab.add(f"gmv{i}", (BH, S, Dh), st, zero=True)
+                    add(f"{n}{i}", "wgrad_ring", (self.chunk, B, widths[n]), dtypes.get(n, cd))
+                add(f"gkt{i}", "kv", (B, h_kv, Dh, capacity), st, zero=True)
+                add(f"gv{i}", "kv", (B, h_kv, capacity, Dh), st, zero=True)
+                add(f"gmkt{i}", "kv", (BH, Dh, S), st, zero=True)
+                add(f"gmv{i}", "kv", (BH, S, Dh), st, zero=True)
                 if not static:  # the chunk's stored rows for the deferred K/V gradients (batch-major)
                     W = self.kv_chunk
                     for kind, n_keys in (("s", capacity), ("m", S)):
-                        slab.add(f"q{kind}{i}", (BH, W * g, Dh), st)
-                        slab.add(f"do{kind}{i}", (BH, W * g, Dh), st)
-                        slab.add(f"p{kind}{i}", (BH, W * g, n_keys), st, zero=True)
-                        slab.add(f"ds{kind}{i}", (BH, W * g, n_keys), st, zero=True)
+                        add(f"q{kind}{i}", "kv_rows", (BH, W * g, Dh), st)
+                        add(f"do{kind}{i}", "kv_rows", (BH, W * g, Dh), st)
+                        add(f"p{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True)
+                        add(f"ds{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True)
         if spec.with_input:
-            slab.add("a0", (self.slots, B, d), cd)
-            slab.add("r0", (self.slots, B, 1), st)
+            add("a0", "saved", (capacity if grad else 1, B, d), cd)
+            add("r0", "saved", (capacity if grad else 1, B, 1), st)
             if grad:  # the gradient of u_t: recur's dY and the embedding's gradient
-                slab.add("du", (capacity, B, d), sd)
+                add("du", "input_grads", (capacity, B, d), sd)
         self.tensors = slab.allocate(self)
-        self.buf = {i: {n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_ATTENTION, *(_RING if grad else ()))}
+        self.buf = {i: {n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL, *(_RING if grad else ()))}
                     for i in spec.layers}
         self.kt4 = {i: self.tensors[f"kt{i}"] for i in spec.layers}
         self.v4 = {i: self.tensors[f"v{i}"] for i in spec.layers}
@@ -277,6 +287,16 @@ class FusedRun:
         if static:
             self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
                                            stack.sin_bwd, cd, stack.device)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """This run's buffers by purpose, in bytes: what the backward keeps ("saved": the
+        activation slots and the attention outputs), what deferring costs ("wgrad_ring": the
+        products' output gradients; "kv_rows": the rows of the deferred K/V gradients), the K/V
+        with their gradients ("kv"), and the embeddings' gradient ("input_grads")."""
+        out = dict.fromkeys(("saved", "wgrad_ring", "kv_rows", "kv", "input_grads"), 0)
+        for name, t in self.tensors.items():
+            out[self._purpose[name]] += t.numel() * t.element_size()
+        return out
 
     def load_memory(self, memory: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The memory K/V (B, h_kv, S, Dh) per layer, copied into the step's layout (once per batch)."""
@@ -305,29 +325,40 @@ class FusedRun:
                 buf.zero_()
 
     # ------------------------------------------------------------------ forward
-    def forward(self, t: int, x: torch.Tensor, e: Optional[torch.Tensor] = None, mode: str = "save") -> torch.Tensor:
+    def forward(self, t: int, x: Optional[torch.Tensor], e: Optional[torch.Tensor] = None,
+                mode: str = "save") -> Optional[torch.Tensor]:
         """Position t: x (B, d) in the stream dtype (z_{t-1} with the input layer), e (B, d)
         contiguous, the embedding of x_t (input layer only) -> y (B, d). mode: "save" (keep
-        everything the backward reads), "checkpoint" (keep only the K/V and the attention
-        outputs), "recompute" (after "checkpoint": keep the rest, attention read back, K/V in
-        place) or "none" (no backward: keep the K/V only)."""
+        everything the backward reads), "checkpoint" (keep the K/V and the per-position
+        tensors only), "recompute" (after "checkpoint", just before this position's backward:
+        the rest from what was kept; x and e unused, returns None) or "none" (no backward:
+        keep the K/V only)."""
         return self.step_forward(self.at(t), x, e, mode)
 
-    def step_forward(self, pos, x: torch.Tensor, e: Optional[torch.Tensor], mode: str) -> torch.Tensor:
+    def step_forward(self, pos, x: Optional[torch.Tensor], e: Optional[torch.Tensor], mode: str) -> Optional[torch.Tensor]:
         stack = self.stack
-        save = mode in ("save", "recompute")
-        with torch.autocast(device_type=x.device.type, enabled=False):
+        with torch.autocast(device_type=stack.device.type, enabled=False):
+            if mode == "recompute":
+                for i in stack.spec.layers:
+                    self._layer_recompute(i, pos)
+                return None
+            keep = mode != "none"
             if stack.spec.with_input:
-                a0 = self._norm(x, pos, self.a0 if save else None, self.r0 if save else None)
+                a0 = self._norm(x, pos, self.a0 if keep else None, self.r0 if keep else None)
                 x = stack.recur.add(a0, e)  # e_t + recur_proj(recur_norm(z_{t-1}))
             for i in stack.spec.layers:
                 x = self._layer_forward(i, pos, x, mode)
         return x
 
     def _norm(self, x: torch.Tensor, pos, buf_a: Optional[torch.Tensor], buf_r: Optional[torch.Tensor]) -> torch.Tensor:
-        a, r = rms_forward(x, self.stack.norm, self.stack.compute_dtype, out=pos.out(buf_a), out_r=pos.out(buf_r))
-        pos.keep(buf_r, r)
-        return pos.keep(buf_a, a)
+        """x / rms(x), kept with 1/rms in the position-indexed buffers when given."""
+        a, r = rms_forward(x, self.stack.norm, self.stack.compute_dtype,
+                           out=None if buf_a is None else pos.out_t(buf_a),
+                           out_r=None if buf_r is None else pos.out_t(buf_r))
+        if buf_a is not None:
+            pos.keep_t(buf_r, r)
+            pos.keep_t(buf_a, a)
+        return a
 
     def _residual(self, gemm: Gemm, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """x + a @ w^T; for a row-parallel product the partial sums are all-reduced first."""
@@ -340,43 +371,58 @@ class FusedRun:
     def _layer_forward(self, i: int, pos, x: torch.Tensor, mode: str) -> torch.Tensor:
         w, B, Dh = self.stack.layers[i], self.B, self.stack.spec.head_dim
         h, h_kv, g = self.h, self.h_kv, self.g
-        b = self.buf[i] if mode in ("save", "recompute") else dict.fromkeys(_SAVED)
-        keep_attention = mode != "none"
-        recompute = mode == "recompute"
+        keep = mode != "none"  # the per-position tensors
+        b = self.buf[i] if keep else dict.fromkeys(_POSITIONAL)
+        s = b if mode == "save" else dict.fromkeys(_SAVED)  # the slot tensors
         # self-attention over the decoder's K/V of positions [0, t]
         a1 = self._norm(x, pos, b["a1"], b["r1"])
-        qkv = w.qkv(a1)  # (B, (h + 2 h_kv) Dh)
-        qk_out = pos.out(b["qk"])
-        qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), pos.cos, pos.sin_fwd,
-                  out=None if qk_out is None else qk_out.view(B, h + h_kv, Dh))
-        pos.keep(b["qk"], qk.view(B, -1))
-        if not recompute:  # a recomputation finds its K/V in place
-            pos.write_kv(self.kt4[i], self.v4[i], qk[:, h:], qkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh))
-        x = self._residual(w.o, self._attention(i, "s", pos, qk[:, :h].reshape(B * h_kv, g, Dh),
-                                                keep_attention, recompute), x)
+        qk, v = self._qk(w, pos, a1, s["qk"])
+        pos.write_kv(self.kt4[i], self.v4[i], qk[:, h:], v)
+        x = self._residual(w.o, self._attention(i, "s", pos, qk[:, :h].reshape(B * h_kv, g, Dh), keep), x)
         # cross-attention into {null} + the visible memory
         a2 = self._norm(x, pos, b["a2"], b["r2"])
-        cq = pos.keep(b["cq"], w.cross_q(a2))  # (B, h Dh)
-        x = self._residual(w.cross_o, self._attention(i, "m", pos, cq.view(B * h_kv, g, Dh), keep_attention,
-                                                      recompute), x)
+        cq = pos.keep(s["cq"], w.cross_q(a2))  # (B, h Dh)
+        x = self._residual(w.cross_o, self._attention(i, "m", pos, cq.view(B * h_kv, g, Dh), keep), x)
         # SwiGLU MLP
         a3 = self._norm(x, pos, b["a3"], b["r3"])
-        gu = pos.keep(b["gu"], w.gate_up(a3))  # (B, 2F)
-        ffn = gu.shape[1] // 2
-        f = pos.keep(b["f"], torch.mul(F.silu(gu[:, :ffn]), gu[:, ffn:], out=pos.out(b["f"])))
-        return self._residual(w.down, f, x)
+        return self._residual(w.down, self._mlp(w, pos, a3, s["gu"], s["f"]), x)
 
-    def _attention(self, i: int, kind: str, pos, q: torch.Tensor, keep: bool, recompute: bool) -> torch.Tensor:
+    def _qk(self, w: LayerGemms, pos, a1: torch.Tensor, buf: Optional[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> q and k at the position, RoPE'd (q scaled) (B, h + h_kv, Dh), and v (B, h_kv, Dh)."""
+        B, Dh, h, h_kv = self.B, self.stack.spec.head_dim, self.h, self.h_kv
+        qkv = w.qkv(a1)  # (B, (h + 2 h_kv) Dh)
+        out = pos.out(buf)
+        qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), pos.cos, pos.sin_fwd,
+                  out=None if out is None else out.view(B, h + h_kv, Dh))
+        pos.keep(buf, qk.view(B, -1))
+        return qk, qkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh)
+
+    def _mlp(self, w: LayerGemms, pos, a3: torch.Tensor, buf_gu: Optional[torch.Tensor],
+             buf_f: Optional[torch.Tensor]) -> torch.Tensor:
+        """silu(gate) * up of gate/up = gate_up(a3) -> (B, F), both kept in their slots when given."""
+        gu = pos.keep(buf_gu, w.gate_up(a3))  # (B, 2F)
+        ffn = gu.shape[1] // 2
+        return pos.keep(buf_f, torch.mul(F.silu(gu[:, :ffn]), gu[:, ffn:], out=pos.out(buf_f)))
+
+    def _layer_recompute(self, i: int, pos) -> None:
+        """The slot tensors of layer i at pos from the per-position ones: the three products that
+        read the normalised inputs, RoPE and SwiGLU; no norm, no attention, no residual product,
+        and nothing from any other position or layer."""
+        w, b = self.stack.layers[i], self.buf[i]
+        self._qk(w, pos, pos.load_t(b["a1"]), b["qk"])
+        pos.keep(b["cq"], w.cross_q(pos.load_t(b["a2"])))
+        self._mlp(w, pos, pos.load_t(b["a3"]), b["gu"], b["f"])
+
+    def _attention(self, i: int, kind: str, pos, q: torch.Tensor, keep: bool) -> torch.Tensor:
         """Layer i's self ("s") or memory ("m") attention of q (B h_kv, g, Dh) -> (B, h Dh),
-        kept per position (``keep``), or read back (``recompute``)."""
-        buf = self.buf[i]["o1" if kind == "s" else "c"]
-        if recompute:
-            return pos.load_t(buf)
+        kept per position when ``keep``."""
+        buf = self.buf[i]["o1" if kind == "s" else "c"] if keep else None
         keys_t, values = pos.self_keys(self.kt[i], self.v[i]) if kind == "s" else pos.mem_keys(self.mkt[i], self.mv[i])
-        out = pos.out_t(buf) if keep else None
+        out = None if buf is None else pos.out_t(buf)
         y = attend(q, keys_t, values, pos.self_mask if kind == "s" else pos.mem_mask,
                    out=None if out is None else out.view(q.shape)).view(self.B, -1)
-        return pos.keep_t(buf, y) if keep else y
+        return y if buf is None else pos.keep_t(buf, y)
 
     # ------------------------------------------------------------------ backward
     def backward(self, t: int, gy: torch.Tensor) -> torch.Tensor:
@@ -410,7 +456,7 @@ class FusedRun:
             # the recurrence input: u = e + recur(a0), a0 = z_{t-1} / rms; du is e's gradient too
             pos.put(self.du, pos.t, g)
             da0 = stack.recur.grad_input(g.to(stack.compute_dtype))
-            return rms_backward(da0, pos.load(self.a0), pos.load(self.r0), stack.norm, None).to(stack.stream_dtype)
+            return rms_backward(da0, pos.load_t(self.a0), pos.load_t(self.r0), stack.norm, None).to(stack.stream_dtype)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The input gradient of a column-parallel product, summed over the tensor-parallel ranks."""
@@ -436,7 +482,7 @@ class FusedRun:
             torch.ops.aten.silu_backward.grad_input(df * up, gate, grad_input=dgu[:, :ffn])
             torch.mul(df, F.silu(gate), out=dgu[:, ffn:])
         da3 = self._reduce(w.gate_up.grad_input(dgu))
-        g3 = pos.keep_ring(b["g3"], rms_backward(da3, pos.load(b["a3"]), pos.load(b["r3"]), nc, g4,
+        g3 = pos.keep_ring(b["g3"], rms_backward(da3, pos.load_t(b["a3"]), pos.load_t(b["r3"]), nc, g4,
                                                  out=pos.out_ring(b["g3"])))
         # cross-attention: x3 = x2 + cross_o(attend(cross_q(a2), memory))
         dc = w.cross_o.grad_input(g3.to(cd)).view(BH, g, Dh)
@@ -444,7 +490,7 @@ class FusedRun:
         dcq = self._attention_backward(i, "m", pos, cq, dc, pos.out_ring(b["dcq"]))
         dcq = pos.keep_ring(b["dcq"], dcq.view(B, h * Dh))
         da2 = self._reduce(w.cross_q.grad_input(dcq))
-        g2 = pos.keep_ring(b["g2"], rms_backward(da2, pos.load(b["a2"]), pos.load(b["r2"]), nc, g3,
+        g2 = pos.keep_ring(b["g2"], rms_backward(da2, pos.load_t(b["a2"]), pos.load_t(b["r2"]), nc, g3,
                                                  out=pos.out_ring(b["g2"])))
         # self-attention: x2 = x1 + o(attend(q, K/V of [0, t]))
         do1 = w.o.grad_input(g2.to(cd)).view(BH, g, Dh)
@@ -460,7 +506,7 @@ class FusedRun:
             rope(dqk, pos.cos, pos.sin_bwd, out=dqkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh))
             dqkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh).copy_(dv_t)
         da1 = self._reduce(w.qkv.grad_input(dqkv))
-        g1 = rms_backward(da1, pos.load(b["a1"]), pos.load(b["r1"]), nc, g2,
+        g1 = rms_backward(da1, pos.load_t(b["a1"]), pos.load_t(b["r1"]), nc, g2,
                           out=None if into is None else pos.out_ring(into))
         return g1 if into is None else pos.keep_ring(into, g1)
 
@@ -521,7 +567,7 @@ class FusedRun:
         GEMM per weight over their (t1 - t0) x B rows."""
         acc = self.grads.acc
         n, rows = t1 - t0, (t1 - t0) * self.B
-        s0 = t0 % self.slots  # chunks are contiguous in the slots (ring_slots) and at the ring's start
+        s0 = t0 % self.slots  # a chunk is contiguous in the slots (a multiple of it, or all) and starts the ring
 
         def add(key, dy: torch.Tensor, x: torch.Tensor) -> None:
             a = acc[key]
@@ -530,8 +576,8 @@ class FusedRun:
 
         for i in self.stack.spec.layers:
             b = self.buf[i]
-            saved = {name: b[name][s0:s0 + n] for name in ("a1", "a2", "a3", "f")}
-            saved.update({name: b[name][t0:t1] for name in _ATTENTION})
+            saved = {name: b[name][t0:t1] for name in ("a1", "a2", "a3", "o1", "c")}
+            saved["f"] = b["f"][s0:s0 + n]
             ring = {name: b[name][:n] for name in _RING}
             add((i, "qkv"), ring["dqkv"], saved["a1"])
             if (i, "qkv_bias") in acc:
@@ -543,7 +589,7 @@ class FusedRun:
             add((i, "gate_up"), ring["dgu"], saved["a3"])
             add((i, "down"), ring["g4"], saved["f"])
         if self.stack.spec.with_input:
-            add((-1, "recur"), self.du[t0:t1], self.a0[s0:s0 + n])
+            add((-1, "recur"), self.du[t0:t1], self.a0[t0:t1])
 
     # ------------------------------------------------------------------ results
     def memory_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -98,6 +98,11 @@ class Slab:
 # Where a position is
 # ------------------------------------------------------------------------------------------
 
+def _slot_ptr(buf: torch.Tensor, i: int) -> int:
+    """The address of buf[i] (without creating the view)."""
+    return buf.data_ptr() + i * buf.stride(0) * buf.element_size()
+
+
 class EagerPosition:
     """Position t with Python integers: saved tensors are views of their slot, keys are
     sliced to exactly t + 1 (self) and 1 + vis(t) (memory)."""
@@ -120,12 +125,12 @@ class EagerPosition:
 
     def keep(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
         """value, kept in its slot of ``buf`` (a no-op when computed there or not saved)."""
-        if buf is not None and value.data_ptr() != buf[self.slot].data_ptr():
+        if buf is not None and value.data_ptr() != _slot_ptr(buf, self.slot):
             buf[self.slot].copy_(value)
         return value
 
     def keep_ring(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if value.data_ptr() != buf[self.ring].data_ptr():
+        if value.data_ptr() != _slot_ptr(buf, self.ring):
             buf[self.ring].copy_(value)
         return value
 
@@ -136,7 +141,7 @@ class EagerPosition:
         return buf[self.t]
 
     def keep_t(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-        if value.data_ptr() != buf[self.t].data_ptr():
+        if value.data_ptr() != _slot_ptr(buf, self.t):
             buf[self.t].copy_(value)
         return value
 
@@ -162,7 +167,7 @@ class EagerPosition:
 
     def put(self, buf: torch.Tensor, index: int, value: torch.Tensor) -> None:
         """buf[index] <- value (the input gradient of the stack: a position-indexed buffer)."""
-        if value.data_ptr() != buf[index].data_ptr():
+        if value.data_ptr() != _slot_ptr(buf, index):
             buf[index].copy_(value)
 
 

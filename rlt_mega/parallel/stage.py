@@ -34,8 +34,8 @@ current parameters; each micro-batch is a FusedRun whose ``forward``/``backward`
 ops call position by position, with no autograd graph per step. Its deferred weight gradients
 accumulate over the round's micro-batches and reach the parameters in one autograd backward at
 ``finish`` (through the fused weights' expressions: the shadow parameters under ShadowGrads).
-With decoder checkpointing each position's input is kept and the position recomputed just
-before its backward ("every_k" degrades to "step" here too, for the same reason).
+With decoder checkpointing each position is recomputed from what the run keeps just before its
+backward (model/fused_run.py: the same as on one process).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.model.cache import DecoderKV, MemoryKV
 from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator
-from rlt_mega.model.fused_run import FusedRun, WeightGrads, fused_weights, ring_slots, wgrad_positions
+from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
 from rlt_mega.model.rlt import RLT
 from rlt_mega.parallel.tp import token_losses
 
@@ -194,7 +194,7 @@ class RLTStage:
             b, T = mb.inputs.shape
             slots = None
             if self.grad and self.model.checkpointing.decoder != "none":
-                slots = ring_slots(1, wgrad_positions(b, T), T)
+                slots = checkpoint_slots(b, T)
             mb.run = FusedRun(self.stack, b, T, [(dense.k[i], dense.v[i]) for i in self.layers],
                               grads=self.weight_grads, slots=slots if self.grad else 1)
 
@@ -241,8 +241,6 @@ class RLTStage:
             x = mb.z0.detach()
         else:
             x = x.detach().squeeze(1)  # (b, d)
-        if self.grad and self.model.checkpointing.decoder != "none":
-            mb.dec_in[t] = x  # recomputed from here before its backward
         y = mb.run.forward(t, x, mb.e[t] if self.is_first else None, mode=self._fwd_mode()).unsqueeze(1)
         if self.is_last:
             mb.z_cut[t] = _leaf(y, self.grad)
@@ -257,7 +255,7 @@ class RLTStage:
             g = torch.zeros(mb.inputs.shape[0], 1, self.model.cfg.d_model, dtype=self.dtype,
                             device=mb.inputs.device)
         if self.model.checkpointing.decoder != "none":
-            mb.run.forward(t, mb.dec_in.pop(t), mb.e[t] if self.is_first else None, mode="recompute")
+            mb.run.forward(t, None, None, mode="recompute")
         gx = mb.run.backward(t, g.squeeze(1).to(self.dtype))
         if self.is_first and t == 0:
             _backward([mb.z0], [gx])  # into z_init

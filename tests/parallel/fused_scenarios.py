@@ -9,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 from contextlib import contextmanager
 
-import torch
 
 from rlt_mega.model import fused_run
 from rlt_mega.model.rlt import RLT
@@ -81,30 +80,5 @@ def fused_vs_module(model=None, parallel=None, train=None, persistence_threshold
            "ref_fused_positions": ref_counts["fused_positions"]}
     out["grad_diff"], out["grad_worst"] = max_diff(full, ref.grads())
     out["grad_scale"] = max(float(g.abs().max()) for g in ref.grads().values())
-    _close(dims, engine)
-    return out
-
-
-def fused_steps_vs_module(model=None, parallel=None, train=None, optim=None, steps=2,
-                          persistence_threshold=None) -> dict:
-    """``steps`` optimizer steps on the fused path against the module-path reference: losses,
-    gradient norms and the final parameters."""
-    cfg = make_cfg({**(model or {}), "fused_decoder": True}, parallel, train, optim)
-    with zero3_persistence(persistence_threshold):
-        dims, engine = _engine(cfg)
-    ref = Reference(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fused_decoder=False)))
-    out = {"loss": [], "ref_loss": [], "norm": [], "ref_norm": [], "fused_positions": 0, "module_layers": 0}
-    for step in range(steps):
-        with count_calls() as counts:
-            m = engine.train_step(local_batches(cfg, step, dims))
-        for k, v in counts.items():
-            out[k] += v
-        out["loss"].append(m.loss)
-        out["norm"].append(m.grad_norm)
-        xb, yb = global_batch(cfg, step, dims.dp)
-        out["ref_loss"].append(ref.backward(xb, yb))
-        out["ref_norm"].append(ref.step(m.lr))
-    full = gather_full(engine.parameters_fp32(), dims)
-    out["param_diff"], out["param_worst"] = max_diff(full, ref.params())
     _close(dims, engine)
     return out
