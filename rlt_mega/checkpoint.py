@@ -12,7 +12,7 @@ Layout under ``checkpoint.dir``::
 
 A save writes into ``.tmp-step_N``, fsyncs every file, writes the manifest, renames the
 directory (atomic on POSIX) and only then replaces ``latest``. A crash at any point leaves
-the previous checkpoint and pointer intact (tests/test_crash_resume.py kills a real run
+the previous checkpoint and pointer intact (tests/e2e/test_crash_resume.py kills a real run
 between every two of these phases). A ``.tmp-*`` directory or a step directory without a
 valid manifest is never loaded: resuming skips it with a warning and takes the checkpoint
 ``latest`` names, or else the newest one that verifies; the next save removes the leftovers.

@@ -94,7 +94,7 @@ def cmd_grpo(args: argparse.Namespace) -> int:
 
 def _inference_model(cfg: Config):
     from rlt_mega.data.tokenizer import load_tokenizer
-    from rlt_mega.train.common import inference_model
+    from rlt_mega.train.builders import inference_model
 
     from rlt_mega.rollout import Sampler
 

@@ -46,7 +46,7 @@ _DEVICE = re.compile(r"^(auto|cpu|meta|mps|(cuda|xpu|hpu|npu)(:\d+)?)$")
 
 @dataclass
 class ModelConfig:
-    """The RLT architecture (DESIGN section 1). Encoder and decoder both have ``n_layers``."""
+    """The RLT architecture (docs/design.md, "The model"). Encoder and decoder both have ``n_layers``."""
 
     vocab_size: int = 260
     d_model: int = 128
@@ -161,7 +161,7 @@ class OptimConfig:
 
 @dataclass
 class CheckpointingConfig:
-    """Activation checkpointing (DESIGN section 4); recomputation is exact."""
+    """Activation checkpointing (docs/design.md, "Gradients"); recomputation is exact."""
 
     decoder: Literal["none", "step", "every_k"] = "none"
     decoder_k: int = 4  # steps per checkpointed segment when decoder == "every_k"
@@ -284,13 +284,14 @@ class SamplingConfig:
 
 @dataclass
 class GRPOConfig:
-    """GRPO (DESIGN section 6). One step: prompts_per_step x group_size completions per
+    """GRPO (docs/design.md, "GRPO"). One step: prompts_per_step x group_size completions per
     data-parallel rank, then epochs x minibatches optimizer steps (train.steps counts GRPO
-    steps). Each minibatch is sampled as train.grad_accum rollout micro-batches (more when a
+    steps). Each minibatch is sampled as train.grad_accum rollout batches (more when a
     pipeline keeps more than grad_accum in flight, parallel.micro_batches), each its own batch,
-    so that its replay repeats the rollout's calls with the same batch composition (DESIGN
-    section 3, granularity); their gradients accumulate into the minibatch's one step. GRPO
-    derives train.micro_batch_size (a minibatch's rows / grad_accum) and ignores the value set."""
+    so that its replay repeats the rollout's calls with the same batch composition
+    (docs/design.md, "Granularity"); their gradients accumulate into the minibatch's one step.
+    GRPO derives train.micro_batch_size (a minibatch's rows / grad_accum) and refuses another
+    value set by the user (train/grpo.py, grpo_config)."""
 
     prompts_per_step: int = 8  # per data-parallel rank
     group_size: int = 8  # G completions per prompt
@@ -454,8 +455,27 @@ def _from_dict(cls: type, data: Any, path: str = ""):
 
 
 def from_dict(data: dict, cls: type = Config):
-    """Builds ``cls`` from a plain mapping, strictly (see the module docstring)."""
-    return _from_dict(cls, data)
+    """Builds ``cls`` from a plain mapping, strictly (see the module docstring). The dotted keys
+    the mapping set are remembered (:func:`given`)."""
+    cfg = _from_dict(cls, data)
+    if isinstance(data, dict):
+        cfg._given = frozenset(_dotted_keys(data))  # not a field: asdict, repr and == ignore it
+    return cfg
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out += _dotted_keys(value, name) if isinstance(value, dict) else [name]
+    return out
+
+
+def given(cfg: Any) -> frozenset:
+    """The dotted keys a config file or an override set (``train.micro_batch_size``), so that a
+    job that derives a value can refuse one the user gave instead of overwriting it silently.
+    Empty for a config built in code or changed with dataclasses.replace."""
+    return getattr(cfg, "_given", frozenset())
 
 
 def to_dict(cfg: Any) -> dict:

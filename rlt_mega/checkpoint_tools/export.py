@@ -1,4 +1,4 @@
-"""The export format: one layout-independent directory per model (DESIGN section 7).
+"""The export format: one layout-independent directory per model (docs/design.md, "Checkpoints").
 
 ::
 
@@ -31,6 +31,7 @@ from torch import nn
 from rlt_mega.config import ConfigError, ModelConfig, from_dict
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
+from rlt_mega.precision import parse_storage_dtype as parse_dtype
 from rlt_mega.checkpoint_tools.files import (
     CheckpointFormatError, SafetensorsDir, atomic_directory, copy_files, dtype_name, read_json,
     save_safetensors, tensor_sha256, write_json,
@@ -51,21 +52,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 # rope_theta, norm_eps, max_seq_len, init_std) change what the weights compute, not what they are.
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
                 "share_weights", "tie_embeddings", "qkv_bias")
-
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: Optional[str | torch.dtype]) -> Optional[torch.dtype]:
-    """None / "auto" (keep as stored), a torch dtype, or one of fp32, bf16, fp16."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return None
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected auto, fp32, bf16 or fp16")
-    return _DTYPES[dtype]
-
 
 # ----------------------------------------------------------------------------------------
 # config.json and what a config implies
@@ -338,7 +324,8 @@ def init_from(model: RLT, path: str | Path) -> ModelConfig:
     return exported
 
 
-def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first: bool, is_last: bool) -> RLT:
+def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first_stage: bool,
+                    is_last_stage: bool) -> RLT:
     """``train.init_from=PATH`` for one pipeline stage of a distributed run: the RLT with only
     the stage's parameters (parallel.stage.prune_to_stage; names stay global) holding the
     export's weights. Only the stage's tensors are read (``load_exported(keys=...)``, each
@@ -347,7 +334,7 @@ def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first:
     than its stage at full width. On the CPU, like the seeded build it replaces."""
     from rlt_mega.parallel.stage import prune_to_stage
 
-    model = prune_to_stage(build_model(cfg, "meta"), layers, is_first, is_last)
+    model = prune_to_stage(build_model(cfg, "meta"), layers, is_first_stage, is_last_stage)
     keys = list(model.state_dict())
     dtype = next(model.parameters()).dtype
     exported, sd = load_exported(path, "cpu", keys=keys, dtype=dtype)
@@ -357,5 +344,5 @@ def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first:
     if cfg.tie_embeddings and model.embed is not None and model.lm_head is not None:
         model.lm_head.weight = model.embed.weight
     log.info("initialised layers %d..%d%s from %s", layers.start, layers.stop - 1,
-             " (+ embedding)" if is_first else "", path)
+             " (+ embedding)" if is_first_stage else "", path)
     return model

@@ -1,4 +1,4 @@
-"""Import a dense Llama- or Qwen2-style Hugging Face checkpoint as an RLT (DESIGN section 1).
+"""Import a dense Llama- or Qwen2-style Hugging Face checkpoint as an RLT (docs/design.md, "The model").
 
 A dense transformer converts exactly: encoder = decoder = its layers (share_weights), the
 output projection ``o`` of every cross-attention = 0 and ``recur_proj`` = 0. Then the decoder
@@ -24,9 +24,10 @@ import torch
 
 from rlt_mega.config import ConfigError, ModelConfig
 from rlt_mega.log import get_logger
+from rlt_mega.precision import parse_storage_dtype as parse_dtype
 from rlt_mega.checkpoint_tools.export import (
     CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, TOKENIZER_FILES, empty_model, export_state_dict, expected_shapes,
-    parse_dtype, tied_aliases,
+    tied_aliases,
 )
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError, SafetensorsDir, read_json
 

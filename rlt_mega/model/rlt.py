@@ -1,4 +1,4 @@
-"""The Recurrent Looped Transformer (DESIGN section 1) on one device.
+"""The Recurrent Looped Transformer (docs/design.md, "The model") on one device.
 
 Encoder (causal, all known tokens at once)::
 

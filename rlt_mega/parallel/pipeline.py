@@ -1,4 +1,4 @@
-"""The decoder-ring pipeline schedule (DESIGN section 5).
+"""The decoder-ring pipeline schedule (docs/design.md, "Parallel layout").
 
 Every stage runs a *program*: a list of operations in a fixed order, produced by the pure
 function :func:`stage_program`. An operation receives its input (blocking), computes through
@@ -196,13 +196,13 @@ class RingSchedule:
         self.s, self.P = my_stage, num_stages
         self.busy_s = 0.0  # compute time of the last round (bubble measurement)
 
-    def run(self, micro_batches: list, loss_scale: float, backward: bool, objective=None) -> Optional[torch.Tensor]:
-        """One round: micro_batches is a list of (inputs (b, T), targets (b, T)), or with an
-        ``objective`` (engine.LogitsLoss) of (inputs, its micro-batch dict). Returns the sum of
-        the losses on the last stage (None elsewhere)."""
+    def run(self, batches: list[dict], loss_scale: float, backward: bool, loss) -> Optional[torch.Tensor]:
+        """One round: the batch dict of each micro-batch in flight (``inputs`` (b, T), one T for
+        the round) and their loss (rlt_mega/loss.py, LogitsLoss). Returns the sum of the losses
+        on the last stage (None elsewhere)."""
         stage, p2p, s, P = self.stage, self.p2p, self.s, self.P
-        M, T = len(micro_batches), micro_batches[0][0].shape[1]
-        stage.start(micro_batches, loss_scale, grad=backward, objective=objective)
+        M, T = len(batches), batches[0]["inputs"].shape[1]
+        stage.start(batches, loss_scale, grad=backward, loss=loss)
         self.busy_s, p2p.wait_s = 0.0, 0.0
         loss_sum: Optional[torch.Tensor] = None
         mem_grads: dict[int, torch.Tensor] = {}  # last stage: summed memory gradient per micro-batch

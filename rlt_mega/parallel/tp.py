@@ -11,7 +11,7 @@ GQA groups stay on one rank because both splits are contiguous.
 Norms, ``recur_proj``, ``null_memory`` and ``z_init`` stay replicated (every TP rank computes
 them on identical inputs, so their gradients agree without communication).
 
-CPU/gloo constraints (ENGINES.md): ``use_cpu_initialization=True``, no sequence parallel,
+CPU/gloo constraints (docs/engines.md): ``use_cpu_initialization=True``, no sequence parallel,
 ``gather_output=False`` and ``input_is_parallel=True`` only, no megatron RNG tracker or
 megatron checkpointing (the model uses torch.utils.checkpoint, non-reentrant).
 """
@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_mega.loss import IGNORE, Vocab
 from rlt_mega.parallel.dims import ParallelDims
 
 # Module-name pattern -> layer kind. "column": output features split (gather_output=False);
@@ -190,19 +191,16 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, 
 # The loss and the logits of a vocab-parallel head
 # ------------------------------------------------------------------------------------------
 
-IGNORE_INDEX = -100
-
-
 def token_losses(logits: torch.Tensor, targets: torch.Tensor, tp: int) -> torch.Tensor:
     """Per-token cross-entropy: logits (..., V / tp) fp32 vocab shard, targets (...) with
-    IGNORE_INDEX for positions without a target -> (...) fp32, zero where ignored.
+    IGNORE for positions without a target -> (...) fp32, zero where ignored.
 
     Under TP the logits are consumed in place by megatron's vocab_parallel_cross_entropy: do
     not reuse them afterwards."""
-    mask = targets != IGNORE_INDEX
+    mask = targets != IGNORE
     if tp == 1:
         losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none",
-                                 ignore_index=IGNORE_INDEX).view(targets.shape)
+                                 ignore_index=IGNORE).view(targets.shape)
         return losses
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -244,3 +242,19 @@ def gather_vocab_grad(logits: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     if dims.tp == 1:
         return logits
     return _GatherVocab.apply(logits, dims.tp_group, dims.tp, dims.tp_rank)
+
+
+class ShardedVocab(Vocab):
+    """The loss contract's vocabulary operations (rlt_mega/loss.py) on this rank's vocab shard
+    (..., V / tp) of a tensor-parallel head: the cross-entropy by megatron's
+    vocab_parallel_cross_entropy on the shard, without gathering the logits; whole rows, when a
+    loss needs them, by a differentiable all-gather."""
+
+    def __init__(self, dims: ParallelDims) -> None:
+        self.dims = dims
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_vocab_grad(logits, self.dims)
+
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_losses(logits, targets, self.dims.tp).sum()  # (b, T) -> ()

@@ -59,14 +59,6 @@ def count_flops(fn: Callable[[], object]) -> int:
     return counter.get_total_flops()
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def zero_probe(rank: int, world_size: int, port: int, model_cfg: dict, cases: list[dict],
                results) -> None:
     """One rank of a DeepSpeed data-parallel run (gloo, CPU): for each case (``zero_stage``,

@@ -2,7 +2,7 @@
 
 What is alive comes from reading what ``model/rlt.py`` and ``model/attention.py`` save for
 backward (checked tensor by tensor with saved-tensor hooks, and against torch's MemTracker in
-tests/test_costmodel.py). Per position and layer, with a = activation bytes (4 fp32, 2 bf16),
+tests/unit/test_costmodel.py). Per position and layer, with a = activation bytes (4 fp32, 2 bf16),
 q = H Dh / tp, kv = H_kv Dh / tp, F = ffn / tp, H = heads / tp:
 
   each RMSNorm     its input kept at 4 bytes (fp32: the residual itself; bf16: the fp32

@@ -1,10 +1,11 @@
 """Parameter counts by group, for the whole model and for one rank of a TP x PP layout.
 
-Sharding follows DESIGN section 5 (Megatron conventions): self- and cross-attention q/k/v
+Sharding follows docs/design.md, "Parallel layout" (Megatron conventions): self- and cross-attention q/k/v
 and the MLP gate/up are column-parallel (weights and biases split by output), o and down
-row-parallel (split by input; they have no bias), embed and lm_head vocab-parallel; norms, ``recur_proj`` (d x d, small), ``z_init`` and
-``null_memory`` are replicated. Pipeline stage s owns blocks and cross blocks
-[s*L/P, (s+1)*L/P) (or ``pp_split``); stage 0 also embed and the recurrence input
+row-parallel (split by input; they have no bias), embed and lm_head vocab-parallel; norms,
+``recur_proj`` (d x d, small), ``z_init`` and ``null_memory`` are replicated. Pipeline stage s
+owns a contiguous block of layers (the trainer's split: L/P each, earlier stages one more when
+P does not divide L, or ``pp_split``); stage 0 also embed and the recurrence input
 (recur_norm, recur_proj, z_init), the last stage memory_norm, final_norm and lm_head (a copy
 of embed when tied and P > 1, its gradient all-reduced with stage 0's as Megatron does). Every
 stage holds null_memory: it feeds the null slot of the stage's own cross-attention K/V.
@@ -18,6 +19,7 @@ from typing import Optional, Sequence
 
 from rlt_mega.config import ConfigError, ModelConfig
 from rlt_mega.model.rlt import param_counts
+from rlt_mega.parallel.dims import check_tp, split_layers
 
 GROUPS = ("embed", "lm_head", "blocks", "decoder_blocks", "cross", "recurrence", "memory", "final_norm")
 
@@ -28,35 +30,15 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raises ConfigError unless every sharded dimension divides by tp (as
-    ``parallel.dims.resolve_layout`` does)."""
-    for name, size in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
-                       ("model.ffn_hidden", cfg.ffn_hidden), ("model.vocab_size", cfg.vocab_size)):
-        if size % tp:
-            raise ConfigError(f"tensor parallel size {tp} does not divide {name}={size}: "
-                              f"choose tp among the divisors of {size}")
-
-
 def stage_layers(n_layers: int, pp: int, pp_split: Optional[Sequence[int]] = None) -> list[range]:
-    """Layer indices of each pipeline stage: contiguous, L/P each, or ``pp_split``."""
+    """Layer indices of each pipeline stage: the trainer's own split (parallel.dims.split_layers:
+    contiguous, earlier stages take the remainder of an uneven split, or ``pp_split``)."""
     return list(_stage_layers(n_layers, pp, None if pp_split is None else tuple(pp_split)))
 
 
 @functools.lru_cache(maxsize=4096)
 def _stage_layers(n_layers: int, pp: int, pp_split: Optional[tuple[int, ...]]) -> tuple[range, ...]:
-    if pp_split is not None:
-        if len(pp_split) != pp or sum(pp_split) != n_layers or min(pp_split) < 1:
-            raise ConfigError(f"parallel.pp_split={list(pp_split)} must have pp={pp} positive entries "
-                              f"summing to model.n_layers={n_layers}")
-        sizes = list(pp_split)
-    else:
-        if n_layers % pp:
-            raise ConfigError(f"pipeline size {pp} does not divide model.n_layers={n_layers}: choose pp "
-                              f"among its divisors or give parallel.pp_split (layers per stage)")
-        sizes = [n_layers // pp] * pp
-    starts = [sum(sizes[:s]) for s in range(pp)]
-    return tuple(range(a, a + n) for a, n in zip(starts, sizes))
+    return tuple(split_layers(n_layers, pp, None if pp_split is None else list(pp_split)))
 
 
 def block_params(cfg: ModelConfig, tp: int = 1) -> int:

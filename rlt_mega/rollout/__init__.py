@@ -2,7 +2,7 @@
 
 from rlt_mega.rollout.processing import Processing, make_generators, process_logits, sample
 from rlt_mega.rollout.comms import Comms
-from rlt_mega.rollout.sampler import Rollout, Sampler, SamplingParams, Schedule, generate, precision, replay
+from rlt_mega.rollout.sampler import Rollout, Sampler, SamplingParams, Schedule, generate, replay
 
 __all__ = ["Processing", "make_generators", "process_logits", "sample", "Comms", "Rollout", "Sampler",
-           "SamplingParams", "Schedule", "generate", "precision", "replay"]
+           "SamplingParams", "Schedule", "generate", "replay"]

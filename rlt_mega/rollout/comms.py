@@ -1,4 +1,4 @@
-"""How a sampler on one rank talks to the rest of its model replica (DESIGN section 5: GRPO is
+"""How a sampler on one rank talks to the rest of its model replica (docs/design.md, "GRPO": it is
 colocated, each data-parallel replica samples with its learner's TP/PP layout).
 
 - pipeline: point-to-point messages between the stages of the replica's pipeline (the
@@ -50,11 +50,11 @@ class Comms:
                    last_stage_rank=dims.pp_ranks[-1], gather_fn=lambda x: gather_vocab(x, dims))
 
     @property
-    def is_first(self) -> bool:
+    def is_first_stage(self) -> bool:
         return self.stage == 0
 
     @property
-    def is_last(self) -> bool:
+    def is_last_stage(self) -> bool:
         return self.stage == self.num_stages - 1
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -74,6 +74,6 @@ class Comms:
         """The last stage's ``obj`` (picklable, CPU tensors) on every stage of the pipeline."""
         if self.num_stages == 1:
             return obj
-        box = [obj if self.is_last else None]
+        box = [obj if self.is_last_stage else None]
         dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
         return box[0]

@@ -1,5 +1,6 @@
 """The rollout schedule as a program that every pipeline stage of a model replica runs
-(DESIGN sections 2, 3 and 5). Sampling and replay both run it: they differ only in how the
+(docs/design.md: "One transition, three schedules", "Exact
+log-probabilities", "Parallel layout"). Sampling and replay both run it: they differ only in how the
 token after each decoder step is chosen (drawn, or read from the recorded rollout), so with
 unchanged parameters their log-probs are equal bit for bit, on one process and under
 tensor/pipeline parallelism alike.
@@ -154,13 +155,13 @@ class Executor:
         B = run.plan.tokens.shape[0]
         z_prev = None
         if t > 0:
-            if not comms.is_last:  # x_t and whether item (t, j) exists, from step t-1
+            if not comms.is_last_stage:  # x_t and whether item (t, j) exists, from step t-1
                 ctl = comms.p2p.recv((B + 1,), torch.long, P - 1, "r_ctl")
                 run.plan.tokens[:, t] = ctl[:B]
                 if not bool(ctl[B]):
                     run.active = False
                     return
-            if comms.is_first:  # received here (not at the decoder step) to keep the pair's order
+            if comms.is_first_stage:  # received here (not at the decoder step) to keep the pair's order
                 z_prev = comms.p2p.recv((B, 1, self.d), self.act_dtype, P - 1, "r_ring").squeeze(1)
         start = t + 1 - self.C
         if (t + 1) % self.C == 0 and start >= run.prefill_end:
@@ -171,12 +172,12 @@ class Executor:
     def _encoder_call(self, run: _Run, start: int, end: int) -> None:
         model, comms, P = self.model, self.comms, self.comms.num_stages
         shape = (run.plan.tokens.shape[0], end - start, self.d)
-        if comms.is_first:
+        if comms.is_first_stage:
             h = model.embed(run.plan.tokens[:, start:end])  # (B, n, d)
         else:
             h = comms.p2p.recv(shape, self.act_dtype, comms.stage - 1, "r_enc")
         h = model.encode(h, start=start, cache=run.enc, layers=self.layers)
-        if comms.is_last:
+        if comms.is_last_stage:
             m = model.memory_norm(h)
             for s in range(P - 1):
                 self._send(m, s, "r_mem")
@@ -193,7 +194,7 @@ class Executor:
         model, comms, P = self.model, self.comms, self.comms.num_stages
         tokens = run.plan.tokens
         B = tokens.shape[0]
-        if comms.is_first:
+        if comms.is_first_stage:
             z = model.initial_state(B) if t == 0 else z_prev  # (B, d)
             u = model.decoder_input(model.embed(tokens[:, t]), z)  # (B, 1, d)
         else:
@@ -203,7 +204,7 @@ class Executor:
         else:
             y = model.decoder_layers(u, t, run.dec, run.mem, self.layers)  # (B, 1, d)
         run.num_steps = t + 1
-        if not comms.is_last:
+        if not comms.is_last_stage:
             self._send(y, comms.stage + 1, "r_dec")
             return
         logprobs = process_logits(comms.gather_vocab(model.head(y.squeeze(1))), processing)  # (B, V) fp32

@@ -1,4 +1,4 @@
-"""Logits processing and sampling (DESIGN section 3).
+"""Logits processing and sampling (docs/design.md, "Exact log-probabilities").
 
 The behavior log-prob mu that the sampler records must be the log of the probability with
 which a token was really drawn. So processing returns log-probs, not logits: temperature,

@@ -1,4 +1,5 @@
-"""The rollout and replay schedules (DESIGN sections 2 and 3).
+"""The rollout and replay schedules (docs/design.md, "One transition, three schedules" and
+"Exact log-probabilities").
 
 Both run one executor (``executor.Executor``, the same program on one process and on every
 stage of a tensor/pipeline-parallel replica), so that with unchanged parameters their logits
@@ -32,7 +33,6 @@ step ran (fused or the modules'; they round differently, so the replay takes the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -40,22 +40,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from rlt_mega.model.rlt import RLT
+from rlt_mega.precision import precision
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.executor import Executor, Plan, Result
 from rlt_mega.rollout.processing import Processing, make_generators, sample
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def precision(dtype: str, device: torch.device | str):
-    """The context the model calls run under: nothing for fp32, autocast for bf16 (the
-    head's logits are fp32 either way)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype])
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -236,7 +224,7 @@ class Sampler:
         with torch.no_grad(), precision(dtype, self.device):
             results = self.executor.run(plans, params[0].processing, self.fast_decode)
         rollouts = None
-        if self.comms.is_last:
+        if self.comms.is_last_stage:
             rollouts = [_rollout(res, plan, draw, p.processing, dtype, pad_id, self.model.cfg.memory_block)
                         for res, plan, draw, p in zip(results, plans, draws, params)]
             if self.comms.num_stages > 1:

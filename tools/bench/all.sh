@@ -24,13 +24,13 @@ run() {  # name, command...
 want() { [[ " ${SELECTED} " == *" $1 "* ]]; }
 SELECTED="${*:-training pipeline rollout peer rollout_parallel stability}"
 
-# Targets 4 and 5 (activation checkpointing at T=512; FLOP rate against the matmul peak).
+# Activation checkpointing at T=512; the encoder FLOP rate against the matmul peak.
 # Memory: no checkpointing against decoder-per-step + encoder-per-layer, one profiled step each,
 # two timing rounds (`--modes every_k=8+enc step+enc` adds the cheapest mode, ~90 s more).
 want training && run training python tools/bench/training.py --only memory flops --modes step+enc --repeats 2
-# Target 6 (ring bubble): emulated stages and the tiny model; throughput layouts skipped.
+# The ring bubble: emulated stages and the tiny model; throughput layouts skipped.
 want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
-# Targets 1-3: rollout tokens/s across C, replay/rollout, hybrid/dense (small_cpu, batch 8, 128
+# The deferred-memory speed-up (rollout tokens/s across C), replay/rollout, hybrid/dense (small_cpu, batch 8, 128
 # new tokens, with the module path's figures beside the fused step's); the HF generate peer.
 want rollout && run rollout python tools/bench/rollout.py --repeats 4 --learner-repeats 2
 want peer && run peer python tools/bench/peer.py
