@@ -73,16 +73,16 @@ def install_step_sleep(seconds: float) -> None:
 def install_rank_kill(rank: int, step: int) -> None:
     if int(os.environ.get("RANK", "0")) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    original = PackedBatches.next_micro_batches
+    original = PackedBatches.next_batches
     fetched = [0]
 
-    def next_micro_batches(self):
+    def next_batches(self):
         fetched[0] += 1  # counts from the step the run starts (or resumes) at
         if fetched[0] == step:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self)
 
-    PackedBatches.next_micro_batches = next_micro_batches
+    PackedBatches.next_batches = next_batches
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Distributed checkpoint scenarios (run on every rank by tests/parallel/worker.py as
+"""Distributed checkpoint scenarios (run on every rank by tests/distributed/worker.py as
 ``checkpoint_scenarios.<name>``): train and save on a layout, start a layout from an export,
 resume on another data-parallel size. They write checkpoints and tensors under ``root`` for
 the test process, which checks them against single-process models and DeepSpeed's own
@@ -17,8 +17,8 @@ from rlt_mega.config import Config, save_config
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.gather import gather_full
 from rlt_mega.parallel.tp import gather_vocab
-from rlt_mega.train.pretrain import build_distributed
-from tests.parallel.scenarios import _close, _engine, local_batches, make_cfg
+from rlt_mega.train.builders import build_engine
+from tests.distributed.scenarios import _close, _engine, local_batches, make_cfg
 
 
 def probe_tokens(cfg: Config) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,14 +103,14 @@ def train_and_save(root: str, model=None, parallel=None, train=None, steps: int 
 
 
 def init_from_export(root: str, export: str, model=None, parallel=None, train=None) -> dict:
-    """A run started from an export by the production path (train/pretrain.build_distributed:
+    """A run started from an export by the production path (train/builders.build_engine:
     each rank reads its stage, the engine slices its TP shard); records its logits
     (root/logits.pt), exports its weights again from rank 0 (root/again.pt: the gathered state
     dict) and saves a shards-only checkpoint (root/shards/step_0)."""
     root = Path(root)
     cfg = _cfg(model, parallel, train, root, init_from=export)
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", cfg.train)
-    _, engine = build_distributed(cfg, dims)
+    engine = build_engine(cfg, dims)
     _store(training_logits(engine, dims, cfg), root / "logits.pt", dims, only_rank=None)
     full = engine.full_state_dict()  # collective; the single-device layout on rank 0
     _store(full, root / "again.pt", dims)
@@ -147,7 +147,7 @@ def resume_load(root: str, checkpoint: str, parallel=None, train=None, steps_aft
     root = Path(root)
     cfg = _cfg(None, parallel, train, root, init_from=weights_only_export)
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", cfg.train)
-    _, engine = build_distributed(cfg, dims)
+    engine = build_engine(cfg, dims)
     saved_step = int(Path(checkpoint).name.split("_")[1])
     if weights_only_export:
         engine.load_state_dict({"steps_taken": saved_step})

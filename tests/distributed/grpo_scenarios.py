@@ -1,4 +1,4 @@
-"""GRPO under TP/PP/ZeRO, run on every rank by tests/parallel/worker.py (``grpo_scenarios.<fn>``).
+"""GRPO under TP/PP/ZeRO, run on every rank by tests/distributed/worker.py (``grpo_scenarios.<fn>``).
 
 - ``replay_exact``: the sampler ring on this layout; its replay is torch.equal to mu, and the
   rollout agrees with one process sampling the same batches with the same seeds.
@@ -24,14 +24,14 @@ from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.parallel.distributed import shard_for_rank
 from rlt_mega.parallel.engine import param_groups
 from rlt_mega.parallel.gather import gather_full
+from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate, replay
 from rlt_mega.rollout.rewards import score
 from rlt_mega.train.common import max_new_tokens_for, sampling_params
-from rlt_mega.train.grpo import build_trainer, engine_config, num_micro_batches, request_seeds
-from tests.parallel.scenarios import max_diff
+from rlt_mega.train.grpo import batches_per_minibatch, build_trainer, engine_config, grpo_config, request_seeds
+from tests.distributed.scenarios import max_diff
 
 MODEL = dict(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, memory_block=2,
              max_seq_len=48, init_std=0.1)
@@ -117,7 +117,7 @@ class OneProcessGRPO:
         order = RecordOrder(len(recs), cfg.train.seed, cfg.data.shuffle)
         global_idx = order.take(g.prompts_per_step * self.dp)
         rows_per_rank = g.prompts_per_step * g.group_size
-        micro = num_micro_batches(engine_config(cfg))
+        micro = batches_per_minibatch(grpo_config(cfg))
         size = rows_per_rank // g.minibatches // micro
         # per replica r: micro-batches of each minibatch, as the distributed trainer forms them
         ranks = []
@@ -143,8 +143,8 @@ class OneProcessGRPO:
             total = 0.0
             for ro, a, ref in picked:
                 logp = hybrid_logprobs(dense_logprobs(self.model, ro), replay(self.model, ro))
-                loss = grpo_loss(logp, ro.mu, a, ro.mask, float(count), g.eps_low, g.eps_high, ref_logp=ref,
-                                 kl_coef=g.kl_coef if ref is not None else 0.0).loss
+                loss = grpo_loss(logp, ro.mu, a, ro.mask, g.eps_low, g.eps_high, ref_logp=ref,
+                                 kl_coef=g.kl_coef if ref is not None else 0.0).loss / count
                 loss.backward()
                 total += float(loss)
             for grp in self.opt.param_groups:
@@ -177,22 +177,21 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
     partition every parameter of the tiny model (else all stay whole and nothing is tested)."""
     if persistence_threshold is not None:
         _force_zero3_partitioning(persistence_threshold)
-    cfg = grpo_cfg(parallel, train, grpo)
-    built = engine_config(cfg)
-    dims = ParallelDims.build(built.parallel, built.model, "cpu", built.train)
+    cfg = grpo_config(grpo_cfg(parallel, train, grpo))
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
     recs = records()
-    trainer = build_trainer(cfg, built, dims, load_tokenizer("byte"), odd, recs, [])
+    trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, recs, [])
     captured = {}
     original = trainer.engine.train_step
 
-    def spy(micro_batches, loss_fn, count_fn):
-        stats = original(micro_batches, loss_fn, count_fn)
+    def spy(batches, loss):
+        stats = original(batches, loss)
         captured.setdefault("stats", []).append(stats)
-        captured.setdefault("rollouts", []).extend(mb["rollout"] for mb in micro_batches)
+        captured.setdefault("rollouts", []).extend(b["rollout"] for b in batches)
         return stats
 
     trainer.engine.train_step = spy
-    scalars = trainer.train_step()
+    scalars = trainer.job.step(0)
     stats = captured["stats"]
     ref = OneProcessGRPO(cfg, dims.dp).step(recs, [s.lr for s in stats])
     mine = captured["rollouts"][:len(captured["rollouts"]) // cfg.grpo.epochs]
@@ -206,6 +205,6 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
            "loss": [s.loss for s in stats], "ref_loss": ref["loss"],
            "norm": [s.grad_norm for s in stats], "ref_norm": ref["norm"], "param_diff": param_diff,
            "param_worst": worst, "scalars": scalars, "ref_reward_mean": sum(ref["rewards"]) / len(ref["rewards"])}
-    trainer.engine.engine.destroy()
+    trainer.engine.close()
     dims.destroy()
     return out

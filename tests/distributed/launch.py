@@ -1,5 +1,5 @@
 """Spawns N ranks (one subprocess each, torchrun's environment variables, a free port, a hard
-timeout) that each run a list of scenarios from ``tests/parallel/scenarios.py`` in order and
+timeout) that each run a list of scenarios from ``tests/distributed/scenarios.py`` in order and
 write one JSON file of results per rank. A scenario that raises records its traceback and the
 worker moves on (a scenario that hangs is killed with the whole launch at the timeout; the
 per-rank files then show where each rank stopped)."""
@@ -8,19 +8,14 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from rlt_mega.parallel.dims import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(nprocs: int, scenarios: list[tuple[str, dict]], out_dir: Path, timeout: float = 600.0) -> list[dict]:
@@ -38,7 +33,7 @@ def run_ranks(nprocs: int, scenarios: list[tuple[str, dict]], out_dir: Path, tim
                    OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RLT_LOG_LEVEL="WARNING",
                    PYTHONWARNINGS="ignore")
         log = open(out_dir / f"rank{rank}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, "-m", "tests.parallel.worker", str(spec), str(out_dir)],
+        procs.append((subprocess.Popen([sys.executable, "-m", "tests.distributed.worker", str(spec), str(out_dir)],
                                        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))
     # Wait for all; as soon as one rank fails (or the time is up) the others are killed, since
     # they may be blocked in a collective with it.

@@ -1,4 +1,4 @@
-"""Distributed scenarios, run on every rank by tests/parallel/worker.py. Each builds a layout,
+"""Distributed scenarios, run on every rank by tests/distributed/worker.py. Each builds a layout,
 runs the engine, runs a single-process reference (full model, combined batch of every
 data-parallel rank, torch AdamW and torch clipping) in the same process, and returns numbers
 (max differences, norms, losses) that the tests check. Nothing here asserts: a scenario that
@@ -16,9 +16,9 @@ import torch.nn.functional as F
 from rlt_mega.config import Config, ConfigError, from_dict
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.parallel.distributed import build_engine
 from rlt_mega.parallel.engine import param_groups
 from rlt_mega.parallel.gather import gather_full
+from rlt_mega.train.builders import build_engine
 
 TINY = dict(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, memory_block=2,
             max_seq_len=16)
@@ -110,7 +110,7 @@ def _engine(cfg: Config):
 
 
 def _close(dims, engine) -> None:
-    engine.engine.destroy()
+    engine.close()
     dims.destroy()
 
 

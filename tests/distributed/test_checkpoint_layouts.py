@@ -1,4 +1,4 @@
-"""Distributed checkpoints across layouts (tests/parallel/checkpoint_scenarios.py on gloo ranks):
+"""Distributed checkpoints across layouts (tests/distributed/checkpoint_scenarios.py on gloo ranks):
 
 * export from TP=2 x PP=2 (ZeRO-1) and from ZeRO-3 on DP=2, from the consolidated
   model.safetensors and from the per-rank shards alone: both agree tensor for tensor, agree with
@@ -27,9 +27,9 @@ from rlt_mega.checkpoint_tools.inspect_ckpt import format_report, inspect_path
 from rlt_mega.config import load_config
 from rlt_mega.model import RLT, build_model
 from rlt_mega.parallel.reshard import to_universal
-from tests.parallel.checkpoint_scenarios import probe_tokens
-from tests.parallel.launch import result, run_ranks
-from tests.parallel.scenarios import make_cfg
+from tests.distributed.checkpoint_scenarios import probe_tokens
+from tests.distributed.launch import result, run_ranks
+from tests.distributed.scenarios import make_cfg
 
 S = "checkpoint_scenarios."
 TP2PP2 = {"tp": 2, "pp": 2, "micro_batches": 2, "zero_stage": 1}

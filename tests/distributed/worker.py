@@ -1,6 +1,6 @@
 """Entry point of one rank: runs the scenarios listed in a JSON file, in order. A scenario is a
-function of tests/parallel/scenarios.py, or ``module.function`` for another module of
-tests/parallel/."""
+function of tests/distributed/scenarios.py, or ``module.function`` for another module of
+tests/distributed/."""
 
 import importlib
 import json
@@ -9,13 +9,13 @@ import sys
 import traceback
 from pathlib import Path
 
-from tests.parallel import scenarios
-from tests.parallel.launch import key
+from tests.distributed import scenarios
+from tests.distributed.launch import key
 
 
 def resolve(name: str):
     module, _, function = name.rpartition(".")
-    return getattr(importlib.import_module(f"tests.parallel.{module}") if module else scenarios, function)
+    return getattr(importlib.import_module(f"tests.distributed.{module}") if module else scenarios, function)
 
 
 def main() -> None:

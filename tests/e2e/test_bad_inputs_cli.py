@@ -18,7 +18,7 @@ from rlt_mega.cli import main
 from rlt_mega.config import DataConfig
 from rlt_mega.data.datasets import DataError, DataStats, load_records, text_of
 
-from test_pretrain_cli import TINY
+from helpers import TINY
 
 GOOD = [json.dumps({"text": f"Mia has {i} apples and buys {i % 7} more. How many now? #### {i + i % 7}"})
         for i in range(120)]

@@ -19,12 +19,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_pretrain_cli import TINY
+from helpers import TINY
 
 STEPS, EVERY, KEEP = 16, 4, 2
 RUN = [*TINY, f"train.steps={STEPS}", f"checkpoint.every={EVERY}", f"checkpoint.keep={KEEP}", "train.resume=auto"]
 TIMEOUT = 600  # seconds; a run takes ~10 s on an idle 2-core machine
-DRIVER = str(Path(__file__).resolve().parent / "crash_driver.py")
+DRIVER = str(Path(__file__).resolve().parents[1] / "crash_driver.py")
 
 
 def command(tmp_path, name, *extra, driver=False):

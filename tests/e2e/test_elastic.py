@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.n_layers=2",
         "model.memory_block=2", "data.seq_len=16", "data.generated.num_train=300", "data.generated.num_eval=10",
@@ -23,7 +23,7 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_
 STEPS, EVERY, KILL_AT = 8, 3, 5  # checkpoints at 3 and 6; rank 1 dies fetching step 5's batches
 RUN = [*TINY, "parallel.zero_stage=1", f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep=2",
        "train.resume=auto"]
-DRIVER = str(Path(__file__).resolve().parent / "crash_driver.py")
+DRIVER = str(Path(__file__).resolve().parents[1] / "crash_driver.py")
 TIMEOUT = 600  # seconds; ~20 s per attempt on an idle 2-core machine
 
 

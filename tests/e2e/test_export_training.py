@@ -10,7 +10,8 @@ from rlt_mega import cli
 from rlt_mega.checkpoint_tools import export_model, load_exported
 from rlt_mega.checkpoint_tools.inspect_ckpt import inspect_path
 from rlt_mega.config import load_config
-from rlt_mega.train.pretrain import build_local
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.train.builders import build_engine
 
 TINY = ["model.vocab_size=260", "model.d_model=32", "model.n_layers=2", "model.n_heads=4",
         "model.n_kv_heads=2", "model.ffn_hidden=64", "model.memory_block=2", "model.max_seq_len=16",
@@ -35,9 +36,9 @@ def trained(tmp_path_factory):
 def _model_from_checkpoint(tmp, step_dir):
     """The model exactly as the training engine restores it from its checkpoint."""
     cfg = load_config(None, overrides(tmp, "a", "train.steps=2"))
-    model, engine, _ = build_local(cfg)
+    engine = build_engine(cfg, ParallelDims.single(cfg.model, cfg.train.device))
     engine.load(step_dir)
-    return model
+    return engine.module
 
 
 def test_export_training_checkpoint_logits_equal(trained, tmp_path):
@@ -64,7 +65,7 @@ def test_round_trip_through_init_from(trained, tmp_path, capsys):
     # a new run initialised from the export: its model is the export, and exports identically
     cfg = load_config(None, overrides(tmp_path, "b", "train.steps=1", f"train.init_from={tmp_path / 'exp'}",
                                       "train.seed=7"))
-    model, _, _ = build_local(cfg)
+    model = build_engine(cfg, ParallelDims.single(cfg.model, cfg.train.device)).module
     export_model(model, None, tmp_path / "again")
     first = json.loads((tmp_path / "exp" / "rlt_export.json").read_text())["tensors"]
     again = json.loads((tmp_path / "again" / "rlt_export.json").read_text())["tensors"]

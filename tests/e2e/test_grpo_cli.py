@@ -3,13 +3,14 @@ ratio is exactly 1 at every step, a learnable reward rises, and a resumed run en
 uninterrupted one does."""
 
 import json
-from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
 from rlt_mega.cli import main
 from rlt_mega.metrics import read_metrics
+
+from helpers import gsm8k_dir
 
 METRICS = ["reward/mean", "reward/accuracy", "ratio/min", "ratio/mean", "ratio/max", "ratio/clip_fraction",
            "ratio/onpolicy_max_dev", "support/miss_fraction", "mismatch/logprob_diff_max",
@@ -81,18 +82,11 @@ def test_grpo_refuses_a_bad_reward(tmp_path, prompts, capsys):
     assert "reward 'nowhere'" in capsys.readouterr().err
 
 
-def _gsm8k_dir():
-    for base in (Path(__file__).resolve().parents[1] / ".." / "shared", Path("/work/shared")):
-        if (base / "data" / "gsm8k" / "test.jsonl").is_file():
-            return base / "data" / "gsm8k"
-    return None
-
-
-@pytest.mark.skipif(_gsm8k_dir() is None, reason="no local GSM8K copy (../shared/data/gsm8k)")
+@pytest.mark.skipif(gsm8k_dir() is None, reason="no local GSM8K copy (../shared/data/gsm8k)")
 def test_grpo_on_real_gsm8k_records(tmp_path):
     """The GSM8K data path of configs/grpo_gsm8k.yaml (a local copy instead of the hub), on a
     tiny untrained model: real prompts, the GSM8K reward, held-out accuracy."""
-    args = ["grpo", "--config", "configs/grpo_gsm8k.yaml", f"data.train={_gsm8k_dir()}", "data.tokenizer=byte",
+    args = ["grpo", "--config", "configs/grpo_gsm8k.yaml", f"data.train={gsm8k_dir()}", "data.tokenizer=byte",
             "model.vocab_size=260", "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.n_kv_heads=1",
             "model.ffn_hidden=64", "model.max_seq_len=1024", "train.dtype=fp32", "train.device=cpu", "train.steps=1",
             "train.checkpointing.decoder=none", "train.checkpointing.encoder=false", "grpo.prompts_per_step=2",

@@ -4,15 +4,12 @@ held-out accuracy through the ring): every metric is logged by rank 0, the on-po
 exactly 1, and a run stopped and resumed ends with the weights of an uninterrupted one."""
 
 import json
-import os
-import subprocess
-import sys
-
 import torch
 from safetensors.torch import load_file
 
 from rlt_mega.metrics import read_metrics
-from tests.parallel.launch import ROOT, free_port
+
+from helpers import launched
 
 METRICS = ["reward/mean", "reward/accuracy", "ratio/min", "ratio/mean", "ratio/max", "ratio/clip_fraction",
            "ratio/onpolicy_max_dev", "support/miss_fraction", "mismatch/logprob_diff_max",
@@ -32,15 +29,9 @@ def grpo(tmp_path, name, *overrides):
             "optim.schedule=constant", "logging.progress=false", f"checkpoint.dir={tmp_path / name / 'ckpt'}",
             f"logging.dir={tmp_path / name / 'tb'}", "checkpoint.every=0", "grpo.prompts_per_step=2",
             "grpo.group_size=4", "grpo.minibatches=2", "grpo.eval_size=4", "grpo.eval_every=0", "grpo.kl_coef=0.05",
-            "grpo.reward=tests.parallel.grpo_scenarios:odd", "sampling.max_new_tokens=6", "train.steps=2",
+            "grpo.reward=tests.distributed.grpo_scenarios:odd", "sampling.max_new_tokens=6", "train.steps=2",
             "train.grad_accum=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=1", *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", RLT_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT),
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
-           str(free_port()), "-m", "rlt_mega", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
+    return launched(2, args)
 
 
 def test_pipeline_grpo_under_torchrun_logs_every_metric_and_resumes_exactly(tmp_path):

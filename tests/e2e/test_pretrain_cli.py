@@ -11,10 +11,7 @@ from safetensors.torch import load_file
 
 from rlt_mega.metrics import read_metrics
 
-TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_hidden=64", "model.n_layers=2",
-        "model.memory_block=2", "data.seq_len=24", "data.generated.num_train=400", "data.generated.num_eval=20",
-        "train.micro_batch_size=4", "train.eval_every=0", "train.log_every=1", "logging.progress=false",
-        "optim.warmup_steps=2", "optim.lr=5e-3"]
+from helpers import TINY
 
 
 def pretrain(tmp_path, name, *overrides):

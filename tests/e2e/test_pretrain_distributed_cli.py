@@ -3,39 +3,16 @@ and resumed on the same layout ends with the weights of an uninterrupted one (to
 checkpoints export like single-process ones, and a layout that does not fit stops the job at
 start-up with the message."""
 
-import os
-import subprocess
-import sys
-
 import torch
 from safetensors.torch import load_file
 
 from rlt_mega import cli
 from rlt_mega.metrics import read_metrics
-from tests.parallel.launch import ROOT, free_port
 
-TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.n_layers=2",
-        "model.memory_block=2", "data.seq_len=16", "data.generated.num_train=300", "data.generated.num_eval=10",
-        "train.micro_batch_size=4", "train.eval_every=0", "train.log_every=1", "logging.progress=false",
-        "optim.warmup_steps=2", "optim.lr=5e-3"]
-
+from helpers import pretrain_launched
 
 def launch(tmp_path, name, nproc, *overrides, launcher="torchrun", check=True):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RLT_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT),
-               PYTHONWARNINGS="ignore")
-    port = str(free_port())
-    args = ["pretrain", "--config", "configs/tiny_cpu.yaml", *TINY, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
-            f"logging.dir={tmp_path / name / 'tb'}", *overrides]
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
-               "-m", "rlt_mega", *args]
-    else:
-        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(nproc), "--master_port",
-               port, "--no_local_rank", "--module", "rlt_mega", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
+    return pretrain_launched(tmp_path, name, nproc, *overrides, launcher=launcher, check=check)
 
 
 def test_pipeline_run_under_torchrun_resumes_exactly_and_exports(tmp_path):

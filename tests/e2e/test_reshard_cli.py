@@ -6,7 +6,8 @@ keeping its optimizer state; its checkpoints export from the shards and inspect 
 import json
 
 from rlt_mega import cli
-from tests.parallel.test_cli_distributed import launch
+
+from helpers import pretrain_launched as launch
 
 COMMON = ["parallel.zero_stage=1", "train.steps=4", "checkpoint.every=2", "checkpoint.consolidate=false"]
 

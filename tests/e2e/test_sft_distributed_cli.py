@@ -2,13 +2,10 @@
 global batch and follow the single-process run on the combined batch; a pipeline-parallel run
 (fixed-length padded pairs) trains and exports."""
 
-import os
-import subprocess
-import sys
-
 from rlt_mega import cli
 from rlt_mega.metrics import read_metrics
-from tests.parallel.launch import ROOT, free_port
+
+from helpers import launched
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.n_layers=2",
         "model.memory_block=2", "model.max_seq_len=160", "data.seq_len=128", "data.generated.num_train=64",
@@ -22,12 +19,7 @@ def sft_args(tmp_path, name, *overrides):
 
 
 def torchrun(tmp_path, name, nproc, *overrides):
-    env = dict(os.environ, OMP_NUM_THREADS="1", RLT_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT),
-               PYTHONWARNINGS="ignore")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port",
-           str(free_port()), "-m", "rlt_mega", *sft_args(tmp_path, name, *overrides)]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    launched(nproc, sft_args(tmp_path, name, *overrides))
 
 
 def losses(tmp_path, name):

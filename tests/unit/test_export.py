@@ -1,4 +1,4 @@
-"""The layout-independent export format (DESIGN section 7): export -> load gives the same
+"""The layout-independent export format (docs/design.md, "Checkpoints"): export -> load gives the same
 model, sharding does not change what loads, tied weights are stored once, and a damaged or
 inconsistent directory is an error that names the file and the problem."""
 

@@ -57,56 +57,56 @@ def _case():
 
 def test_clipped_surrogate_by_hand():
     logp, mu, adv, mask = _case()
-    out = grpo_loss(logp, mu, adv, mask, num_tokens_global=7, eps_low=0.2, eps_high=0.28)
+    out = grpo_loss(logp, mu, adv, mask, eps_low=0.2, eps_high=0.28)
     # Per token min(r A, clip(r, 0.8, 1.28) A):
     #   row 0 (A=+1): r=1.0 -> 1.0;   r=1.5 -> 1.28 (clipped above, eps_high)
     #   row 1 (A=-1): r=0.5 -> -0.8 (clipped below, eps_low);   r=1.1 -> -1.1
     #   row 2 (A=+1): r=0.7 -> 0.7 (below 0.8 but A > 0: unclipped);   r=0.9 -> 0.9
     #   row 3 (A=-1): r=1.3 -> -1.3 (above 1.28 but A < 0: unclipped);   padding
     surrogate = 1.0 + 1.28 - 0.8 - 1.1 + 0.7 + 0.9 - 1.3
-    assert out.loss.item() == pytest.approx(-surrogate / 7, abs=1e-12)
+    assert out.loss.item() == pytest.approx(-surrogate, abs=1e-12)  # a sum: the engine divides
     assert out.metrics["clipped"] == 2 and out.metrics["num_tokens"] == 7
     assert out.metrics["ratio_min"].item() == pytest.approx(0.5)
     assert out.metrics["ratio_max"].item() == pytest.approx(1.5)
     out.loss.backward()
-    # d/dlogp of -r A / N is -r A / N on unclipped tokens, 0 on clipped ones and padding.
-    want = torch.tensor([[-1.0, 0.0], [0.0, 1.1], [-0.7, -0.9], [1.3, 0.0]], dtype=torch.float64) / 7
+    # d/dlogp of -r A is -r A on unclipped tokens, 0 on clipped ones and padding.
+    want = torch.tensor([[-1.0, 0.0], [0.0, 1.1], [-0.7, -0.9], [1.3, 0.0]], dtype=torch.float64)
     assert torch.allclose(logp.grad, want, rtol=0, atol=1e-12)
 
 
-def test_loss_uses_the_global_token_count():
+def test_loss_is_a_sum_over_tokens_that_splits_by_rows():
+    """The loss of a batch is the sum of its rows' losses (so an engine may accumulate batches
+    and divide once by the step's global token count)."""
     logp, mu, adv, mask = _case()
-    local = grpo_loss(logp, mu, adv, mask, num_tokens_global=7).loss
-    global_ = grpo_loss(logp, mu, adv, mask, num_tokens_global=28).loss
-    assert global_.item() == pytest.approx(local.item() / 4, abs=1e-12)
-    with pytest.raises(ValueError, match="num_tokens_global"):
-        grpo_loss(logp, mu, adv, mask, num_tokens_global=0)
+    whole = grpo_loss(logp, mu, adv, mask).loss
+    halves = grpo_loss(logp[:2], mu[:2], adv[:2], mask[:2]).loss + grpo_loss(logp[2:], mu[2:], adv[2:], mask[2:]).loss
+    assert whole.item() == pytest.approx(halves.item(), abs=1e-12)
+    assert grpo_loss(logp, mu, adv, torch.zeros_like(mask)).loss.item() == 0.0  # no tokens, nothing to divide
 
 
 def test_kl_term_by_hand():
     logp, mu, adv, mask = _case()
     ref = (logp + 0.1).detach()
-    base = grpo_loss(logp, mu, adv, mask, num_tokens_global=7, eps_low=0.2, eps_high=0.28)
-    with_kl = grpo_loss(logp, mu, adv, mask, num_tokens_global=7, eps_low=0.2, eps_high=0.28,
-                        ref_logp=ref, kl_coef=0.5)
+    base = grpo_loss(logp, mu, adv, mask, eps_low=0.2, eps_high=0.28)
+    with_kl = grpo_loss(logp, mu, adv, mask, eps_low=0.2, eps_high=0.28, ref_logp=ref, kl_coef=0.5)
     k3 = math.exp(0.1) - 0.1 - 1
-    assert (with_kl.loss - base.loss).item() == pytest.approx(0.5 * k3 * 7 / 7, abs=1e-12)
+    assert (with_kl.loss - base.loss).item() == pytest.approx(0.5 * k3 * 7, abs=1e-12)
     assert with_kl.metrics["kl_sum"].item() == pytest.approx(7 * k3, abs=1e-12)
     g_base = torch.autograd.grad(base.loss, logp)[0]
     g_kl = torch.autograd.grad(with_kl.loss, logp)[0]
     # d k3 / d logp = 1 - exp(ref - logp)
-    want = mask.double() * 0.5 * (1 - math.exp(0.1)) / 7
+    want = mask.double() * 0.5 * (1 - math.exp(0.1))
     assert torch.allclose(g_kl - g_base, want, rtol=0, atol=1e-12)
     # A token the reference cannot produce: the clamped estimate (as verl's low_var_kl), not inf.
     assert k3_kl(torch.tensor([0.0]), torch.tensor([float("-inf")])).item() == 10.0
     with pytest.raises(ValueError, match="reference"):
-        grpo_loss(logp, mu, adv, mask, num_tokens_global=7, kl_coef=0.1)
+        grpo_loss(logp, mu, adv, mask, kl_coef=0.1)
 
 
 def test_equal_rewards_give_zero_loss_and_gradient():
     logp, mu, _, mask = _case()
     adv = group_advantages(torch.tensor([1.0, 1.0, 1.0, 1.0]), 4).double()
-    out = grpo_loss(logp, mu, adv, mask, num_tokens_global=7)
+    out = grpo_loss(logp, mu, adv, mask)
     out.loss.backward()
     assert out.loss.item() == 0.0 and torch.equal(logp.grad, torch.zeros_like(logp))
 
@@ -115,11 +115,11 @@ def test_token_outside_support_has_ratio_zero():
     logp = torch.tensor([[float("-inf"), math.log(0.25)]], requires_grad=True)
     mu = torch.tensor([[math.log(0.1), math.log(0.25)]])
     mask = torch.ones(1, 2, dtype=torch.bool)
-    out = grpo_loss(logp, mu, torch.tensor([-1.0]), mask, num_tokens_global=2, eps_low=0.2, eps_high=0.2)
+    out = grpo_loss(logp, mu, torch.tensor([-1.0]), mask, eps_low=0.2, eps_high=0.2)
     # token 0: min(0 * -1, 0.8 * -1) = -0.8 (no gradient); token 1: r = 1 -> -1
-    assert out.loss.item() == pytest.approx(-(-0.8 - 1.0) / 2)
+    assert out.loss.item() == pytest.approx(-(-0.8 - 1.0))
     out.loss.backward()
-    assert torch.isfinite(logp.grad).all() and logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(0.5)
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 0] == 0 and logp.grad[0, 1] == pytest.approx(1.0)
     assert out.metrics["support_miss"] == 1 and out.metrics["ratio_min"] == 0
 
 
@@ -127,7 +127,7 @@ def test_hybrid_keeps_the_replay_bits_where_the_additive_trick_does_not():
     dense = torch.tensor([-17.3], requires_grad=True)
     replay = torch.tensor([-1.1920929e-07])
     additive = dense + (replay - dense).detach()
-    assert not torch.equal(additive, replay)  # why DESIGN forbids it
+    assert not torch.equal(additive, replay)  # why docs/design.md forbids it
     hybrid = hybrid_logprobs(dense, replay)
     assert torch.equal(hybrid, replay)
     (hybrid * 3.0).sum().backward()

@@ -70,7 +70,7 @@ def test_cut_completions_failing_rewards_and_equal_groups(warnings):
     assert torch.equal(advantages[G:], torch.zeros(G))  # equal rewards: exactly zero, not 0/0
 
     logp = dense_logprobs(model, rollout)
-    out = grpo_loss(logp, rollout.mu, advantages, rollout.mask, float(rollout.mask.sum()))
+    out = grpo_loss(logp, rollout.mu, advantages, rollout.mask)
     out.loss.backward()
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() for g in grads)
@@ -80,7 +80,7 @@ def test_cut_completions_failing_rewards_and_equal_groups(warnings):
     model.zero_grad(set_to_none=True)
     rows = torch.arange(G, 2 * G)
     alone = grpo_loss(dense_logprobs(model, rollout)[rows], rollout.mu[rows], advantages[rows],
-                      rollout.mask[rows], float(rollout.mask[rows].sum()))
+                      rollout.mask[rows])
     alone.loss.backward()
     assert alone.loss.item() == 0.0
     assert all(torch.count_nonzero(p.grad) == 0 for p in model.parameters() if p.grad is not None)
@@ -91,8 +91,7 @@ def test_all_groups_equal_give_zero_loss_not_nan(value):
     model, ids, rollout = rollout_of_two_groups()
     advantages = group_advantages(torch.full((len(ids),), value), G)
     assert torch.equal(advantages, torch.zeros(len(ids)))
-    out = grpo_loss(dense_logprobs(model, rollout), rollout.mu, advantages, rollout.mask,
-                    float(rollout.mask.sum()))
+    out = grpo_loss(dense_logprobs(model, rollout), rollout.mu, advantages, rollout.mask)
     out.loss.backward()
     assert out.loss.item() == 0.0
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -1,4 +1,4 @@
-"""Import of dense Llama/Qwen2 checkpoints (DESIGN section 1): tiny random models built with
+"""Import of dense Llama/Qwen2 checkpoints (docs/design.md, "The model"): tiny random models built with
 HF transformers from a config (no download), saved with save_pretrained, imported; the RLT's
 logits must equal the dense model's. Plus the inputs the importer must refuse, by name."""
 

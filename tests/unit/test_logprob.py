@@ -29,9 +29,11 @@ def rollout_of(model, dtype="fp32", processing=Processing(temperature=0.7, top_p
 
 
 def loss_of(logp, rollout, rewards=(1.0, 0.0, 0.0, 1.0)):
+    """The GRPO loss averaged over the completion tokens (the loss is a sum; engines divide)."""
     adv = group_advantages(torch.tensor(rewards), group_size=4)
-    return grpo_loss(logp, rollout.mu, adv, rollout.mask, num_tokens_global=rollout.num_completion_tokens(),
-                     eps_low=0.2, eps_high=0.28)
+    out = grpo_loss(logp, rollout.mu, adv, rollout.mask, eps_low=0.2, eps_high=0.28)
+    out.loss = out.loss / rollout.num_completion_tokens()
+    return out
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -97,7 +99,7 @@ def test_support_misses_are_counted_and_never_nan():
     ref = replayed.detach().clone()  # a reference that also misses some tokens
     hybrid = hybrid_logprobs(dense, replayed)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
-    out = grpo_loss(hybrid, rollout.mu, adv, mask, num_tokens_global=int(mask.sum()), ref_logp=ref, kl_coef=0.1)
+    out = grpo_loss(hybrid, rollout.mu, adv, mask, ref_logp=ref, kl_coef=0.1)
     assert torch.isfinite(out.loss)
     out.loss.backward()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -1,5 +1,5 @@
 """The RLT model on one device: gradients, BPTT paths, checkpointing, causality, visibility,
-incremental schedule, weight sharing and parameter counts (DESIGN sections 1, 2, 4)."""
+incremental schedule, weight sharing and parameter counts (docs/design.md: "The model", "One transition, three schedules", "Gradients")."""
 
 import pytest
 import torch

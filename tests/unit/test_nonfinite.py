@@ -2,25 +2,24 @@
 parameters, the AdamW state or the LR schedule; skipped steps are counted in metrics.jsonl and
 TensorBoard; more than train.max_nonfinite_in_a_row in a row stop the run with a message that
 names the step and the last checkpoint. Poison is injected per batch through the loss function
-(test code only)."""
+(test code only), a loss of the logits like every other."""
 
 import copy
 import math
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from rlt_mega.config import load_config
+from rlt_mega.loss import TokenCrossEntropy
 from rlt_mega.metrics import read_metrics
-from rlt_mega.parallel.engine import lm_loss
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.train.builders import build_engine
 from rlt_mega.train.loop import Trainer, TrainingError
-from rlt_mega.train.pretrain import build_local
+from rlt_mega.train.supervised import SupervisedJob, phase_timers
 
-from test_pretrain_cli import TINY
+from helpers import TINY
 
 VOCAB, SEQ, BATCH = 260, 12, 3
 
@@ -37,16 +36,22 @@ class InfGrad(torch.autograd.Function):
         return grad * float("inf")
 
 
-def poisoned_loss(model, mb):
-    loss = lm_loss(model, mb)
-    poison = mb.get("poison")
-    if poison == "nan_loss":
-        return loss * float("nan")
-    if poison == "inf_loss":
-        return loss + float("inf")
-    if poison == "inf_grad":
-        return InfGrad.apply(loss)
-    return loss
+class PoisonedLoss(TokenCrossEntropy):
+    """The token cross-entropy, poisoned where the batch says so."""
+
+    def logits_loss(self, logits, batch, vocab):
+        loss = super().logits_loss(logits, batch, vocab)
+        poison = batch.get("poison")
+        if poison == "nan_loss":
+            return loss * float("nan")
+        if poison == "inf_loss":
+            return loss + float("inf")
+        if poison == "inf_grad":
+            return InfGrad.apply(loss)
+        return loss
+
+
+poisoned_loss = PoisonedLoss()
 
 
 class ListBatches:
@@ -55,7 +60,7 @@ class ListBatches:
     def __init__(self, batches):
         self.batches, self.cursor = batches, 0
 
-    def next_micro_batches(self):
+    def next_batches(self):
         mb = self.batches[self.cursor]
         self.cursor += 1
         return [mb]
@@ -77,6 +82,17 @@ def make_batches(n, poison=None, seed=0):
             mb["poison"] = poison[i + 1]
         out.append(mb)
     return out
+
+
+def local_engine(cfg):
+    return build_engine(cfg, ParallelDims.single(cfg.model, cfg.train.device))
+
+
+def trainer(cfg, engine, batches):
+    """The loop with pretraining's job, fed ``batches`` and ``poisoned_loss``."""
+    dims, timers = engine.dims, phase_timers()
+    job = SupervisedJob(cfg, dims, engine, ListBatches(batches), lambda: [], timers, loss=poisoned_loss)
+    return Trainer(cfg, dims, engine, job, timers)
 
 
 def config(tmp_path, *overrides):
@@ -106,7 +122,7 @@ def assert_same(a, b):
 @pytest.mark.parametrize("poison", ["nan_loss", "inf_loss", "inf_grad"])
 def test_a_non_finite_step_changes_nothing(tmp_path, poison):
     cfg = config(tmp_path, "train.steps=10")
-    _, engine, _ = build_local(cfg)
+    engine = local_engine(cfg)
     for mb in make_batches(3):  # AdamW moments and the warm-up schedule are under way
         assert not engine.train_step([mb], poisoned_loss).skipped
     before = snapshot(engine)
@@ -125,9 +141,9 @@ def test_skipped_steps_are_as_if_the_batch_never_came(tmp_path):
     clean batches (the schedule counts optimizer updates, not batches), and counts them."""
     cfg = config(tmp_path, "train.steps=6", "train.log_every=1", "checkpoint.every=0")
     batches = make_batches(6, {2: "nan_loss", 4: "inf_grad"})
-    _, engine, _ = build_local(cfg)
-    result = Trainer(cfg, engine, ListBatches(batches), lambda: [], loss_fn=poisoned_loss).run()
-    _, reference, _ = build_local(cfg)
+    engine = local_engine(cfg)
+    result = trainer(cfg, engine, batches).run()
+    reference = local_engine(cfg)
     for mb in [batches[0], batches[2], batches[4], batches[5]]:
         reference.train_step([mb], poisoned_loss)
     assert_same(snapshot(reference), snapshot(engine))
@@ -144,10 +160,9 @@ def test_too_many_in_a_row_stop_the_run_naming_step_and_checkpoint(tmp_path):
     cfg = config(tmp_path, "train.steps=8", "checkpoint.every=2", "train.max_nonfinite_in_a_row=2",
                  "train.log_every=100")
     batches = make_batches(8, {3: "nan_loss", 4: "inf_loss", 5: "inf_grad"})
-    _, engine, _ = build_local(cfg)
-    trainer = Trainer(cfg, engine, ListBatches(batches), lambda: [], loss_fn=poisoned_loss)
+    engine = local_engine(cfg)
     with pytest.raises(TrainingError) as err:
-        trainer.run()
+        trainer(cfg, engine, batches).run()
     msg = str(err.value)
     assert "3 non-finite steps in a row up to step 5" in msg
     assert f"last good checkpoint: {tmp_path / 'ckpt' / 'step_00000004'}" in msg
@@ -157,20 +172,3 @@ def test_too_many_in_a_row_stop_the_run_naming_step_and_checkpoint(tmp_path):
     events = EventAccumulator(str(tmp_path / "tb"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("train/nonfinite_skipped")] == [(5, 3)]
-
-
-def test_a_diverging_run_stops_through_the_cli(tmp_path):
-    """A learning rate of 1e30 makes every step after the first non-finite (no injection): the
-    CLI stops with one line naming the step and the checkpoint, exit status 1."""
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "rlt_mega", "pretrain", "--config", "configs/tiny_cpu.yaml", *TINY,
-         "optim.lr=1e30", "optim.min_lr=0", "optim.warmup_steps=0", "optim.schedule=constant",
-         "train.steps=20", "checkpoint.every=1", "train.max_nonfinite_in_a_row=2",
-         f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}"],
-        capture_output=True, text=True, env=env, timeout=600)
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("rlt-mega pretrain: stopped: 3 non-finite steps in a row up to step 4")
-    assert f"last good checkpoint: {tmp_path / 'ckpt' / 'step_00000003'}" in last and "Traceback" not in proc.stderr
-    assert "step 2: non-finite loss nan" in proc.stderr

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, ParallelConfig, TrainConfig
+from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import micro_batch_plan, resolve_layout, split_layers
 from rlt_mega.parallel.engine import param_groups as local_param_groups
@@ -69,11 +70,12 @@ def test_one_stage_ring_equals_the_dense_schedule(model_kw, ckpt):
     g = torch.Generator().manual_seed(0)
     x, y = torch.randint(0, 32, (3, 7), generator=g), torch.randint(0, 32, (3, 7), generator=g)
     ref_loss, ref_grads = _dense_loss_and_grads(ref, x, y)
-    stage = RLTStage(model, range(2), is_first=True, is_last=True, tp=1)
+    stage = RLTStage(model, range(2), is_first_stage=True, is_last_stage=True, vocab=WHOLE_VOCAB)
     ring = RingSchedule(stage, P2P([0], 0, torch.device("cpu")), 0, 1)
     shadows = ShadowGrads(model)
     with shadows.active():  # M = 3 micro-batches of one row each, in flight together
-        loss_sum = ring.run([(x[i:i + 1], y[i:i + 1]) for i in range(3)], 1.0 / y.numel(), backward=True)
+        loss_sum = ring.run([{"inputs": x[i:i + 1], "targets": y[i:i + 1]} for i in range(3)], 1.0 / y.numel(),
+                            backward=True, loss=LM_LOSS)
     grads = {n: shadows.grads()[p] for n, p in model.named_parameters()}
     assert float(loss_sum) / y.numel() == pytest.approx(ref_loss, abs=1e-12)
     assert all(p.grad is None for p in model.parameters())  # real parameters untouched
@@ -138,6 +140,6 @@ def test_weight_decay_groups_follow_the_local_engine_and_keep_tied_copies_togeth
     model = build_model(cfg, seed=0)
     ours, local = param_groups(model, 0.1), local_param_groups(model, 0.1)
     assert [{id(p) for p in g["params"]} for g in ours] == [{id(p) for p in g["params"]} for g in local]
-    last = prune_to_stage(build_model(cfg, seed=0), range(1, 2), is_first=False, is_last=True)
+    last = prune_to_stage(build_model(cfg, seed=0), range(1, 2), is_first_stage=False, is_last_stage=True)
     no_decay = {id(p) for p in param_groups(last, 0.1)[1]["params"]}
     assert (id(last.lm_head.weight) in no_decay) == tie  # the tied copy is the embedding

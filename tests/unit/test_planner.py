@@ -16,7 +16,7 @@ from rlt_mega.plan.costmodel import estimate
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.planner import Hardware, explain, plan_layouts, step_time
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RLT_48 = ROOT / "configs" / "rlt_48x48.yaml"
 
 

@@ -9,9 +9,9 @@ import pytest
 
 from rlt_mega.rollout.rewards import extract_answer, gold_answer, gsm8k_reward, score
 
-GSM8K_TEST = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "gsm8k" / "test.jsonl"
-if not GSM8K_TEST.is_file():  # worktrees live under /work/wt/<name>, the data under /work/shared
-    GSM8K_TEST = Path("/work/shared/data/gsm8k/test.jsonl")
+from helpers import gsm8k_dir
+
+GSM8K_TEST = (gsm8k_dir() or Path("missing")) / "test.jsonl"
 
 CASES = [
     ("#### 72", Fraction(72)),

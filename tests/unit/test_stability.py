@@ -9,8 +9,9 @@ import math
 from rlt_mega.config import load_config
 from rlt_mega.data.datasets import BatchIterator, DataStats, pack, text_of, train_eval_records
 from rlt_mega.data.tokenizer import byte_level
-from rlt_mega.learner.loss import shift
-from rlt_mega.train.pretrain import build_local
+from rlt_mega.loss import shift
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.train.builders import build_engine
 
 
 def training_losses(steps: int = 80, lr: float = 3e-3, overrides: tuple = ()) -> list[float]:
@@ -19,7 +20,7 @@ def training_losses(steps: int = 80, lr: float = 3e-3, overrides: tuple = ()) ->
         "model.memory_block=4", *overrides])
     texts, _ = train_eval_records(cfg.data, text_of(None), ["text"], DataStats(), seed=0)
     batches = BatchIterator(pack(texts, byte_level(), cfg.data.seq_len), 16, seed=0)
-    _, engine, _ = build_local(cfg)
+    engine = build_engine(cfg, ParallelDims.single(cfg.model, cfg.train.device))
     out = []
     for _ in range(steps):
         inputs, targets = shift(next(batches))
