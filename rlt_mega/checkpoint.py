@@ -5,7 +5,9 @@ Layout under ``checkpoint.dir``::
     step_00000100/          one complete checkpoint
         model.safetensors   weights (single process; distributed engines write their shards)
         engine.pt           optimizer + LR schedule state
-        trainer.pt          step, data position, counters, every RNG state
+        trainer.pt          the trainer loop's state (steps, the last checkpoint's step) and the
+                            job's (counters, data position)
+        rng_rank{r}.pt      every rank's RNG state
         config.yaml         the run's config
         manifest.json       size and sha256 of every file above, written last
     latest                  the name of the newest complete checkpoint, replaced atomically

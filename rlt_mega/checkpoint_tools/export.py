@@ -1,4 +1,5 @@
-"""The export format: one layout-independent directory per model (docs/design.md, "Checkpoints").
+"""The export format: one layout-independent directory per model (docs/design.md,
+"Checkpoints").
 
 ::
 

@@ -1,4 +1,5 @@
-"""Import a dense Llama- or Qwen2-style Hugging Face checkpoint as an RLT (docs/design.md, "The model").
+"""Import a dense Llama- or Qwen2-style Hugging Face checkpoint as an RLT (docs/design.md,
+"The model").
 
 A dense transformer converts exactly: encoder = decoder = its layers (share_weights), the
 output projection ``o`` of every cross-attention = 0 and ``recur_proj`` = 0. Then the decoder

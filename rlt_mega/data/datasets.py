@@ -189,7 +189,8 @@ def _raw(source: str, split: str, cfg: DataConfig) -> datasets.Dataset:
         return datasets.load_dataset(source, cfg.hub_config, split=hub_split)
     except Exception as exc:  # network, unknown name, missing config: say which source failed
         raise DataError(f"cannot load '{source}' (split {hub_split}) from the hub: {exc}. "
-                        "Use a local file or directory instead (e.g. data.train=data/gsm8k, holding train.jsonl and test.jsonl)") from None
+                        "Use a local file or directory instead (e.g. data.train=data/gsm8k, holding "
+                        "train.jsonl and test.jsonl)") from None
 
 
 def load_records(source: str, split: str, cfg: DataConfig, extract: Extract, columns: list[str],

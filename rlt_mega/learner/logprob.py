@@ -1,4 +1,5 @@
-"""Learner log-probabilities of sampled tokens (docs/design.md, "Exact log-probabilities"): dense, replay, hybrid.
+"""Learner log-probabilities of sampled tokens (docs/design.md, "Exact log-probabilities"):
+dense, replay, hybrid.
 
 - ``dense_logprobs``: the dense schedule (``model.forward``, full BPTT) on the rollout's
   tokens, with grad, under the rollout's processing and dtype.

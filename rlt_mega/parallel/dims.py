@@ -285,10 +285,6 @@ class ParallelDims:
         """Rank in the tp x pp group, unique per model shard (DeepSpeed names its files by it)."""
         return self.pp_rank * self.tp + self.tp_rank
 
-    def stage_rank(self, stage: int) -> int:
-        """Global rank of pipeline stage ``stage`` in my pipeline."""
-        return self.pp_ranks[stage]
-
     def mpu(self) -> "DeepSpeedMPU":
         return DeepSpeedMPU(self)
 

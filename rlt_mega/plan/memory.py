@@ -37,7 +37,6 @@ boundary; the backward recomputes one encoder block or one decoder segment at a 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
@@ -243,11 +242,3 @@ def rollout_memory(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, fl
     caches["kv_caches"] = sum(caches.values())
     caches["batch"], caches["positions"] = Bs, Tr
     return caches
-
-
-def gib(x: float) -> float:
-    return x / 2 ** 30
-
-
-def fits(report: MemoryReport, capacity_bytes: float) -> bool:
-    return math.isfinite(report.peak) and report.peak <= capacity_bytes

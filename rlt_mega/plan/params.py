@@ -1,7 +1,7 @@
 """Parameter counts by group, for the whole model and for one rank of a TP x PP layout.
 
-Sharding follows docs/design.md, "Parallel layout" (Megatron conventions): self- and cross-attention q/k/v
-and the MLP gate/up are column-parallel (weights and biases split by output), o and down
+Sharding follows docs/design.md, "Parallel layout" (Megatron conventions): self- and
+cross-attention q/k/v and the MLP gate/up are column-parallel (weights and biases split by output), o and down
 row-parallel (split by input; they have no bias), embed and lm_head vocab-parallel; norms,
 ``recur_proj`` (d x d, small), ``z_init`` and ``null_memory`` are replicated. Pipeline stage s
 owns a contiguous block of layers (the trainer's split: L/P each, earlier stages one more when
@@ -20,8 +20,6 @@ from typing import Optional, Sequence
 from rlt_mega.config import ConfigError, ModelConfig
 from rlt_mega.model.rlt import param_counts
 from rlt_mega.parallel.dims import check_tp, split_layers
-
-GROUPS = ("embed", "lm_head", "blocks", "decoder_blocks", "cross", "recurrence", "memory", "final_norm")
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -63,7 +61,7 @@ def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0
     layers = stage_layers(cfg.n_layers, pp, pp_split)
     if not 0 <= stage < pp:
         raise ConfigError(f"stage {stage} is outside 0..{pp - 1}")
-    n_local = len(layers[stage])
+    num_local_layers = len(layers[stage])
     first, last = stage == 0, stage == pp - 1
     d = cfg.d_model
     vocab_rows = padded_vocab(cfg.vocab_size, tp) // tp
@@ -71,9 +69,9 @@ def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0
     counts = {
         "embed": vocab_rows * d if first else 0,
         "lm_head": vocab_rows * d if lm_head_here else 0,
-        "blocks": n_local * block_params(cfg, tp),
-        "decoder_blocks": 0 if cfg.share_weights else n_local * block_params(cfg, tp),
-        "cross": n_local * cross_params(cfg, tp),
+        "blocks": num_local_layers * block_params(cfg, tp),
+        "decoder_blocks": 0 if cfg.share_weights else num_local_layers * block_params(cfg, tp),
+        "cross": num_local_layers * cross_params(cfg, tp),
         "recurrence": (2 * d + d * d) if first else 0,  # recur_norm, z_init, recur_proj
         "memory": d + (d if last else 0),  # null_memory everywhere, memory_norm on the last stage
         "final_norm": d if last else 0,
@@ -85,12 +83,6 @@ def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0
 def model_param_counts(cfg: ModelConfig) -> dict[str, int]:
     """The whole model, by group (the model's own closed form)."""
     return param_counts(cfg)
-
-
-def largest_stage(cfg: ModelConfig, tp: int, pp: int, pp_split: Optional[Sequence[int]] = None) -> int:
-    """The stage whose ranks hold the most parameters (the one that sets the memory bound)."""
-    totals = [rank_param_counts(cfg, tp, pp, s, pp_split)["total"] for s in range(pp)]
-    return max(range(pp), key=lambda s: totals[s])
 
 
 def rank_tensor_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0,

@@ -196,11 +196,11 @@ def candidate_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch
                 if (zero == 3 and pp > 1) or (zero > 0 and dp == 1):
                     continue
                 for B in (b for b in (2 ** i for i in range(12)) if per_replica % b == 0):
-                    n_micro = per_replica // B
+                    num_micro = per_replica // B
                     if pp == 1:
-                        shapes = [(1, n_micro)]
+                        shapes = [(1, num_micro)]
                     else:  # in flight M (a divisor of the micro-batch count), the rest accumulated
-                        shapes = [(m, n_micro // m) for m in _divisors(n_micro) if m >= min(pp, n_micro)]
+                        shapes = [(m, num_micro // m) for m in _divisors(num_micro) if m >= min(pp, num_micro)]
                     for M, accum in shapes:
                         for ck in ckpts:
                             out.append(Layout(seq_len=seq_len, micro_batch_size=B, micro_batches=M,

@@ -1,7 +1,7 @@
 """The GRPO job (docs/design.md, "GRPO"), colocated: every data-parallel replica samples its own
 prompts with its learner's layout (one process, or TP x PP, the pipeline's sampler ring) and
 learns from them through the engine (local, or DeepSpeed ZeRO over the data-parallel group).
-The loop is the one of every job (train/loop.py); a step is these named phases.
+The loop is the one of every job (train/loop.py); this module is the job and its set-up.
 
 One step, as named phases (each timed into the metrics):
 
@@ -244,7 +244,8 @@ def engine_config(cfg: Config) -> EngineConfig:
     learning-rate schedule spans train.steps x epochs x minibatches optimizer steps (train.steps
     counts GRPO steps), a batch is train.micro_batch_size rows."""
     g = cfg.grpo
-    return dataclasses.replace(EngineConfig.from_train(cfg.train), total_steps=cfg.train.steps * g.epochs * g.minibatches)
+    updates = cfg.train.steps * g.epochs * g.minibatches
+    return dataclasses.replace(EngineConfig.from_train(cfg.train), total_steps=updates)
 
 
 def batches_per_minibatch(cfg: Config) -> int:

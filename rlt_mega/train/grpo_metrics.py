@@ -2,8 +2,9 @@
 
 Replica totals (rewards, completion lengths, positions the learner ran) come from each
 replica's source rank (parallel/dims.py, ``is_replica_source``); the learner's per-token
-metrics from the loss ranks (``is_loss_rank``), one record per batch (learner/objective.py); phase times are the slowest rank's. Means are taken after
-the reduction: sums / global counts, never a mean of means.
+metrics from the loss ranks (``is_loss_rank``), one record per batch (learner/objective.py);
+phase times are the slowest rank's. Means are taken after the reduction: sums / global counts,
+never a mean of means.
 """
 
 from __future__ import annotations

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 from rlt_mega.config import Config
 from rlt_mega.data.datasets import BatchIterator, DataStats, pack, text_of, train_eval_records
-from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.loss import shift
 from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.parallel.launch import launch
-from rlt_mega.train.builders import check_vocab
-from rlt_mega.train.supervised import run_supervised
+from rlt_mega.train import supervised
 
 log = get_logger(__name__)
 
@@ -38,14 +36,11 @@ class PackedBatches:
 
 
 def run(cfg: Config) -> dict:
-    with launch(cfg) as dims:
-        return _run(cfg, dims)
+    return supervised.run(cfg, packed_data)
 
 
-def _run(cfg: Config, dims: ParallelDims) -> dict:
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    check_vocab(cfg, tokenizer)
-    stats = DataStats()
+def packed_data(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, stats: DataStats):
+    """This data-parallel rank's packed training windows and the held-out ones (supervised.DataFn)."""
     train_texts, eval_texts = train_eval_records(cfg.data, text_of(cfg.data.text_field), ["text"], stats,
                                                  seed=cfg.train.seed)
     train = pack(train_texts, tokenizer, cfg.data.seq_len)
@@ -65,8 +60,4 @@ def _run(cfg: Config, dims: ParallelDims) -> dict:
             out.append({"inputs": inputs, "targets": targets})
         return out
 
-    result = run_supervised(cfg, dims, batches, eval_batches)
-    if stats.total:
-        log.warning("data: %s", stats.summary())
-    result["data/skipped"] = stats.total
-    return result
+    return batches, eval_batches

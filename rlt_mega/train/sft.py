@@ -13,13 +13,11 @@ import torch
 from rlt_mega.config import Config
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.pairs import RecordOrder, tokenize_pairs
-from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.loss import IGNORE
 from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.parallel.launch import launch
-from rlt_mega.train.builders import check_vocab
-from rlt_mega.train.supervised import run_supervised
+from rlt_mega.train import supervised
 
 log = get_logger(__name__)
 
@@ -60,14 +58,11 @@ class SFTBatches:
 
 
 def run(cfg: Config) -> dict:
-    with launch(cfg) as dims:
-        return _run(cfg, dims)
+    return supervised.run(cfg, pair_data)
 
 
-def _run(cfg: Config, dims: ParallelDims) -> dict:
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    check_vocab(cfg, tokenizer)
-    stats = DataStats()
+def pair_data(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, stats: DataStats):
+    """This data-parallel rank's prompt/answer pairs and the held-out ones (supervised.DataFn)."""
     extract = pair_of(cfg.sft.prompt_field, cfg.sft.answer_field)
     train_recs, eval_recs = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)
     train = tokenize_pairs(train_recs, tokenizer, cfg.data.seq_len, stats, f"{cfg.data.train} [train]")
@@ -87,6 +82,4 @@ def _run(cfg: Config, dims: ParallelDims) -> dict:
     def eval_batches() -> list[dict]:
         return [sft_batch(evald[start:start + size], tokenizer.pad_id, length) for start in range(0, num_eval, size)]
 
-    result = run_supervised(cfg, dims, batches, eval_batches)
-    result["data/skipped"] = stats.total
-    return result
+    return batches, eval_batches

@@ -12,12 +12,15 @@ from typing import Callable, Protocol
 import torch
 
 from rlt_mega.config import Config
+from rlt_mega.data.datasets import DataStats
+from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.loss import LM_LOSS, LogitsLoss
 from rlt_mega.metrics import Timers
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import Engine, StepStats
-from rlt_mega.train.builders import build_engine
+from rlt_mega.parallel.launch import launch
+from rlt_mega.train.builders import build_engine, check_vocab
 from rlt_mega.train.loop import Interval, StepFailed, Trainer
 
 log = get_logger(__name__)
@@ -32,6 +35,10 @@ class BatchSource(Protocol):
     def next_batches(self) -> list[dict]: ...
     def state_dict(self) -> dict: ...
     def load_state_dict(self, state: dict) -> None: ...
+
+
+# (cfg, this rank's layout, tokenizer, data stats) -> (the rank's batch source, the held-out batches)
+DataFn = Callable[[Config, ParallelDims, Tokenizer, DataStats], tuple[BatchSource, Callable[[], list[dict]]]]
 
 
 @dataclass
@@ -110,13 +117,22 @@ class SupervisedJob:
         self.batches.load_state_dict(state["data"])
 
 
-def run_supervised(cfg: Config, dims: ParallelDims, batches: BatchSource,
-                   eval_batches: Callable[[], list[dict]]) -> dict:
-    """Builds the engine for ``dims`` and runs the loop; returns the run's result."""
-    engine = build_engine(cfg, dims)
-    log.info("model: %.2fM parameters on this rank, C=%d, L=%d, d=%d",
-             sum(p.numel() for p in engine.module.parameters()) / 1e6, cfg.model.memory_block, cfg.model.n_layers,
-             cfg.model.d_model)
-    timers = phase_timers()
-    job = SupervisedJob(cfg, dims, engine, batches, eval_batches, timers)
-    return Trainer(cfg, dims, engine, job, timers).run()
+def run(cfg: Config, data: DataFn) -> dict:
+    """Pretraining or SFT on the layout of this launch: ``data`` builds this data-parallel rank's
+    batch source and the held-out batches; the engine, the job and the loop are the same."""
+    with launch(cfg) as dims:
+        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        check_vocab(cfg, tokenizer)
+        stats = DataStats()
+        batches, eval_batches = data(cfg, dims, tokenizer, stats)
+        engine = build_engine(cfg, dims)
+        log.info("model: %.2fM parameters on this rank, C=%d, L=%d, d=%d",
+                 sum(p.numel() for p in engine.module.parameters()) / 1e6, cfg.model.memory_block,
+                 cfg.model.n_layers, cfg.model.d_model)
+        timers = phase_timers()
+        job = SupervisedJob(cfg, dims, engine, batches, eval_batches, timers)
+        result = Trainer(cfg, dims, engine, job, timers).run()
+        if stats.total:
+            log.warning("data: %s", stats.summary())
+        result["data/skipped"] = stats.total
+        return result

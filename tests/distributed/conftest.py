@@ -27,6 +27,7 @@ def fill(args: dict, shared: str) -> dict:
     return json.loads(json.dumps(args).replace("{shared}", shared))
 
 
+@pytest.hookimpl(trylast=True)  # after -k / -m deselected: launch only what the selected tests need
 def pytest_collection_modifyitems(config, items):
     plan: dict[int, list] = {}
     for module in dict.fromkeys(item.module for item in items if getattr(item, "module", None) is not None):

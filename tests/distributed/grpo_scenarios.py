@@ -13,6 +13,7 @@ Scenarios return numbers; the tests assert.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -157,7 +158,13 @@ class OneProcessGRPO:
         return out
 
 
-def _force_zero3_partitioning(threshold: int) -> None:
+@contextlib.contextmanager
+def _zero3_persistence(threshold: int | None):
+    """DeepSpeed's stage3_param_persistence_threshold while an engine is built (the scenarios of
+    a launch share the process: the patch must not outlive its scenario)."""
+    if threshold is None:
+        yield
+        return
     from rlt_mega.parallel import zero
 
     original = zero.deepspeed_config
@@ -168,6 +175,10 @@ def _force_zero3_partitioning(threshold: int) -> None:
         return cfg
 
     zero.deepspeed_config = patched
+    try:
+        yield
+    finally:
+        zero.deepspeed_config = original
 
 
 def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict | None = None,
@@ -175,12 +186,11 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
     """One GRPO step (two minibatches) of the distributed trainer against ``OneProcessGRPO``.
     ``persistence_threshold`` (ZeRO-3): DeepSpeed's stage3_param_persistence_threshold, 0 to
     partition every parameter of the tiny model (else all stay whole and nothing is tested)."""
-    if persistence_threshold is not None:
-        _force_zero3_partitioning(persistence_threshold)
     cfg = grpo_config(grpo_cfg(parallel, train, grpo))
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
     recs = records()
-    trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, recs, [])
+    with _zero3_persistence(persistence_threshold):
+        trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, recs, [])
     captured = {}
     original = trainer.engine.train_step
 

@@ -1,7 +1,9 @@
 """`rlt-mega pretrain` unchanged under torchrun and under the deepspeed launcher: a run stopped
 and resumed on the same layout ends with the weights of an uninterrupted one (torch.equal), its
-checkpoints export like single-process ones, and a layout that does not fit stops the job at
-start-up with the message."""
+checkpoints export like single-process ones, a layout that does not fit stops the job at
+start-up with `rlt-mega plan`'s message, and an uneven stage split the plan accepts runs."""
+
+import json
 
 import torch
 from safetensors.torch import load_file
@@ -9,7 +11,8 @@ from safetensors.torch import load_file
 from rlt_mega import cli
 from rlt_mega.metrics import read_metrics
 
-from helpers import pretrain_launched
+from helpers import DIST_TINY, pretrain_launched
+
 
 def launch(tmp_path, name, nproc, *overrides, launcher="torchrun", check=True):
     return pretrain_launched(tmp_path, name, nproc, *overrides, launcher=launcher, check=check)
@@ -48,7 +51,22 @@ def test_a_layout_that_does_not_fit_stops_the_job_at_start_up(tmp_path):
     # at least one rank's message and its exit status 2, and no hang (the subprocess timeout).
     proc = launch(tmp_path, "bad", 2, "parallel.tp=3", "train.steps=2", check=False)
     assert proc.returncode != 0
-    message = "rlt-mega pretrain: error: parallel.tp * parallel.pp = 3 * 1 = 3 does not divide the world size 2"
-    assert message in proc.stderr, proc.stderr[-3000:]
+    message = "parallel.tp * parallel.pp = 3 * 1 = 3 does not divide the world size 2"
+    assert f"rlt-mega pretrain: error: {message}" in proc.stderr, proc.stderr[-3000:]
+    plan = ["plan", "--config", "configs/tiny_cpu.yaml", *DIST_TINY, "parallel.tp=3", "--world-size", "2"]
+    assert cli.main(plan) == 2  # the same message (tests/unit/test_layout_rules.py compares them)
     assert "exitcode  : 2" in proc.stderr
     assert not (tmp_path / "bad" / "ckpt").exists()
+
+
+def test_an_uneven_stage_split_the_plan_accepts_runs_under_torchrun(tmp_path, capsys):
+    """Three layers on two stages without parallel.pp_split: `rlt-mega plan` accepts it and costs
+    stages [0, 1] and [2]; the trainer runs exactly that split (the checkpoint records it)."""
+    layout = ["model.n_layers=3", "parallel.pp=2", "parallel.micro_batches=2", "train.steps=2", "checkpoint.every=0"]
+    assert cli.main(["plan", "--config", "configs/tiny_cpu.yaml", *DIST_TINY, *layout, "--world-size", "2",
+                     "--json"]) == 0
+    assert [r["layers"] for r in json.loads(capsys.readouterr().out)["per_rank"]] == [[0, 1], [2]]
+    launch(tmp_path, "uneven", 2, *layout)
+    manifest = json.loads((tmp_path / "uneven" / "ckpt" / "step_00000002" / "manifest.json").read_text())
+    assert manifest["layout"] == {"tp": 1, "pp": 2, "dp": 1, "zero_stage": 0, "pp_split": [2, 1]}
+    assert [r["step"] for r in read_metrics(tmp_path / "uneven" / "tb") if "train/loss" in r] == [1, 2]

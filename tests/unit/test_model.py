@@ -1,5 +1,6 @@
 """The RLT model on one device: gradients, BPTT paths, checkpointing, causality, visibility,
-incremental schedule, weight sharing and parameter counts (docs/design.md: "The model", "One transition, three schedules", "Gradients")."""
+incremental schedule, weight sharing and parameter counts (docs/design.md: "The model", "One
+transition, three schedules", "Gradients")."""
 
 import pytest
 import torch

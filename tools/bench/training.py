@@ -7,14 +7,15 @@ asserts nothing). Timing and memory conventions: tools/bench/harness.py.
 Sections
 - throughput: training tokens/s of a full step (forward, backward, AdamW) for tiny_cpu and
   small_cpu at their configured sequence lengths and micro-batch sizes.
-- memory (activation checkpointing: peak <= 1/3 of none, step <= 1.35x): small_cpu at T=--seq-len, B=--batch, one model and one engine,
-  every checkpointing mode switched on it in turn: the peak memory of a training step above
-  what lives before it (weights, Adam state, inputs), as tensor bytes (harness.peak_tensor_bytes,
-  the target's measure: one profiled step per mode) and as resident set size (RSS, allocator
-  included), and the step time (interleaved rounds, unprofiled), each against no checkpointing.
-- flops (the encoder FLOP rate: >= 50% of torch.mm): the encoder's forward+backward FLOP rate at d=512 against a large torch.mm
-  in the same run (this CPU's fp32 matmul peak at the same thread count), and the decoder's
-  (dense schedule, full BPTT). FLOPs are counted by torch's FlopCounterMode
+- memory (activation checkpointing: peak <= 1/3 of none, step <= 1.35x): small_cpu at
+  T=--seq-len, B=--batch, one model and one engine, every checkpointing mode switched on it in
+  turn: the peak memory of a training step above what lives before it (weights, Adam state,
+  inputs), as tensor bytes (harness.peak_tensor_bytes, the target's measure: one profiled step
+  per mode) and as resident set size (RSS, allocator included), and the step time (interleaved
+  rounds, unprofiled), each against no checkpointing.
+- flops (the encoder FLOP rate: >= 50% of torch.mm): the encoder's forward+backward FLOP rate
+  at d=512 against a large torch.mm in the same run (this CPU's fp32 matmul peak at the same
+  thread count), and the decoder's (dense schedule, full BPTT). FLOPs are counted by torch's FlopCounterMode
   (rlt_mega.plan.measure.count_flops): matmuls and attention, nothing elementwise.
 """
 

@@ -2,7 +2,8 @@
 the decoder's token input is drowned by recur_proj(recur_norm(z)) and the recurrence falls
 into an input-ignoring attractor: the loss jumps above the uniform loss and back, and a run
 at lr 3e-3 does not learn. With the default initialisation the same run has no spike.
-(`python tools/bench/stability.py` runs both initialisations side by side.)"""
+(`python tools/bench/stability.py` runs both initialisations side by side.) An 80-step training run
+of the engine on real data: this tier, not the unit tier."""
 
 import math
 
