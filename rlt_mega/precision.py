@@ -10,6 +10,8 @@ import torch
 
 # What training, sampling and replay compute in (train.dtype).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Half-precision dtypes: computed in fp32 where rounding would accumulate (norms, gradient sums).
+LOW_PRECISION = (torch.float16, torch.bfloat16)
 # What an export may store (``rlt-mega export --dtype``), with the long names as aliases.
 STORAGE_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
                   "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}

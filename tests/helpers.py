@@ -16,6 +16,12 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_
         "optim.warmup_steps=2", "optim.lr=5e-3"]
 
 
+def emit_seven(completion: str, answer) -> float:
+    """A learnable GRPO reward (grpo.reward=helpers:emit_seven): the fraction of the completion
+    that is the token '7'."""
+    return sum(c == "7" for c in completion) / max(len(completion), 1)
+
+
 def gsm8k_dir():
     """The local GSM8K copy (train.jsonl, test.jsonl) beside the repository, if there is one."""
     for base in (ROOT / ".." / "shared", Path("/work/shared")):

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+from rlt_mega.precision import LOW_PRECISION
 
 
 class StepKV:

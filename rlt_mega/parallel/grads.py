@@ -24,6 +24,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from rlt_mega.precision import LOW_PRECISION
+
 
 class ShadowGrads:
     """Swaps every parameter of ``module`` for a shadow leaf while active; collects gradients."""
@@ -39,7 +41,7 @@ class ShadowGrads:
         key = id(p)
         if key not in self.shadows:
             sh = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-            if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            if p.requires_grad and p.dtype in LOW_PRECISION:
                 self.acc32[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
                 def move_to_fp32(param: torch.Tensor, key=key) -> None:

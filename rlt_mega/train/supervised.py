@@ -11,7 +11,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from rlt_mega.config import Config
+from rlt_mega.config import Config, TrainConfig
 from rlt_mega.data.datasets import DataStats
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.log import get_logger
@@ -55,12 +55,12 @@ class SupervisedJob:
 
     eval_at_start = False
 
-    def __init__(self, cfg: Config, dims: ParallelDims, engine: Engine, batches: BatchSource,
+    def __init__(self, train: TrainConfig, dims: ParallelDims, engine: Engine, batches: BatchSource,
                  eval_batches: Callable[[], list[dict]], timers: Timers, loss: LogitsLoss = LM_LOSS,
                  name: str = "train") -> None:
-        self.cfg, self.dims, self.engine, self.batches, self.eval_batches = cfg, dims, engine, batches, eval_batches
+        self.train, self.dims, self.engine, self.batches, self.eval_batches = train, dims, engine, batches, eval_batches
         self.timers, self.loss, self.name = timers, loss, name
-        self.eval_every = Interval(cfg.train.eval_every, at_end=cfg.train.eval_every > 0)
+        self.eval_every = Interval(train.eval_every, at_end=train.eval_every > 0)
         self.state = SupervisedState()
         self._window_tokens = 0
 
@@ -75,7 +75,7 @@ class SupervisedJob:
         scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
                    "train/tokens": self.state.tokens}
         if self._count_nonfinite(stats, done + 1):
-            limit = self.cfg.train.max_nonfinite_in_a_row
+            limit = self.train.max_nonfinite_in_a_row
             raise StepFailed(f"{self.state.nonfinite_in_a_row} non-finite steps in a row up to step {done + 1} "
                              f"(train.max_nonfinite_in_a_row={limit})",
                              "Lower optim.lr or check the data, then resume with train.resume=auto",
@@ -91,7 +91,7 @@ class SupervisedJob:
         self.state.nonfinite_in_a_row += 1
         log.warning("step %d: non-finite loss %s or gradient norm %s: step skipped (%d in a row, %d in all)",
                     step, stats.loss, stats.grad_norm, self.state.nonfinite_in_a_row, self.state.nonfinite_total)
-        return self.state.nonfinite_in_a_row > self.cfg.train.max_nonfinite_in_a_row
+        return self.state.nonfinite_in_a_row > self.train.max_nonfinite_in_a_row
 
     def log_line(self, scalars: dict[str, float], seconds: float) -> dict[str, float]:
         line = {**scalars, "train/tokens_per_s": self._window_tokens / max(seconds, 1e-9)}
@@ -130,7 +130,7 @@ def run(cfg: Config, data: DataFn) -> dict:
                  sum(p.numel() for p in engine.module.parameters()) / 1e6, cfg.model.memory_block,
                  cfg.model.n_layers, cfg.model.d_model)
         timers = phase_timers()
-        job = SupervisedJob(cfg, dims, engine, batches, eval_batches, timers)
+        job = SupervisedJob(cfg.train, dims, engine, batches, eval_batches, timers)
         result = Trainer(cfg, dims, engine, job, timers).run()
         if stats.total:
             log.warning("data: %s", stats.summary())

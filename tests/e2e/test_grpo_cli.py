@@ -18,11 +18,6 @@ METRICS = ["reward/mean", "reward/accuracy", "ratio/min", "ratio/mean", "ratio/m
            "perf/learner_tokens_per_s", "time/generate", "time/score", "time/replay", "time/update", "train/loss"]
 
 
-def emit_seven(completion: str, answer) -> float:
-    """The learnable reward: the fraction of the completion that is the token '7'."""
-    return sum(c == "7" for c in completion) / max(len(completion), 1)
-
-
 @pytest.fixture
 def prompts(tmp_path):
     path = tmp_path / "prompts.jsonl"
@@ -36,7 +31,7 @@ def grpo_args(tmp_path, prompts, run, *extra):
             "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant", "logging.progress=false",
             f"checkpoint.dir={tmp_path / run / 'ckpt'}", f"logging.dir={tmp_path / run / 'tb'}",
             "grpo.prompts_per_step=4", "grpo.group_size=8", "grpo.minibatches=2", "grpo.eval_size=0",
-            "grpo.reward=test_grpo_e2e:emit_seven", "sampling.max_new_tokens=8", *extra]
+            "grpo.reward=helpers:emit_seven", "sampling.max_new_tokens=8", *extra]
 
 
 def test_grpo_cli_learns_a_reward_and_logs_every_metric(tmp_path, prompts, capsys):

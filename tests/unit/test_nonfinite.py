@@ -91,7 +91,7 @@ def local_engine(cfg):
 def trainer(cfg, engine, batches):
     """The loop with pretraining's job, fed ``batches`` and ``poisoned_loss``."""
     dims, timers = engine.dims, phase_timers()
-    job = SupervisedJob(cfg, dims, engine, ListBatches(batches), lambda: [], timers, loss=poisoned_loss)
+    job = SupervisedJob(cfg.train, dims, engine, ListBatches(batches), lambda: [], timers, loss=poisoned_loss)
     return Trainer(cfg, dims, engine, job, timers)
 
 
