@@ -1,4 +1,5 @@
-"""Pretraining: packed text windows, next-token cross-entropy, the dense schedule (or, under
+"""Pretraining: packed text windows (in memory, memory-mapped indexed datasets, blends or
+streams: rlt_mega/data/pretraining.py), next-token cross-entropy, the dense schedule (or, under
 tensor/pipeline/ZeRO parallelism, the distributed engine: the same loop, launched with
 torchrun, the deepspeed launcher or srun; see docs/distributed.md)."""
 
@@ -8,9 +9,8 @@ import torch
 
 from rlt_mega.checkpoint_tools.export import init_from, init_stage_from
 from rlt_mega.config import Config, ConfigError
-from rlt_mega.data.datasets import BatchIterator, DataStats, pack, text_of, train_eval_records
+from rlt_mega.data.pretraining import PackedBatches, pretraining_data  # noqa: F401 (PackedBatches: the tests' hooks)
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
-from rlt_mega.learner.loss import shift
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
 from rlt_mega.parallel import distributed
@@ -18,26 +18,6 @@ from rlt_mega.parallel.engine import LocalEngine, resolve_device
 from rlt_mega.train.loop import Trainer
 
 log = get_logger(__name__)
-
-
-class PackedBatches:
-    """grad_accum micro-batches of packed windows per step, as {'inputs', 'targets'}."""
-
-    def __init__(self, iterator: BatchIterator, grad_accum: int) -> None:
-        self.iterator, self.grad_accum = iterator, grad_accum
-
-    def next_micro_batches(self) -> list[dict]:
-        out = []
-        for _ in range(self.grad_accum):
-            inputs, targets = shift(next(self.iterator))
-            out.append({"inputs": inputs, "targets": targets})
-        return out
-
-    def state_dict(self) -> dict:
-        return self.iterator.state_dict()
-
-    def load_state_dict(self, state: dict) -> None:
-        self.iterator.load_state_dict(state)
 
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
@@ -80,29 +60,14 @@ def run(cfg: Config) -> dict:
 def _run(cfg: Config, dims) -> dict:
     tokenizer = load_tokenizer(cfg.data.tokenizer)
     check_vocab(cfg, tokenizer)
-    stats = DataStats()
-    train_texts, eval_texts = train_eval_records(cfg.data, text_of(cfg.data.text_field), ["text"], stats,
-                                                 seed=cfg.train.seed)
-    train = pack(train_texts, tokenizer, cfg.data.seq_len)
-    evald = pack(eval_texts, tokenizer, cfg.data.seq_len)
-    log.info("data: %d train windows, %d eval windows of %d tokens; %s", len(train), len(evald),
-             cfg.data.seq_len, stats.summary())
-    # Data-parallel replicas read disjoint rows; the TP and PP ranks of a replica read the same.
-    dp_rank, dp = (dims.dp_rank, dims.dp) if dims is not None else (0, 1)
-    batches = PackedBatches(BatchIterator(train, cfg.train.micro_batch_size, cfg.train.seed, cfg.data.shuffle,
-                                          rank=dp_rank, world=dp), cfg.train.grad_accum)
+    data = pretraining_data(cfg, tokenizer, dims)  # the data path (in memory, indexed, blend, streaming)
+    batches = data.batches
     model, engine = build_distributed(cfg, dims) if dims is not None else build_local(cfg)[:2]
     log.info("model: %.2fM parameters, C=%d, L=%d, d=%d", sum(p.numel() for p in model.parameters()) / 1e6,
              cfg.model.memory_block, cfg.model.n_layers, cfg.model.d_model)
 
-    num_eval = min(len(evald), cfg.train.eval_batches * cfg.train.micro_batch_size)
-
     def eval_batches() -> list[dict]:
-        out = []
-        for start in range(0, num_eval, cfg.train.micro_batch_size):
-            inputs, targets = shift(evald[start:start + cfg.train.micro_batch_size]["input_ids"])
-            out.append({"inputs": inputs, "targets": targets})
-        return out
+        return data.eval_batches(cfg.train.micro_batch_size)
 
     if dims is None:
         result = Trainer(cfg, engine, batches, eval_batches).run()
@@ -110,7 +75,7 @@ def _run(cfg: Config, dims) -> dict:
         import torch.distributed as dist
 
         result = Trainer(cfg, engine, batches, eval_batches, rank=dims.rank, barrier=dist.barrier).run()
-    if stats.total:
-        log.warning("data: %s", stats.summary())
-    result["data/skipped"] = stats.total
+    if data.stats.total:
+        log.warning("data: %s", data.stats.summary())
+    result["data/skipped"] = data.stats.total
     return result
