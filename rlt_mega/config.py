@@ -124,8 +124,8 @@ class GeneratedDataConfig:
 class DataConfig:
     # "generated" (arithmetic problems), a local .jsonl/.json/.txt file or directory, a hub name,
     # or (pretraining) the prefix of an indexed dataset written by `rlt-mega preprocess`
-    # (PREFIX.bin + PREFIX.idx): memory-mapped, nothing tokenized at start-up.
-    train: str = "generated"
+    # (PREFIX.bin + PREFIX.idx): memory-mapped, nothing tokenized at start-up. null with data.blend.
+    train: Optional[str] = "generated"
     eval: Optional[str] = None  # None: a held-out split of the train source (a prefix works too)
     hub_config: Optional[str] = None  # e.g. "main" for openai/gsm8k
     text_field: Optional[str] = None  # None: "text", else question + answer for GSM8K records
@@ -134,7 +134,7 @@ class DataConfig:
     shuffle: bool = True
     # Pretraining on several indexed datasets in proportion to their weights, Megatron-LM's
     # --data-path layout: [w1, PREFIX1, w2, PREFIX2, ...] (weights need not sum to 1). Replaces
-    # data.train, which then stays unset.
+    # data.train, which is then null (or left at its default).
     blend: Optional[list] = None
     # Pretraining straight from data.train (a hub dataset or local files) with `datasets`
     # streaming: each data-parallel rank reads its own documents and packs them on the fly.
@@ -146,8 +146,11 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check(self.seq_len >= 2, f"data.seq_len={self.seq_len}: must be at least 2")
+        _check(self.train is not None or self.blend is not None,
+               "data.train is null: give a source (e.g. 'generated' or a dataset prefix), or a data.blend")
         for name in ("train", "tokenizer"):
-            _check(bool(getattr(self, name).strip()), f"data.{name} is empty: give a source (e.g. 'generated')")
+            value = getattr(self, name)
+            _check(value is None or bool(value.strip()), f"data.{name} is empty: give a source (e.g. 'generated')")
         _check(self.shuffle_buffer >= 0, f"data.shuffle_buffer={self.shuffle_buffer}: must be >= 0 (0: no shuffling)")
         if self.blend is not None:
             self._check_blend()
@@ -174,8 +177,9 @@ class DataConfig:
                    f"data.blend: {_show(prefix)} after weight {weight} must be a dataset prefix, {example}")
             pairs += [number, prefix]
         self.blend = pairs
-        _check(self.train == "generated", f"data.blend and data.train={_show(self.train)} are both set: a blend "
-               "replaces data.train; set only one of them")
+        _check(self.train in (None, "generated"), f"data.blend and data.train={_show(self.train)} are both set: "
+               "a blend replaces data.train; set data.train=null")
+        self.train = None
         _check(not self.streaming, "data.blend reads indexed datasets and data.streaming=true streams data.train: "
                "set only one of them")
 

@@ -169,7 +169,10 @@ def test_blend_config_is_validated():
         DataConfig(blend=["x", "a"])
     with pytest.raises(ConfigError, match="a blend replaces data.train"):
         DataConfig(blend=[1, "a"], train="b")
+    with pytest.raises(ConfigError, match="data.train is null"):
+        DataConfig(train=None)
     assert DataConfig(blend=["1e-1", "a", 2, "b"]).blend == [0.1, "a", 2.0, "b"]
+    assert DataConfig(blend=[1, "a"], train=None).train is None
 
 
 def test_damaged_files_are_clear_errors_naming_the_file(tmp_path, capsys):

@@ -219,6 +219,8 @@ def train_eval_records(cfg: DataConfig, extract: Extract, columns: list[str], st
                        seed: int) -> tuple[datasets.Dataset, datasets.Dataset]:
     """The train records and the eval records: ``data.eval`` when set; else the generator's
     own held-out set, a directory's test file, or a seeded 2% split of the train file."""
+    if cfg.train is None:
+        raise DataError("data.train is null: data.blend is for pretraining only; set data.train to this job's data")
     train = load_records(cfg.train, "train", cfg, extract, columns, stats)
     if cfg.eval is not None:
         return train, load_records(cfg.eval, "eval", cfg, extract, columns, stats)

@@ -1,0 +1,150 @@
+"""Pretraining data benchmarks (a measurement, not a test: it asserts nothing), side by side in
+one run on one generated corpus:
+
+- preprocess throughput: ``rlt-mega preprocess`` with 1 and with 2 workers (MB of corpus per
+  second of the whole command, and the throughput line the command prints itself);
+- training start-up: process start to the first optimizer step of ``rlt-mega pretrain`` on
+  the same corpus, from the indexed dataset against the in-memory path (which reads,
+  tokenizes and packs the corpus at start-up);
+- the peak resident set size of each command (its largest process: ``wait4``'s ru_maxrss).
+
+    PYTHONPATH=. python tools/bench/data.py                  # a 200 MB corpus, byte tokenizer
+    PYTHONPATH=. python tools/bench/data.py --mb 20 --tokenizer path/to/tokenizer.json
+
+Each command is a fresh process (its imports included), timed by the wall clock: start-up is
+elapsed time by definition, and the workers run in parallel. On a shared machine neighbours
+slow every contestant; ``--repeats`` runs interleaved rounds and keeps each figure's best.
+The corpus, the datasets and the HF datasets cache of the in-memory runs live in one
+``mktemp -d`` directory, deleted at the end (only that directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
+    """A jsonl corpus of ``megabytes`` MB: documents of 200 to 4000 words drawn from 5000
+    pseudo-words (Zipf-like frequencies). Returns the number of documents."""
+    rng = np.random.default_rng(seed)
+    letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
+    words = ["".join(rng.choice(letters, size=rng.integers(2, 10))) for _ in range(5000)]
+    freq = 1.0 / np.arange(1, len(words) + 1)
+    freq /= freq.sum()
+    target, written, docs = int(megabytes * 1e6), 0, 0
+    with open(path, "w") as f:
+        while written < target:
+            ids = rng.choice(len(words), size=int(rng.integers(200, 4000)), p=freq)
+            line = json.dumps({"text": " ".join(words[i] for i in ids)}) + "\n"
+            f.write(line)
+            written += len(line)
+            docs += 1
+    return docs
+
+
+def run(cmd: list[str], env: dict, first_step_log: Path | None = None) -> tuple[float, float, int, str]:
+    """-> (seconds to exit, seconds to the first logged step (or to exit), peak RSS bytes, stdout)."""
+    start = time.perf_counter()
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
+        first = None
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if first is None and first_step_log is not None and first_step_log.is_file() \
+                    and '"step": 1' in first_step_log.read_text():
+                first = time.perf_counter() - start
+            if pid:
+                break
+            time.sleep(0.02)
+        total = time.perf_counter() - start
+        out.seek(0)
+        text = out.read()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed ({code}):\n{text[-3000:]}")
+    return total, first if first is not None else total, usage.ru_maxrss * 1024, text
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=200.0, help="corpus size in MB (default 200)")
+    parser.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json (default byte)")
+    parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds; each figure is the best")
+    parser.add_argument("--config", default="configs/tiny_cpu.yaml", help="the model trained at start-up")
+    args = parser.parse_args()
+
+    work = Path(tempfile.mkdtemp(prefix="rlt_bench_data_"))
+    try:
+        bench(args, work)
+    finally:
+        shutil.rmtree(work)  # only the directory this run made
+
+
+def bench(args, work: Path) -> None:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
+               HF_DATASETS_CACHE=str(work / "hf_cache"), RLT_LOG_LEVEL="WARNING")
+    corpus, eval_file = work / "corpus.jsonl", work / "eval.jsonl"
+    t0 = time.perf_counter()
+    docs = generate_corpus(corpus, args.mb)
+    generate_corpus(eval_file, 0.2, seed=1)
+    size_mb = corpus.stat().st_size / 1e6
+    print(f"# data benchmark: {size_mb:.1f} MB jsonl corpus ({docs:,} documents, generated in "
+          f"{time.perf_counter() - t0:.0f} s), tokenizer {args.tokenizer}, {os.cpu_count()} CPU(s), "
+          f"load average {os.getloadavg()[0]:.1f} at the start (a shared machine slows every figure)")
+    python = [sys.executable, "-m", "rlt_mega"]
+
+    pre = {1: [], 2: []}
+    for _ in range(args.repeats):
+        for workers in (1, 2):
+            prefix = work / f"corpus_w{workers}"
+            total, _, rss, out = run([*python, "preprocess", "--data", str(corpus), "--tokenizer", args.tokenizer,
+                                      "--out", str(prefix), "--workers", str(workers), "--overwrite",
+                                      "--no-progress"], env)
+            own = re.search(r"throughput: .*", out)
+            pre[workers].append((total, rss, own.group(0) if own else "?"))
+    print("\n## preprocess: rlt-mega preprocess, the whole command (start-up included)")
+    print(f"{'workers':>7} {'seconds':>8} {'MB/s':>7} {'peak RSS MiB':>13}  the command's own line")
+    best = {}
+    for workers, rounds in pre.items():
+        total, rss, own = min(rounds)
+        best[workers] = total
+        print(f"{workers:>7} {total:>8.1f} {size_mb / total:>7.2f} {rss / 2**20:>13.0f}  {own}")
+    print(f"ratio: 2 workers are {best[1] / best[2]:.2f}x as fast as 1")
+
+    common = ["pretrain", "--config", args.config, f"data.tokenizer={args.tokenizer}", f"data.eval={eval_file}",
+              "train.steps=1", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
+              "logging.progress=false"]
+    paths = {"in memory": str(corpus), "indexed": str(work / "corpus_w1")}
+    start = {k: [] for k in paths}
+    for r in range(args.repeats):
+        for label, train in paths.items():
+            shutil.rmtree(work / "hf_cache", ignore_errors=True)  # a cold start, as a new job's
+            tb = work / f"tb_{label.replace(' ', '_')}_{r}"
+            total, first, rss, _ = run([*python, *common, f"data.train={train}", f"logging.dir={tb}",
+                                        f"checkpoint.dir={work / 'ckpt' / label.replace(' ', '_') / str(r)}"], env,
+                                       first_step_log=tb / "metrics.jsonl")
+            start[label].append((first, rss))
+    print(f"\n## training start-up: rlt-mega pretrain ({args.config}), process start to the first step")
+    print(f"{'data path':<10} {'seconds':>8} {'peak RSS MiB':>13}")
+    for label, rounds in start.items():
+        first, rss = min(rounds)
+        print(f"{label:<10} {first:>8.1f} {rss / 2**20:>13.0f}")
+    (mem_s, mem_rss), (idx_s, idx_rss) = min(start["in memory"]), min(start["indexed"])
+    print(f"ratio: the indexed start is {mem_s / idx_s:.1f}x as fast, with {mem_rss / idx_rss:.1f}x less peak RSS")
+
+
+if __name__ == "__main__":
+    main()
