@@ -130,15 +130,16 @@ def preprocess(source: str, tokenizer: str, out: str, workers: int = 1, text_fie
         raise DataError(f"--chunk {chunk}: must be >= 1")
     tok = load_tokenizer(tokenizer)
     cfg = DataConfig(hub_config=hub_config, text_field=text_field)
-    rows, total = stream_rows(source, cfg, "train" if split == "train" else "eval", hub_split=split)
     writer = IndexedWriter(out, tok, overwrite=overwrite)
     result = PreprocessResult(prefix=writer.prefix, workers=workers)
     start = time.perf_counter()
-    pool = None
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"preprocess {os.path.basename(out)}",
-               disable=not progress, dynamic_ncols=True)
+    pool, bar = None, None
     try:
+        # the workers first: forked before a hub stream starts its I/O threads
         pool = _pool(workers, tokenizer, text_field)
+        rows, total = stream_rows(source, cfg, "train" if split == "train" else "eval", hub_split=split)
+        bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"preprocess {os.path.basename(out)}",
+                   disable=not progress, dynamic_ncols=True)
 
         def write(done) -> None:
             tokens, lengths, bad, size = done.get()
@@ -169,7 +170,8 @@ def preprocess(source: str, tokenizer: str, out: str, workers: int = 1, text_fie
         writer.abort()
         raise
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
         if pool is not None:
             pool.join()
     result.seconds = time.perf_counter() - start

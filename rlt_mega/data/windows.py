@@ -5,6 +5,17 @@ The stream is the corpus's documents in order, each followed by its end-of-text 
 ``rlt-mega preprocess`` stores in a ``.bin`` file, back to back). Window k is
 ``stream[k (T + 1) : (k + 1)(T + 1)]``: the inputs and the shifted targets of one row, cut as
 HF's run_clm ``group_texts`` cuts them; the tail shorter than a window is dropped.
+
+Why not megatron-core's ``GPTDataset`` (0.16.1) on top of the same ``.bin``: it works here (on
+CPU, with or without torch.distributed; its compiled helpers ship in the wheel), but its
+samples are other ones: documents reshuffled at every epoch, then samples of T + 1 tokens that
+overlap by one (stride T), so its batches could not equal the in-memory path's. It also builds
+three ``.npy`` index files per configuration in a cache directory (by default inside the
+dataset's directory, which a shared read-only dataset does not allow), rank 0 first behind a
+barrier over the whole world, for a sample count fixed when it is built; and
+``BlendedDataset`` calls ``torch.distributed.get_rank()`` without checking that it is
+initialised. Windows at a fixed stride need no index at all (window k starts at token
+k (T + 1)); the blend uses megatron-core's compiled blending index directly (``blend.py``).
 """
 
 from __future__ import annotations

@@ -37,8 +37,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
-    """A jsonl corpus of ``megabytes`` MB: documents of 200 to 4000 words drawn from 5000
-    pseudo-words (Zipf-like frequencies). Returns the number of documents."""
+    """A jsonl corpus of ``megabytes`` MB: documents of 100 to 1500 words (~5 KB, about a
+    fineweb-edu document) drawn from 5000 pseudo-words (Zipf-like frequencies). Returns the
+    number of documents."""
     rng = np.random.default_rng(seed)
     letters = np.array(list("etaoinshrdlcumwfgypbvkjxqz"))
     words = ["".join(rng.choice(letters, size=rng.integers(2, 10))) for _ in range(5000)]
@@ -47,7 +48,7 @@ def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
     target, written, docs = int(megabytes * 1e6), 0, 0
     with open(path, "w") as f:
         while written < target:
-            ids = rng.choice(len(words), size=int(rng.integers(200, 4000)), p=freq)
+            ids = rng.choice(len(words), size=int(rng.integers(100, 1500)), p=freq)
             line = json.dumps({"text": " ".join(words[i] for i in ids)}) + "\n"
             f.write(line)
             written += len(line)
@@ -55,8 +56,9 @@ def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
     return docs
 
 
-def run(cmd: list[str], env: dict, first_step_log: Path | None = None) -> tuple[float, float, int, str]:
-    """-> (seconds to exit, seconds to the first logged step (or to exit), peak RSS bytes, stdout)."""
+def run(cmd: list[str], env: dict, first_step_log: Path | None = None) -> tuple[float, float, float, int, str]:
+    """-> (seconds to exit, seconds to the first logged step (or to exit), CPU seconds of the
+    command and the workers it waited for, peak RSS bytes of its largest process, output)."""
     start = time.perf_counter()
     with tempfile.TemporaryFile("w+") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, text=True)
@@ -75,7 +77,8 @@ def run(cmd: list[str], env: dict, first_step_log: Path | None = None) -> tuple[
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         raise SystemExit(f"{' '.join(cmd)} failed ({code}):\n{text[-3000:]}")
-    return total, first if first is not None else total, usage.ru_maxrss * 1024, text
+    cpu = usage.ru_utime + usage.ru_stime
+    return total, first if first is not None else total, cpu, usage.ru_maxrss * 1024, text
 
 
 def main() -> None:
@@ -110,19 +113,23 @@ def bench(args, work: Path) -> None:
     for _ in range(args.repeats):
         for workers in (1, 2):
             prefix = work / f"corpus_w{workers}"
-            total, _, rss, out = run([*python, "preprocess", "--data", str(corpus), "--tokenizer", args.tokenizer,
+            total, _, cpu, rss, out = run([*python, "preprocess", "--data", str(corpus), "--tokenizer", args.tokenizer,
                                       "--out", str(prefix), "--workers", str(workers), "--overwrite",
                                       "--no-progress"], env)
             own = re.search(r"throughput: .*", out)
-            pre[workers].append((total, rss, own.group(0) if own else "?"))
-    print("\n## preprocess: rlt-mega preprocess, the whole command (start-up included)")
-    print(f"{'workers':>7} {'seconds':>8} {'MB/s':>7} {'peak RSS MiB':>13}  the command's own line")
+            pre[workers].append((total, cpu, rss, own.group(0) if own else "?"))
+    print("\n## preprocess: rlt-mega preprocess, the whole command (start-up included); CPU s: the command and "
+          "its workers")
+    print(f"{'workers':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'MB/CPU-s':>9} {'peak RSS MiB':>13}  "
+          "the command's own line (after its imports)")
     best = {}
     for workers, rounds in pre.items():
-        total, rss, own = min(rounds)
+        total, cpu, rss, own = min(rounds)
         best[workers] = total
-        print(f"{workers:>7} {total:>8.1f} {size_mb / total:>7.2f} {rss / 2**20:>13.0f}  {own}")
-    print(f"ratio: 2 workers are {best[1] / best[2]:.2f}x as fast as 1")
+        print(f"{workers:>7} {total:>8.1f} {size_mb / total:>7.2f} {cpu:>7.1f} {size_mb / cpu:>9.2f} "
+              f"{rss / 2**20:>13.0f}  {own}")
+    print(f"ratio: 2 workers are {best[1] / best[2]:.2f}x as fast as 1 (wall clock; load average now "
+          f"{os.getloadavg()[0]:.1f})")
 
     common = ["pretrain", "--config", args.config, f"data.tokenizer={args.tokenizer}", f"data.eval={eval_file}",
               "train.steps=1", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
@@ -133,7 +140,7 @@ def bench(args, work: Path) -> None:
         for label, train in paths.items():
             shutil.rmtree(work / "hf_cache", ignore_errors=True)  # a cold start, as a new job's
             tb = work / f"tb_{label.replace(' ', '_')}_{r}"
-            total, first, rss, _ = run([*python, *common, f"data.train={train}", f"logging.dir={tb}",
+            total, first, _, rss, _ = run([*python, *common, f"data.train={train}", f"logging.dir={tb}",
                                         f"checkpoint.dir={work / 'ckpt' / label.replace(' ', '_') / str(r)}"], env,
                                        first_step_log=tb / "metrics.jsonl")
             start[label].append((first, rss))
@@ -143,7 +150,8 @@ def bench(args, work: Path) -> None:
         first, rss = min(rounds)
         print(f"{label:<10} {first:>8.1f} {rss / 2**20:>13.0f}")
     (mem_s, mem_rss), (idx_s, idx_rss) = min(start["in memory"]), min(start["indexed"])
-    print(f"ratio: the indexed start is {mem_s / idx_s:.1f}x as fast, with {mem_rss / idx_rss:.1f}x less peak RSS")
+    print(f"ratio: the indexed start is {mem_s / idx_s:.1f}x as fast, with {mem_rss / idx_rss:.1f}x less peak RSS "
+          f"(load average now {os.getloadavg()[0]:.1f})")
 
 
 if __name__ == "__main__":
