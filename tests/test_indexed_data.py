@@ -2,7 +2,9 @@
 here with megatron-core's own IndexedDataset, document for document); the indexed path's
 batches equal the in-memory path's; blends draw in proportion; damaged files are clear errors."""
 
+import contextlib
 import json
+import logging
 import math
 import os
 import random
@@ -46,6 +48,20 @@ def cfg_for(**data):
     return from_dict({"data": {"seq_len": 16, "shuffle": True, **data},
                       "train": {"micro_batch_size": 4, "grad_accum": 2, "steps": 50, "seed": 7, "eval_batches": 2},
                       "model": {"max_seq_len": 64}})
+
+
+@contextlib.contextmanager
+def logged(name):
+    """The messages the logger ``name`` emits inside the block (ours do not propagate to pytest's)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logger = logging.getLogger(name)
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
 
 
 def dims(rank, world):
@@ -120,10 +136,15 @@ def test_resume_by_sample_index_and_held_out_documents(tmp_path):
     for _ in range(5):
         again.batches.next_micro_batches()
     resumed = pretraining_data(cfg_for(train=prefix), tok)
-    resumed.batches.load_state_dict(again.batches.state_dict())
+    state = again.batches.state_dict()
+    assert state == {"epoch": 0, "cursor": 40, "windows": len(resumed.batches.iterator.data)}  # 5 steps of 2 x 4
+    resumed.batches.load_state_dict(state)
     for expected in seen[5:]:
         got = resumed.batches.next_micro_batches()
         assert all(torch.equal(x["inputs"], y["inputs"]) for x, y in zip(expected, got))
+    with logged("rlt_mega.data.datasets") as records:  # other data under the same checkpoint: said so
+        resumed.batches.load_state_dict({**state, "windows": state["windows"] + 1})
+    assert "the data changed" in records[0]
 
 
 def test_a_blend_draws_in_its_weights_proportions(tmp_path):
@@ -157,9 +178,10 @@ def test_a_blend_draws_in_its_weights_proportions(tmp_path):
     resumed.batches.load_state_dict(state)
     for x, y in zip(ranks[1].batches.next_micro_batches(), resumed.batches.next_micro_batches()):
         assert torch.equal(x["inputs"], y["inputs"])
-    other = pretraining_data(cfg_for(blend=[0.5, a, 0.5, b]), tok)
-    with pytest.raises(ValueError, match="resume with the same data.blend"):
+    other = pretraining_data(cfg_for(blend=[0.5, a, 0.5, b]), tok)  # a new mixture from here on: said so
+    with logged("rlt_mega.data.blend") as records:
         other.batches.load_state_dict(state)
+    assert "not the ones the uninterrupted run would have seen" in records[0] and other.batches.iterator.sample == 96
 
 
 def test_blend_config_is_validated():

@@ -22,6 +22,9 @@ import numpy as np
 import torch
 
 from rlt_mega.data.windows import TokenWindows
+from rlt_mega.log import get_logger
+
+log = get_logger(__name__)
 
 
 def blending_index(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +95,9 @@ class BlendedBatches:
     def load_state_dict(self, state: dict) -> None:
         sizes = [len(m) for m in self.members]
         same = len(state["weights"]) == len(self.weights) and np.allclose(state["weights"], self.weights)
-        if not same or list(state["sizes"]) != sizes:
-            raise ValueError(f"the checkpoint's blend (weights {state['weights']}, windows {state['sizes']}) is not "
-                             f"this run's (weights {self.weights}, windows {sizes}); resume with the same data.blend")
+        if not same or list(state["sizes"]) != sizes:  # a deliberate change of the mixture is allowed
+            log.warning("the checkpoint's blend had weights %s and windows %s, this run's has %s and %s: from sample "
+                        "%d on, the samples are not the ones the uninterrupted run would have seen",
+                        [round(w, 4) for w in state["weights"]], state["sizes"], [round(w, 4) for w in self.weights],
+                        sizes, state["blend_sample"])
         self.sample = int(state["blend_sample"])

@@ -290,8 +290,12 @@ class BatchIterator:
         return self.data.read(rows.tolist())  # (batch_size, seq_len + 1): only this rank's rows are read
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor}
+        return {"epoch": self.epoch, "cursor": self.cursor, "windows": len(self.data)}
 
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        if state.get("windows", len(self.data)) != len(self.data):  # a deliberate change of data is allowed
+            log.warning("the checkpoint's data had %d windows, %s has %d: the data changed, so from here on the "
+                        "order is not the one the uninterrupted run would have seen", state["windows"],
+                        self.data.name, len(self.data))
         self._order = self._permutation()
