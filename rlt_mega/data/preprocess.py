@@ -132,7 +132,7 @@ def _pool(workers: int, tokenizer_spec: str, text_field: Optional[str]):
 # ------------------------------------------------------------------------------ the job
 def preprocess(source: str, tokenizer: str, out: str, workers: int = 1, text_field: Optional[str] = None,
                hub_config: Optional[str] = None, split: str = "train", overwrite: bool = False,
-               chunk: int = 1000, progress: bool = True) -> PreprocessResult:
+               chunk: int = 256, progress: bool = True) -> PreprocessResult:
     """Tokenizes ``source`` into the indexed dataset ``out`` (``out.bin``, ``out.idx``, ``out.json``)."""
     from rlt_mega.data.indexed import IndexedWriter
 
@@ -209,7 +209,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hub-config", help="the hub dataset's config, e.g. sample-10BT")
     p.add_argument("--split", default="train", help="the hub split (default: train); a directory's test file "
                    "for any other value")
-    p.add_argument("--chunk", type=int, default=1000, help="documents per worker task (default: 1000)")
+    p.add_argument("--chunk", type=int, default=256, help="documents per worker task (default: 256; the "
+                   "tokenizer's Python lists cost ~36 bytes a token, so larger chunks cost memory)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
