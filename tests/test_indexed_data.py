@@ -199,7 +199,6 @@ def test_blend_config_is_validated():
 
 def test_damaged_files_are_clear_errors_naming_the_file(tmp_path, capsys):
     prefix, _ = make_prefix(tmp_path, "corpus")
-    tok = byte_level()
     bin_bytes = open(prefix + ".bin", "rb").read()
     with open(prefix + ".bin", "wb") as f:
         f.write(bin_bytes[:-10])

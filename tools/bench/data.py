@@ -10,6 +10,7 @@ one run on one generated corpus:
 
     PYTHONPATH=. python tools/bench/data.py                  # a 200 MB corpus, byte tokenizer
     PYTHONPATH=. python tools/bench/data.py --mb 20 --tokenizer path/to/tokenizer.json
+    PYTHONPATH=. python tools/bench/data.py --only startup --repeats 3
 
 Each command is a fresh process (its imports included), timed by the wall clock: start-up is
 elapsed time by definition, and the workers run in parallel. On a shared machine neighbours
@@ -34,6 +35,7 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
+PYTHON = [sys.executable, "-m", "rlt_mega"]
 
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -87,6 +89,8 @@ def main() -> None:
     parser.add_argument("--tokenizer", default="byte", help="'byte' or a tokenizer.json (default byte)")
     parser.add_argument("--repeats", type=int, default=1, help="interleaved rounds; each figure is the best")
     parser.add_argument("--config", default="configs/tiny_cpu.yaml", help="the model trained at start-up")
+    parser.add_argument("--only", choices=["preprocess", "startup"], help="one section (startup still preprocesses "
+                        "the corpus once, unmeasured)")
     args = parser.parse_args()
 
     work = Path(tempfile.mkdtemp(prefix="rlt_bench_data_"))
@@ -107,15 +111,23 @@ def bench(args, work: Path) -> None:
     print(f"# data benchmark: {size_mb:.1f} MB jsonl corpus ({docs:,} documents, generated in "
           f"{time.perf_counter() - t0:.0f} s), tokenizer {args.tokenizer}, {os.cpu_count()} CPU(s), "
           f"load average {os.getloadavg()[0]:.1f} at the start (a shared machine slows every figure)")
-    python = [sys.executable, "-m", "rlt_mega"]
+    if args.only != "startup":
+        section_preprocess(args, work, env, corpus, size_mb)
+    else:
+        run([*PYTHON, "preprocess", "--data", str(corpus), "--tokenizer", args.tokenizer, "--out",
+             str(work / "corpus_w1"), "--workers", "2", "--no-progress"], env)
+    if args.only != "preprocess":
+        section_startup(args, work, env, corpus, eval_file)
 
+
+def section_preprocess(args, work: Path, env: dict, corpus: Path, size_mb: float) -> None:
     pre = {1: [], 2: []}
     for _ in range(args.repeats):
         for workers in (1, 2):
             prefix = work / f"corpus_w{workers}"
-            total, _, cpu, rss, out = run([*python, "preprocess", "--data", str(corpus), "--tokenizer", args.tokenizer,
-                                      "--out", str(prefix), "--workers", str(workers), "--overwrite",
-                                      "--no-progress"], env)
+            total, _, cpu, rss, out = run([*PYTHON, "preprocess", "--data", str(corpus), "--tokenizer",
+                                           args.tokenizer, "--out", str(prefix), "--workers", str(workers),
+                                           "--overwrite", "--no-progress"], env)
             own = re.search(r"throughput: .*", out)
             busiest = float(re.search(r"the busiest process ([0-9.]+) s", out).group(1))
             pre[workers].append((total, cpu, busiest, rss, own.group(0) if own else "?"))
@@ -134,18 +146,20 @@ def bench(args, work: Path) -> None:
     print(f"ratio: 2 workers are {best[1] / best[2]:.2f}x as fast as 1 by the wall clock (load average now "
           f"{os.getloadavg()[0]:.1f}), {busiest[1] / busiest[2]:.2f}x by the busiest process's CPU time")
 
+
+def section_startup(args, work: Path, env: dict, corpus: Path, eval_file: Path) -> None:
     common = ["pretrain", "--config", args.config, f"data.tokenizer={args.tokenizer}", f"data.eval={eval_file}",
               "train.steps=1", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
               "logging.progress=false"]
-    paths = {"in memory": str(corpus), "indexed": str(work / "corpus_w1")}
+    paths = {"in memory": str(corpus), "indexed": str(work / "corpus_w1")}  # (the preprocess section wrote it)
     start = {k: [] for k in paths}
     for r in range(args.repeats):
         for label, train in paths.items():
             shutil.rmtree(work / "hf_cache", ignore_errors=True)  # a cold start, as a new job's
             tb = work / f"tb_{label.replace(' ', '_')}_{r}"
-            total, first, _, rss, _ = run([*python, *common, f"data.train={train}", f"logging.dir={tb}",
-                                        f"checkpoint.dir={work / 'ckpt' / label.replace(' ', '_') / str(r)}"], env,
-                                       first_step_log=tb / "metrics.jsonl")
+            ckpt = work / "ckpt" / label.replace(" ", "_") / str(r)
+            total, first, _, rss, _ = run([*PYTHON, *common, f"data.train={train}", f"logging.dir={tb}",
+                                           f"checkpoint.dir={ckpt}"], env, first_step_log=tb / "metrics.jsonl")
             start[label].append((first, rss))
     print(f"\n## training start-up: rlt-mega pretrain ({args.config}), process start to the first step")
     print(f"{'data path':<10} {'seconds':>8} {'peak RSS MiB':>13}")
