@@ -228,5 +228,7 @@ def test_damaged_files_are_clear_errors_naming_the_file(tmp_path, capsys):
 
     hf = HFTokenizer(models.WordLevel({"a": 0, "<|eos|>": 1}, unk_token="a"))
     hf.save(str(other / "tokenizer.json"))
+    with pytest.raises(DataError, match="is an indexed dataset: it is memory-mapped, not streamed"):
+        pretraining_data(cfg_for(train=prefix, streaming=True), byte_level())
     with pytest.raises(DataError, match="was tokenized with byte .* is another tokenizer"):
         pretraining_data(cfg_for(train=prefix, tokenizer=str(other)), load_tokenizer(str(other)))

@@ -168,6 +168,9 @@ def _streaming(cfg: Config, tokenizer: Tokenizer, rank: int, world: int, dims, n
     from rlt_mega.data.sources import stream_rows
 
     data, train = cfg.data, cfg.train
+    if is_indexed(data.train):
+        raise DataError(f"data.train={data.train} is an indexed dataset: it is memory-mapped, not streamed; set "
+                        "data.streaming=false")
     rows, _ = stream_rows(data.train, data, "train")
     if world > 1 and rows.num_shards % world:
         log.info("data: %s has %d shard(s), not a multiple of the %d data-parallel ranks: each rank reads the whole "
