@@ -15,6 +15,7 @@ from typing import Callable
 from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.checkpoint_tools import commands as checkpoint_tools
 from rlt_mega.config import Config, ConfigError, load_config
+from rlt_mega.data import preprocess as preprocess_cmd
 from rlt_mega.data.datasets import DataError
 from rlt_mega.data.tokenizer import TokenizerError
 from rlt_mega.log import get_logger, setup_logging
@@ -200,6 +201,9 @@ def build_parser() -> argparse.ArgumentParser:
             EXTRA_ARGS[name](p)
         p.set_defaults(fn=fn)
     plan_cli.register(sub)
+    p = sub.add_parser("preprocess", help=preprocess_cmd.HELP, description=preprocess_cmd.HELP)
+    preprocess_cmd.add_arguments(p)
+    p.set_defaults(fn=_tool(preprocess_cmd.run))
     for name, (add_arguments, run, help_text) in checkpoint_tools.COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p)

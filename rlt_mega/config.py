@@ -122,20 +122,66 @@ class GeneratedDataConfig:
 
 @dataclass
 class DataConfig:
-    # "generated" (arithmetic problems), a local .jsonl/.json/.txt file or directory, or a hub name.
-    train: str = "generated"
-    eval: Optional[str] = None  # None: a held-out split of the train source
+    # "generated" (arithmetic problems), a local .jsonl/.json/.txt file or directory, a hub name,
+    # or (pretraining) the prefix of an indexed dataset written by `rlt-mega preprocess`
+    # (PREFIX.bin + PREFIX.idx): memory-mapped, nothing tokenized at start-up. null with data.blend.
+    train: Optional[str] = "generated"
+    eval: Optional[str] = None  # None: a held-out split of the train source (a prefix works too)
     hub_config: Optional[str] = None  # e.g. "main" for openai/gsm8k
     text_field: Optional[str] = None  # None: "text", else question + answer for GSM8K records
     tokenizer: str = "byte"  # "byte" or a path to a tokenizers tokenizer.json
     seq_len: int = 128
     shuffle: bool = True
+    # Pretraining on several indexed datasets in proportion to their weights, Megatron-LM's
+    # --data-path layout: [w1, PREFIX1, w2, PREFIX2, ...] (weights need not sum to 1). Replaces
+    # data.train, which is then null (or left at its default).
+    blend: Optional[list] = None
+    # Pretraining straight from data.train (a hub dataset or local files) with `datasets`
+    # streaming: each data-parallel rank reads its own documents and packs them on the fly.
+    streaming: bool = False
+    # Streaming only: windows held in a seeded shuffle buffer (saved with the checkpoints, so a
+    # resumed run sees the same order); 0 keeps the stream's order.
+    shuffle_buffer: int = 0
     generated: GeneratedDataConfig = field(default_factory=GeneratedDataConfig)
 
     def __post_init__(self) -> None:
         _check(self.seq_len >= 2, f"data.seq_len={self.seq_len}: must be at least 2")
+        _check(self.train is not None or self.blend is not None,
+               "data.train is null: give a source (e.g. 'generated' or a dataset prefix), or a data.blend")
         for name in ("train", "tokenizer"):
-            _check(bool(getattr(self, name).strip()), f"data.{name} is empty: give a source (e.g. 'generated')")
+            value = getattr(self, name)
+            _check(value is None or bool(value.strip()), f"data.{name} is empty: give a source (e.g. 'generated')")
+        _check(self.shuffle_buffer >= 0, f"data.shuffle_buffer={self.shuffle_buffer}: must be >= 0 (0: no shuffling)")
+        if self.blend is not None:
+            self._check_blend()
+        _check(not (self.streaming and self.train == "generated"),
+               "data.streaming=true streams data.train, which is 'generated': set data.train to a hub dataset "
+               "or local file (e.g. HuggingFaceFW/fineweb-edu), or set data.streaming=false")
+
+    def _check_blend(self) -> None:
+        blend = self.blend
+        example = "e.g. data.blend=[0.3, data/web, 0.7, data/code]"
+        _check(len(blend) >= 2 and len(blend) % 2 == 0,
+               f"data.blend={_show(blend)}: expected weight, prefix pairs, {example}")
+        pairs = []
+        for weight, prefix in zip(blend[::2], blend[1::2]):
+            number = None
+            if isinstance(weight, (int, float, str)) and not isinstance(weight, bool):
+                try:  # PyYAML (YAML 1.1) reads 1e-3 as a string: accept it
+                    number = float(weight)
+                except ValueError:
+                    pass
+            _check(number is not None and math.isfinite(number) and number > 0,
+                   f"data.blend: weight {_show(weight)} must be a positive number, {example}")
+            _check(isinstance(prefix, str) and bool(prefix.strip()),
+                   f"data.blend: {_show(prefix)} after weight {weight} must be a dataset prefix, {example}")
+            pairs += [number, prefix]
+        self.blend = pairs
+        _check(self.train in (None, "generated"), f"data.blend and data.train={_show(self.train)} are both set: "
+               "a blend replaces data.train; set data.train=null")
+        self.train = None
+        _check(not self.streaming, "data.blend reads indexed datasets and data.streaming=true streams data.train: "
+               "set only one of them")
 
 
 @dataclass

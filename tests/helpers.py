@@ -1,11 +1,15 @@
 """What several test files share (tests/ is on sys.path: ``from helpers import TINY``)."""
 
+import dataclasses
+import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
 
-from rlt_mega.parallel.dims import free_port
+from rlt_mega.config import ModelConfig
+from rlt_mega.parallel.dims import ParallelDims, free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -60,3 +64,48 @@ def pretrain_launched(tmp_path, name, nproc, *overrides, launcher="torchrun", ch
     args = ["pretrain", "--config", "configs/tiny_cpu.yaml", *DIST_TINY, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
             f"logging.dir={tmp_path / name / 'tb'}", *overrides]
     return launched(nproc, args, launcher, check)
+
+
+# ------------------------------------------------------------------------------ pretraining data
+WORDS = ["alpha", "beta", "gamma", "delta", "€uro", "ünï", "x"]
+
+
+def write_corpus(path, num_docs, seed=0, letter=None, bad_lines=True):
+    """A jsonl corpus of documents of varied length (a few bad lines among them)."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(num_docs):
+            text = letter * rng.randint(5, 80) if letter else f"doc {i}: " + " ".join(
+                rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+            f.write(json.dumps({"text": text}) + "\n")
+            if bad_lines and i % 97 == 13:
+                f.write("{not json\n\n")
+    return path
+
+
+def make_prefix(tmp_path, name, num_docs=300, workers=1, **kwargs):
+    """``rlt-mega preprocess`` of a write_corpus corpus -> (the dataset prefix, the corpus)."""
+    from rlt_mega.data.preprocess import preprocess
+
+    corpus = write_corpus(Path(tmp_path) / f"{name}.jsonl", num_docs, **kwargs)
+    preprocess(str(corpus), "byte", str(Path(tmp_path) / "data" / name), workers=workers, chunk=37, progress=False)
+    return str(Path(tmp_path) / "data" / name), corpus
+
+
+def dp_layout(rank=0, world=1):
+    """Data-parallel rank ``rank`` of ``world`` as the data path sees it, on one process (no
+    process group: ``gather_over_dp`` is this rank's state alone)."""
+    return dataclasses.replace(ParallelDims.single(ModelConfig(), "cpu"), dp=world, dp_rank=rank,
+                               dp_ranks=list(range(world)))
+
+
+def docs_in(windows):
+    """The documents of a rank's byte-level windows, read in order: its stream, split at
+    end-of-text (the first and the last may be cut, and are left out)."""
+    import torch
+
+    from rlt_mega.data.tokenizer import byte_level
+
+    stream = torch.cat([w.reshape(-1) for w in windows]).tolist()
+    text = byte_level().tok.decode(stream, skip_special_tokens=False)
+    return [d for d in text.split("<|eos|>")[1:-1]]

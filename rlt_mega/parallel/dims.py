@@ -325,6 +325,15 @@ class ParallelDims:
         dist.broadcast_object_list(box, src=self.mp_ranks[0], group=self.mp_group)
         return box[0]
 
+    def gather_over_dp(self, obj: Any) -> list:
+        """Every data-parallel replica's ``obj`` (picklable), in dp-rank order; every rank of
+        the dp group calls it (a streamed run's checkpoint holds each replica's position)."""
+        if not self.distributed or self.dp == 1:
+            return [obj]
+        out: list = [None] * self.dp
+        dist.all_gather_object(out, obj, group=self.dp_group)
+        return out
+
     def sum_over_dp(self, values: list[float]) -> list[float]:
         """Per-replica values (the same on every rank of a replica) summed over replicas."""
         if not self.distributed or self.dp == 1:

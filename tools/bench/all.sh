@@ -3,7 +3,7 @@
 # 2-core machine they would time each other), in quick settings that keep the whole run under
 # 10 minutes on this CPU; each prints its own table of ratios measured within its run.
 # Creates or reuses .venv like launch/test.sh. Extra arguments: the benchmarks to run
-# (training pipeline rollout peer rollout_parallel stability; default all).
+# (training pipeline rollout peer rollout_parallel stability; default all; and data).
 #
 #     bash tools/bench/all.sh                 # everything, ~10 minutes on 2 CPU cores
 #     bash tools/bench/all.sh training        # one of them
@@ -37,4 +37,7 @@ want peer && run peer python tools/bench/peer.py
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
 want stability && run stability python tools/bench/stability.py --steps 40 --lr 1e-3
+# Pretraining data (issue 18; not in the default list: ~6 minutes on 200 MB): preprocess MB/s with
+# 1 and 2 workers, start-up time and peak RSS of the indexed against the in-memory path.
+want data && run data python tools/bench/data.py
 echo; echo "==== all: $SECONDS s"
