@@ -92,7 +92,7 @@ class Job(Protocol):
     def postfix(self, scalars: dict[str, float]) -> dict[str, str]: ...
     def evaluate(self, step: int) -> dict[str, float]: ...
     def result(self) -> dict: ...
-    def state_dict(self) -> dict: ...
+    def state_dict(self) -> dict: ...  # called on every rank at a save; rank 0's is kept
     def load_state_dict(self, state: dict) -> None: ...
 
 
@@ -167,11 +167,14 @@ class Trainer:
         job's state) and config.yaml, and every rank's RNG state (the data order is seeded,
         but a user hook may draw numbers)."""
         step = self.state.step
+        # On every rank, though only rank 0 writes it: a job's state may be a collective (a
+        # streamed run gathers every data-parallel replica's stream position).
+        job_state = self.job.state_dict()
 
         def write(tmp: Path) -> None:
             self.engine.save(tmp)
             if self.dims.rank == 0:
-                torch.save({"loop": self.state.state_dict(), "job": self.job.state_dict()}, tmp / "trainer.pt")
+                torch.save({"loop": self.state.state_dict(), "job": job_state}, tmp / "trainer.pt")
                 save_config(self.cfg, tmp / "config.yaml")
             torch.save(rng_state(), tmp / f"rng_rank{self.dims.rank}.pt")
 

@@ -1,7 +1,9 @@
 """Pretraining data on two gloo data-parallel ranks (the shared launch; data_scenarios.py):
 each rank's rows of the indexed path and of a blend are exactly its strided share of the
 single-process global batch (so the two are disjoint and together are that batch); streamed
-ranks read disjoint documents, and each resumes its own stream from the gathered state."""
+ranks read disjoint documents, and each resumes its own stream from the gathered state, also
+through the trainer: a streamed run stopped and resumed from a checkpoint ends as if
+uninterrupted (every rank gathers its stream position into rank 0's trainer.pt at each save)."""
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from tests.distributed.data_scenarios import config, rows
 from helpers import docs_in, dp_layout
 
 DATA = ("data_scenarios.data_paths", {"dir": "{shared}/data_paths"})
-SCENARIOS = {2: [DATA]}
+TRAINING = ("data_scenarios.streamed_training", {"dir": "{shared}/streamed_training"})
+SCENARIOS = {2: [DATA, TRAINING]}
 
 
 @pytest.fixture(scope="module")
@@ -45,3 +48,8 @@ def test_streamed_ranks_read_disjoint_documents_and_resume_their_own_streams(lau
         assert r["stream_resumed"] == r["stream_next"]
     assert ranks[0]["eval_stream"] == ranks[1]["eval_stream"]  # every rank evaluates the same windows
 
+
+def test_a_streamed_run_stopped_and_resumed_on_two_ranks_ends_as_if_uninterrupted(ranks):
+    for r in ranks(2).each(*TRAINING):
+        assert r["stream_ranks"] == 2  # both replicas' stream positions in the checkpoint
+        assert r["same_keys"] and r["unequal"] == []
