@@ -18,7 +18,8 @@ collective for a rank that already gave up. The validating functions (``split_la
 
 The layout always exists: one process is :meth:`ParallelDims.single`, a layout of one rank
 without any torch.distributed process group, on which every collective below (barrier,
-all-reduce, sharing within a replica, sums over data-parallel replicas) is the identity.
+all-reduce, sharing within a replica, gathers and sums over data-parallel replicas) is the
+identity.
 Nothing above this module asks whether a run is distributed.
 """
 
