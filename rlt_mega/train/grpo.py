@@ -312,12 +312,12 @@ def build_trainer(cfg: Config, built: Config, dims, tokenizer: Tokenizer, reward
     ``engine_config(cfg)``. train.init_from (e.g. the export of an SFT run), when set, is
     applied by the builders."""
     reference = None
-    fast = cfg.sampling.fast_decode
+    fast, every = cfg.sampling.fast_decode, cfg.sampling.check_every
     if dims is None:
         model, engine, _ = build_local(built)
-        sampler = Sampler(model, fast_decode=fast)
+        sampler = Sampler(model, fast_decode=fast, check_every=every)
         if cfg.grpo.kl_coef > 0:  # the initial policy, frozen
-            reference = Sampler(copy.deepcopy(model).requires_grad_(False), fast_decode=fast)
+            reference = Sampler(copy.deepcopy(model).requires_grad_(False), fast_decode=fast, check_every=every)
 
         def policy() -> Sampler:
             return sampler
@@ -326,10 +326,10 @@ def build_trainer(cfg: Config, built: Config, dims, tokenizer: Tokenizer, reward
         comms = Comms.from_dims(dims)
         if cfg.grpo.kl_coef > 0:  # the initial policy in the same layout, frozen
             reference = Sampler(distributed.build_frozen(built, dims, initial_model(built, dims)), comms, dims.layers,
-                                fast_decode=fast)
+                                fast_decode=fast, check_every=every)
 
         def policy() -> Sampler:
-            return Sampler(engine.sampling_module(), comms, dims.layers, fast_decode=fast)
+            return Sampler(engine.sampling_module(), comms, dims.layers, fast_decode=fast, check_every=every)
     replica = Replica(dims)
     log.info("GRPO: %d train prompts, %d held-out; %d x %d completions per step and replica (%d replicas) in %d "
              "minibatches of %d micro-batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,
