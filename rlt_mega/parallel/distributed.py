@@ -22,7 +22,9 @@ tokens of the step (all micro-batches, all data-parallel ranks); DeepSpeed avera
 over data-parallel ranks, so the backward weighs each token by ``dp / global_count``.
 
 bf16 here is DeepSpeed's: bf16 parameters and activations, fp32 master weights and optimizer
-state, fp32 gradient accumulation (the local engine uses autocast over fp32 parameters).
+state, fp32 gradient accumulation and data-parallel reduction (parallel.grad_accum_dtype and
+grad_reduce_dtype; zero.py says what DeepSpeed does with them; without ZeRO DeepSpeed can only
+accumulate in bf16). The local engine uses autocast over fp32 parameters.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from rlt_mega import determinism
 from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.config import Config, ConfigError
 from rlt_mega.log import get_logger
@@ -45,12 +48,15 @@ from rlt_mega.model.rlt import RLT, build_model
 from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.engine import CountFn, LogitsLoss, LossFn, StepStats, lm_count, lm_loss, lr_lambda
 from rlt_mega.parallel.gather import gather_tp
-from rlt_mega.parallel.grads import ShadowGrads, deposit_grads
-from rlt_mega.parallel.pipeline import P2P, RingSchedule
+from rlt_mega.parallel.build import build_stage
+from rlt_mega.parallel.grads import ShadowGrads, deposit_grads, handover_pieces
+from rlt_mega.parallel.p2p import P2P
+from rlt_mega.parallel.pipeline import RingSchedule
 from rlt_mega.parallel.stage import RLTStage, prune_to_stage
 from rlt_mega.parallel.tp import IGNORE_INDEX, apply_tensor_parallel, gather_vocab, gather_vocab_grad, token_losses
 from rlt_mega.parallel import reshard
-from rlt_mega.parallel.zero import ZeroStepper, init_deepspeed, mark_for_grad_norm, sync_pipeline_replicas
+from rlt_mega.parallel.zero import (ZeroStepper, grad_accum_dtype, init_deepspeed, mark_for_grad_norm,
+                                   sync_pipeline_replicas)
 
 log = get_logger(__name__)
 
@@ -68,7 +74,9 @@ def requested(cfg: Config) -> bool:
 def launch(cfg: Config) -> Iterator[Optional[ParallelDims]]:
     """The layout of a run (None when one process suffices): validated before any process group
     exists, so a layout that does not fit fails on every rank at once; the process groups are
-    released when the run ends."""
+    released when the run ends. The process's kernels are made deterministic first
+    (train.deterministic, rlt_mega/determinism.py), before any CUDA or NCCL work."""
+    determinism.configure(cfg.train.deterministic)
     if not requested(cfg):
         yield None
         return
@@ -83,11 +91,11 @@ def launch(cfg: Config) -> Iterator[Optional[ParallelDims]]:
 
 def build_engine(cfg: Config, dims: ParallelDims, model_fn: Optional[Callable[[], RLT]] = None
                  ) -> "DistributedEngine":
-    """Builds this rank's part of the model and wraps it. ``model_fn`` returns the full
-    single-device model on the CPU (default: ``build_model(cfg.model, "cpu", seed=cfg.train.seed)``);
-    every rank builds the same one and keeps its stage and TP shard, so the distributed model
-    starts equal to the single-process model with the same seed."""
-    model = model_fn() if model_fn is not None else build_model(cfg.model, "cpu", seed=cfg.train.seed)
+    """Builds this rank's part of the model and wraps it. ``model_fn`` returns the model on the
+    CPU: the full single-device one, or only this rank's stage and shard (default:
+    ``build.build_stage`` with train.seed, which builds nothing else and starts equal to the
+    single-process model with the same seed)."""
+    model = model_fn() if model_fn is not None else build_stage(cfg.model, dims, cfg.train.seed)
     return DistributedEngine(cfg, dims, model)
 
 
@@ -120,12 +128,16 @@ class DistributedEngine:
         mark_for_grad_norm(model, dims)
         mbs, accum = cfg.train.micro_batch_size, cfg.train.grad_accum
         self.pieces, _ = micro_batch_plan(mbs, accum, self.M)
-        if dims.pp > 1:  # one DeepSpeed backward per step (grads.py)
-            ds_micro, self.ds_accum = mbs * accum, 1
+        accum_dtype = grad_accum_dtype(cfg.parallel, self.bf16)
+        # PP: the step's fp32 accumulators go to DeepSpeed in as many bf16 backwards as keep them
+        # exact where DeepSpeed accumulates in fp32 (grads.py), in one otherwise.
+        self.handover = handover_pieces(self.bf16, accum_dtype)
+        if dims.pp > 1:  # the step's gradients reach DeepSpeed in `handover` backwards (grads.py)
+            ds_micro, self.ds_accum = mbs * accum, self.handover
         else:  # one DeepSpeed backward per pipeline micro-batch
             ds_micro, self.ds_accum = mbs // self.pieces, accum * self.pieces
         self.engine = init_deepspeed(model, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16, ds_micro,
-                                     self.ds_accum)
+                                     self.ds_accum, accum_dtype, cfg.parallel.grad_reduce_dtype)
         self.universal_info = reshard.universal_checkpoint_info(self.full_cfg)
         self.stepper = ZeroStepper(self.engine, dims, cfg.optim, cfg.parallel.zero_stage, self.bf16)
         self.lr_factor = lr_lambda(cfg.optim, cfg.train.steps)
@@ -134,7 +146,7 @@ class DistributedEngine:
         if dims.pp > 1:
             stage = RLTStage(self.engine.module, dims.layers, dims.is_first_stage, dims.is_last_stage, dims.tp,
                              gather_vocab=self._gather_vocab)
-            self.ring = RingSchedule(stage, P2P(dims.pp_ranks, dims.pp_rank, dims.device), dims.pp_rank, dims.pp)
+            self.ring = RingSchedule(stage, P2P.for_pipeline(dims), dims.pp_rank, dims.pp)
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -227,8 +239,11 @@ class DistributedEngine:
         return loss_fn(self.engine, {**y, "inputs": x})
 
     def _all_finite(self, grads: dict) -> bool:
-        """Every rank's accumulated gradients finite (one flag over the world)."""
-        ok = torch.tensor([float(all(bool(torch.isfinite(g).all()) for g in grads.values()))], device=self.dims.device)
+        """Every rank's accumulated gradients finite: one flag per tensor on the device, one
+        reduction over the world, one host read."""
+        flags = [torch.isfinite(g).all() for g in grads.values()]
+        ok = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=self.dims.device))
+        ok = ok.float().reshape(1)
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
         return bool(ok.item())
 
@@ -267,7 +282,7 @@ class DistributedEngine:
         finite = math.isfinite(loss) and self._all_finite(grads)
         if finite:  # a non-finite step never reaches DeepSpeed: nothing to undo
             sync_pipeline_replicas(grads, self.module, self.dims)
-            deposit_grads(self.engine, grads)
+            deposit_grads(self.engine, grads, self.handover)
         return loss, count, finite
 
     def train_step(self, micro_batches: list[dict], loss_fn: LossFn = lm_loss, count_fn: CountFn = lm_count
@@ -323,7 +338,7 @@ class DistributedEngine:
         import deepspeed
 
         if self._sampling_copy is None:
-            copy_ = shard_for_rank(build_model(self.full_cfg, "cpu"), self.dims)
+            copy_ = shard_for_rank(build_stage(self.full_cfg, self.dims, seed=0), self.dims)  # values copied below
             # requires_grad stays as on the engine's parameters (no gradient is ever computed
             # here): some kernels (F.rms_norm) take another path for a weight without it, and
             # samples must not depend on the ZeRO stage.

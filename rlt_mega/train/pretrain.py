@@ -14,6 +14,7 @@ from rlt_mega.learner.loss import shift
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
 from rlt_mega.parallel import distributed
+from rlt_mega.parallel.build import build_stage
 from rlt_mega.parallel.engine import LocalEngine, resolve_device
 from rlt_mega.train.loop import Trainer
 
@@ -59,11 +60,12 @@ def build_local(cfg: Config) -> tuple[RLT, LocalEngine, torch.device]:
 
 
 def initial_model(cfg: Config, dims) -> RLT:
-    """The starting weights of a distributed run on the CPU: the same seeded single-device model
-    on every rank, or only this rank's pipeline stage read from train.init_from."""
+    """The starting weights of a distributed run on the CPU, this rank's part only: its stage and
+    shard of the seeded model (parallel/build.py: equal to the single-device model of the same
+    seed), or its pipeline stage read from train.init_from."""
     if cfg.train.init_from:
         return init_stage_from(cfg.train.init_from, cfg.model, dims.layers, dims.is_first_stage, dims.is_last_stage)
-    return build_model(cfg.model, "cpu", seed=cfg.train.seed)
+    return build_stage(cfg.model, dims, cfg.train.seed)
 
 
 def build_distributed(cfg: Config, dims) -> tuple[RLT, "distributed.DistributedEngine"]:
