@@ -2,11 +2,14 @@
 TP=2 x PP=2; PP=2 x DP=2 with ZeRO-1/2 and an uneven split; TP=2 x DP=2 with ZeRO-3; and a
 checkpoint saved on four ranks, the processes stopped, and the run resumed in new processes on
 the same layout, ending with parameters equal to the uninterrupted run's (torch.equal); a GRPO
-step under TP=2 x PP=2 (with the KL reference) and PP=2 x DP=2 ZeRO-2 against one process."""
+step under TP=2 x PP=2 (with the KL reference) and PP=2 x DP=2 ZeRO-2 against one process; the
+messages a four-stage sampler and training ring post against the descriptions the NCCL simulation
+checks. Tags: one per stream (the two-rank launches run with every tag 0)."""
 
 import pytest
 
 from tests.parallel.launch import result, run_ranks
+from tests.parallel.ring_checks import check_ring_messages
 from tests.parallel.test_grpo_distributed import check_grpo_step
 
 L4 = {"n_layers": 4}
@@ -26,6 +29,8 @@ GRPO = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "pp": 2
                                                    "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
         ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 2, "micro_batches": 2},
                                                    "train": {"grad_accum": 2}})]
+# The middle stages take the finish flags at checks only (rollout/ring.py).
+MESSAGES = [("nccl_scenarios.ring_messages", {"parallel": {"pp": 4}, "model": L4})]
 RESUME_LAYOUTS = [{"pp": 2, "zero_stage": 1, "micro_batches": 2}, {"tp": 2, "zero_stage": 3},
                   {"tp": 2, "pp": 2, "zero_stage": 2}]
 
@@ -42,7 +47,7 @@ def ckpt_root(tmp_path_factory):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory, ckpt_root):
     saves = [("resume", resume_args(i, lay, "save", ckpt_root)) for i, lay in enumerate(RESUME_LAYOUTS)]
-    return run_ranks(4, PP4 + TP2PP2 + PP2DP2 + TP2DP2 + GRPO + saves, tmp_path_factory.mktemp("four_ranks"),
+    return run_ranks(4, PP4 + TP2PP2 + PP2DP2 + TP2DP2 + GRPO + MESSAGES + saves, tmp_path_factory.mktemp("four_ranks"),
                      timeout=900)
 
 
@@ -92,3 +97,9 @@ def test_resume_on_the_same_layout_is_exact(results, resumed, ckpt_root, i, layo
 def test_a_grpo_step_matches_one_process(results, name, args):
     for r in each_rank(results, name, args):
         check_grpo_step(r, args)
+
+
+@pytest.mark.parametrize("name,args", MESSAGES)
+def test_four_stage_rings_post_the_messages_the_nccl_simulation_checks(results, name, args):
+    for r in each_rank(results, name, args):
+        check_ring_messages(r)

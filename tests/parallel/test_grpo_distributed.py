@@ -8,11 +8,14 @@
   acts), parameters after the step, on-policy ratios exactly 1; under DP=2 ZeRO-1, TP=2 and
   PP=2 (with the k3 KL to a reference built in the same layout, grad_accum 2) and DP=2 ZeRO-3
   with every parameter partitioned.
+
+Every point-to-point tag is 0 in this launch (launch.ORDER_ONLY): messages pair by order alone,
+as under NCCL.
 """
 
 import pytest
 
-from tests.parallel.launch import result, run_ranks
+from tests.parallel.launch import ORDER_ONLY, result, run_ranks
 
 REPLAY = [("grpo_scenarios.replay_exact", {"parallel": {"tp": 2}}),
           ("grpo_scenarios.replay_exact", {"parallel": {"tp": 2}, "dtype": "bf16", "model": {"memory_block": 1}}),
@@ -27,7 +30,7 @@ STEP = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 1}
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_ranks(2, REPLAY + STEP, tmp_path_factory.mktemp("grpo_ranks"), timeout=600)
+    return run_ranks(2, REPLAY + STEP, tmp_path_factory.mktemp("grpo_ranks"), timeout=600, env=ORDER_ONLY)
 
 
 @pytest.mark.parametrize("name,args", REPLAY)

@@ -1,10 +1,16 @@
 """Two gloo ranks against the single-process reference (one launch runs every scenario; see
 tests/parallel/scenarios.py): TP=2, PP=2 with M = 1, 2, 4, ZeRO-0..3 on DP=2, bf16, and
-layouts that do not fit."""
+layouts that do not fit; and (tests/parallel/nccl_scenarios.py) the messages the sampler and
+training rings really post against the descriptions the NCCL simulation checks, fp32 gradient
+accumulation of bf16 ZeRO-1/2/3, and the pipeline's fp32 hand-over to DeepSpeed.
+
+Every point-to-point tag is 0 in this launch (launch.ORDER_ONLY): messages pair by order alone,
+as under NCCL."""
 
 import pytest
 
-from tests.parallel.launch import result, run_ranks
+from tests.parallel.launch import ORDER_ONLY, result, run_ranks
+from tests.parallel.ring_checks import check_ring_messages
 
 TP2 = [("gradients_vs_reference", {"parallel": {"tp": 2}, "with_logits": True}),
        ("gradients_vs_reference", {"model": {"qkv_bias": True, "tie_embeddings": True, "share_weights": False},
@@ -35,12 +41,18 @@ BAD = [("bad_layout", {"parallel": {"tp": 3}}),
 NONFINITE = [("nonfinite_skipped", {"parallel": {"zero_stage": 0}}),
              ("nonfinite_skipped", {"parallel": {"zero_stage": 2}}),
              ("nonfinite_skipped", {"parallel": {"pp": 2, "zero_stage": 1}})]
-SCENARIOS = BAD + TP2 + PP2 + PP2_VARIANTS + ZERO + BF16 + NONFINITE
+N = "nccl_scenarios."
+MESSAGES = [(N + "ring_messages", {"parallel": {"pp": 2}}),
+            (N + "ring_messages", {"parallel": {"pp": 2}, "model": {"memory_block": 1}, "check_every": 1})]
+ACCUM = [(N + "bf16_accumulates_in_fp32", {"parallel": {"zero_stage": z}}) for z in (1, 2, 3)]
+HANDOVER = [(N + "pipeline_handover_keeps_fp32", {"parallel": {"pp": 2, "zero_stage": z, "micro_batches": 2}})
+            for z in (1, 2)]
+SCENARIOS = BAD + TP2 + PP2 + PP2_VARIANTS + ZERO + BF16 + NONFINITE + MESSAGES + ACCUM + HANDOVER
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return run_ranks(2, SCENARIOS, tmp_path_factory.mktemp("two_ranks"), timeout=900)
+    return run_ranks(2, SCENARIOS, tmp_path_factory.mktemp("two_ranks"), timeout=900, env=ORDER_ONLY)
 
 
 def each_rank(results, name, args):
@@ -101,3 +113,26 @@ def test_a_non_finite_step_is_skipped_without_touching_the_parameters(results, n
     for r in each_rank(results, name, args):
         assert r["skipped"] and r["loss"] != r["loss"]  # NaN
         assert r["others_equal"] and r["steps_taken"] == 0
+
+
+@pytest.mark.parametrize("name,args", MESSAGES)
+def test_the_rings_post_the_messages_the_nccl_simulation_checks(results, name, args):
+    for r in each_rank(results, name, args):
+        check_ring_messages(r)
+
+
+@pytest.mark.parametrize("name,args", ACCUM)
+def test_bf16_zero_accumulates_gradients_in_fp32(results, name, args):
+    for r in each_rank(results, name, args):
+        # equal to fp32 accumulation of the same bf16 micro-batch gradients (up to the fp32
+        # data-parallel mean), and measurably not bf16 accumulation
+        assert r["diff_fp32_reference"] < 1e-6, r
+        assert r["diff_bf16_reference"] > 1e-4, r
+
+
+@pytest.mark.parametrize("name,args", HANDOVER)
+def test_the_pipeline_hands_its_fp32_sums_to_deepspeed_exactly(results, name, args):
+    for r in each_rank(results, name, args):
+        assert r["pieces"] == 3 and r["params"] > 0
+        assert r["sums_are_not_bf16"]  # so a bf16 hand-over would have changed them
+        assert r["equal"], r
