@@ -146,11 +146,6 @@ def simulate_nccl(programs: Sequence[Sequence[Step]], streams: str = "channels",
     deps: dict[tuple, list] = defaultdict(list)
     plus: dict[tuple, float] = {}
     last_on_stream: dict[tuple, tuple] = {}
-    compute_event: dict[tuple, int] = {}
-    for r, ev in enumerate(events):
-        for e, (kind, x) in enumerate(ev):
-            if kind == "compute":
-                compute_event[(r, x)] = e
     for r, ev in enumerate(events):
         waits: dict[int, list] = defaultdict(list)
         for e, (kind, x) in enumerate(ev):
@@ -206,7 +201,7 @@ def _where(programs, events, value) -> str:
         if k is None:
             parts.append(f"stage {r} done")
             continue
-        waiting = [m for m in prog[k].recvs]
+        waiting = list(prog[k].recvs)
         parts.append(f"stage {r} at step {k} {prog[k].name}" + (f" (receives {waiting})" if waiting else ""))
     return "; ".join(parts)
 

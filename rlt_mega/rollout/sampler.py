@@ -24,6 +24,10 @@ The schedule, for a batch of B prompts of lengths P_b (left-aligned, right-padde
   (the same function with fused kernels, ``model/fast_decode.py``, whenever every projection
   is a plain nn.Linear), then the head (fp32 logits; under tensor parallelism the vocab
   shards gathered) and ``process_logits`` on the whole (B, V) batch.
+- Stopping: stop tokens and max_new_tokens end a row on the device; the batch stops at the
+  first check (every ``check_every`` steps, executor.py) after its last row ended, so it may
+  run up to check_every - 1 steps of pad past it. Stop strings are looked for at the checks,
+  in the tokens drawn since the last one; a row ends at the token that completed one.
 
 What the rollout records (``Schedule``) is enough to re-execute it: prompt lengths, the
 number of steps, the encoder calls, the cache capacity, processing, dtype and which decoder
