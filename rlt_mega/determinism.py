@@ -51,6 +51,8 @@ def configure(enabled: bool) -> None:
     torch.use_deterministic_algorithms(enabled, warn_only=False)
     torch.backends.cudnn.deterministic = enabled
     torch.backends.cudnn.benchmark = not enabled and torch.backends.cudnn.benchmark
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(not enabled)
     if not enabled:
         return
     workspace = os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
@@ -59,8 +61,6 @@ def configure(enabled: bool) -> None:
                            f"{list(_DETERMINISTIC_CUBLAS)}: unset it (train.deterministic sets {CUBLAS_WORKSPACE}) "
                            "or set train.deterministic=false")
     set_nccl_environment()
-    if torch.cuda.is_available():
-        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def set_nccl_environment() -> None:

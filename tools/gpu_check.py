@@ -77,11 +77,12 @@ def part_versions(smoke: bool) -> dict:
                                                   "TORCH_NCCL_BLOCKING_WAIT", "CUDA_VISIBLE_DEVICES")}}
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        out.update(gpu=props.name, capability=f"{props.major}.{props.minor}", memory_gb=round(props.total_memory / 2**30, 1),
-                   cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())),
-                   sdpa={"flash": torch.backends.cuda.flash_sdp_enabled(),
-                         "mem_efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
-                         "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()})
+        sdpa = torch.backends.cuda
+        out.update(gpu=props.name, capability=f"{props.major}.{props.minor}",
+                   memory_gb=round(props.total_memory / 2**30, 1), cudnn=torch.backends.cudnn.version(),
+                   nccl=str(torch.cuda.nccl.version()),
+                   sdpa={"flash": sdpa.flash_sdp_enabled(), "mem_efficient": sdpa.mem_efficient_sdp_enabled(),
+                         "cudnn": sdpa.cudnn_sdp_enabled(), "math": sdpa.math_sdp_enabled()})
     return {"status": "ok", **out}
 
 
@@ -143,7 +144,8 @@ def part_sdpa(smoke: bool) -> dict:
                 for name, first in firsts.items():  # the distance to the math backend's output
                     if "math" in firsts:
                         key = f"{shape_name}/{str(dtype)[6:]}/{'grad' if grad else 'nograd'}/{name}"
-                        results[key]["max_diff_vs_math"] = float((first[0].float() - firsts["math"][0].float()).abs().max())
+                        diff = (first[0].float() - firsts["math"][0].float()).abs().max()
+                        results[key]["max_diff_vs_math"] = float(diff)
     status = "ok" if not bad else f"fail: not bit-stable under deterministic mode: {bad}"
     return {"status": status, "backends_checked": list(backends), "results": results}
 
@@ -181,7 +183,8 @@ def part_exactness(smoke: bool) -> dict:
                         with torch.no_grad():
                             ro = sampler.generate([prompts], params, [list(range(B))], pad_id=0, dtype=dtype)[0]
                             equal = [bool(torch.equal(sampler.replay([ro])[0], ro.mu)) for _ in range(3)]
-                        cases[key] = {"equal": equal, "tokens": ro.num_completion_tokens(), "steps": ro.schedule.num_steps}
+                        cases[key] = {"equal": equal, "tokens": ro.num_completion_tokens(),
+                                      "steps": ro.schedule.num_steps}
                         if not all(equal):
                             failed.append(key)
     return {"status": "ok" if not failed else f"fail: replay differs from mu in {failed}", "cases": cases}
@@ -318,7 +321,7 @@ def part_sync_audit(smoke: bool) -> dict:
     with torch.no_grad():
         sampler.generate([prompts], params, [list(range(8))], pad_id=0)  # warm-up (allocations)
         gen = audit(lambda: sampler.generate([prompts], params, [list(range(8))], pad_id=0))
-    engine = LocalEngine(model, OptimConfig(lr=1e-5), TrainConfig(steps=2), device)
+    engine = LocalEngine(model, OptimConfig(lr=1e-5, min_lr=1e-6), TrainConfig(steps=2), device)
     batch = torch.randint(0, cfg.vocab_size, (2, 65), device=device)
     dense = audit(lambda: engine.train_step([{"inputs": batch[:, :-1], "targets": batch[:, 1:]}]))
     steps = 20 + 32
@@ -356,7 +359,9 @@ def part_bench(smoke: bool) -> dict:
         sampler.replay([ro])
         _sync(device)
         t_rep = time.perf_counter() - t0
-    out.update(rollout_tokens_per_s=round(B * ro.schedule.num_steps / t_roll, 1), replay_over_rollout=round(t_rep / t_roll, 3))
+    out.update(rollout_tokens_per_s=round(ro.num_completion_tokens() / t_roll, 1),
+               rollout_positions_per_s=round(B * ro.schedule.num_steps / t_roll, 1),
+               replay_over_rollout=round(t_rep / t_roll, 3))
     # the learner: B=8 sequences of T positions
     learn_prompts = _ragged_prompts(LB, cfg.vocab_size, 8, 16, seed=2)
     lp = SamplingParams(Processing(temperature=1.0), max_new_tokens=T - 16)

@@ -44,9 +44,9 @@ def ring_messages(parallel: dict, model: dict | None = None, check_every: int = 
     p2p = sampler.comms.p2p
     p2p.log = []
     rollouts = sampler.generate(RAGGED, params, [[11, 12, 13], [14, 15, 16]], pad_id=0, decode=decode)
-    out = {"stage": dims.pp_rank, "P": dims.pp, "C": cfg.model.memory_block, "check_every": check_every,
-           "generate": _log(p2p.log),
-           "batches": [{"prefill_end": cfg.model.memory_block * (min(ro.schedule.prompt_lens) // cfg.model.memory_block),
+    C = cfg.model.memory_block
+    out = {"stage": dims.pp_rank, "P": dims.pp, "C": C, "check_every": check_every, "generate": _log(p2p.log),
+           "batches": [{"prefill_end": C * (min(ro.schedule.prompt_lens) // C),
                         "capacity": ro.schedule.capacity, "num_steps": ro.schedule.num_steps,
                         "finish": ro.finish_reasons} for ro in rollouts]}
     p2p.log = []
