@@ -142,10 +142,18 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
 
 
 def resolve_device(name: str) -> torch.device:
-    """train.device -> a torch device ("auto": cuda when available, else cpu)."""
+    """train.device -> the device of one process ("auto": cuda when available, else cpu); a CUDA
+    device without CUDA is refused here as under a launcher (``rank_device``)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(_no_cuda(name))
     return torch.device(name)
+
+
+def _no_cuda(device: str) -> str:
+    return (f"train.device={device} but CUDA is not available here (torch {torch.__version__}, "
+            f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use train.device=cpu or auto")
 
 
 def _env_world_size() -> int:
@@ -184,9 +192,7 @@ def rank_device(device: str, local: int) -> torch.device:
     if not device.startswith("cuda"):
         raise ConfigError(f"train.device={device}: distributed runs use cpu (gloo) or cuda (nccl)")
     if not torch.cuda.is_available():
-        raise ConfigError(f"train.device={device} but CUDA is not available here (torch {torch.__version__}, "
-                          f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use "
-                          "train.device=cpu or auto")
+        raise ConfigError(_no_cuda(device))
     count = torch.cuda.device_count()
     if device == "cuda":
         index = local

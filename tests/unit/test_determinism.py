@@ -79,6 +79,8 @@ def test_a_cuda_device_without_cuda_is_a_clear_error(device, monkeypatch):
     with pytest.raises(ConfigError, match=f"train.device={device} but CUDA is not available"):
         init_distributed(device=device)
     assert not dist.is_initialized()  # refused before any process group
+    with pytest.raises(ConfigError, match=f"train.device={device} but CUDA is not available"):
+        ParallelDims.single(CFG, device)  # one process: the same rule
 
 
 def test_several_ranks_without_local_rank_is_a_clear_error(monkeypatch):
