@@ -99,7 +99,8 @@ def _inference_model(cfg: Config):
 
     from rlt_mega.rollout import Sampler
 
-    return cfg, Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode), load_tokenizer(cfg.data.tokenizer)
+    sampler = Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode, check_every=cfg.sampling.check_every)
+    return cfg, sampler, load_tokenizer(cfg.data.tokenizer)
 
 
 def _read_questions(source: str) -> list[str]:

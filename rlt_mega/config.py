@@ -238,6 +238,10 @@ class TrainConfig:
     # Stop this process after this many steps (a checkpoint is written), e.g. for time-limited
     # cluster jobs; the schedule still spans train.steps and train.resume=auto continues.
     stop_after: Optional[int] = None
+    # Deterministic kernels (rlt_mega/determinism.py): torch.use_deterministic_algorithms,
+    # CUBLAS_WORKSPACE_CONFIG, deterministic attention backward, NCCL_NVLS_ENABLE=0. Bit-exact
+    # replays, checkpointing and resumes on CUDA need it; it costs some speed there.
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, f"train.steps={self.steps}: must be >= 0")
@@ -265,6 +269,13 @@ class ParallelConfig:
     micro_batches: int = 1  # pipeline micro-batches in flight (M)
     pp_split: Optional[list] = None  # explicit layers per stage for uneven L, e.g. [3, 2]
     backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+    # bf16 (train.dtype) under DeepSpeed: the dtype gradients accumulate in over a step's
+    # micro-batches ("data_types.grad_accum_dtype") and the pipeline's fp32 accumulators keep
+    # when handed to DeepSpeed. None: fp32 wherever DeepSpeed can (ZeRO 1-3); bf16 without ZeRO,
+    # where DeepSpeed 0.19 has no fp32 accumulation ("fp32" is then an error).
+    grad_accum_dtype: Optional[Literal["fp32", "bf16"]] = None
+    # The dtype of the data-parallel gradient reduction (DeepSpeed's communication_data_type).
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
         _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp={self.tp}, parallel.pp={self.pp}: must be >= 1")
@@ -317,8 +328,13 @@ class SamplingConfig:
     # tokens/s, for one more copy of the decoder weights while a rollout runs. Replay follows
     # whichever step the rollout used, so exactness holds either way.
     fast_decode: bool = True
+    # Decoder steps between the host's reads of the finish flags (rollout/ring.py): the per-step
+    # loop never synchronises with the host otherwise; a batch runs up to check_every - 1 steps
+    # past the end of its last row.
+    check_every: int = 8
 
     def __post_init__(self) -> None:
+        _check(self.check_every >= 1, f"sampling.check_every={self.check_every}: must be >= 1")
         _check(self.temperature >= 0, f"sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
         _check(self.top_k >= 0, f"sampling.top_k={self.top_k}: must be >= 0 (0 disables top-k)")
         _check(0 < self.top_p <= 1, f"sampling.top_p={self.top_p}: must be in (0, 1] (1 disables top-p)")

@@ -11,6 +11,9 @@ TESTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TESTS))
 torch.set_num_threads(int(os.environ.get("RLT_TEST_THREADS", "1")))
 os.chdir(TESTS.parent)  # configs/ paths relative to the repo root
+# The suite runs with deterministic kernels on (train.deterministic's default, warn_only=False),
+# so an op we run that has no deterministic CPU kernel fails a test instead of going unnoticed.
+torch.use_deterministic_algorithms(True)
 
 TIERS = ("unit", "distributed", "e2e")  # the folders, and their markers (pytest.ini)
 

@@ -176,7 +176,7 @@ def convert_hf(hf_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
             raise _unsupported(st.file_of["model.embed_tokens.weight"], f"weights of dtype {out_dtype}")
         # The RLT-only weights: the model's own initialisation, seeded, independent of the global RNG.
         model = empty_model(cfg)
-        model.init_weights(generator=torch.Generator().manual_seed(seed))
+        model.init_weights(seed)
         sd = {n: t.detach() for n, t in model.state_dict().items()}
         with torch.no_grad():
             for i in range(cfg.n_layers):

@@ -134,14 +134,27 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
                           "parallelism, or pp=1 with ZeRO-3")
     if train is not None:
         micro_batch_plan(train.micro_batch_size, train.grad_accum, parallel.micro_batches)
+        if train.dtype == "bf16" and parallel.zero_stage == 0 and parallel.grad_accum_dtype == "fp32":
+            raise ConfigError("parallel.grad_accum_dtype=fp32 with train.dtype=bf16 needs ZeRO: DeepSpeed accumulates "
+                              "bf16 gradients in fp32 only with parallel.zero_stage >= 1 (ZeRO-1 partitions the "
+                              "optimizer state and computes the same update); or set parallel.grad_accum_dtype=bf16 "
+                              "(or null) to accumulate in bf16")
     return tp, pp, dp
 
 
 def resolve_device(name: str) -> torch.device:
-    """train.device -> a torch device ("auto": cuda when available, else cpu)."""
+    """train.device -> the device of one process ("auto": cuda when available, else cpu); a CUDA
+    device without CUDA is refused here as under a launcher (``rank_device``)."""
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(_no_cuda(name))
     return torch.device(name)
+
+
+def _no_cuda(device: str) -> str:
+    return (f"train.device={device} but CUDA is not available here (torch {torch.__version__}, "
+            f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use train.device=cpu or auto")
 
 
 def _env_world_size() -> int:
@@ -150,24 +163,85 @@ def _env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(backend: Optional[str] = None, device: str = "auto",
-                     timeout_s: float = 1800.0) -> tuple[str, torch.device]:
+def local_rank(world_size: int) -> int:
+    """This process's rank on its node (LOCAL_RANK). A launcher that runs several ranks without
+    setting it would put every rank on the same GPU, so that is an error."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None:
+        if world_size > 1:
+            raise ConfigError(f"LOCAL_RANK is not set but WORLD_SIZE={world_size} ranks run: each rank needs its "
+                              "rank on the node to pick its device. Launch with torchrun or the deepspeed launcher "
+                              "(both set it; launch/slurm.sbatch runs torchrun under srun), or export "
+                              "LOCAL_RANK=$SLURM_LOCALID under a bare srun")
+        return 0
+    try:
+        rank = int(value)
+    except ValueError:
+        raise ConfigError(f"LOCAL_RANK={value!r} is not an integer") from None
+    if rank < 0:
+        raise ConfigError(f"LOCAL_RANK={rank} is negative")
+    return rank
+
+
+def rank_device(device: str, local: int) -> torch.device:
+    """train.device -> this rank's device: "auto" is cuda:LOCAL_RANK when CUDA is available, else
+    the CPU; "cuda" is cuda:LOCAL_RANK; "cuda:N" pins this process to GPU N (one rank per node)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not device.startswith("cuda"):
+        raise ConfigError(f"train.device={device}: distributed runs use cpu (gloo) or cuda (nccl)")
+    if not torch.cuda.is_available():
+        raise ConfigError(_no_cuda(device))
+    count = torch.cuda.device_count()
+    if device == "cuda":
+        index = local
+    else:
+        index = int(device.split(":")[1])
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if ranks_here > 1:
+            raise ConfigError(f"train.device={device} puts every rank of this node on GPU {index}, but "
+                              f"LOCAL_WORLD_SIZE={ranks_here} ranks run here: use train.device=cuda (each rank "
+                              "takes cuda:LOCAL_RANK)")
+    if index >= count:
+        raise ConfigError(f"this rank wants cuda:{index} (train.device={device}, LOCAL_RANK={local}) but "
+                          f"{count} GPU(s) are visible: launch at most {count} ranks per node or fix "
+                          "CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", index)
+
+
+def init_distributed(backend: Optional[str] = None, device: str = "auto", timeout_s: float = 1800.0,
+                     deterministic: bool = True) -> tuple[str, torch.device]:
     """Initialises torch.distributed from the launcher's environment (torchrun, the deepspeed
-    launcher and srun+torchrun all set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); a process
-    started without a launcher becomes a world of one. Returns (backend, device)."""
-    use_cuda = torch.cuda.is_available() and device in ("auto", "cuda")
-    backend = backend or ("nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    launcher and srun+torchrun all set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT); a
+    process started without a launcher becomes a world of one. NCCL for CUDA devices, gloo for
+    the CPU. Returns (backend, device)."""
+    world = _env_world_size()
+    dev = rank_device(device, local_rank(world))
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl" and dev.type != "cuda":
+        raise ConfigError(f"parallel.backend=nccl needs CUDA devices, but this rank runs on {dev} "
+                          f"(train.device={device}): use parallel.backend=gloo (or null) on the CPU")
+    if backend == "gloo" and dev.type == "cuda":
+        raise ConfigError("parallel.backend=gloo with CUDA devices: gloo's point-to-point needs CPU tensors; "
+                          "use parallel.backend=nccl (or null)")
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if deterministic:
+        from rlt_mega.determinism import set_nccl_environment
+
+        set_nccl_environment()  # before the first communicator
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a plain `python` run: a world of one on a free local port
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         warn_if_restarts_cannot_work()
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # device_id binds NCCL to this rank's GPU and creates communicators eagerly (new groups
+        # by splitting the world's), so no communicator is first created inside a schedule.
+        extra = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
     return backend, dev
 
 
@@ -189,6 +263,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _channel_groups(tp: int, pp: int, dp: int, rank: int, device: torch.device) -> dict:
+    """One process group per direction between two stages of every pipeline (p2p.py): created
+    collectively, every rank in the same order; returns the groups of my pipeline. On NCCL each
+    is then initialised by a barrier, in the same global order on every rank (so none waits
+    for a rank that is still in an earlier one), so that no communicator is first created
+    inside a schedule, where its two ranks could be waiting for each other elsewhere."""
+    from rlt_mega.parallel.p2p import pipeline_channels
+
+    mine, order = {}, []
+    for dp_rank in range(dp):
+        for tp_rank in range(tp):
+            stages = [tp_rank + tp * (dp_rank + dp * s) for s in range(pp)]
+            for src, dst, lane in pipeline_channels(pp):
+                group = dist.new_group([stages[src], stages[dst]])
+                if rank in (stages[src], stages[dst]):
+                    mine[(src, dst, lane)] = group
+                    order.append(group)
+    if device.type == "cuda":
+        for group in order:
+            dist.barrier(group=group, device_ids=[device.index])
+    return mine
 
 
 @dataclass
@@ -216,6 +313,8 @@ class ParallelDims:
     pp_ranks: list = field(default_factory=list)  # global rank of every stage of my pipeline
     dp_ranks: list = field(default_factory=list)
     mp_ranks: list = field(default_factory=list)  # global ranks of my model replica (tp x pp), ascending
+    # (src stage, dst stage, lane) -> the process group of that channel of my pipeline (p2p.py)
+    p2p_groups: dict = field(repr=False, default_factory=dict)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -227,11 +326,12 @@ class ParallelDims:
 
     @classmethod
     def build(cls, parallel: ParallelConfig, model: ModelConfig, device: str = "auto",
-              train: Optional[TrainConfig] = None) -> "ParallelDims":
+              train: Optional[TrainConfig] = None, deterministic: bool = True) -> "ParallelDims":
         """Validates the layout (before any collective), initialises torch.distributed if needed
-        and creates every process group."""
+        and creates every process group. ``train``: the step's shape (resolve_layout);
+        ``deterministic``: train.deterministic (NCCL's environment, determinism.py)."""
         tp, pp, dp = resolve_layout(parallel, model, _env_world_size(), train)
-        backend, dev = init_distributed(parallel.backend, device)
+        backend, dev = init_distributed(parallel.backend, device, deterministic=deterministic)
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
@@ -250,17 +350,22 @@ class ParallelDims:
         dims.dp_ranks = dist.get_process_group_ranks(dims.dp_group)
         dims.mp_ranks = sorted(dist.get_process_group_ranks(dims.mp_group))
         assert dims.rank == dims.tp_rank + tp * (dims.dp_rank + dp * dims.pp_rank), "unexpected megatron rank order"
+        dims.p2p_groups = _channel_groups(tp, pp, dp, dims.rank, dev)
         log.info("parallel layout: tp=%d pp=%d dp=%d on %d ranks (%s), stage layers %s", tp, pp, dp,
                  dims.world_size, backend, [(r.start, r.stop) for r in dims.stage_layers])
         return dims
 
     def destroy(self) -> None:
-        """Releases the megatron groups (the torch.distributed world stays up)."""
+        """Releases the megatron groups and the pipeline channels (the torch.distributed world
+        stays up)."""
         if not self.distributed:
             return
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
+        for group in self.p2p_groups.values():
+            dist.destroy_process_group(group)
+        self.p2p_groups = {}
 
     # ------------------------------------------------------------------ queries
     @property

@@ -17,7 +17,9 @@ every batch and data-parallel rank. DeepSpeed averages gradients over data-paral
 the backward weighs each summed loss by ``dp / global_count``.
 
 bf16 here is DeepSpeed's: bf16 parameters and activations, fp32 master weights and optimizer
-state, fp32 gradient accumulation (the local engine uses autocast over fp32 parameters).
+state, fp32 gradient accumulation and data-parallel reduction (parallel.grad_accum_dtype and
+grad_reduce_dtype; zero.py says what DeepSpeed does with them; without ZeRO DeepSpeed can only
+accumulate in bf16). The local engine uses autocast over fp32 parameters.
 
 The other jobs live beside it: checkpoint files in ds_checkpoint.py, reads of DeepSpeed's
 state in ds_state.py, the ZeRO-3 sampling copy in sampling_copy.py.
@@ -40,18 +42,20 @@ from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.ds_checkpoint import DeepSpeedCheckpoint
 from rlt_mega.parallel.ds_state import DeepSpeedState
 from rlt_mega.parallel.engine import EngineConfig, StepStats, lr_lambda
-from rlt_mega.parallel.grads import ShadowGrads, deposit_grads
-from rlt_mega.parallel.pipeline import P2P, RingSchedule
+from rlt_mega.parallel.grads import ShadowGrads, deposit_grads, handover_pieces
+from rlt_mega.parallel.p2p import P2P
+from rlt_mega.parallel.pipeline import RingSchedule
 from rlt_mega.parallel.sampling_copy import SamplingCopy
 from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.parallel.stage import RLTStage
 from rlt_mega.parallel.tp import ShardedVocab, gather_vocab
-from rlt_mega.parallel.zero import ZeroStepper, init_deepspeed, mark_for_grad_norm, sync_pipeline_replicas
+from rlt_mega.parallel.zero import (ZeroStepper, grad_accum_dtype, init_deepspeed, mark_for_grad_norm,
+                                   sync_pipeline_replicas)
 
 
 class DistributedEngine:
-    """``model``: the full single-device model on the CPU (or, from an export, only this rank's
-    stage); it becomes this rank's stage and TP shard inside a DeepSpeed engine (``self.ds``)."""
+    """``model``: on the CPU, the full single-device model, or only this rank's stage (from an
+    export) or stage and shard (parallel/build.py); it becomes this rank's stage and TP shard inside a DeepSpeed engine (``self.ds``)."""
 
     def __init__(self, model: RLT, dims: ParallelDims, optim: OptimConfig, engine: EngineConfig,
                  parallel: ParallelConfig, checkpoint: CheckpointConfig) -> None:
@@ -65,11 +69,16 @@ class DistributedEngine:
         mark_for_grad_norm(model, dims)
         mbs, accum = engine.micro_batch_size, engine.grad_accum
         self.num_pieces, _ = micro_batch_plan(mbs, accum, self.num_in_flight)
-        if dims.pp > 1:  # one DeepSpeed backward per step (grads.py)
-            ds_micro, self.ds_accum = mbs * accum, 1
+        accum_dtype = grad_accum_dtype(parallel, self.bf16)
+        # PP: the step's fp32 accumulators go to DeepSpeed in as many bf16 backwards as keep them
+        # exact where DeepSpeed accumulates in fp32 (grads.py), in one otherwise.
+        self.num_handover = handover_pieces(self.bf16, accum_dtype)
+        if dims.pp > 1:  # the step's gradients reach DeepSpeed in `num_handover` backwards (grads.py)
+            ds_micro, self.ds_accum = mbs * accum, self.num_handover
         else:  # one DeepSpeed backward per pipeline micro-batch
             ds_micro, self.ds_accum = mbs // self.num_pieces, accum * self.num_pieces
-        self.ds = init_deepspeed(model, dims, optim, self.zero_stage, self.bf16, ds_micro, self.ds_accum)
+        self.ds = init_deepspeed(model, dims, optim, self.zero_stage, self.bf16, ds_micro, self.ds_accum,
+                                 accum_dtype, parallel.grad_reduce_dtype)
         self.stepper = ZeroStepper(self.ds, dims, optim, self.zero_stage, self.bf16)
         self.lr_factor = lr_lambda(optim, engine.total_steps)
         self.steps_taken = 0  # optimizer steps applied: the position in the learning-rate schedule
@@ -79,7 +88,7 @@ class DistributedEngine:
         self._sampling_copy = SamplingCopy(self.module, dims, self.full_cfg) if self.zero_stage == 3 else None
         if dims.pp > 1:
             stage = RLTStage(self.ds.module, dims.layers, dims.is_first_stage, dims.is_last_stage, self.vocab)
-            self.ring = RingSchedule(stage, P2P(dims.pp_ranks, dims.pp_rank, dims.device), dims.pp_rank, dims.pp)
+            self.ring = RingSchedule(stage, P2P.for_pipeline(dims), dims.pp_rank, dims.pp)
 
     @property
     def module(self) -> nn.Module:
@@ -121,9 +130,11 @@ class DistributedEngine:
         return loss.logits_loss(self.ds(batch["inputs"]), batch, self.vocab)  # logits (b, T, V / tp) fp32
 
     def _all_finite(self, grads: dict) -> bool:
-        """Every rank's accumulated gradients finite (one flag over the world)."""
-        ok = torch.tensor([float(all(bool(torch.isfinite(g).all()) for g in grads.values()))], device=self.dims.device)
-        return bool(self.dims.all_reduce(ok, op="min").item())
+        """Every rank's accumulated gradients finite: one flag per tensor on the device, one
+        reduction over the world, one host read."""
+        flags = [torch.isfinite(g).all() for g in grads.values()]
+        ok = (torch.stack(flags).all() if flags else torch.ones((), dtype=torch.bool, device=self.dims.device))
+        return bool(self.dims.all_reduce(ok.float().reshape(1), op="min").item())
 
     # ------------------------------------------------------------------ training
     def backward_step(self, batches: Sequence[dict], loss: LogitsLoss = LM_LOSS) -> tuple[float, float, bool]:
@@ -158,7 +169,7 @@ class DistributedEngine:
         finite = math.isfinite(step_loss) and self._all_finite(grads)
         if finite:  # a non-finite step never reaches DeepSpeed: nothing to undo
             sync_pipeline_replicas(grads, self.module, self.dims)
-            deposit_grads(self.ds, grads)
+            deposit_grads(self.ds, grads, self.num_handover)
         return step_loss, count, finite
 
     def train_step(self, batches: Sequence[dict], loss: LogitsLoss = LM_LOSS) -> StepStats:

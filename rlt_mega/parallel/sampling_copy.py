@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rlt_mega.config import ModelConfig
-from rlt_mega.model.rlt import build_model
+from rlt_mega.parallel.build import build_stage
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.sharding import shard_for_rank
 
@@ -31,7 +31,7 @@ class SamplingCopy:
         import deepspeed
 
         if self._copy is None:
-            copy_ = shard_for_rank(build_model(self.model_cfg, "cpu"), self.dims)
+            copy_ = shard_for_rank(build_stage(self.model_cfg, self.dims, seed=0), self.dims)  # values copied below
             # requires_grad stays as on the engine's parameters (no gradient is ever computed
             # here): some kernels (F.rms_norm) take another path for a weight without it, and
             # samples must not depend on the ZeRO stage.

@@ -19,7 +19,7 @@ megatron checkpointing (the model uses torch.utils.checkpoint, non-reentrant).
 from __future__ import annotations
 
 import fnmatch
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -135,10 +135,26 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+InitFn = Callable[[str, tuple], torch.Tensor]  # (parameter name, full shape) -> full initial value
+
+
+def _full(mod: nn.Module, name: str, leaf: str, init: Optional[InitFn]) -> torch.Tensor:
+    """The whole (unsharded) weight or bias of a planned layer: its own, or for a layer still on
+    the meta device, ``init``'s value (one layer's full tensor at a time)."""
+    p = getattr(mod, leaf)
+    if not p.is_meta:
+        return p.detach()
+    if init is None:
+        raise ValueError(f"{name}.{leaf} is on the meta device: apply_tensor_parallel needs an init function")
+    return init(f"{name}.{leaf}", tuple(p.shape))
+
+
 @torch.no_grad()
-def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, str] = TP_PLAN) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, str] = TP_PLAN,
+                          init: Optional[InitFn] = None) -> nn.Module:
     """Swaps the planned layers of ``model`` (in place) for megatron-core layers holding this
-    rank's shard of the current weights. Returns the model. A no-op when tp == 1."""
+    rank's shard of the current weights, or for layers on the meta device of ``init``'s values
+    (then on the CPU). Returns the model. A no-op when tp == 1, and for layers swapped already."""
     if dims.tp == 1:
         return model
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -150,7 +166,7 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, 
         and model.lm_head.weight is model.embed.weight
     targets = [(name, mod, plan_kind(name, plan)) for name, mod in model.named_modules()]
     for name, mod, kind in targets:
-        if kind is None:
+        if kind is None or getattr(mod, "is_tp_shard", False):
             continue
         dtype = next(mod.parameters()).dtype
         cfg = _megatron_config(dims, dtype)
@@ -158,23 +174,24 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, 
             assert isinstance(mod, nn.Embedding), f"TP plan: {name} is {type(mod).__name__}, expected nn.Embedding"
             new = VocabEmbedding(mod.num_embeddings, mod.embedding_dim, init_method=_no_init, config=cfg,
                                  tp_group=dims.tp_group)
-            new.weight.copy_(_shard(mod.weight, 0, dims.tp_rank, dims.tp))
+            new.weight.copy_(_shard(_full(mod, name, "weight", init), 0, dims.tp_rank, dims.tp))
         else:
             assert isinstance(mod, nn.Linear), f"TP plan: {name} is {type(mod).__name__}, expected nn.Linear"
             bias = mod.bias is not None
             if kind in ("column", "vocab_head"):
                 new = ColumnLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
                                    gather_output=False, tp_group=dims.tp_group)
-                new.weight.copy_(_shard(mod.weight, 0, dims.tp_rank, dims.tp))
+                new.weight.copy_(_shard(_full(mod, name, "weight", init), 0, dims.tp_rank, dims.tp))
                 if bias:
-                    new.bias.copy_(_shard(mod.bias, 0, dims.tp_rank, dims.tp))
+                    new.bias.copy_(_shard(_full(mod, name, "bias", init), 0, dims.tp_rank, dims.tp))
             else:
                 new = RowLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
                                 input_is_parallel=True, skip_bias_add=False, tp_group=dims.tp_group)
-                new.weight.copy_(_shard(mod.weight, 1, dims.tp_rank, dims.tp))
+                new.weight.copy_(_shard(_full(mod, name, "weight", init), 1, dims.tp_rank, dims.tp))
                 if bias:
-                    new.bias.copy_(mod.bias.detach())
-        new.to(mod.weight.device)
+                    new.bias.copy_(_full(mod, name, "bias", init))
+        new.is_tp_shard = True
+        new.to(mod.weight.device if not mod.weight.is_meta else "cpu")
         # megatron marks shards only when it initialises them itself (perform_initialization);
         # DeepSpeed's gradient norm counts a parameter on every TP rank only when it is marked.
         # (A column layer's bias is marked by megatron already.)

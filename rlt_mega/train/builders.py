@@ -17,6 +17,7 @@ from rlt_mega.config import Config, ConfigError, ModelConfig
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
+from rlt_mega.parallel.build import build_stage
 from rlt_mega.parallel.dims import ParallelDims, resolve_device
 from rlt_mega.parallel.engine import Engine, EngineConfig, LocalEngine
 from rlt_mega.parallel.sharding import shard_for_rank
@@ -31,14 +32,14 @@ def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
 
 
 def initial_model(cfg: Config, dims: ParallelDims) -> RLT:
-    """The starting weights, on the CPU: train.init_from's (only this rank's pipeline stage is
-    read), or the model seeded by train.seed, which every rank builds whole and cuts to its
-    part, so a distributed model starts equal to the single-process one. When train.resume
-    finds a checkpoint, the engine's load replaces them (a restarted job continues from its own
-    checkpoints)."""
+    """The starting weights, on the CPU, this rank's part only: train.init_from's (only this
+    rank's pipeline stage is read), or this rank's stage and shard of the model seeded by
+    train.seed (parallel/build.py: built from the meta device, nothing else allocated, equal to
+    the single-process model of the same seed). When train.resume finds a checkpoint, the
+    engine's load replaces them (a restarted job continues from its own checkpoints)."""
     if cfg.train.init_from:
         return init_stage_from(cfg.train.init_from, cfg.model, dims.layers, dims.is_first_stage, dims.is_last_stage)
-    return build_model(cfg.model, "cpu", seed=cfg.train.seed)
+    return build_stage(cfg.model, dims, cfg.train.seed)
 
 
 def build_engine(cfg: Config, dims: ParallelDims, engine: Optional[EngineConfig] = None) -> Engine:

@@ -278,13 +278,14 @@ def build_trainer(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_
     """The loop with the GRPO job on this rank of ``dims``; ``cfg`` is ``grpo_config``'s.
     train.init_from (e.g. the export of an SFT run), when set, is applied by the builders."""
     engine = build_engine(cfg, dims, engine_config(cfg))
-    fast, comms = cfg.sampling.fast_decode, Comms.from_dims(dims)
+    fast, every, comms = cfg.sampling.fast_decode, cfg.sampling.check_every, Comms.from_dims(dims)
     reference = None
     if cfg.grpo.kl_coef > 0:  # the initial policy in the same layout, frozen
-        reference = Sampler(reference_model(cfg, dims, engine), comms, dims.layers, fast_decode=fast)
+        reference = Sampler(reference_model(cfg, dims, engine), comms, dims.layers, fast_decode=fast,
+                            check_every=every)
 
     def policy() -> Sampler:
-        return Sampler(engine.sampling_module(), comms, dims.layers, fast_decode=fast)
+        return Sampler(engine.sampling_module(), comms, dims.layers, fast_decode=fast, check_every=every)
 
     log.info("GRPO: %d train prompts, %d held-out; %d x %d completions per step and replica (%d replicas) in %d "
              "minibatches of %d batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,

@@ -8,7 +8,10 @@ module run in one launch per rank count. A test module declares what it needs as
 
 and reads its results through the ``ranks`` fixture: ``ranks(2).each(name, args)`` is every
 rank's result of that scenario. Scenario arguments may hold ``{shared}``, a session directory
-(for scenarios that leave files to a later launch)."""
+(for scenarios that leave files to a later launch).
+
+The two-rank launch runs with every point-to-point tag 0 (launch.ORDER_ONLY: gloo then pairs
+messages by order alone, as NCCL does), the four-rank launch with one tag per stream."""
 
 from __future__ import annotations
 
@@ -16,10 +19,11 @@ import json
 
 import pytest
 
-from tests.distributed.launch import result, run_ranks
+from tests.distributed.launch import ORDER_ONLY, result, run_ranks
 
 _PLAN = pytest.StashKey[dict]()
 TIMEOUT_S = {2: 1500, 4: 1200}  # per launch; a launch that hangs is killed and its tests fail
+ENV = {2: ORDER_ONLY}  # extra environment of a launch, per rank count
 
 
 def fill(args: dict, shared: str) -> dict:
@@ -64,7 +68,8 @@ def ranks(request, tmp_path_factory, shared_dir):
     def launched(nprocs: int) -> Launch:
         if nprocs not in launches:
             scenarios = [(name, fill(args, shared_dir)) for name, args in plan.get(nprocs, [])]
-            out = run_ranks(nprocs, scenarios, tmp_path_factory.mktemp(f"ranks{nprocs}"), timeout=TIMEOUT_S[nprocs])
+            out = run_ranks(nprocs, scenarios, tmp_path_factory.mktemp(f"ranks{nprocs}"), timeout=TIMEOUT_S[nprocs],
+                            env=ENV.get(nprocs))
             launches[nprocs] = Launch(out, nprocs, shared_dir)
         return launches[nprocs]
 

@@ -18,8 +18,15 @@ from rlt_mega.parallel.dims import free_port
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_ranks(nprocs: int, scenarios: list[tuple[str, dict]], out_dir: Path, timeout: float = 600.0) -> list[dict]:
-    """Runs the scenarios on ``nprocs`` ranks; returns each rank's {scenario_key: result}."""
+# Every tag 0 (parallel/p2p.py): gloo then pairs point-to-point messages by order alone, as NCCL
+# does. The two-rank launches run this way, the four-rank launch with one tag per stream.
+ORDER_ONLY = {"RLT_P2P_TAGS": "order"}
+
+
+def run_ranks(nprocs: int, scenarios: list[tuple[str, dict]], out_dir: Path, timeout: float = 600.0,
+              env: dict | None = None) -> list[dict]:
+    """Runs the scenarios on ``nprocs`` ranks (``env``: extra environment variables); returns each
+    rank's {scenario_key: result}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("rank*"):
         old.unlink()
@@ -27,11 +34,12 @@ def run_ranks(nprocs: int, scenarios: list[tuple[str, dict]], out_dir: Path, tim
     spec.write_text(json.dumps(scenarios))
     port = free_port()
     procs = []
+    extra = dict(env or {})
     for rank in range(nprocs):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), RLT_LOG_LEVEL="WARNING",
-                   PYTHONWARNINGS="ignore")
+                   PYTHONWARNINGS="ignore", **extra)
         log = open(out_dir / f"rank{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-m", "tests.distributed.worker", str(spec), str(out_dir)],
                                        cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT), log))

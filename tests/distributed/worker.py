@@ -20,6 +20,9 @@ def resolve(name: str):
 
 def main() -> None:
     spec, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    import torch
+
+    torch.use_deterministic_algorithms(True)  # as the suite (tests/conftest.py) and train.deterministic
 
     rank = int(os.environ["RANK"])
     results = {}

@@ -1,7 +1,7 @@
 """The package reads one way (docs/design.md, "The runtime"): every import of a module of
 rlt_mega, at the top or inside a function, points to the left of
 
-    config, log, loss, precision, checkpoint, metrics (leaves)
+    config, log, loss, precision, determinism, checkpoint, metrics (leaves)
     -> model -> parallel -> rollout -> learner -> data, checkpoint_tools, plan -> train -> cli
 
 so a contract two layers share lives in a leaf they both import; ``model/`` knows nothing of
@@ -14,7 +14,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LEAVES = {"config", "log", "loss", "precision", "checkpoint", "metrics"}
+LEAVES = {"config", "log", "loss", "precision", "determinism", "checkpoint", "metrics"}
 ALLOWED = {
     "model": set(),
     "parallel": {"model"},

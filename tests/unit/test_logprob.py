@@ -86,10 +86,10 @@ def test_after_an_update_replay_moves_and_tracks_dense():
 
 
 def test_support_misses_are_counted_and_never_nan():
-    """Tokens sampled at temperature 1 without filters, scored under a policy restricted to its
-    top 2 tokens: most sampled tokens fall outside it (log-prob -inf, ratio 0)."""
+    """Tokens sampled at temperature 0.5 without filters, scored under a policy restricted to its
+    top 2 tokens: many sampled tokens fall outside it (log-prob -inf, ratio 0), some inside."""
     model = tiny()
-    rollout = rollout_of(model, processing=Processing(temperature=1.0))
+    rollout = rollout_of(model, processing=Processing(temperature=0.5), max_new=12)
     rollout.schedule = dataclasses.replace(rollout.schedule, processing=Processing(temperature=1.0, top_k=2))
     replayed = replay_logprobs(model, rollout)
     dense = dense_logprobs(model, rollout)

@@ -9,7 +9,8 @@ import torch
 from rlt_mega.config import ModelConfig
 from rlt_mega.learner.logprob import dense_logprobs
 from rlt_mega.model import build_model
-from rlt_mega.rollout import Processing, SamplingParams, generate, make_generators, process_logits, replay, sample
+from rlt_mega.rollout import (Processing, SamplingParams, draw_uniforms, generate, make_generators, process_logits,
+                              replay, sample)
 
 V = 64
 # Ragged prompts; with C=4 no length is a multiple of C except 8.
@@ -156,7 +157,7 @@ def test_sample_draws_the_processed_distribution():
     kept = torch.isfinite(logprobs[0])
     assert 3 <= int(kept.sum()) < 40
     n = 20000
-    draws = sample(logprobs.expand(n, V), make_generators(range(n)), list(range(n)))
+    draws = sample(logprobs.expand(n, V), draw_uniforms(make_generators(range(n)), 1, "cpu")[:, 0])
     counts = torch.bincount(draws, minlength=V).double()
     assert counts[~kept].sum() == 0
     expected = n * logprobs[0].exp().double()

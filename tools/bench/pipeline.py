@@ -156,11 +156,12 @@ def _round_bubble(ring, run, P) -> float:
 def _bubble_worker(rank, P, Ms, real):
     from rlt_mega.config import ParallelConfig
     from rlt_mega.parallel.dims import ParallelDims
-    from rlt_mega.parallel.pipeline import P2P, RingSchedule
+    from rlt_mega.parallel.p2p import P2P
+    from rlt_mega.parallel.pipeline import RingSchedule
 
     cfg = _tiny_cfg(pp=P)
     dims = ParallelDims.build(ParallelConfig(pp=P), cfg.model, "cpu")
-    p2p = P2P(dims.pp_ranks, dims.pp_rank, dims.device)
+    p2p = P2P.for_pipeline(dims)
     out = {"latency": _latency(dims, cfg.model.d_model)}
     batches = {M: [(torch.randint(0, 32, (2, T_BUBBLE)), torch.randint(0, 32, (2, T_BUBBLE))) for _ in range(M)]
                for M in Ms}
