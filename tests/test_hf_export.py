@@ -26,7 +26,7 @@ MODEL = ["model.vocab_size=260", "model.d_model=32", "model.n_layers=2", "model.
          "model.ffn_hidden=64", "model.memory_block=4", "model.max_seq_len=96", "model.qkv_bias=true"]
 TRAIN = ["data.seq_len=48", "data.generated.num_train=400", "data.generated.num_eval=8", "train.micro_batch_size=8",
          "train.eval_every=0", "train.log_every=10", "train.device=cpu", "logging.progress=false",
-         "optim.warmup_steps=5", "optim.lr=3e-3", "train.steps=40"]
+         "optim.warmup_steps=5", "optim.lr=1e-2", "train.steps=40", "checkpoint.every=0"]
 # Prompt lengths (end-of-text + the question + newline) of 18, 36 and 15 tokens: none a multiple of 4.
 QUESTIONS = ["What is 3 plus 4?", "Tom has 5 apples and buys 2 more. How many?", "What is 12 - 7?"]
 MAX_NEW = 24
@@ -132,3 +132,55 @@ def test_auto_tokenizer_is_rlt_megas_byte_tokenizer(hf):
         assert res[C]["tok_decode"] == [tok.decode(tok.encode(t)) for t in request["texts"]]
         assert res[C]["tok_decode_all"] == request["texts"]  # exact, special tokens kept
         assert res[C]["tok_special"] == [tok.eos_id, tok.pad_id, tok.bos_id]
+
+
+# lm-evaluation-harness: contexts end without whitespace (lm-eval moves trailing spaces into the
+# continuation); "" makes lm-eval start from the tokenizer's start token.
+LOGLIKELIHOOD = [("<|eos|>What is 3 plus 4?\n3 + 4 =", " 7"), ("<|eos|>What is 12 - 7?", "\n12 - 7 = 5\n#### 5"),
+                 ("", "What is 1 plus 1?")]
+
+
+def lm_eval_model(path, batch_size):
+    pytest.importorskip("lm_eval")
+    from lm_eval.models.huggingface import HFLM
+
+    return HFLM(pretrained=str(path), trust_remote_code=True, device="cpu", batch_size=batch_size, dtype="float32")
+
+
+def test_lm_eval_loglikelihood_matches_rlt_mega(exports):
+    from lm_eval.api.instance import Instance
+
+    path = exports[1][4]
+    lm = lm_eval_model(path, batch_size=2)
+    got = lm.loglikelihood([Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(LOGLIKELIHOOD)])
+    model, tok = rlt_model(path), byte_level()
+    for (context, continuation), (logprob, is_greedy) in zip(LOGLIKELIHOOD, got):
+        ctx = tok.encode(context) if context else [tok.bos_id]
+        ids = ctx + tok.encode(continuation)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids[:-1]]))[0], dim=-1)  # (T - 1, V)
+        steps = torch.arange(len(ctx) - 1, len(ids) - 1)
+        targets = torch.tensor(ids[len(ctx):])
+        assert abs(logprob - logp[steps, targets].sum().item()) < 1e-5
+        assert is_greedy == bool((logp[steps].argmax(-1) == targets).all())
+
+
+def test_lm_eval_generate_until_matches_rlt_mega_generate(exports, capsys):
+    """Greedy generate_until requests, two per batch (lm-eval pads them on the left), against
+    `rlt-mega generate`, cut at the stop sequence as lm-eval cuts its own."""
+    from lm_eval.api.instance import Instance
+
+    path = exports[1][4]
+    questions = exports[0] / "questions_lm_eval.txt"
+    questions.write_text("\n".join(QUESTIONS) + "\n")
+    capsys.readouterr()
+    assert cli.main(["generate", "--input", str(questions), *MODEL, f"train.init_from={path}", "data.seq_len=48",
+                     "sampling.temperature=0", f"sampling.max_new_tokens={MAX_NEW}", "train.device=cpu"]) == 0
+    completions = [json.loads(line)["completion"] for line in capsys.readouterr().out.splitlines()]
+    until = completions[0][4:6]  # a stop sequence that stops at least the first request early
+    assert len(until) == 2
+    requests = [Instance("generate_until", {}, ("<|eos|>" + q + "\n", {"until": [until], "max_gen_toks": MAX_NEW,
+                                                                       "do_sample": False}), i)
+                for i, q in enumerate(QUESTIONS)]
+    got = lm_eval_model(path, batch_size=2).generate_until(requests)
+    assert got == [c.split(until)[0] for c in completions]
