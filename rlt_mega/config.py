@@ -127,7 +127,9 @@ class DataConfig:
     eval: Optional[str] = None  # None: a held-out split of the train source
     hub_config: Optional[str] = None  # e.g. "main" for openai/gsm8k
     text_field: Optional[str] = None  # None: "text", else question + answer for GSM8K records
-    tokenizer: str = "byte"  # "byte" or a path to a tokenizers tokenizer.json
+    tokenizer: str = "byte"  # "byte", a tokenizers tokenizer.json, or a directory holding one
+    # SFT/GRPO/generate/eval prompts through the tokenizer's chat template (data/chat.py)
+    chat_template: bool = False
     seq_len: int = 128
     shuffle: bool = True
     generated: GeneratedDataConfig = field(default_factory=GeneratedDataConfig)

@@ -37,7 +37,7 @@ def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, to
 
 def run_export(path: str, request: dict) -> dict:
     model = AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=True)  # transformers 5 reads config.json (auto_map) first
     model.eval()
     N = request["max_new_tokens"]
     out = {"class": type(model).__name__, "module": type(model).__module__, "eos": model.generation_config.eos_token_id}

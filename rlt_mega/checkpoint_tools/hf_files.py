@@ -43,7 +43,7 @@ HF_CONFIG_KEYS = ("architectures", "auto_map", "bos_token_id", "eos_token_id", "
                   "tie_word_embeddings", "dtype", "torch_dtype", "transformers_version", "use_cache")
 
 
-def hf_config(cfg: ModelConfig, special: dict[str, Optional[int]], dtype: Optional[torch.dtype]) -> dict:
+def hf_config(cfg: ModelConfig, special: dict[str, Any], dtype: Optional[torch.dtype]) -> dict:
     """The transformers keys of config.json. tie_word_embeddings is false even for a tied model:
     RLTForCausalLM ties lm_head to embed itself (the tied head is stored once, as embed.weight)."""
     out: dict[str, Any] = {"architectures": [ARCHITECTURE], "auto_map": dict(AUTO_MAP), "tie_word_embeddings": False,
@@ -100,6 +100,8 @@ def write_tokenizer(tokenizer: Optional[str | Path], out_dir: Path, cfg: ModelCo
         return copied, None
     try:
         tok = load_tokenizer(str(out_dir))
+        if tok.chat_template is not None:  # generation also stops at the end of the assistant's turn
+            tok = load_tokenizer(str(out_dir), chat_template=True)
     except TokenizerError as exc:  # e.g. no end-of-text token rlt_mega knows: transformers may still load it
         log.warning("tokenizer %s: %s; copied as it is", src, exc)
         return copied, None
@@ -109,13 +111,16 @@ def write_tokenizer(tokenizer: Optional[str | Path], out_dir: Path, cfg: ModelCo
     return copied, tok
 
 
-def special_token_ids(tok: Optional[Tokenizer]) -> dict[str, Optional[int]]:
+def special_token_ids(tok: Optional[Tokenizer]) -> dict[str, Any]:
+    """bos/eos/pad ids; eos is a list [end of turn, end of text] for a chat tokenizer."""
     if tok is None:
         return {}
-    return {"bos_token_id": tok.bos_id, "eos_token_id": tok.eos_id, "pad_token_id": tok.pad_id}
+    eos = tok.stop_ids
+    return {"bos_token_id": tok.bos_id, "eos_token_id": eos[0] if len(eos) == 1 else list(eos),
+            "pad_token_id": tok.pad_id}
 
 
-def write_generation_config(out_dir: Path, special: dict[str, Optional[int]]) -> None:
+def write_generation_config(out_dir: Path, special: dict[str, Any]) -> None:
     """generation_config.json, unless the tokenizer's source brought its own."""
     if special and not (out_dir / GENERATION_CONFIG).is_file():
         write_json(out_dir / GENERATION_CONFIG, {**special, "_from_model_config": False})

@@ -285,7 +285,7 @@ def engine_config(cfg: Config) -> Config:
 
 
 def run(cfg: Config) -> dict:
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     check_vocab(cfg, tokenizer)
     try:
         reward_fn = resolve_reward(cfg.grpo.reward)

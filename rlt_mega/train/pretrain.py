@@ -9,7 +9,7 @@ import torch
 from rlt_mega.checkpoint_tools.export import init_from, init_stage_from
 from rlt_mega.config import Config, ConfigError
 from rlt_mega.data.datasets import BatchIterator, DataStats, pack, text_of, train_eval_records
-from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
+from rlt_mega.data.tokenizer import Tokenizer, check_same_tokenizer, load_tokenizer
 from rlt_mega.learner.loss import shift
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
@@ -41,6 +41,8 @@ class PackedBatches:
 
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
+    if cfg.train.init_from:  # an export that carries its own tokenizer (an imported model's) needs it
+        check_same_tokenizer(tokenizer, cfg.train.init_from, "train.init_from")
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model.vocab_size="
                          f"{cfg.model.vocab_size}: set model.vocab_size >= {tokenizer.vocab_size}")

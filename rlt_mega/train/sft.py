@@ -64,7 +64,7 @@ def run(cfg: Config) -> dict:
 
 
 def _run(cfg: Config, dims) -> dict:
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     check_vocab(cfg, tokenizer)
     stats = DataStats()
     extract = pair_of(cfg.sft.prompt_field, cfg.sft.answer_field)

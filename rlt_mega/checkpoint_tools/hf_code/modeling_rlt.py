@@ -193,6 +193,9 @@ class RLTCache(Cache):
         self.dec_k: list = [None] * L
         self.dec_v: list = [None] * L
 
+    def __bool__(self) -> bool:
+        return True  # it holds no CacheLayer objects (len 0); still a cache, never "empty"
+
     # what generate() asks of a cache
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.num_columns
