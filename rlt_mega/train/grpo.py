@@ -89,7 +89,7 @@ class GRPOTrainer:
         self.state = GRPOState()
         rank = self.replica.rank
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=rank, barrier=self.replica.barrier)
-        self.metrics = Metrics(cfg.logging.dir, enabled=rank == 0)
+        self.metrics = Metrics.for_run(cfg, enabled=rank == 0)
         self.timers = Timers(torch.cuda.synchronize if torch.cuda.is_available() else None)
         g = cfg.grpo
         self.rows_per_step = g.prompts_per_step * g.group_size  # per replica

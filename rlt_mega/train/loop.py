@@ -55,7 +55,7 @@ class Trainer:
         self.loss_fn, self.count_fn, self.rank = loss_fn, count_fn, rank
         self.state = TrainState()
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=rank, barrier=barrier)
-        self.metrics = Metrics(cfg.logging.dir, enabled=rank == 0)
+        self.metrics = Metrics.for_run(cfg, enabled=rank == 0)
         self.timers = Timers(torch.cuda.synchronize if torch.cuda.is_available() else None)
 
     # ------------------------------------------------------------------ checkpoints
