@@ -184,3 +184,29 @@ def test_lm_eval_generate_until_matches_rlt_mega_generate(exports, capsys):
                 for i, q in enumerate(QUESTIONS)]
     got = lm_eval_model(path, batch_size=2).generate_until(requests)
     assert got == [c.split(until)[0] for c in completions]
+
+
+@pytest.mark.parametrize("kind, kwargs", [("llama", dict(heads=4, kv_heads=2, tied=True)),
+                                          ("qwen2", dict(heads=4, kv_heads=2, theta=1e6))])
+def test_imported_dense_model_through_transformers(tmp_path, kind, kwargs):
+    """The external anchor through transformers: a dense Llama/Qwen2 imported as an RLT
+    (`rlt-mega import`, C = 3) and loaded back with AutoModelForCausalLM computes the dense
+    model's logits, with and without padding on the left; generate() agrees too."""
+    from test_import_hf import VOCAB, make_hf
+    from transformers import AutoModelForCausalLM
+
+    from rlt_mega.checkpoint_tools import import_hf
+
+    dense = make_hf(tmp_path / "hf", kind, **kwargs)
+    out = import_hf(tmp_path / "hf", tmp_path / "rlt", memory_block=3)
+    rlt = AutoModelForCausalLM.from_pretrained(str(out), trust_remote_code=True).eval()
+    tokens = torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(1))
+    padded = torch.cat([torch.zeros(2, 3, dtype=torch.long), tokens], dim=1)
+    mask = torch.cat([torch.zeros(2, 3, dtype=torch.long), torch.ones_like(tokens)], dim=1)
+    with torch.no_grad():
+        want = dense(tokens).logits.float()
+        assert (rlt(tokens).logits - want).abs().max().item() < 1e-4
+        assert (rlt(padded, attention_mask=mask).logits[:, 3:] - want).abs().max().item() < 1e-4
+        ours = rlt.generate(tokens[:, :7], max_new_tokens=6, do_sample=False, pad_token_id=0)
+        theirs = dense.generate(tokens[:, :7], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)

@@ -23,12 +23,18 @@ Two schedules of that one function (they differ by floating-point rounding only)
 
 - ``forward`` without a cache is the dense schedule: the encoder over every token in one
   causal batch, then the decoder position by position (the training schedule; logits of
-  every position, a loss when ``labels`` are given).
-- With a cache (``RLTCache``, what ``generate()`` uses) it is rlt_mega's rollout schedule with
-  deferred memory: a call encodes only the memory its decoder steps may see. After a prompt
-  of P tokens that is [0, C * floor(P / C)); afterwards each memory block of C tokens is
-  encoded once, in one call, when it completes (at the step t with t + 1 = k * C, the first
-  one that sees it), attending to the encoder K/V cache of every earlier position.
+  every position, a loss when ``labels`` are given). With ``use_cache`` it also returns the
+  state it ends in, from which decoding can go on.
+- With a cache (``RLTCache``; ``generate()`` starts from an empty one) it is rlt_mega's rollout
+  schedule with deferred memory: a call encodes only the memory its decoder steps may see.
+  After a prompt of P tokens that is [0, C * floor(P / C)); afterwards each memory block of C
+  tokens is encoded once, in one call, when it completes (at the step t with t + 1 = k * C,
+  the first one that sees it), attending to the encoder K/V cache of every earlier position.
+  ``generate(use_cache=False)`` runs the dense schedule over the whole sequence at every step.
+
+Checked with transformers 4.57 and 5.24 (the cache is passed as ``cache`` in 5, as
+``past_key_values`` in 4; both are accepted). Beam search works (``reorder_cache``);
+assisted decoding does not (a recurrent state cannot be cropped).
 
 Padding: ``attention_mask`` (B, S) may mark pad columns (left padding from a batched
 ``generate``, or right padding). A row's positions count its real tokens only (HF's
@@ -442,8 +448,9 @@ class RLTForCausalLM(RLTPreTrainedModel, GenerationMixin):
                 use_cache: Optional[bool] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 labels: Optional[torch.LongTensor] = None, logits_to_keep: int = 0,
                 return_dict: Optional[bool] = None, **kwargs) -> CausalLMOutputWithPast | tuple:
-        """input_ids (B, n): the next n columns (after those in the cache, if one is given);
-        attention_mask (B, past + n) or (B, n): 0 marks pad columns. -> logits (B, n, V) fp32
+        """input_ids (B, n): the next n columns (after those in the cache, if one is given;
+        without one, the dense schedule); attention_mask (B, past + n) or (B, n): 0 marks pad
+        columns. -> logits (B, n, V) fp32
         (the last ``logits_to_keep`` columns when > 0): logits[:, j] is the distribution of the
         token after column j. ``labels`` (B, n): the mean cross-entropy of labels[:, 1:]
         (-100 ignored), as every HF causal LM."""
