@@ -161,6 +161,8 @@ def check_same_tokenizer(tokenizer: Tokenizer, directory: str | Path, setting: s
         theirs = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
         return  # not readable here; loading the model reports what is wrong with the directory
+    if not isinstance(theirs, dict) or "model" not in theirs:
+        return  # not a tokenizers file: nothing to compare with
     ours = json.loads(tokenizer.tok.to_str())
     same = (theirs.get("model", {}).get("vocab") == ours.get("model", {}).get("vocab")
             and [t.get("content") for t in theirs.get("added_tokens", [])]
