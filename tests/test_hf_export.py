@@ -210,3 +210,24 @@ def test_imported_dense_model_through_transformers(tmp_path, kind, kwargs):
         ours = rlt.generate(tokens[:, :7], max_new_tokens=6, do_sample=False, pad_token_id=0)
         theirs = dense.generate(tokens[:, :7], max_new_tokens=6, do_sample=False, pad_token_id=0)
     assert torch.equal(ours, theirs)
+
+
+def test_transformers_loss_and_gradient_match_rlt_mega(exports):
+    """Fine-tuning through transformers (labels -> loss -> backward) gives rlt_mega's dense
+    loss and full-BPTT gradient."""
+    from transformers import AutoModelForCausalLM
+
+    path = exports[1][4]
+    hf = AutoModelForCausalLM.from_pretrained(str(path), trust_remote_code=True)
+    model = rlt_model(path)
+    tokens = torch.randint(0, 259, (2, 15), generator=torch.Generator().manual_seed(3))
+    loss = hf(tokens, labels=tokens).loss
+    loss.backward()
+    logits = model(tokens)
+    ref = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    ref.backward()
+    assert abs(loss.item() - ref.item()) < 1e-5
+    ours, theirs = dict(model.named_parameters()), dict(hf.named_parameters())
+    assert set(theirs) <= set(ours)
+    for name, p in theirs.items():
+        assert (p.grad - ours[name].grad).abs().max().item() < 1e-5, name
