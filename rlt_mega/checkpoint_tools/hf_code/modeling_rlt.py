@@ -248,7 +248,8 @@ class RLTPreTrainedModel(PreTrainedModel):
     base_model_prefix = "rlt"
     main_input_name = "input_ids"
     supports_gradient_checkpointing = False
-    _no_split_modules = ["Block", "CrossBlock"]
+    # one device: the decoder reads every layer at every position (device_map="auto" must not split it)
+    _no_split_modules = ["RLTForCausalLM"]
     _supports_cache_class = True
 
     def _init_weights(self, module: nn.Module) -> None:
