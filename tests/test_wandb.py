@@ -5,7 +5,7 @@ clear error and not configuring it needs nothing."""
 import importlib.util
 import json
 import struct
-import zlib
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +49,17 @@ def wandb_records(path: Path) -> list:
     return records
 
 
+def finished_records(path: Path, timeout: float = 120.0) -> list:
+    """The records once the run's exit record is on disk: run.finish() returns before wandb's
+    service (a separate process) has written everything, and it writes on in the background."""
+    deadline = time.monotonic() + timeout
+    while True:
+        records = wandb_records(path)
+        if any(r.WhichOneof("record_type") == "exit" for r in records) or time.monotonic() > deadline:
+            return records
+        time.sleep(0.2)
+
+
 def history(records) -> dict[int, dict]:
     """step -> {key: value} of every history record."""
     rows: dict[int, dict] = {}
@@ -70,7 +81,7 @@ def test_offline_wandb_run_receives_the_scalars(tmp_path, monkeypatch):
                      "logging.wandb.project=rlt-test", "logging.wandb.name=tiny", "logging.wandb.mode=offline"]) == 0
     files = list((logs / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(files) == 1
-    records = wandb_records(files[0])
+    records = finished_records(files[0])
     logged = history(records)
     expected: dict[int, dict] = {}
     for row in read_metrics(logs):
