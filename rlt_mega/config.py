@@ -129,7 +129,9 @@ class DataConfig:
     eval: Optional[str] = None  # None: a held-out split of the train source (a prefix works too)
     hub_config: Optional[str] = None  # e.g. "main" for openai/gsm8k
     text_field: Optional[str] = None  # None: "text", else question + answer for GSM8K records
-    tokenizer: str = "byte"  # "byte" or a path to a tokenizers tokenizer.json
+    tokenizer: str = "byte"  # "byte", a tokenizers tokenizer.json, or a directory holding one
+    # SFT/GRPO/generate/eval prompts through the tokenizer's chat template (data/chat.py)
+    chat_template: bool = False
     seq_len: int = 128
     shuffle: bool = True
     # Pretraining on several indexed datasets in proportion to their weights, Megatron-LM's
@@ -385,10 +387,36 @@ class GRPOConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases, beside TensorBoard (metrics.py): on when ``project`` is set. The run's
+    files go under logging.dir (wandb/); mode "offline" writes them without a network."""
+
+    project: Optional[str] = None  # None: no wandb
+    name: Optional[str] = None  # the run's display name (wandb picks one when null)
+    mode: Literal["online", "offline", "disabled"] = "online"
+    entity: Optional[str] = None  # team or user; null: the logged-in default
+
+    def __post_init__(self) -> None:
+        _check(self.project is None or bool(self.project.strip()),
+               "logging.wandb.project is empty: give a project name, or null for no wandb")
+        if self.enabled:
+            import importlib.util
+
+            _check(importlib.util.find_spec("wandb") is not None,
+                   f"logging.wandb.project={self.project} but wandb is not installed: `pip install wandb`, or set "
+                   "logging.wandb.project=null")
+
+    @property
+    def enabled(self) -> bool:
+        return self.project is not None and self.mode != "disabled"
+
+
+@dataclass
 class LoggingConfig:
     dir: str = "runs/default/tb"  # TensorBoard event files
     progress: bool = True  # tqdm progress bar on rank 0
     level: str = "INFO"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.dir.strip()), "logging.dir is empty: give a directory for the metrics")

@@ -4,12 +4,16 @@
 ::
 
     out_dir/
-      config.json                 {"model_type": "rlt", <every ModelConfig field>}
+      config.json                 {"model_type": "rlt", <every ModelConfig field>, + the keys
+                                  transformers reads: auto_map, architectures, token ids, dtype}
       model.safetensors           full (unsharded) tensors under the single-process names,
         or model-0000k-of-0000n.safetensors + model.safetensors.index.json above a size limit
       rlt_export.json             format version, sha256/shape/dtype of every tensor, tied
                                   names, the tokenizer files, where the weights came from
-      tokenizer.json ...          when a tokenizer was given
+      configuration_rlt.py        the model for transformers, needing nothing of rlt_mega:
+      modeling_rlt.py               AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
+      tokenizer.json ...          when a tokenizer was given (AutoTokenizer loads them;
+      generation_config.json        hf_files.py says what is written for which tokenizer)
 
 Tied weights (``lm_head.weight`` when model.tie_embeddings) are stored once, under
 ``embed.weight``; :func:`load_exported` puts the alias back, so the state dict it returns
@@ -24,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -33,9 +37,10 @@ from rlt_mega.config import ConfigError, ModelConfig, from_dict
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
 from rlt_mega.precision import parse_storage_dtype as parse_dtype
+from rlt_mega.checkpoint_tools import hf_files
 from rlt_mega.checkpoint_tools.files import (
-    CheckpointFormatError, SafetensorsDir, atomic_directory, copy_files, dtype_name, read_json,
-    save_safetensors, tensor_sha256, write_json,
+    CheckpointFormatError, SafetensorsDir, atomic_directory, dtype_name, read_json, save_safetensors,
+    tensor_sha256, write_json,
 )
 
 log = get_logger(__name__)
@@ -44,10 +49,11 @@ CONFIG_NAME = "config.json"
 MANIFEST_NAME = "rlt_export.json"
 MODEL_TYPE = "rlt"
 FORMAT = "rlt_mega.export"
-FORMAT_VERSION = 1
+# 2: config.json also holds transformers' keys (hf_files.HF_CONFIG_KEYS), and the directory
+# the modeling code; version 1 directories still load.
+FORMAT_VERSION = 2
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+TOKENIZER_FILES = hf_files.TOKENIZER_FILES
 
 # ModelConfig fields that fix the set of parameters and their shapes. The others (memory_block,
 # rope_theta, norm_eps, max_seq_len, init_std) change what the weights compute, not what they are.
@@ -58,8 +64,9 @@ SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "f
 # config.json and what a config implies
 # ----------------------------------------------------------------------------------------
 
-def config_to_json(cfg: ModelConfig) -> dict:
-    return {"model_type": MODEL_TYPE, **dataclasses.asdict(cfg)}
+def config_to_json(cfg: ModelConfig, hf: Optional[dict] = None) -> dict:
+    """config.json: every ModelConfig field, then ``hf`` (hf_files.hf_config: what transformers reads)."""
+    return {"model_type": MODEL_TYPE, **dataclasses.asdict(cfg), **(hf or {})}
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -69,6 +76,8 @@ def read_config(path: str | Path) -> ModelConfig:
     data = read_json(file, "an exported RLT directory holds config.json (the model config); "
                            "export with `rlt-mega export` or `rlt-mega import`")
     model_type = data.pop("model_type", None)
+    for key in hf_files.HF_CONFIG_KEYS:  # transformers' keys, not ModelConfig's
+        data.pop(key, None)
     if model_type != MODEL_TYPE:
         hint = (" (a Hugging Face checkpoint: convert it with `rlt-mega import`)"
                 if model_type in ("llama", "qwen2") else "")
@@ -142,23 +151,6 @@ def _store_once(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     return out
 
 
-def _write_tokenizer(tokenizer: Optional[str | Path], out_dir: Path) -> Any:
-    """``tokenizer``: None, "byte" (the built-in byte tokenizer: nothing to copy), a directory
-    with Hugging Face tokenizer files, or a tokenizers ``tokenizer.json`` file."""
-    if tokenizer is None or str(tokenizer) == "byte":
-        return None if tokenizer is None else "byte"
-    src = Path(tokenizer)
-    if src.is_file():
-        (out_dir / "tokenizer.json").write_bytes(src.read_bytes())
-        return ["tokenizer.json"]
-    if src.is_dir():
-        copied = copy_files(src, list(TOKENIZER_FILES), out_dir)
-        if not copied:
-            raise FileNotFoundError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-        return copied
-    raise FileNotFoundError(f"{src}: tokenizer not found (give a directory, a tokenizer.json or 'byte')")
-
-
 def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
                       tokenizer: Optional[str | Path] = None,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -173,10 +165,16 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out
     tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "sha256": tensor_sha256(t)}
                for n, t in sd.items()}
     out = Path(out_dir)
+    float_dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}
     with atomic_directory(out, overwrite=overwrite) as tmp:
         files = save_safetensors(sd, tmp, max_shard_size)
-        write_json(tmp / CONFIG_NAME, config_to_json(cfg))
-        tok = _write_tokenizer(tokenizer, tmp)
+        tok, tokenizer_read = hf_files.write_tokenizer(tokenizer, tmp, cfg)
+        hf_files.check_vocab(tokenizer_read, cfg, str(out))
+        special = hf_files.special_token_ids(tokenizer_read)
+        hf = hf_files.hf_config(cfg, special, float_dtypes.pop() if len(float_dtypes) == 1 else None)
+        write_json(tmp / CONFIG_NAME, config_to_json(cfg, hf))
+        hf_files.write_code(tmp)
+        hf_files.write_generation_config(tmp, special)
         write_json(tmp / MANIFEST_NAME, {
             "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
             "tied": tied_aliases(cfg), "tokenizer": tok, "source": source or {}, "tensors": tensors,

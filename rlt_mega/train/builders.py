@@ -14,7 +14,7 @@ from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.checkpoint_tools.export import init_from, init_stage_from
 from rlt_mega.checkpoint_tools.training import is_training_checkpoint, load_training_weights
 from rlt_mega.config import Config, ConfigError, ModelConfig
-from rlt_mega.data.tokenizer import Tokenizer
+from rlt_mega.data.tokenizer import Tokenizer, check_same_tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
 from rlt_mega.parallel.build import build_stage
@@ -26,6 +26,8 @@ log = get_logger(__name__)
 
 
 def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
+    if cfg.train.init_from:  # an export that carries its own tokenizer (an imported model's) needs it
+        check_same_tokenizer(tokenizer, cfg.train.init_from, "train.init_from")
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model.vocab_size="
                           f"{cfg.model.vocab_size}: set model.vocab_size >= {tokenizer.vocab_size}")

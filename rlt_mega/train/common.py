@@ -17,7 +17,7 @@ from rlt_mega.rollout.rewards import gsm8k_reward, score
 def sampling_params(cfg: Config, tokenizer: Tokenizer, greedy: bool = False) -> SamplingParams:
     s = cfg.sampling
     processing = Processing(temperature=0.0) if greedy else Processing(s.temperature, s.top_k, s.top_p)
-    return SamplingParams(processing, max_new_tokens=s.max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
+    return SamplingParams(processing, max_new_tokens=s.max_new_tokens, stop_token_ids=tokenizer.stop_ids,
                           stop_strings=tuple(s.stop_strings))
 
 

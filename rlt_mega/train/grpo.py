@@ -257,7 +257,7 @@ def batches_per_minibatch(cfg: Config) -> int:
 
 # ---------------------------------------------------------------------- set-up
 def run(cfg: Config) -> dict:
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     check_vocab(cfg, tokenizer)
     try:
         reward_fn = resolve_reward(cfg.grpo.reward)

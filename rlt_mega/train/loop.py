@@ -104,7 +104,7 @@ class Trainer:
         self.stop = StopAfter(cfg.train.stop_after)
         self.state = LoopState()
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=dims.rank, barrier=dims.barrier)
-        self.metrics = Metrics(cfg.logging.dir, enabled=dims.rank == 0)
+        self.metrics = Metrics.for_run(cfg, enabled=dims.rank == 0)
         self._last_path: Optional[Path] = None  # where the last checkpoint is (for messages)
 
     # ------------------------------------------------------------------ the loop

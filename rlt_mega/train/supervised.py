@@ -121,7 +121,7 @@ def run(cfg: Config, data: DataFn) -> dict:
     """Pretraining or SFT on the layout of this launch: ``data`` builds this data-parallel rank's
     batch source and the held-out batches; the engine, the job and the loop are the same."""
     with launch(cfg) as dims:
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
+        tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
         check_vocab(cfg, tokenizer)
         stats = DataStats()
         batches, eval_batches = data(cfg, dims, tokenizer, stats)
