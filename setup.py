@@ -6,6 +6,8 @@ setup(
     description="Trainer for Recurrent Looped Transformers: pretraining, SFT and GRPO "
     "with tensor/pipeline/ZeRO parallelism and exact learner log-probabilities.",
     packages=find_packages(include=["rlt_mega", "rlt_mega.*"]),
+    # the modeling code every export carries (copied, never imported by rlt_mega)
+    package_data={"rlt_mega.checkpoint_tools": ["hf_code/*.py"]},
     python_requires=">=3.10",
     install_requires=[
         # torch is installed first and pinned by launch/env.sh; this range is one that
@@ -24,7 +26,11 @@ setup(
     ],
     extras_require={
         "test": [
-            "transformers>=4.45",
+            # 5: the tests build HF models with rope_parameters; the exports' modeling code
+            # (checkpoint_tools/hf_code) itself was also checked by hand with 4.57
+            "transformers>=5.0",
+            "lm_eval[hf]>=0.4.13",  # lm-evaluation-harness and its HF model class (accelerate, peft)
+            "wandb>=0.31",  # logging.wandb; its offline runs are read back by tests/e2e/test_wandb.py
             "pytest>=8.0",
             "pytest-timeout>=2.2",
             "hypothesis>=6.100",

@@ -13,7 +13,7 @@
 #
 # Elastic restarts: MAX_RESTARTS=2 lets torchrun restart the whole group when a rank dies; with
 # train.resume=auto the ranks continue from the last checkpoint, bit for bit
-# (tests/test_elastic.py).
+# (tests/e2e/test_elastic.py).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$ROOT/launch/env.sh"

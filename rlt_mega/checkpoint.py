@@ -5,14 +5,16 @@ Layout under ``checkpoint.dir``::
     step_00000100/          one complete checkpoint
         model.safetensors   weights (single process; distributed engines write their shards)
         engine.pt           optimizer + LR schedule state
-        trainer.pt          step, data position, counters, every RNG state
+        trainer.pt          the trainer loop's state (steps, the last checkpoint's step) and the
+                            job's (counters, data position)
+        rng_rank{r}.pt      every rank's RNG state
         config.yaml         the run's config
         manifest.json       size and sha256 of every file above, written last
     latest                  the name of the newest complete checkpoint, replaced atomically
 
 A save writes into ``.tmp-step_N``, fsyncs every file, writes the manifest, renames the
 directory (atomic on POSIX) and only then replaces ``latest``. A crash at any point leaves
-the previous checkpoint and pointer intact (tests/test_crash_resume.py kills a real run
+the previous checkpoint and pointer intact (tests/e2e/test_crash_resume.py kills a real run
 between every two of these phases). A ``.tmp-*`` directory or a step directory without a
 valid manifest is never loaded: resuming skips it with a warning and takes the checkpoint
 ``latest`` names, or else the newest one that verifies; the next save removes the leftovers.

@@ -15,6 +15,8 @@ from typing import Callable
 from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.checkpoint_tools import commands as checkpoint_tools
 from rlt_mega.config import Config, ConfigError, load_config
+from rlt_mega.data import preprocess as preprocess_cmd
+from rlt_mega.data import tokenizer_train
 from rlt_mega.data.datasets import DataError
 from rlt_mega.data.tokenizer import TokenizerError
 from rlt_mega.log import get_logger, setup_logging
@@ -94,11 +96,14 @@ def cmd_grpo(args: argparse.Namespace) -> int:
 
 def _inference_model(cfg: Config):
     from rlt_mega.data.tokenizer import load_tokenizer
-    from rlt_mega.train.common import inference_model
+    from rlt_mega.train.builders import check_vocab, inference_model
 
     from rlt_mega.rollout import Sampler
 
-    return cfg, Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode), load_tokenizer(cfg.data.tokenizer)
+    tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
+    check_vocab(cfg, tokenizer)
+    sampler = Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode, check_every=cfg.sampling.check_every)
+    return cfg, sampler, tokenizer
 
 
 def _read_questions(source: str) -> list[str]:
@@ -200,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
             EXTRA_ARGS[name](p)
         p.set_defaults(fn=fn)
     plan_cli.register(sub)
+    p = sub.add_parser("preprocess", help=preprocess_cmd.HELP, description=preprocess_cmd.HELP)
+    preprocess_cmd.add_arguments(p)
+    p.set_defaults(fn=_tool(preprocess_cmd.run))
+    tokenizer_train.register(sub, _tool)
     for name, (add_arguments, run, help_text) in checkpoint_tools.COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         add_arguments(p)

@@ -46,7 +46,7 @@ _DEVICE = re.compile(r"^(auto|cpu|meta|mps|(cuda|xpu|hpu|npu)(:\d+)?)$")
 
 @dataclass
 class ModelConfig:
-    """The RLT architecture (DESIGN section 1). Encoder and decoder both have ``n_layers``."""
+    """The RLT architecture (docs/design.md, "The model"). Encoder and decoder both have ``n_layers``."""
 
     vocab_size: int = 260
     d_model: int = 128
@@ -126,20 +126,68 @@ class GeneratedDataConfig:
 
 @dataclass
 class DataConfig:
-    # "generated" (arithmetic problems), a local .jsonl/.json/.txt file or directory, or a hub name.
-    train: str = "generated"
-    eval: Optional[str] = None  # None: a held-out split of the train source
+    # "generated" (arithmetic problems), a local .jsonl/.json/.txt file or directory, a hub name,
+    # or (pretraining) the prefix of an indexed dataset written by `rlt-mega preprocess`
+    # (PREFIX.bin + PREFIX.idx): memory-mapped, nothing tokenized at start-up. null with data.blend.
+    train: Optional[str] = "generated"
+    eval: Optional[str] = None  # None: a held-out split of the train source (a prefix works too)
     hub_config: Optional[str] = None  # e.g. "main" for openai/gsm8k
     text_field: Optional[str] = None  # None: "text", else question + answer for GSM8K records
-    tokenizer: str = "byte"  # "byte" or a path to a tokenizers tokenizer.json
+    tokenizer: str = "byte"  # "byte", a tokenizers tokenizer.json, or a directory holding one
+    # SFT/GRPO/generate/eval prompts through the tokenizer's chat template (data/chat.py)
+    chat_template: bool = False
     seq_len: int = 128
     shuffle: bool = True
+    # Pretraining on several indexed datasets in proportion to their weights, Megatron-LM's
+    # --data-path layout: [w1, PREFIX1, w2, PREFIX2, ...] (weights need not sum to 1). Replaces
+    # data.train, which is then null (or left at its default).
+    blend: Optional[list] = None
+    # Pretraining straight from data.train (a hub dataset or local files) with `datasets`
+    # streaming: each data-parallel rank reads its own documents and packs them on the fly.
+    streaming: bool = False
+    # Streaming only: windows held in a seeded shuffle buffer (saved with the checkpoints, so a
+    # resumed run sees the same order); 0 keeps the stream's order.
+    shuffle_buffer: int = 0
     generated: GeneratedDataConfig = field(default_factory=GeneratedDataConfig)
 
     def __post_init__(self) -> None:
         _check(self.seq_len >= 2, f"data.seq_len={self.seq_len}: must be at least 2")
+        _check(self.train is not None or self.blend is not None,
+               "data.train is null: give a source (e.g. 'generated' or a dataset prefix), or a data.blend")
         for name in ("train", "tokenizer"):
-            _check(bool(getattr(self, name).strip()), f"data.{name} is empty: give a source (e.g. 'generated')")
+            value = getattr(self, name)
+            _check(value is None or bool(value.strip()), f"data.{name} is empty: give a source (e.g. 'generated')")
+        _check(self.shuffle_buffer >= 0, f"data.shuffle_buffer={self.shuffle_buffer}: must be >= 0 (0: no shuffling)")
+        if self.blend is not None:
+            self._check_blend()
+        _check(not (self.streaming and self.train == "generated"),
+               "data.streaming=true streams data.train, which is 'generated': set data.train to a hub dataset "
+               "or local file (e.g. HuggingFaceFW/fineweb-edu), or set data.streaming=false")
+
+    def _check_blend(self) -> None:
+        blend = self.blend
+        example = "e.g. data.blend=[0.3, data/web, 0.7, data/code]"
+        _check(len(blend) >= 2 and len(blend) % 2 == 0,
+               f"data.blend={_show(blend)}: expected weight, prefix pairs, {example}")
+        pairs = []
+        for weight, prefix in zip(blend[::2], blend[1::2]):
+            number = None
+            if isinstance(weight, (int, float, str)) and not isinstance(weight, bool):
+                try:  # PyYAML (YAML 1.1) reads 1e-3 as a string: accept it
+                    number = float(weight)
+                except ValueError:
+                    pass
+            _check(number is not None and math.isfinite(number) and number > 0,
+                   f"data.blend: weight {_show(weight)} must be a positive number, {example}")
+            _check(isinstance(prefix, str) and bool(prefix.strip()),
+                   f"data.blend: {_show(prefix)} after weight {weight} must be a dataset prefix, {example}")
+            pairs += [number, prefix]
+        self.blend = pairs
+        _check(self.train in (None, "generated"), f"data.blend and data.train={_show(self.train)} are both set: "
+               "a blend replaces data.train; set data.train=null")
+        self.train = None
+        _check(not self.streaming, "data.blend reads indexed datasets and data.streaming=true streams data.train: "
+               "set only one of them")
 
 
 @dataclass
@@ -165,7 +213,7 @@ class OptimConfig:
 
 @dataclass
 class CheckpointingConfig:
-    """Activation checkpointing (DESIGN section 4); recomputation is exact."""
+    """Activation checkpointing (docs/design.md, "Gradients"); recomputation is exact."""
 
     decoder: Literal["none", "step", "every_k"] = "none"
     decoder_k: int = 4  # steps per checkpointed segment when decoder == "every_k"
@@ -199,6 +247,10 @@ class TrainConfig:
     # The dense schedule's decoder positions as captured CUDA graphs of the fused step
     # (model/cuda_graphs.py): a GPU feature (the decoder is launch-bound there); off on a CPU.
     cuda_graphs: bool = False
+    # Deterministic kernels (rlt_mega/determinism.py): torch.use_deterministic_algorithms,
+    # CUBLAS_WORKSPACE_CONFIG, deterministic attention backward, NCCL_NVLS_ENABLE=0. Bit-exact
+    # replays, checkpointing and resumes on CUDA need it; it costs some speed there.
+    deterministic: bool = True
 
     def __post_init__(self) -> None:
         _check(self.steps >= 0, f"train.steps={self.steps}: must be >= 0")
@@ -229,6 +281,13 @@ class ParallelConfig:
     micro_batches: int = 1  # pipeline micro-batches in flight (M)
     pp_split: Optional[list] = None  # explicit layers per stage for uneven L, e.g. [3, 2]
     backend: Optional[str] = None  # None: nccl on CUDA, gloo on CPU
+    # bf16 (train.dtype) under DeepSpeed: the dtype gradients accumulate in over a step's
+    # micro-batches ("data_types.grad_accum_dtype") and the pipeline's fp32 accumulators keep
+    # when handed to DeepSpeed. None: fp32 wherever DeepSpeed can (ZeRO 1-3); bf16 without ZeRO,
+    # where DeepSpeed 0.19 has no fp32 accumulation ("fp32" is then an error).
+    grad_accum_dtype: Optional[Literal["fp32", "bf16"]] = None
+    # The dtype of the data-parallel gradient reduction (DeepSpeed's communication_data_type).
+    grad_reduce_dtype: Literal["fp32", "bf16"] = "fp32"
 
     def __post_init__(self) -> None:
         _check(self.tp >= 1 and self.pp >= 1, f"parallel.tp={self.tp}, parallel.pp={self.pp}: must be >= 1")
@@ -281,8 +340,13 @@ class SamplingConfig:
     # tokens/s, for one more copy of the decoder weights while a rollout runs. Replay follows
     # whichever step the rollout used, so exactness holds either way.
     fast_decode: bool = True
+    # Decoder steps between the host's reads of the finish flags (rollout/ring.py): the per-step
+    # loop never synchronises with the host otherwise; a batch runs up to check_every - 1 steps
+    # past the end of its last row.
+    check_every: int = 8
 
     def __post_init__(self) -> None:
+        _check(self.check_every >= 1, f"sampling.check_every={self.check_every}: must be >= 1")
         _check(self.temperature >= 0, f"sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
         _check(self.top_k >= 0, f"sampling.top_k={self.top_k}: must be >= 0 (0 disables top-k)")
         _check(0 < self.top_p <= 1, f"sampling.top_p={self.top_p}: must be in (0, 1] (1 disables top-p)")
@@ -294,13 +358,14 @@ class SamplingConfig:
 
 @dataclass
 class GRPOConfig:
-    """GRPO (DESIGN section 6). One step: prompts_per_step x group_size completions per
+    """GRPO (docs/design.md, "GRPO"). One step: prompts_per_step x group_size completions per
     data-parallel rank, then epochs x minibatches optimizer steps (train.steps counts GRPO
-    steps). Each minibatch is sampled as train.grad_accum rollout micro-batches (more when a
+    steps). Each minibatch is sampled as train.grad_accum rollout batches (more when a
     pipeline keeps more than grad_accum in flight, parallel.micro_batches), each its own batch,
-    so that its replay repeats the rollout's calls with the same batch composition (DESIGN
-    section 3, granularity); their gradients accumulate into the minibatch's one step. GRPO
-    derives train.micro_batch_size (a minibatch's rows / grad_accum) and ignores the value set."""
+    so that its replay repeats the rollout's calls with the same batch composition
+    (docs/design.md, "Granularity"); their gradients accumulate into the minibatch's one step.
+    GRPO derives train.micro_batch_size (a minibatch's rows / grad_accum) and refuses another
+    value set by the user (train/grpo.py, grpo_config)."""
 
     prompts_per_step: int = 8  # per data-parallel rank
     group_size: int = 8  # G completions per prompt
@@ -332,10 +397,36 @@ class GRPOConfig:
 
 
 @dataclass
+class WandbConfig:
+    """Weights & Biases, beside TensorBoard (metrics.py): on when ``project`` is set. The run's
+    files go under logging.dir (wandb/); mode "offline" writes them without a network."""
+
+    project: Optional[str] = None  # None: no wandb
+    name: Optional[str] = None  # the run's display name (wandb picks one when null)
+    mode: Literal["online", "offline", "disabled"] = "online"
+    entity: Optional[str] = None  # team or user; null: the logged-in default
+
+    def __post_init__(self) -> None:
+        _check(self.project is None or bool(self.project.strip()),
+               "logging.wandb.project is empty: give a project name, or null for no wandb")
+        if self.enabled:
+            import importlib.util
+
+            _check(importlib.util.find_spec("wandb") is not None,
+                   f"logging.wandb.project={self.project} but wandb is not installed: `pip install wandb`, or set "
+                   "logging.wandb.project=null")
+
+    @property
+    def enabled(self) -> bool:
+        return self.project is not None and self.mode != "disabled"
+
+
+@dataclass
 class LoggingConfig:
     dir: str = "runs/default/tb"  # TensorBoard event files
     progress: bool = True  # tqdm progress bar on rank 0
     level: str = "INFO"
+    wandb: WandbConfig = field(default_factory=WandbConfig)
 
     def __post_init__(self) -> None:
         _check(bool(self.dir.strip()), "logging.dir is empty: give a directory for the metrics")
@@ -471,8 +562,27 @@ def _from_dict(cls: type, data: Any, path: str = ""):
 
 
 def from_dict(data: dict, cls: type = Config):
-    """Builds ``cls`` from a plain mapping, strictly (see the module docstring)."""
-    return _from_dict(cls, data)
+    """Builds ``cls`` from a plain mapping, strictly (see the module docstring). The dotted keys
+    the mapping set are remembered (:func:`given`)."""
+    cfg = _from_dict(cls, data)
+    if isinstance(data, dict):
+        cfg._given = frozenset(_dotted_keys(data))  # not a field: asdict, repr and == ignore it
+    return cfg
+
+
+def _dotted_keys(data: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        out += _dotted_keys(value, name) if isinstance(value, dict) else [name]
+    return out
+
+
+def given(cfg: Any) -> frozenset:
+    """The dotted keys a config file or an override set (``train.micro_batch_size``), so that a
+    job that derives a value can refuse one the user gave instead of overwriting it silently.
+    Empty for a config built in code or changed with dataclasses.replace."""
+    return getattr(cfg, "_given", frozenset())
 
 
 def to_dict(cfg: Any) -> dict:

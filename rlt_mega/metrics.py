@@ -1,5 +1,9 @@
 """Metrics: TensorBoard scalars plus a ``metrics.jsonl`` beside them (one JSON object per
-logged step, for scripts and tests), written by rank 0 only; and phase timers."""
+logged step, for scripts and tests), and the same scalars to Weights & Biases when
+logging.wandb.project is set, written by rank 0 only; and phase timers.
+
+wandb is imported only when configured, so nobody needs it installed otherwise; its run lives
+under logging.dir (``wandb/``), its config is the run's whole Config."""
 
 from __future__ import annotations
 
@@ -11,22 +15,32 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+from rlt_mega.config import Config, ConfigError, WandbConfig, to_dict
 from rlt_mega.log import get_logger
 
 log = get_logger(__name__)
 
 
 class Metrics:
-    def __init__(self, log_dir: str | Path, enabled: bool = True) -> None:
+    def __init__(self, log_dir: str | Path, enabled: bool = True, wandb: Optional[WandbConfig] = None,
+                 run_config: Optional[dict] = None) -> None:
         self.log_dir, self.enabled = Path(log_dir), enabled
         self._writer = None
         self._jsonl = None
+        self._wandb = None
         if enabled:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: slow import
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
             self._writer = SummaryWriter(str(self.log_dir))
             self._jsonl = open(self.log_dir / "metrics.jsonl", "a")
+            if wandb is not None and wandb.enabled:
+                self._wandb = _start_wandb(wandb, self.log_dir, run_config)
+
+    @classmethod
+    def for_run(cls, cfg: Config, enabled: bool) -> "Metrics":
+        """A trainer's metrics: logging.dir, logging.wandb, and the Config as the wandb run's config."""
+        return cls(cfg.logging.dir, enabled, wandb=cfg.logging.wandb, run_config=to_dict(cfg))
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
@@ -37,11 +51,28 @@ class Metrics:
         clean = {k: (v if v is None or math.isfinite(v) else str(v)) for k, v in scalars.items()}
         self._jsonl.write(json.dumps({"step": step, **clean}) + "\n")
         self._jsonl.flush()
+        if self._wandb is not None:  # the same scalars (non-finite ones as floats: wandb keeps nan/inf)
+            self._wandb.log({k: v for k, v in scalars.items() if v is not None}, step=step)
 
     def close(self) -> None:
         if self.enabled:
             self._writer.close()
             self._jsonl.close()
+            if self._wandb is not None:
+                self._wandb.finish()
+                self._wandb = None
+
+
+def _start_wandb(cfg: WandbConfig, log_dir: Path, run_config: Optional[dict]):
+    try:
+        import wandb
+    except ImportError:  # the config checks this at load time; a changed environment still gets a clear message
+        raise ConfigError(f"logging.wandb.project={cfg.project} but wandb is not installed: `pip install wandb`, "
+                          "or set logging.wandb.project=null") from None
+    run = wandb.init(project=cfg.project, name=cfg.name, entity=cfg.entity, mode=cfg.mode, dir=str(log_dir),
+                     config=run_config)
+    log.info("wandb run %s (%s) in %s", run.name, cfg.mode, log_dir / "wandb")
+    return run
 
 
 def read_metrics(log_dir: str | Path) -> list[dict]:

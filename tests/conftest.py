@@ -2,10 +2,24 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
-# tests/ on the path for the reference implementation; one thread per test process keeps the
-# suite predictable on a 2-core machine.
-sys.path.insert(0, str(Path(__file__).parent))
+# tests/ on the path for the shared helpers (reference.py, helpers.py); one thread per test
+# process keeps the suite predictable on a 2-core machine.
+TESTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TESTS))
 torch.set_num_threads(int(os.environ.get("RLT_TEST_THREADS", "1")))
-os.chdir(Path(__file__).resolve().parent.parent)  # configs/ paths relative to the repo root
+os.chdir(TESTS.parent)  # configs/ paths relative to the repo root
+# The suite runs with deterministic kernels on (train.deterministic's default, warn_only=False),
+# so an op we run that has no deterministic CPU kernel fails a test instead of going unnoticed.
+torch.use_deterministic_algorithms(True)
+
+TIERS = ("unit", "distributed", "e2e")  # the folders, and their markers (pytest.ini)
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
+        if parts and parts[0] in TIERS:
+            item.add_marker(getattr(pytest.mark, parts[0]))

@@ -18,6 +18,8 @@ Environment:
                                     batches of <step>, in the first attempt only (torchrun's
                                     TORCHELASTIC_RESTART_COUNT=0), while the other ranks go on
                                     into the step's collectives
+    RLT_CRASH_CHUNK_SLEEP=<seconds> ``preprocess``: sleep after writing every chunk of documents,
+                                    so that a kill lands in the middle of the job
 """
 
 import os
@@ -31,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from rlt_mega.checkpoint import CheckpointManager  # noqa: E402
 from rlt_mega.cli import main  # noqa: E402
 from rlt_mega.parallel.engine import LocalEngine  # noqa: E402
-from rlt_mega.train.pretrain import PackedBatches  # noqa: E402
+from rlt_mega.data.pretraining import PackedBatches  # noqa: E402
 
 
 def _pause_forever() -> None:
@@ -70,19 +72,32 @@ def install_step_sleep(seconds: float) -> None:
     LocalEngine.train_step = train_step
 
 
+def install_chunk_sleep(seconds: float) -> None:
+    from rlt_mega.data.indexed import IndexedWriter
+
+    original = IndexedWriter.add
+
+    def add(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.builder.data_file.flush()  # the partial file grows on disk as the job goes
+        time.sleep(seconds)
+
+    IndexedWriter.add = add
+
+
 def install_rank_kill(rank: int, step: int) -> None:
     if int(os.environ.get("RANK", "0")) != rank or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
         return
-    original = PackedBatches.next_micro_batches
+    original = PackedBatches.next_batches
     fetched = [0]
 
-    def next_micro_batches(self):
+    def next_batches(self):
         fetched[0] += 1  # counts from the step the run starts (or resumes) at
         if fetched[0] == step:
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self)
 
-    PackedBatches.next_micro_batches = next_micro_batches
+    PackedBatches.next_batches = next_batches
 
 
 if __name__ == "__main__":
@@ -91,6 +106,8 @@ if __name__ == "__main__":
         install_pause(phase, int(step), torn=os.environ.get("RLT_CRASH_TORN") == "1")
     if os.environ.get("RLT_CRASH_STEP_SLEEP"):
         install_step_sleep(float(os.environ["RLT_CRASH_STEP_SLEEP"]))
+    if os.environ.get("RLT_CRASH_CHUNK_SLEEP"):
+        install_chunk_sleep(float(os.environ["RLT_CRASH_CHUNK_SLEEP"]))
     if os.environ.get("RLT_CRASH_KILL"):
         rank, step = os.environ["RLT_CRASH_KILL"].split(":")
         install_rank_kill(int(rank), int(step))

@@ -1,4 +1,4 @@
-"""A naive re-implementation of the RLT forward (DESIGN section 1) that shares nothing with
+"""A naive re-implementation of the RLT forward (docs/design.md, "The model") that shares nothing with
 rlt_mega.model except the parameters: explicit softmax attention, K/V kept in Python lists
 and concatenated per step. The tests compare the model to it, and switch off BPTT paths in it
 (which the model itself never does) to show that each path carries gradient.

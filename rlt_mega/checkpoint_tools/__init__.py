@@ -1,5 +1,5 @@
-"""Checkpoint tools (DESIGN section 7): the layout-independent export format, import of dense
-Llama/Qwen2 checkpoints, and inspection. They sit after checkpointing in the data flow: they
+"""Checkpoint tools (docs/design.md, "Checkpoints"): the layout-independent export format,
+import of dense Llama/Qwen2 checkpoints, and inspection. They sit after checkpointing in the data flow: they
 read what the trainers and rlt_mega.checkpoint write, and nothing to their left imports them
 except through ``init_from``."""
 

@@ -1,14 +1,19 @@
-"""The export format: one layout-independent directory per model (DESIGN section 7).
+"""The export format: one layout-independent directory per model (docs/design.md,
+"Checkpoints").
 
 ::
 
     out_dir/
-      config.json                 {"model_type": "rlt", <every ModelConfig field>}
+      config.json                 {"model_type": "rlt", <every ModelConfig field>, + the keys
+                                  transformers reads: auto_map, architectures, token ids, dtype}
       model.safetensors           full (unsharded) tensors under the single-process names,
         or model-0000k-of-0000n.safetensors + model.safetensors.index.json above a size limit
       rlt_export.json             format version, sha256/shape/dtype of every tensor, tied
                                   names, the tokenizer files, where the weights came from
-      tokenizer.json ...          when a tokenizer was given
+      configuration_rlt.py        the model for transformers, needing nothing of rlt_mega:
+      modeling_rlt.py               AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
+      tokenizer.json ...          when a tokenizer was given (AutoTokenizer loads them;
+      generation_config.json        hf_files.py says what is written for which tokenizer)
 
 Tied weights (``lm_head.weight`` when model.tie_embeddings) are stored once, under
 ``embed.weight``; :func:`load_exported` puts the alias back, so the state dict it returns
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -31,9 +36,11 @@ from torch import nn
 from rlt_mega.config import ConfigError, ModelConfig, from_dict
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
+from rlt_mega.precision import parse_storage_dtype as parse_dtype
+from rlt_mega.checkpoint_tools import hf_files
 from rlt_mega.checkpoint_tools.files import (
-    CheckpointFormatError, SafetensorsDir, atomic_directory, copy_files, dtype_name, read_json,
-    save_safetensors, tensor_sha256, write_json,
+    CheckpointFormatError, SafetensorsDir, atomic_directory, dtype_name, read_json, save_safetensors,
+    tensor_sha256, write_json,
 )
 
 log = get_logger(__name__)
@@ -42,37 +49,24 @@ CONFIG_NAME = "config.json"
 MANIFEST_NAME = "rlt_export.json"
 MODEL_TYPE = "rlt"
 FORMAT = "rlt_mega.export"
-FORMAT_VERSION = 1
+# 2: config.json also holds transformers' keys (hf_files.HF_CONFIG_KEYS), and the directory
+# the modeling code; version 1 directories still load.
+FORMAT_VERSION = 2
 DEFAULT_MAX_SHARD_SIZE = "5GB"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json",
-                   "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+TOKENIZER_FILES = hf_files.TOKENIZER_FILES
 
 # ModelConfig fields that fix the set of parameters and their shapes. The others (memory_block,
 # rope_theta, norm_eps, max_seq_len, init_std) change what the weights compute, not what they are.
 SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
                 "share_weights", "tie_embeddings", "qkv_bias")
 
-_DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-           "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16}
-
-
-def parse_dtype(dtype: Optional[str | torch.dtype]) -> Optional[torch.dtype]:
-    """None / "auto" (keep as stored), a torch dtype, or one of fp32, bf16, fp16."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype == "auto":
-        return None
-    if dtype not in _DTYPES:
-        raise ValueError(f"dtype {dtype!r}: expected auto, fp32, bf16 or fp16")
-    return _DTYPES[dtype]
-
-
 # ----------------------------------------------------------------------------------------
 # config.json and what a config implies
 # ----------------------------------------------------------------------------------------
 
-def config_to_json(cfg: ModelConfig) -> dict:
-    return {"model_type": MODEL_TYPE, **dataclasses.asdict(cfg)}
+def config_to_json(cfg: ModelConfig, hf: Optional[dict] = None) -> dict:
+    """config.json: every ModelConfig field, then ``hf`` (hf_files.hf_config: what transformers reads)."""
+    return {"model_type": MODEL_TYPE, **dataclasses.asdict(cfg), **(hf or {})}
 
 
 def read_config(path: str | Path) -> ModelConfig:
@@ -82,6 +76,8 @@ def read_config(path: str | Path) -> ModelConfig:
     data = read_json(file, "an exported RLT directory holds config.json (the model config); "
                            "export with `rlt-mega export` or `rlt-mega import`")
     model_type = data.pop("model_type", None)
+    for key in hf_files.HF_CONFIG_KEYS:  # transformers' keys, not ModelConfig's
+        data.pop(key, None)
     if model_type != MODEL_TYPE:
         hint = (" (a Hugging Face checkpoint: convert it with `rlt-mega import`)"
                 if model_type in ("llama", "qwen2") else "")
@@ -155,23 +151,6 @@ def _store_once(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torc
     return out
 
 
-def _write_tokenizer(tokenizer: Optional[str | Path], out_dir: Path) -> Any:
-    """``tokenizer``: None, "byte" (the built-in byte tokenizer: nothing to copy), a directory
-    with Hugging Face tokenizer files, or a tokenizers ``tokenizer.json`` file."""
-    if tokenizer is None or str(tokenizer) == "byte":
-        return None if tokenizer is None else "byte"
-    src = Path(tokenizer)
-    if src.is_file():
-        (out_dir / "tokenizer.json").write_bytes(src.read_bytes())
-        return ["tokenizer.json"]
-    if src.is_dir():
-        copied = copy_files(src, list(TOKENIZER_FILES), out_dir)
-        if not copied:
-            raise FileNotFoundError(f"{src}: no tokenizer files ({', '.join(TOKENIZER_FILES)})")
-        return copied
-    raise FileNotFoundError(f"{src}: tokenizer not found (give a directory, a tokenizer.json or 'byte')")
-
-
 def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out_dir: str | Path, *,
                       tokenizer: Optional[str | Path] = None,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
@@ -186,10 +165,16 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out
     tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "sha256": tensor_sha256(t)}
                for n, t in sd.items()}
     out = Path(out_dir)
+    float_dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}
     with atomic_directory(out, overwrite=overwrite) as tmp:
         files = save_safetensors(sd, tmp, max_shard_size)
-        write_json(tmp / CONFIG_NAME, config_to_json(cfg))
-        tok = _write_tokenizer(tokenizer, tmp)
+        tok, tokenizer_read = hf_files.write_tokenizer(tokenizer, tmp, cfg)
+        hf_files.check_vocab(tokenizer_read, cfg, str(out))
+        special = hf_files.special_token_ids(tokenizer_read)
+        hf = hf_files.hf_config(cfg, special, float_dtypes.pop() if len(float_dtypes) == 1 else None)
+        write_json(tmp / CONFIG_NAME, config_to_json(cfg, hf))
+        hf_files.write_code(tmp)
+        hf_files.write_generation_config(tmp, special)
         write_json(tmp / MANIFEST_NAME, {
             "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
             "tied": tied_aliases(cfg), "tokenizer": tok, "source": source or {}, "tensors": tensors,
@@ -338,7 +323,8 @@ def init_from(model: RLT, path: str | Path) -> ModelConfig:
     return exported
 
 
-def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first: bool, is_last: bool) -> RLT:
+def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first_stage: bool,
+                    is_last_stage: bool) -> RLT:
     """``train.init_from=PATH`` for one pipeline stage of a distributed run: the RLT with only
     the stage's parameters (parallel.stage.prune_to_stage; names stay global) holding the
     export's weights. Only the stage's tensors are read (``load_exported(keys=...)``, each
@@ -347,7 +333,7 @@ def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first:
     than its stage at full width. On the CPU, like the seeded build it replaces."""
     from rlt_mega.parallel.stage import prune_to_stage
 
-    model = prune_to_stage(build_model(cfg, "meta"), layers, is_first, is_last)
+    model = prune_to_stage(build_model(cfg, "meta"), layers, is_first_stage, is_last_stage)
     keys = list(model.state_dict())
     dtype = next(model.parameters()).dtype
     exported, sd = load_exported(path, "cpu", keys=keys, dtype=dtype)
@@ -357,5 +343,5 @@ def init_stage_from(path: str | Path, cfg: ModelConfig, layers: range, is_first:
     if cfg.tie_embeddings and model.embed is not None and model.lm_head is not None:
         model.lm_head.weight = model.embed.weight
     log.info("initialised layers %d..%d%s from %s", layers.start, layers.stop - 1,
-             " (+ embedding)" if is_first else "", path)
+             " (+ embedding)" if is_first_stage else "", path)
     return model

@@ -1,4 +1,5 @@
-"""Import a dense Llama- or Qwen2-style Hugging Face checkpoint as an RLT (DESIGN section 1).
+"""Import a dense Llama- or Qwen2-style Hugging Face checkpoint as an RLT (docs/design.md,
+"The model").
 
 A dense transformer converts exactly: encoder = decoder = its layers (share_weights), the
 output projection ``o`` of every cross-attention = 0 and ``recur_proj`` = 0. Then the decoder
@@ -24,9 +25,10 @@ import torch
 
 from rlt_mega.config import ConfigError, ModelConfig
 from rlt_mega.log import get_logger
+from rlt_mega.precision import parse_storage_dtype as parse_dtype
 from rlt_mega.checkpoint_tools.export import (
     CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, TOKENIZER_FILES, empty_model, export_state_dict, expected_shapes,
-    parse_dtype, tied_aliases,
+    tied_aliases,
 )
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError, SafetensorsDir, read_json
 
@@ -174,7 +176,7 @@ def convert_hf(hf_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
             raise _unsupported(st.file_of["model.embed_tokens.weight"], f"weights of dtype {out_dtype}")
         # The RLT-only weights: the model's own initialisation, seeded, independent of the global RNG.
         model = empty_model(cfg)
-        model.init_weights(generator=torch.Generator().manual_seed(seed))
+        model.init_weights(seed)
         sd = {n: t.detach() for n, t in model.state_dict().items()}
         with torch.no_grad():
             for i in range(cfg.n_layers):

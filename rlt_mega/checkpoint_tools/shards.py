@@ -35,10 +35,10 @@ from rlt_mega.config import ModelConfig
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError
 from rlt_mega.model import build_model
 from rlt_mega.parallel.dims import split_layers
+from rlt_mega.parallel.ds_checkpoint import DS_TAG
 from rlt_mega.parallel.stage import prune_to_stage
 from rlt_mega.parallel.tp import param_shard_dim
 
-DS_TAG = "deepspeed"
 _MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 _OPTIM_FILE = re.compile(r"^(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 

@@ -5,6 +5,11 @@ The prompt is the end-of-text token (the separator pretraining puts before every
 then the question and a newline; the answer follows and ends with end-of-text, which is also
 where generation stops. So a model pretrained on ``question\\nanswer`` documents has already
 seen exactly this layout.
+
+With data.chat_template (a tokenizer loaded with ``chat_template=True``), the tokenizer's chat
+template lays the pair out instead: the prompt is [user: question] with the generation prompt,
+the answer what the template appends for [assistant: answer], ending with the token that ends
+the turn (data/chat.py).
 """
 
 from __future__ import annotations
@@ -17,11 +22,20 @@ from rlt_mega.data.tokenizer import Tokenizer
 
 
 def prompt_ids(tokenizer: Tokenizer, question: str) -> list[int]:
+    if tokenizer.use_chat_template:
+        return tokenizer.encode(tokenizer.chat_prompt(question))
     return [tokenizer.eos_id] + tokenizer.encode(question + "\n")
 
 
 def answer_ids(tokenizer: Tokenizer, answer: str) -> list[int]:
     return tokenizer.encode(answer) + [tokenizer.eos_id]
+
+
+def pair_ids(tokenizer: Tokenizer, question: str, answer: str) -> tuple[list[int], list[int]]:
+    """(prompt ids, answer ids) of one SFT pair."""
+    if tokenizer.use_chat_template:
+        return tokenizer.chat_pair(question, answer)
+    return prompt_ids(tokenizer, question), answer_ids(tokenizer, answer)
 
 
 def tokenize_pairs(records: datasets.Dataset, tokenizer: Tokenizer, max_len: int, stats: DataStats,
@@ -36,8 +50,8 @@ def tokenize_pairs(records: datasets.Dataset, tokenizer: Tokenizer, max_len: int
     def fn(batch: dict) -> dict:
         out = {"ids": [], "num_prompt": []}
         for q, a in zip(batch["question"], batch["answer"]):
-            p = prompt_ids(tokenizer, q)
-            ids = (p + answer_ids(tokenizer, a))[:window]
+            p, answer = pair_ids(tokenizer, q, a)
+            ids = (p + answer)[:window]
             out["ids"].append(ids if len(p) < len(ids) else [])
             out["num_prompt"].append(len(p))
         return out

@@ -1,10 +1,12 @@
-"""GRPO advantages and the clipped policy loss (DESIGN section 6).
+"""GRPO advantages and the clipped policy loss (docs/design.md, "GRPO").
 
 Advantage estimators live in a small registry (variants multiply: GRPO, Dr.GRPO, ...).
 The loss is the PPO clipped surrogate against the behavior log-probs mu, with separate
-lower/upper clip ranges (DAPO's clip-higher), an optional k3 KL to a frozen reference, and
-is divided by an explicit global count of completion tokens (so data-parallel ranks and
-gradient-accumulation minibatches all normalise by the same number).
+lower/upper clip ranges (DAPO's clip-higher) and an optional k3 KL to a frozen reference. It
+is the SUM over the batch's completion tokens: the engine divides the step's sum by the
+global count of completion tokens (every batch of the optimizer step, every data-parallel
+rank; rlt_mega/loss.py), so gradient accumulation and data parallelism do not change the
+objective.
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, estimator: str = "g
 
 @dataclass
 class LossOutput:
-    loss: torch.Tensor  # scalar: sum over this minibatch's tokens / the global token count
+    loss: torch.Tensor  # scalar: the sum over this batch's completion tokens
     metrics: dict[str, torch.Tensor]  # sums over this minibatch's tokens (reduce, then divide)
 
 
@@ -72,21 +74,19 @@ def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
-              num_tokens_global: float, eps_low: float = 0.2, eps_high: float = 0.2,
-              ref_logp: Optional[torch.Tensor] = None, kl_coef: float = 0.0) -> LossOutput:
+              eps_low: float = 0.2, eps_high: float = 0.2, ref_logp: Optional[torch.Tensor] = None,
+              kl_coef: float = 0.0) -> LossOutput:
     """PPO clipped surrogate (+ kl_coef * k3 KL to the reference), token-level.
 
     logp (B, N): the policy's log-probs (the hybrid: value = replay, gradient = dense);
-    mu (B, N): behavior log-probs; advantages (B,); mask (B, N) completion tokens;
-    num_tokens_global: completion tokens over every rank and minibatch this update
-    normalises by (the caller all-reduces it).
+    mu (B, N): behavior log-probs; advantages (B,); mask (B, N) completion tokens. The loss
+    is the sum over the masked tokens; whoever accumulates the step divides it by the step's
+    global token count (the engines do, rlt_mega/loss.py).
 
-    A token with logp = -inf (outside the policy's top-k/top-p set) has ratio 0 as DESIGN
+    A token with logp = -inf (outside the policy's top-k/top-p set) has ratio 0 as docs/design.md
     says: its surrogate min(0, (1 - eps_low) * A) carries no gradient; it is excluded from
     the KL term (log(0) there) and counted in ``support_miss``.
     """
-    if num_tokens_global <= 0:
-        raise ValueError(f"num_tokens_global={num_tokens_global}: must be positive")
     if ref_logp is None and kl_coef:
         raise ValueError("kl_coef is set but no reference log-probs were given")
     mask = mask.bool()
@@ -106,8 +106,8 @@ def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, ma
         per_token = per_token + kl_coef * kl
     else:
         kl = torch.zeros_like(safe_logp)
-    # The loss normalisation: the sum over this minibatch's tokens divided by the GLOBAL count.
-    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum() / num_tokens_global
+    # A sum over this batch's tokens: the engine divides by the global count (module docstring).
+    loss = torch.where(mask, per_token, torch.zeros_like(per_token)).sum()
 
     with torch.no_grad():
         r = ratio.detach()

@@ -1,4 +1,5 @@
-"""Learner log-probabilities of sampled tokens (DESIGN section 3): dense, replay, hybrid.
+"""Learner log-probabilities of sampled tokens (docs/design.md, "Exact log-probabilities"):
+dense, replay, hybrid.
 
 - ``dense_logprobs``: the dense schedule (``model.forward``, full BPTT) on the rollout's
   tokens, with grad, under the rollout's processing and dtype.
@@ -19,8 +20,9 @@ from typing import Callable, Optional
 import torch
 
 from rlt_mega.model.rlt import RLT
+from rlt_mega.precision import precision
 from rlt_mega.rollout.processing import process_logits
-from rlt_mega.rollout.sampler import Rollout, completion_positions, precision, replay
+from rlt_mega.rollout.sampler import Rollout, completion_positions, replay
 
 
 def dense_logprobs(model: RLT, rollout: Rollout) -> torch.Tensor:

@@ -32,8 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlt_mega.model.fused import (LOW_PRECISION, Gemm, LayerGemms, NormConstants, attend, fuse_layer, head_counts,
-                                  rms_forward, rope, rope_tables, wide)
+from rlt_mega.model.fused import (Gemm, LayerGemms, NormConstants, attend, fuse_layer, head_counts, rms_forward, rope,
+                                  rope_tables, wide)
+from rlt_mega.precision import LOW_PRECISION
 
 
 class StepKV:

@@ -34,7 +34,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-LOW_PRECISION = (torch.float16, torch.bfloat16)
+from rlt_mega.precision import LOW_PRECISION
 
 # Weights with fewer elements run torch.mm: oneDNN's linear costs ~10 us more per call, which
 # it wins back only on larger weights (measured at 8-16 rows: 256 x 1408 84 vs 107 us, 704 x 256

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_mega.precision import LOW_PRECISION
+
 
 class RMSNorm(nn.Module):
     """RMSNorm computed in fp32 and cast back (the Llama/Qwen2 convention)."""
@@ -22,7 +24,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        if dtype in (torch.float16, torch.bfloat16):
+        if dtype in LOW_PRECISION:
             x = x.float()
             x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
             return self.weight * x.to(dtype)

@@ -1,4 +1,4 @@
-"""The Recurrent Looped Transformer (DESIGN section 1) on one device.
+"""The Recurrent Looped Transformer (docs/design.md, "The model") on one device.
 
 Encoder (causal, all known tokens at once)::
 
@@ -31,6 +31,7 @@ process), ``static_decoder`` (the fused step's capture-ready form) and, through
 
 from __future__ import annotations
 
+import hashlib
 import math
 from typing import Optional, Sequence
 
@@ -85,29 +86,16 @@ class RLT(nn.Module):
 
     # ------------------------------------------------------------------ set-up
     @torch.no_grad()
-    def init_weights(self, generator: Optional[torch.Generator] = None) -> None:
-        """N(0, init_std) for projections; the projections that write into the residual
-        stream (o, down, cross o, recur_proj) scaled by 1/sqrt(2 * 2L), since each token's
-        residual stream passes 2L blocks (GPT-2 / Megatron convention). Embeddings N(0,
-        embed_init_std): 1.0 when untied, so the token is not drowned by the recurrence input
-        (a departure from GPT-2's 0.02, measured in docs/stability.md). The null memory and
-        z_init are N(0, 1): they live where normalised vectors live."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(4 * self.cfg.n_layers)
-        residual_out = ("attn.o", "mlp.down", "recur_proj")
+    def init_weights(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
+        """Every parameter from :func:`initial_value`: a function of (seed, parameter name) alone,
+        so any rank can build exactly the parameters of its own pipeline stage and tensor shard,
+        and a distributed model starts equal to the single-process model of the same seed
+        whatever the layout. ``seed`` None: one drawn from ``generator`` (or torch's global
+        generator, so that ``torch.manual_seed(s); RLT(cfg)`` stays reproducible)."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name in ("null_memory", "z_init"):
-                p.normal_(0.0, 1.0, generator=generator)
-            elif name.endswith(".bias"):
-                p.zero_()
-            elif name == "embed.weight":
-                p.normal_(0.0, self.cfg.embed_init_std, generator=generator)
-            elif any(name.endswith(s + ".weight") or name == s + ".weight" for s in residual_out):
-                p.normal_(0.0, out_std, generator=generator)
-            else:
-                p.normal_(0.0, std, generator=generator)
+            p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
 
     def set_checkpointing(self, cfg: CheckpointingConfig) -> None:
         self.checkpointing = cfg
@@ -305,12 +293,53 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
+def parameter_seed(seed: int, name: str) -> int:
+    """The generator seed of one parameter: a hash of (seed, name), the same in every layout."""
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & (2**63 - 1)
+
+
+def initial_value(cfg: ModelConfig, name: str, shape: tuple, seed: int) -> torch.Tensor:
+    """The initial value of parameter ``name`` (its global name, as on one process), fp32 on the
+    CPU, drawn from its own generator (parameter_seed): N(0, init_std) for projections; the
+    projections that write into the residual stream (o, down, cross o, recur_proj) scaled by
+    1/sqrt(2 * 2L), since each token's residual stream passes 2L blocks (GPT-2 / Megatron
+    convention). Embeddings N(0, embed_init_std): 1.0 when untied, so the token is not drowned
+    by the recurrence input (a departure from GPT-2's 0.02, measured in docs/stability.md). The
+    null memory and z_init are N(0, 1): they live where normalised vectors live. A tied
+    lm_head (a pipeline's last stage holds a copy) takes the embedding's value."""
+    if cfg.tie_embeddings and name == "lm_head.weight":
+        name = "embed.weight"
+    out = torch.empty(shape, dtype=torch.float32)
+    g = torch.Generator().manual_seed(parameter_seed(seed, name))
+    std = cfg.init_std
+    residual_out = ("attn.o", "mlp.down", "recur_proj")
+    if name.endswith("norm.weight"):
+        return out.fill_(1.0)
+    if name.endswith(".bias"):
+        return out.zero_()
+    if name in ("null_memory", "z_init"):
+        return out.normal_(0.0, 1.0, generator=g)
+    if name == "embed.weight":
+        return out.normal_(0.0, cfg.embed_init_std, generator=g)
+    if any(name.endswith(s + ".weight") or name == s + ".weight" for s in residual_out):
+        return out.normal_(0.0, std / math.sqrt(4 * cfg.n_layers), generator=g)
+    return out.normal_(0.0, std, generator=g)
+
+
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: Optional[int] = None) -> RLT:
-    """Builds an RLT; on the meta device nothing is allocated (sizes only)."""
+    """Builds an RLT; on the meta device nothing is allocated (sizes only). ``seed``: the
+    layout-independent initialisation of ``init_weights`` (None: a seed from torch's global
+    generator)."""
     device = torch.device(device)
+    with torch.device("meta"):
+        model = RLT(cfg)
     if device.type == "meta":
-        with torch.device("meta"):
-            return RLT(cfg)
+        return model
     if seed is not None:
-        torch.manual_seed(seed)
-    return RLT(cfg).to(device)
+        torch.manual_seed(seed)  # as before the per-parameter seeds: callers may rely on the global state
+    model.to_empty(device="cpu")
+    if cfg.tie_embeddings:
+        model.lm_head.weight = model.embed.weight  # to_empty unties
+    model.init_weights(seed)
+    return model.to(device)

@@ -12,7 +12,15 @@ object and takes the group it needs from it.
 
 Validation happens before any process group exists and depends only on the configuration and
 the world size, so every rank raises the same :class:`ConfigError` and nobody waits in a
-collective for a rank that already gave up.
+collective for a rank that already gave up. The validating functions (``split_layers``,
+``check_tp``, ``micro_batch_plan``, ``resolve_layout``) are pure and shared with the planner
+(rlt_mega/plan), so ``rlt-mega plan`` accepts exactly the layouts the trainers run.
+
+The layout always exists: one process is :meth:`ParallelDims.single`, a layout of one rank
+without any torch.distributed process group, on which every collective below (barrier,
+all-reduce, sharing within a replica, gathers and sums over data-parallel replicas) is the
+identity.
+Nothing above this module asks whether a run is distributed.
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -60,14 +68,15 @@ def split_layers(num_layers: int, num_stages: int, pp_split: Optional[list] = No
     return ranges
 
 
-def micro_batch_plan(micro_batch_size: int, grad_accum: int, num_micro: int) -> tuple[int, int]:
-    """How a step's ``grad_accum`` micro-batches of ``micro_batch_size`` rows become rounds of
-    ``num_micro`` (M) pipeline micro-batches in flight -> (pieces per micro-batch, rounds).
+def micro_batch_plan(micro_batch_size: int, grad_accum: int, num_in_flight: int) -> tuple[int, int]:
+    """How a step's ``grad_accum`` batches of ``micro_batch_size`` rows become rounds of
+    ``num_in_flight`` (M, parallel.micro_batches) pipeline micro-batches in flight -> (pieces
+    per batch, rounds).
 
-    M <= grad_accum: each micro-batch is one pipeline micro-batch, grad_accum / M rounds (the
+    M <= grad_accum: each batch is one pipeline micro-batch, grad_accum / M rounds (the
     Megatron way: mbs=1, grad_accum=8, M=8 is one round of 8). M > grad_accum: one round, each
-    micro-batch cut into M / grad_accum pieces."""
-    M = num_micro
+    batch cut into M / grad_accum pieces."""
+    M = num_in_flight
     if M <= grad_accum:
         if grad_accum % M:
             raise ConfigError(f"train.grad_accum={grad_accum} is not a multiple of parallel.micro_batches={M}: the "
@@ -81,22 +90,9 @@ def micro_batch_plan(micro_batch_size: int, grad_accum: int, num_micro: int) -> 
     return pieces, 1
 
 
-def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int,
-                   train: Optional[TrainConfig] = None) -> tuple[int, int, int]:
-    """Checks the layout against the world size and the model; returns (tp, pp, dp).
-
-    Pure arithmetic on the configuration: it runs (and fails identically) on every rank before
-    any process group is created.
-    """
-    tp, pp = parallel.tp, parallel.pp
-    if world_size % (tp * pp) != 0:
-        raise ConfigError(f"parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp} does not divide the world size "
-                          f"{world_size}: launch a multiple of {tp * pp} processes or change tp/pp")
-    dp = parallel.dp if parallel.dp is not None else world_size // (tp * pp)
-    if tp * pp * dp != world_size:
-        raise ConfigError(f"parallel.tp * parallel.pp * parallel.dp = {tp} * {pp} * {dp} = {tp * pp * dp} but the "
-                          f"world size is {world_size}: set parallel.dp={world_size // (tp * pp)} (or null) or launch "
-                          f"{tp * pp * dp} processes")
+def check_tp(model: ModelConfig, tp: int) -> None:
+    """Every dimension tensor parallelism splits must divide by ``tp`` (heads, key/value heads,
+    the vocabulary of the vocab-parallel embedding and head, the MLP's hidden size)."""
     checks = [(model.n_heads, "model.n_heads"), (model.n_kv_heads, "model.n_kv_heads"),
               (model.vocab_size, "model.vocab_size"), (model.ffn_hidden, "model.ffn_hidden")]
     for value, name in checks:
@@ -107,6 +103,27 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
                 hint = f" (e.g. {tp * ((value + tp - 1) // tp)}; the vocabulary is not padded implicitly)"
             raise ConfigError(f"{name}={value} is not divisible by parallel.tp={tp}: tensor parallelism splits it "
                               f"across ranks; choose a multiple of {tp}{hint} or a smaller tp")
+
+
+def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int,
+                   train: Optional[TrainConfig] = None) -> tuple[int, int, int]:
+    """Checks the layout against the world size and the model; returns (tp, pp, dp). ``train``:
+    anything with ``micro_batch_size`` and ``grad_accum`` (a TrainConfig, or the engine's
+    parallel.engine.EngineConfig, which GRPO derives) to check the step's micro-batch plan.
+
+    Pure arithmetic on the configuration: it runs (and fails identically) on every rank before
+    any process group is created, and ``rlt-mega plan`` runs the same function.
+    """
+    tp, pp = parallel.tp, parallel.pp
+    if world_size % (tp * pp) != 0:
+        raise ConfigError(f"parallel.tp * parallel.pp = {tp} * {pp} = {tp * pp} does not divide the world size "
+                          f"{world_size}: launch a multiple of {tp * pp} processes or change tp/pp")
+    dp = parallel.dp if parallel.dp is not None else world_size // (tp * pp)
+    if tp * pp * dp != world_size:
+        raise ConfigError(f"parallel.tp * parallel.pp * parallel.dp = {tp} * {pp} * {dp} = {tp * pp * dp} but the "
+                          f"world size is {world_size}: set parallel.dp={world_size // (tp * pp)} (or null) or launch "
+                          f"{tp * pp * dp} processes")
+    check_tp(model, tp)
     split_layers(model.n_layers, pp, parallel.pp_split)
     if parallel.pp_split is not None and pp == 1 and list(parallel.pp_split) != [model.n_layers]:
         raise ConfigError("parallel.pp_split is only meaningful with parallel.pp > 1")
@@ -117,7 +134,27 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
                           "parallelism, or pp=1 with ZeRO-3")
     if train is not None:
         micro_batch_plan(train.micro_batch_size, train.grad_accum, parallel.micro_batches)
+        if train.dtype == "bf16" and parallel.zero_stage == 0 and parallel.grad_accum_dtype == "fp32":
+            raise ConfigError("parallel.grad_accum_dtype=fp32 with train.dtype=bf16 needs ZeRO: DeepSpeed accumulates "
+                              "bf16 gradients in fp32 only with parallel.zero_stage >= 1 (ZeRO-1 partitions the "
+                              "optimizer state and computes the same update); or set parallel.grad_accum_dtype=bf16 "
+                              "(or null) to accumulate in bf16")
     return tp, pp, dp
+
+
+def resolve_device(name: str) -> torch.device:
+    """train.device -> the device of one process ("auto": cuda when available, else cpu); a CUDA
+    device without CUDA is refused here as under a launcher (``rank_device``)."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(_no_cuda(name))
+    return torch.device(name)
+
+
+def _no_cuda(device: str) -> str:
+    return (f"train.device={device} but CUDA is not available here (torch {torch.__version__}, "
+            f"{'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}): use train.device=cpu or auto")
 
 
 def _env_world_size() -> int:
@@ -126,24 +163,85 @@ def _env_world_size() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def init_distributed(backend: Optional[str] = None, device: str = "auto",
-                     timeout_s: float = 1800.0) -> tuple[str, torch.device]:
+def local_rank(world_size: int) -> int:
+    """This process's rank on its node (LOCAL_RANK). A launcher that runs several ranks without
+    setting it would put every rank on the same GPU, so that is an error."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None:
+        if world_size > 1:
+            raise ConfigError(f"LOCAL_RANK is not set but WORLD_SIZE={world_size} ranks run: each rank needs its "
+                              "rank on the node to pick its device. Launch with torchrun or the deepspeed launcher "
+                              "(both set it; launch/slurm.sbatch runs torchrun under srun), or export "
+                              "LOCAL_RANK=$SLURM_LOCALID under a bare srun")
+        return 0
+    try:
+        rank = int(value)
+    except ValueError:
+        raise ConfigError(f"LOCAL_RANK={value!r} is not an integer") from None
+    if rank < 0:
+        raise ConfigError(f"LOCAL_RANK={rank} is negative")
+    return rank
+
+
+def rank_device(device: str, local: int) -> torch.device:
+    """train.device -> this rank's device: "auto" is cuda:LOCAL_RANK when CUDA is available, else
+    the CPU; "cuda" is cuda:LOCAL_RANK; "cuda:N" pins this process to GPU N (one rank per node)."""
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        return torch.device("cpu")
+    if not device.startswith("cuda"):
+        raise ConfigError(f"train.device={device}: distributed runs use cpu (gloo) or cuda (nccl)")
+    if not torch.cuda.is_available():
+        raise ConfigError(_no_cuda(device))
+    count = torch.cuda.device_count()
+    if device == "cuda":
+        index = local
+    else:
+        index = int(device.split(":")[1])
+        ranks_here = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if ranks_here > 1:
+            raise ConfigError(f"train.device={device} puts every rank of this node on GPU {index}, but "
+                              f"LOCAL_WORLD_SIZE={ranks_here} ranks run here: use train.device=cuda (each rank "
+                              "takes cuda:LOCAL_RANK)")
+    if index >= count:
+        raise ConfigError(f"this rank wants cuda:{index} (train.device={device}, LOCAL_RANK={local}) but "
+                          f"{count} GPU(s) are visible: launch at most {count} ranks per node or fix "
+                          "CUDA_VISIBLE_DEVICES")
+    return torch.device("cuda", index)
+
+
+def init_distributed(backend: Optional[str] = None, device: str = "auto", timeout_s: float = 1800.0,
+                     deterministic: bool = True) -> tuple[str, torch.device]:
     """Initialises torch.distributed from the launcher's environment (torchrun, the deepspeed
-    launcher and srun+torchrun all set RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT); a process
-    started without a launcher becomes a world of one. Returns (backend, device)."""
-    use_cuda = torch.cuda.is_available() and device in ("auto", "cuda")
-    backend = backend or ("nccl" if use_cuda else "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    launcher and srun+torchrun all set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT); a
+    process started without a launcher becomes a world of one. NCCL for CUDA devices, gloo for
+    the CPU. Returns (backend, device)."""
+    world = _env_world_size()
+    dev = rank_device(device, local_rank(world))
+    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl" and dev.type != "cuda":
+        raise ConfigError(f"parallel.backend=nccl needs CUDA devices, but this rank runs on {dev} "
+                          f"(train.device={device}): use parallel.backend=gloo (or null) on the CPU")
+    if backend == "gloo" and dev.type == "cuda":
+        raise ConfigError("parallel.backend=gloo with CUDA devices: gloo's point-to-point needs CPU tensors; "
+                          "use parallel.backend=nccl (or null)")
+    if dev.type == "cuda":
         torch.cuda.set_device(dev)
+    if deterministic:
+        from rlt_mega.determinism import set_nccl_environment
+
+        set_nccl_environment()  # before the first communicator
     if not dist.is_initialized():
         if "RANK" not in os.environ:  # a plain `python` run: a world of one on a free local port
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
             os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         warn_if_restarts_cannot_work()
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        # device_id binds NCCL to this rank's GPU and creates communicators eagerly (new groups
+        # by splitting the world's), so no communicator is first created inside a schedule.
+        extra = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
     return backend, dev
 
 
@@ -158,7 +256,8 @@ def warn_if_restarts_cannot_work() -> None:
                     "(--standalone or --rdzv-backend c10d), as launch/torchrun.sh does", restarts)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on this host now (for a world of one, and the tests' launchers)."""
     import socket
 
     with socket.socket() as s:
@@ -166,9 +265,34 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _channel_groups(tp: int, pp: int, dp: int, rank: int, device: torch.device) -> dict:
+    """One process group per direction between two stages of every pipeline (p2p.py): created
+    collectively, every rank in the same order; returns the groups of my pipeline. On NCCL each
+    is then initialised by a barrier, in the same global order on every rank (so none waits
+    for a rank that is still in an earlier one), so that no communicator is first created
+    inside a schedule, where its two ranks could be waiting for each other elsewhere."""
+    from rlt_mega.parallel.p2p import pipeline_channels
+
+    mine, order = {}, []
+    for dp_rank in range(dp):
+        for tp_rank in range(tp):
+            stages = [tp_rank + tp * (dp_rank + dp * s) for s in range(pp)]
+            for src, dst, lane in pipeline_channels(pp):
+                group = dist.new_group([stages[src], stages[dst]])
+                if rank in (stages[src], stages[dst]):
+                    mine[(src, dst, lane)] = group
+                    order.append(group)
+    if device.type == "cuda":
+        for group in order:
+            dist.barrier(group=group, device_ids=[device.index])
+    return mine
+
+
 @dataclass
 class ParallelDims:
-    """The layout and its process groups. Built once per process by :meth:`build`."""
+    """The layout and its process groups. Built once per process: by :meth:`build` under a
+    launcher (or whenever tensor/pipeline parallelism or ZeRO is asked for), by :meth:`single`
+    for one process without torch.distributed."""
 
     tp: int
     pp: int
@@ -179,7 +303,7 @@ class ParallelDims:
     pp_rank: int
     dp_rank: int
     device: torch.device
-    backend: str
+    backend: Optional[str]  # None: no process group (the single-process layout)
     stage_layers: list  # list[range]: the layers of every stage
     tp_group: object = field(repr=False, default=None)
     pp_group: object = field(repr=False, default=None)
@@ -188,15 +312,26 @@ class ParallelDims:
     embed_group: object = field(repr=False, default=None)  # first + last stage (tied embeddings); None elsewhere
     pp_ranks: list = field(default_factory=list)  # global rank of every stage of my pipeline
     dp_ranks: list = field(default_factory=list)
+    mp_ranks: list = field(default_factory=list)  # global ranks of my model replica (tp x pp), ascending
+    # (src stage, dst stage, lane) -> the process group of that channel of my pipeline (p2p.py)
+    p2p_groups: dict = field(repr=False, default_factory=dict)
 
     # ------------------------------------------------------------------ construction
     @classmethod
+    def single(cls, model: ModelConfig, device: str | torch.device = "auto") -> "ParallelDims":
+        """One process holding the whole model: no process group, every collective the identity."""
+        dev = resolve_device(device) if isinstance(device, str) else device
+        return cls(tp=1, pp=1, dp=1, rank=0, world_size=1, tp_rank=0, pp_rank=0, dp_rank=0, device=dev,
+                   backend=None, stage_layers=[range(model.n_layers)], pp_ranks=[0], dp_ranks=[0], mp_ranks=[0])
+
+    @classmethod
     def build(cls, parallel: ParallelConfig, model: ModelConfig, device: str = "auto",
-              train: Optional[TrainConfig] = None) -> "ParallelDims":
+              train: Optional[TrainConfig] = None, deterministic: bool = True) -> "ParallelDims":
         """Validates the layout (before any collective), initialises torch.distributed if needed
-        and creates every process group."""
+        and creates every process group. ``train``: the step's shape (resolve_layout);
+        ``deterministic``: train.deterministic (NCCL's environment, determinism.py)."""
         tp, pp, dp = resolve_layout(parallel, model, _env_world_size(), train)
-        backend, dev = init_distributed(parallel.backend, device)
+        backend, dev = init_distributed(parallel.backend, device, deterministic=deterministic)
         from megatron.core import parallel_state as ps
 
         if ps.model_parallel_is_initialized():
@@ -213,18 +348,31 @@ class ParallelDims:
                    embed_group=ps.get_embedding_group(check_initialized=False))
         dims.pp_ranks = dist.get_process_group_ranks(dims.pp_group)
         dims.dp_ranks = dist.get_process_group_ranks(dims.dp_group)
+        dims.mp_ranks = sorted(dist.get_process_group_ranks(dims.mp_group))
         assert dims.rank == dims.tp_rank + tp * (dims.dp_rank + dp * dims.pp_rank), "unexpected megatron rank order"
+        dims.p2p_groups = _channel_groups(tp, pp, dp, dims.rank, dev)
         log.info("parallel layout: tp=%d pp=%d dp=%d on %d ranks (%s), stage layers %s", tp, pp, dp,
                  dims.world_size, backend, [(r.start, r.stop) for r in dims.stage_layers])
         return dims
 
     def destroy(self) -> None:
-        """Releases the megatron groups (the torch.distributed world stays up)."""
+        """Releases the megatron groups and the pipeline channels (the torch.distributed world
+        stays up)."""
+        if not self.distributed:
+            return
         from megatron.core import parallel_state as ps
 
         ps.destroy_model_parallel()
+        for group in self.p2p_groups.values():
+            dist.destroy_process_group(group)
+        self.p2p_groups = {}
 
     # ------------------------------------------------------------------ queries
+    @property
+    def distributed(self) -> bool:
+        """Whether process groups exist (False: the single-process layout)."""
+        return self.backend is not None
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -243,16 +391,79 @@ class ParallelDims:
         """Rank in the tp x pp group, unique per model shard (DeepSpeed names its files by it)."""
         return self.pp_rank * self.tp + self.tp_rank
 
-    def stage_rank(self, stage: int) -> int:
-        """Global rank of pipeline stage ``stage`` in my pipeline."""
-        return self.pp_ranks[stage]
-
     def mpu(self) -> "DeepSpeedMPU":
         return DeepSpeedMPU(self)
 
+    @property
+    def is_replica_source(self) -> bool:
+        """The rank that computes what a model replica shares (GRPO's rewards) and reports its
+        totals: the lowest rank of the replica."""
+        return self.rank == self.mp_ranks[0]
+
+    @property
+    def is_loss_rank(self) -> bool:
+        """Computes the loss and holds its metrics: TP rank 0 of the stage with the head, so
+        tensor-parallel copies are not counted twice."""
+        return self.is_last_stage and self.tp_rank == 0
+
+    # ------------------------------------------------------------------ collectives
+    # The identity on the single-process layout, so that the code above is one code path.
+    def _group(self, axis: str):
+        return {"world": None, "dp": self.dp_group, "pp": self.pp_group, "tp": self.tp_group,
+                "mp": self.mp_group}[axis]
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum", axis: str = "world") -> torch.Tensor:
+        """In place over the ranks of ``axis`` ("world", "dp", "pp", "tp", "mp"); returns it."""
+        if self.distributed:
+            dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
+                                        "max": dist.ReduceOp.MAX}[op], group=self._group(axis))
+        return tensor
+
+    def share_in_replica(self, obj: Any) -> Any:
+        """The replica source's ``obj`` on every rank of the model replica (picklable)."""
+        if not self.distributed or len(self.mp_ranks) == 1:
+            return obj
+        box = [obj if self.is_replica_source else None]
+        dist.broadcast_object_list(box, src=self.mp_ranks[0], group=self.mp_group)
+        return box[0]
+
+    def gather_over_dp(self, obj: Any) -> list:
+        """Every data-parallel replica's ``obj`` (picklable), in dp-rank order; every rank of
+        the dp group calls it (a streamed run's checkpoint holds each replica's position)."""
+        if not self.distributed or self.dp == 1:
+            return [obj]
+        out: list = [None] * self.dp
+        dist.all_gather_object(out, obj, group=self.dp_group)
+        return out
+
+    def sum_over_dp(self, values: list[float]) -> list[float]:
+        """Per-replica values (the same on every rank of a replica) summed over replicas."""
+        if not self.distributed or self.dp == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t, group=self.dp_group)
+        return t.tolist()
+
+    def reduce(self, sums: dict[str, float], mins: Optional[dict[str, float]] = None,
+               maxs: Optional[dict[str, float]] = None) -> dict[str, float]:
+        """Sums, minima and maxima over the world; every rank passes the same keys (a rank
+        without a value passes 0 for a sum, +inf for a minimum, -inf for a maximum)."""
+        out: dict[str, float] = {}
+        for values, op in ((sums, "sum"), (mins or {}, "min"), (maxs or {}, "max")):
+            if not values:
+                continue
+            keys = sorted(values)
+            t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+            out.update(zip(keys, self.all_reduce(t, op).tolist()))
+        return out
+
 
 class DeepSpeedMPU:
-    """The ``mpu`` object DeepSpeed asks for, restricted to the methods it calls (ENGINES.md).
+    """The ``mpu`` object DeepSpeed asks for, restricted to the methods it calls (docs/engines.md).
 
     "Model parallel" is the tp x pp group (DeepSpeed sums gradient norms over it and names
     checkpoint shards by its rank); data parallel is the group ZeRO partitions over. It

@@ -1,32 +1,31 @@
-"""The single-device engine: model, AdamW, learning-rate schedule, one optimizer step over
-micro-batches with gradient accumulation, clipping, and non-finite steps skipped.
+"""The engine interface every trainer drives, and its single-device implementation.
 
-The distributed engines (TP/PP/ZeRO) implement the same interface, so a trainer never knows
-which one it drives:
+An :class:`Engine` holds this rank's part of the model with its optimizer and learning-rate
+schedule, and runs one optimizer step over the step's batches. Two implement it, and a
+trainer never knows which it drives (train/builders.py picks one):
 
-    engine.train_step(micro_batches, loss_fn, count_fn) -> StepStats
-    engine.eval_loss(micro_batches, loss_fn, count_fn) -> float
-    engine.state_dict() / engine.load_state_dict(state)     (optimizer + schedule)
-    engine.save(dir) / engine.load(dir)                     (weights + the state above)
-    engine.layout() -> dict; engine.data_parallel_size() -> int
+* :class:`LocalEngine` (here): one device, torch AdamW, autocast for bf16;
+* ``parallel.distributed.DistributedEngine``: tensor parallel + the decoder-ring pipeline +
+  DeepSpeed ZeRO over the data-parallel group.
 
-A micro-batch is a dict of tensors. ``loss_fn(model, mb)`` returns the SUM of the per-token
-losses of ``mb``; ``count_fn(mb)`` its number of loss tokens. The engine divides by the total
-count over all micro-batches of the step (and, distributed, over all data-parallel ranks).
+A batch is a dict of tensors (``inputs`` (b, T) and whatever the loss reads). The loss is a
+``rlt_mega.loss.LogitsLoss``: it returns the SUM of a batch's losses and counts the batch's
+share of the normaliser; the engine divides the step's sum by the global count (every batch
+of the step, every data-parallel rank), so gradient accumulation and data parallelism do not
+change the objective.
 
-A loss written as a :class:`LogitsLoss` (a function of the dense schedule's logits) runs on
-every layout: the distributed engine computes the logits itself (a vocab shard under tensor
-parallelism, on the last stage under pipeline parallelism) and hands them over.
+Each engine receives the layout (parallel.dims.ParallelDims) and its own sub-configs: the
+optimizer's (OptimConfig) and :class:`EngineConfig`, the step's shape and precision, which
+each job derives from its config in one place.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterable
+from typing import Callable, Protocol, Sequence, runtime_checkable
 
 import torch
 from torch import nn
@@ -34,61 +33,73 @@ from torch import nn
 from safetensors.torch import load_model, save_model
 
 from rlt_mega.checkpoint import CheckpointError, check_weights, load_torch
-from rlt_mega.config import OptimConfig, TrainConfig
-from rlt_mega.learner.loss import count_tokens, cross_entropy_sum
-
-LossFn = Callable[[nn.Module, dict], torch.Tensor]
-CountFn = Callable[[dict], int]
-
-
-class LogitsLoss:
-    """A loss of the dense schedule's logits: ``logits_loss(logits, mb, gather_vocab)`` returns
-    the SUM of the per-token losses of ``mb``, where logits (b, T, V_local) fp32 are those of
-    the tokens ``mb["inputs"]`` (b, T0 <= T: a pipeline round pads its micro-batches to one
-    length with tokens whose logits the loss must not read) and ``gather_vocab`` makes rows
-    (..., V_local) whole (..., V), differentiably: V_local = V / tp under tensor parallelism.
-
-    The contract is Megatron's ``forward_step -> (output, loss_fn)``: the engine owns where the
-    logits come from, the loss only what is done with them."""
-
-    def logits_loss(self, logits: torch.Tensor, mb: dict, gather_vocab: Callable) -> torch.Tensor:
-        raise NotImplementedError
-
-    def __call__(self, model: nn.Module, mb: dict) -> torch.Tensor:  # as a LossFn: one device, whole vocabulary
-        return self.logits_loss(model(mb["inputs"]), mb, _whole)
+from rlt_mega.config import CheckpointingConfig, OptimConfig, TrainConfig
+from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.precision import precision
 
 
-def _whole(logits: torch.Tensor) -> torch.Tensor:
-    return logits
+@dataclass(frozen=True)
+class EngineConfig:
+    """What an engine is built for besides the layout and the optimizer. Pretraining and SFT
+    take it from train.* as written (:meth:`from_train`); GRPO derives it (train/grpo.py,
+    ``engine_config``): its optimizer steps are epochs x minibatches per GRPO step, and a
+    batch is a minibatch's rows / grad_accum."""
 
+    total_steps: int  # optimizer steps the learning-rate schedule spans
+    micro_batch_size: int  # rows of one batch
+    grad_accum: int  # batches per optimizer step
+    dtype: str = "fp32"  # "fp32" or "bf16" (precision.DTYPES)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    cuda_graphs: bool = False  # train.cuda_graphs: the fused decoder's positions as captured CUDA graphs
 
-def lm_loss(model: nn.Module, mb: dict) -> torch.Tensor:
-    return cross_entropy_sum(model(mb["inputs"]), mb["targets"])
-
-
-def lm_count(mb: dict) -> int:
-    return count_tokens(mb["targets"])
+    @classmethod
+    def from_train(cls, train: TrainConfig) -> "EngineConfig":
+        return cls(total_steps=train.steps, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
+                   dtype=train.dtype, checkpointing=train.checkpointing, cuda_graphs=train.cuda_graphs)
 
 
 @dataclass
 class StepStats:
-    loss: float  # mean loss per token of this step
+    loss: float  # the step's loss: its summed loss / its global count
     grad_norm: float  # before clipping
     lr: float
-    num_tokens: int  # loss tokens of this step (all ranks)
+    num_tokens: int  # the step's global count (loss tokens of all ranks, for the token losses)
     skipped: bool  # non-finite loss or gradient norm: no update
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+@runtime_checkable
+class Engine(Protocol):
+    """What a trainer may ask of an engine (module docstring)."""
 
+    dims: ParallelDims
 
-def autocast(device: torch.device, dtype: str):
-    if dtype == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
+    @property
+    def module(self) -> nn.Module:
+        """This rank's part of the model, as trained."""
+
+    def train_step(self, batches: Sequence[dict], loss: LogitsLoss = LM_LOSS) -> StepStats:
+        """One optimizer step over this data-parallel rank's batches of the step (every rank of
+        a model replica passes the same ones); a non-finite loss or gradient skips the update."""
+
+    def eval_loss(self, batches: Sequence[dict], loss: LogitsLoss = LM_LOSS) -> float:
+        """The loss over the batches of every data-parallel rank (no gradients)."""
+
+    def sampling_module(self) -> nn.Module:
+        """The module that sampling, replay and evaluation run on (current parameters)."""
+
+    def state_dict(self) -> dict:
+        """What resuming needs beyond :meth:`save`'s files (the schedule's position)."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
+    def save(self, directory: Path) -> None:
+        """Weights and optimizer state into a checkpoint directory (every rank calls it)."""
+
+    def load(self, directory: Path) -> None: ...
+
+    def layout(self) -> dict:
+        """{"tp", "pp", "dp", "zero_stage"[, "pp_split"]}: recorded with every checkpoint."""
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -126,24 +137,39 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, total_steps: int
 
 
 class LocalEngine:
-    def __init__(self, model: nn.Module, optim: OptimConfig, train: TrainConfig, device: torch.device) -> None:
-        self.model, self.optim_cfg, self.device, self.dtype = model, optim, device, train.dtype
-        self.optimizer, self.scheduler = build_optimizer(model, optim, train.steps)
+    """The whole model on one device (the single-process layout): AdamW, the learning-rate
+    schedule, gradient accumulation over the step's batches, clipping, non-finite steps
+    skipped. bf16 is autocast over fp32 parameters."""
 
-    def _to_device(self, mb: dict) -> dict:
-        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in mb.items()}
+    def __init__(self, model: nn.Module, dims: ParallelDims, optim: OptimConfig, engine: EngineConfig) -> None:
+        if dims.world_size != 1:
+            raise ValueError(f"the local engine runs on one process; this layout has {dims.world_size} ranks "
+                             "(parallel.distributed.DistributedEngine runs on them)")
+        self.model, self.dims, self.optim_cfg = model, dims, optim
+        self.device, self.dtype = dims.device, engine.dtype
+        model.set_checkpointing(engine.checkpointing)
+        if engine.cuda_graphs:  # (off: the model's default)
+            model.set_cuda_graphs(True)
+        self.optimizer, self.scheduler = build_optimizer(model, optim, engine.total_steps)
 
-    def train_step(self, micro_batches: Iterable[dict], loss_fn: LossFn = lm_loss,
-                   count_fn: CountFn = lm_count) -> StepStats:
+    @property
+    def module(self) -> nn.Module:
+        return self.model
+
+    def _to_device(self, batch: dict) -> dict:
+        return {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+    def train_step(self, batches: Sequence[dict], loss: LogitsLoss = LM_LOSS) -> StepStats:
         self.model.train()
-        micro_batches = [self._to_device(mb) for mb in micro_batches]
-        total = sum(count_fn(mb) for mb in micro_batches)
+        batches = [self._to_device(b) for b in batches]
+        total = sum(loss.count(b) for b in batches)  # one process: the step's count is the global count
         loss_sum = 0.0
-        for mb in micro_batches:
-            with autocast(self.device, self.dtype):
-                loss = loss_fn(self.model, mb) / max(total, 1)  # mean over this step's loss tokens
-            loss.backward()
-            loss_sum += float(loss.detach())
+        for b in batches:
+            with precision(self.dtype, self.device):
+                # The normalisation: each batch's loss SUM over the step's count.
+                part = loss.logits_loss(self.model(b["inputs"]), b, WHOLE_VOCAB) / max(total, 1)
+            part.backward()
+            loss_sum += float(part.detach())
         params = [p for p in self.model.parameters() if p.grad is not None]
         clip = self.optim_cfg.grad_clip if self.optim_cfg.grad_clip > 0 else float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
@@ -153,19 +179,21 @@ class LocalEngine:
             self.optimizer.step()
             self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss=loss_sum, grad_norm=grad_norm, lr=lr, num_tokens=total, skipped=skipped)
+        return StepStats(loss=loss_sum, grad_norm=grad_norm, lr=lr, num_tokens=int(total), skipped=skipped)
 
     @torch.no_grad()
-    def eval_loss(self, micro_batches: Iterable[dict], loss_fn: LossFn = lm_loss,
-                  count_fn: CountFn = lm_count) -> float:
+    def eval_loss(self, batches: Sequence[dict], loss: LogitsLoss = LM_LOSS) -> float:
         self.model.eval()
         loss_sum, total = 0.0, 0
-        for mb in micro_batches:
-            mb = self._to_device(mb)
-            with autocast(self.device, self.dtype):
-                loss_sum += float(loss_fn(self.model, mb))
-            total += count_fn(mb)
-        return loss_sum / max(total, 1)
+        for b in batches:
+            b = self._to_device(b)
+            with precision(self.dtype, self.device):
+                loss_sum += float(loss.logits_loss(self.model(b["inputs"]), b, WHOLE_VOCAB))
+            total += loss.count(b)
+        return loss_sum / max(total, 1)  # the normalisation: the summed loss over the summed count
+
+    def sampling_module(self) -> nn.Module:
+        return self.model
 
     def state_dict(self) -> dict:
         return {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()}
@@ -176,9 +204,6 @@ class LocalEngine:
 
     def layout(self) -> dict:
         return {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
-
-    def data_parallel_size(self) -> int:
-        return 1
 
     def save(self, directory: Path) -> None:
         save_model(self.model, str(directory / "model.safetensors"))

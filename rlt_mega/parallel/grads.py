@@ -7,8 +7,9 @@ gradient-accumulation micro-step (ZeRO-2 would reduce-scatter the whole stage's 
 T*M times per step). So the schedule computes with *shadow* parameters: leaves that share
 storage with the real parameters but are different tensors, so DeepSpeed's hooks never see
 them. Their gradients accumulate (in fp32 for low-precision parameters) over the whole round;
-:func:`deposit_grads` then hands them to DeepSpeed in one ordinary backward, whose data-parallel
-reduction, clipping and optimizer step are DeepSpeed's own.
+:func:`deposit_grads` then hands them to DeepSpeed in ordinary backwards (three bf16 parts that
+keep the fp32 sums exactly where DeepSpeed accumulates in fp32, one otherwise), whose
+data-parallel reduction, clipping and optimizer step are DeepSpeed's own.
 
 Trade-off, stated: the accumulators hold one full gradient of the stage, so ZeRO-2's
 partitioned-gradient memory saving does not apply under pipeline parallelism (ZeRO-1's
@@ -23,6 +24,8 @@ from typing import Iterator
 
 import torch
 from torch import nn
+
+from rlt_mega.precision import LOW_PRECISION
 
 
 class ShadowGrads:
@@ -39,7 +42,7 @@ class ShadowGrads:
         key = id(p)
         if key not in self.shadows:
             sh = nn.Parameter(p.detach(), requires_grad=p.requires_grad)
-            if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            if p.requires_grad and p.dtype in LOW_PRECISION:
                 self.acc32[key] = torch.zeros(p.shape, dtype=torch.float32, device=p.device)
 
                 def move_to_fp32(param: torch.Tensor, key=key) -> None:
@@ -79,11 +82,41 @@ class ShadowGrads:
         return out
 
 
-def deposit_grads(engine, grads: dict[nn.Parameter, torch.Tensor]) -> None:
-    """One DeepSpeed backward whose parameter gradients are exactly ``grads``:
-    d/dp sum(p * g) = g (a product with 1, exact in every dtype)."""
-    if hasattr(engine.optimizer, "clear_backward_seen_flag"):
-        # What engine.forward would do; this backward has no engine.forward of its own.
-        engine.optimizer.clear_backward_seen_flag()
-    surrogate = sum((p * g.to(p.dtype)).sum() for p, g in grads.items())
-    engine.backward(surrogate, scale_wrt_gas=False)
+def handover_pieces(bf16: bool, accum_dtype: str) -> int:
+    """How many backwards hand the step's fp32 accumulators to DeepSpeed: 3 when its optimizer
+    accumulates bf16 gradients in fp32 (the three bf16 parts of an fp32 value sum back to it
+    exactly, see ``split_fp32``), else 1 (a single rounding of the fp32 sum)."""
+    return 3 if bf16 and accum_dtype == "fp32" else 1
+
+
+def split_fp32(g: torch.Tensor, dtype: torch.dtype, pieces: int) -> list[torch.Tensor]:
+    """fp32 g -> ``pieces`` tensors of ``dtype`` whose sum, added in fp32 in order, is g: each
+    part is the rounding of what the earlier ones left. bf16 keeps 8 of fp32's 24 significant
+    bits (and its exponent range), so three parts hold all of them."""
+    parts, rest = [], g.float()
+    for _ in range(pieces - 1):
+        part = rest.to(dtype)
+        parts.append(part)
+        rest = rest - part.float()
+    parts.append(rest.to(dtype))
+    return parts
+
+
+def deposit_grads(engine, grads: dict[nn.Parameter, torch.Tensor], pieces: int = 1) -> None:
+    """DeepSpeed backwards whose parameter gradients add up to exactly ``grads``:
+    d/dp sum(p * g) = g (a product with 1, exact in every dtype). With ``pieces`` > 1 a
+    low-precision parameter's fp32 gradient goes in as that many parts (``split_fp32``), one
+    backward each, inside one accumulation window of DeepSpeed's (``gradient_accumulation_steps``
+    = pieces; the last engine.step() of the window is the optimizer's): DeepSpeed's fp32
+    accumulation then holds the fp32 sum itself, where one backward would round it to bf16.
+    Under ZeRO-2 every backward is reduced, so this costs ``pieces`` reductions per step."""
+    parts = {p: split_fp32(g, p.dtype, pieces) if p.dtype in LOW_PRECISION else [g] + [None] * (pieces - 1)
+             for p, g in grads.items()}
+    for i in range(pieces):
+        if hasattr(engine.optimizer, "clear_backward_seen_flag"):
+            # What engine.forward would do; this backward has no engine.forward of its own.
+            engine.optimizer.clear_backward_seen_flag()
+        surrogate = sum((p * part[i].to(p.dtype)).sum() for p, part in parts.items() if part[i] is not None)
+        engine.backward(surrogate, scale_wrt_gas=False)
+        if i < pieces - 1:
+            engine.step()  # inside the accumulation window: no update, counts the micro-step

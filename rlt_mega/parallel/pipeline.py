@@ -1,12 +1,13 @@
-"""The decoder-ring pipeline schedule (DESIGN section 5).
+"""The decoder-ring pipeline schedule (docs/design.md, "Parallel layout").
 
 Every stage runs a *program*: a list of operations in a fixed order, produced by the pure
-function :func:`stage_program`. An operation receives its input (blocking), computes through
-the stage interface (``stage.py``) and posts its output with a non-blocking send. Because each
-pair of stages posts its messages in the same order on both sides (the programs are built so),
-every point-to-point pair is unambiguous for gloo, which matches messages of a pair in posting
-order, and for NCCL, which does the same per communicator; with two stages a rank's previous and
-next stage are the same peer, and forward messages of one direction all precede backward ones.
+function :func:`stage_program`; :func:`op_messages` says what each receives and sends. An operation
+receives its input (blocking; posted one op ahead), computes through the stage interface
+(``stage.py``) and posts its output with a non-blocking send, each message on the channel of
+its direction (``p2p.py``: one process group per direction, so that under NCCL a posted
+receive blocks nothing but its own channel). Each channel's messages are received in the order
+they are sent (the programs are built so), so they pair by order alone, as NCCL pairs them.
+:func:`simulate` replays every stage's program under NCCL's rules (``nccl_sim.py``).
 
 The ring: ``z_t`` leaves the last stage and enters stage 0 for position ``t + 1``. Decoder work
 items are ``(t, j)`` in t-major order; stage s runs item ``n = t*M + j`` at tick ``n + s`` when
@@ -26,11 +27,12 @@ The schedule knows the model only through the stage interface.
 from __future__ import annotations
 
 import time
-from collections import defaultdict, deque
 from typing import NamedTuple, Optional
 
 import torch
-import torch.distributed as dist
+
+from rlt_mega.parallel.nccl_sim import Msg, Step, simulate_nccl
+from rlt_mega.parallel.p2p import P2P  # noqa: F401  (the transport, re-exported for the engines)
 
 
 class Op(NamedTuple):
@@ -72,11 +74,6 @@ def stage_program(stage: int, num_stages: int, num_micro: int, seq_len: int, bac
     return ops
 
 
-# Message streams. The order already makes every pair unambiguous; distinct tags (which gloo
-# honours, NCCL ignores) make a schedule bug block and time out instead of swapping two tensors.
-TAGS = {"enc": 1, "mem": 2, "dec": 3, "ring": 4, "dec_grad": 5, "ring_grad": 6, "mem_grad": 7, "enc_grad": 8,
-        # the sampler's ring (rollout/executor.py)
-        "r_enc": 11, "r_mem": 12, "r_dec": 13, "r_ring": 14, "r_ctl": 15}
 # Shape class of each stream: "seq" (b, T, d) or "step" (b, 1, d).
 SHAPES = {"enc": "seq", "mem": "seq", "mem_grad": "seq", "enc_grad": "seq",
           "dec": "step", "ring": "step", "dec_grad": "step", "ring_grad": "step"}
@@ -84,8 +81,8 @@ SHAPES = {"enc": "seq", "mem": "seq", "mem_grad": "seq", "enc_grad": "seq",
 
 def op_messages(op: Op, stage: int, num_stages: int, seq_len: int) -> tuple[list, list]:
     """What an operation receives before it computes and sends after: ([(src, stream)],
-    [(dst, stream)]). A pure function of the op and the layout, shared by the executor and the
-    tests that check every pair's message order."""
+    [(dst, stream)]). A pure function of the op and the layout, shared by the schedule and the
+    simulation that checks every pair's message order."""
     s, P, T, t = stage, num_stages, seq_len, op.t
     first, last = s == 0, s == P - 1
     recvs, sends = [], []
@@ -127,64 +124,34 @@ def op_messages(op: Op, stage: int, num_stages: int, seq_len: int) -> tuple[list
     return recvs, sends
 
 
-class P2P:
-    """Point-to-point between the stages of one pipeline: blocking receives, non-blocking sends
-    (kept alive until completed). A message to oneself (one stage: the ring closes on itself)
-    goes through a local queue."""
+def _msg_t(op: Op, stream: str, receiving: bool) -> int:
+    """The position a message carries: the sender's; a ring message crosses from t-1 (forward)
+    or t+1 (backward) to the receiving op's t."""
+    if not receiving:
+        return op.t
+    return op.t + {"ring": -1, "ring_grad": 1}.get(stream, 0)
 
-    def __init__(self, stage_ranks: list[int], my_stage: int, device: torch.device) -> None:
-        self.ranks, self.me, self.device = stage_ranks, my_stage, device
-        self.pending: deque = deque()  # (work, tensor) of sends in flight, oldest first
-        self.local: dict[str, deque] = defaultdict(deque)
-        self.wait_s = 0.0  # time blocked in receives (for the bubble measurement)
 
-    def send(self, tensor: torch.Tensor, stage: int, stream: str) -> None:
-        tensor = tensor.detach()
-        if stage == self.me:
-            self.local[stream].append(tensor)
-            return
-        tensor = tensor.contiguous()
-        # Free the buffers of sends that completed, oldest first, stopping at the first that has
-        # not: a scan of the whole list per send was O(sends) (a gloo send completes only when
-        # the receiver posts, so a round's ring keeps ~M*T in flight: 40% of the schedule's CPU
-        # time at M=8, T=16, measured).
-        while self.pending and self.pending[0][0].is_completed():
-            self.pending.popleft()
-        self.pending.append((dist.isend(tensor, dst=self.ranks[stage], tag=TAGS[stream]), tensor))
+def _default_cost(op: Op) -> float:
+    return 1.0 if op.kind in ("dec_fwd", "dec_bwd") else 0.0
 
-    def recv(self, shape: tuple, dtype: torch.dtype, stage: int, stream: str) -> torch.Tensor:
-        if stage == self.me:
-            return self.local[stream].popleft()
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        t0 = time.perf_counter()
-        dist.irecv(buf, src=self.ranks[stage], tag=TAGS[stream]).wait()
-        self.wait_s += time.perf_counter() - t0
-        return buf
 
-    def post_recv(self, shape: tuple, dtype: torch.dtype, stage: int, stream: str):
-        """Posts a receive now and returns a handle for ``wait``. A gloo send completes only once
-        its receive is posted (measured: isend does not complete while the peer has not called
-        recv), so the schedule posts an op's receives one op ahead and the transfer overlaps
-        the current op's compute instead of starting when the op needs its input."""
-        if stage == self.me:
-            return (None, stream)
-        buf = torch.empty(shape, dtype=dtype, device=self.device)
-        return (dist.irecv(buf, src=self.ranks[stage], tag=TAGS[stream]), buf)
-
-    def wait(self, handle) -> torch.Tensor:
-        work, buf = handle
-        if work is None:  # a message to oneself: buf is the stream's name
-            return self.local[buf].popleft()
-        t0 = time.perf_counter()
-        work.wait()
-        self.wait_s += time.perf_counter() - t0
-        return buf
-
-    def drain(self) -> None:
-        for work, _ in self.pending:
-            work.wait()
-        self.pending.clear()
-        assert not any(self.local.values()), "pipeline: unconsumed local messages (schedule bug)"
+def ring_programs(num_stages: int, num_micro: int, seq_len: int, backward: bool, cost=_default_cost
+                  ) -> list[list[Step]]:
+    """The training ring of every stage as message programs (parallel/nccl_sim.py), messages
+    named by (stream, micro-batch, the sender's position)."""
+    P, T = num_stages, seq_len
+    out = []
+    for s in range(P):
+        steps = []
+        for op in stage_program(s, P, num_micro, T, backward):
+            recvs, sends = op_messages(op, s, P, T)
+            steps.append(Step(f"{op.kind}(j={op.j}, t={op.t})",
+                              tuple(Msg(src, s, st, op.j, _msg_t(op, st, True)) for src, st in recvs if src != s),
+                              tuple(Msg(s, dst, st, op.j, _msg_t(op, st, False)) for dst, st in sends if dst != s),
+                              cost(op)))
+        out.append(steps)
+    return out
 
 
 class RingSchedule:
@@ -196,19 +163,19 @@ class RingSchedule:
         self.s, self.P = my_stage, num_stages
         self.busy_s = 0.0  # compute time of the last round (bubble measurement)
 
-    def run(self, micro_batches: list, loss_scale: float, backward: bool, objective=None) -> Optional[torch.Tensor]:
-        """One round: micro_batches is a list of (inputs (b, T), targets (b, T)), or with an
-        ``objective`` (engine.LogitsLoss) of (inputs, its micro-batch dict). Returns the sum of
-        the losses on the last stage (None elsewhere)."""
+    def run(self, batches: list[dict], loss_scale: float, backward: bool, loss) -> Optional[torch.Tensor]:
+        """One round: the batch dict of each micro-batch in flight (``inputs`` (b, T), one T for
+        the round) and their loss (rlt_mega/loss.py, LogitsLoss). Returns the sum of the losses
+        on the last stage (None elsewhere)."""
         stage, p2p, s, P = self.stage, self.p2p, self.s, self.P
-        M, T = len(micro_batches), micro_batches[0][0].shape[1]
-        stage.start(micro_batches, loss_scale, grad=backward, objective=objective)
+        M, T = len(batches), batches[0]["inputs"].shape[1]
+        stage.start(batches, loss_scale, grad=backward, loss=loss)
         self.busy_s, p2p.wait_s = 0.0, 0.0
         loss_sum: Optional[torch.Tensor] = None
         mem_grads: dict[int, torch.Tensor] = {}  # last stage: summed memory gradient per micro-batch
         program = stage_program(s, P, M, T, backward)
 
-        def post(op: Op) -> list:  # the receives of op, posted in program order (pairs stay matched)
+        def post(op: Op) -> list:  # the receives of op, posted in program order (each channel's order)
             return [p2p.post_recv(stage.activation_shape(op.j, SHAPES[stream]), stage.dtype, src, stream)
                     for src, stream in op_messages(op, s, P, T)[0]]
 
@@ -251,52 +218,12 @@ class RingSchedule:
         return loss_sum
 
 
-def simulate(num_stages: int, num_micro: int, seq_len: int, backward: bool = True,
-             cost=lambda op: 1.0 if op.kind in ("dec_fwd", "dec_bwd") else 0.0, latency: float = 0.0) -> dict:
-    """Runs every stage's program on a model clock: an op starts when its stage is free and its
-    messages have arrived (a transfer takes ``latency``), and lasts ``cost(op)``. Checks that each pair
-    of stages posts sends and receives in the same order (what gloo and NCCL need) and that no
-    stage waits forever. Returns {"makespan", "busy": [per stage], "bubble"} where bubble is the
-    idle fraction of stage time over the whole round."""
-    P, M, T = num_stages, num_micro, seq_len
-    programs = [stage_program(s, P, M, T, backward) for s in range(P)]
-    sent: dict[tuple, list] = defaultdict(list)  # (src, dst) -> [(stream, j, t, arrival time)]
-    posted_recv: dict[tuple, list] = defaultdict(list)
-    pc, clock, busy = [0] * P, [0.0] * P, [0.0] * P
-    taken: dict[tuple, int] = defaultdict(int)
-    progress = True
-    while progress:
-        progress = False
-        for s in range(P):
-            while pc[s] < len(programs[s]):
-                op = programs[s][pc[s]]
-                recvs, sends = op_messages(op, s, P, T)
-                ready = all(taken[(src, s)] < len(sent[(src, s)]) or src == s for src, _ in recvs)
-                if not ready:
-                    break
-                start = clock[s]
-                for src, stream in recvs:
-                    if src == s:  # a stage's ring to itself (P == 1)
-                        continue
-                    msg = sent[(src, s)][taken[(src, s)]]
-                    taken[(src, s)] += 1
-                    t_sent = op.t + {"ring": -1, "ring_grad": 1}.get(stream, 0)
-                    if msg[:3] != (stream, op.j, t_sent):
-                        raise AssertionError(f"stage {s} op {op} expects {stream} of ({op.j}, {t_sent}) from stage "
-                                             f"{src}, the next message of that pair is {msg[:3]}")
-                    posted_recv[(src, s)].append(stream)
-                    start = max(start, msg[3])
-                clock[s] = start + cost(op)
-                busy[s] += cost(op)
-                for dst, stream in sends:
-                    if dst != s:
-                        sent[(s, dst)].append((stream, op.j, op.t, clock[s] + latency))
-                pc[s] += 1
-                progress = True
-    if any(pc[s] < len(programs[s]) for s in range(P)):
-        raise AssertionError(f"deadlock: stages stopped at ops {[programs[s][pc[s]] if pc[s] < len(programs[s]) else None for s in range(P)]}")
-    for pair, msgs in sent.items():
-        if [m[0] for m in msgs] != posted_recv[pair]:
-            raise AssertionError(f"pair {pair}: sends {[m[0] for m in msgs]} vs receives {posted_recv[pair]}")
-    makespan = max(clock)
-    return {"makespan": makespan, "busy": busy, "bubble": 1.0 - sum(busy) / (P * makespan) if makespan else 0.0}
+def simulate(num_stages: int, num_micro: int, seq_len: int, backward: bool = True, cost=_default_cost,
+             latency: float = 0.0, streams: str = "channels") -> dict:
+    """The training ring of every stage under NCCL's rules (parallel/nccl_sim.py: messages pair
+    by order alone, a stream per communicator, rendezvous sends), posted as ``RingSchedule``
+    posts them (receives one op ahead; ``streams="pair"`` is the schedule before its channels:
+    both directions of a pair on one stream), on a model clock where an op lasts ``cost(op)`` and a message
+    ``latency``. Raises on a mismatched pair or a deadlock; returns {"makespan", "busy": [per
+    stage], "bubble"}, the bubble being the idle fraction of stage time over the round."""
+    return simulate_nccl(ring_programs(num_stages, num_micro, seq_len, backward, cost), streams, True, latency)

@@ -10,12 +10,12 @@ whose gradient is summed with the first stage's, as Megatron does.
 The interface (``j`` is a micro-batch, ``t`` a position; tensors in and out are what the
 schedule sends and receives; the stage keeps its autograd graph between forward and backward)::
 
-    start(micro_batches, loss_scale, grad, objective)      per round
+    start(batches, loss_scale, grad, loss)      per round
     enc_fwd(j, x) -> y      encoder layers; x None on stage 0 (embeds); y on the last stage is m
     mem_fwd(j, m)           cross K/V of my layers from the memory m (None on the last stage)
     dec_fwd(j, t, x) -> y   decoder layers at position t; on stage 0 x is z_{t-1} (None at t=0)
-    loss_fwd(j) -> sum      last stage: head + the loss of micro-batch j (scaled for backward): token
-                            cross-entropy, or an objective of the logits (engine.LogitsLoss)
+    loss_fwd(j) -> sum      last stage: head + the loss of micro-batch j (scaled for backward), a
+                            loss of the logits (rlt_mega/loss.py, LogitsLoss)
     loss_bwd(j)             last stage
     dec_bwd(j, t, g) -> gx  g: gradient of y from the next stage (None where nothing was sent)
     mem_bwd(j) -> gm        gradient of m from my cross K/V
@@ -41,20 +41,20 @@ backward (model/fused_run.py: the same as on one process).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from rlt_mega.loss import LogitsLoss, Vocab
 from rlt_mega.model.cache import DecoderKV, MemoryKV
 from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator
 from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
 from rlt_mega.model.rlt import RLT
-from rlt_mega.parallel.tp import token_losses
 
 
-def prune_to_stage(model: RLT, layers: range, is_first: bool, is_last: bool) -> RLT:
+def prune_to_stage(model: RLT, layers: range, is_first_stage: bool, is_last_stage: bool) -> RLT:
     """Removes (in place) everything stage ``layers`` does not own. Parameter names stay global
     (``blocks.5.attn.q.weight`` on the stage that owns layer 5), so checkpoints of different
     stages merge by name."""
@@ -64,12 +64,12 @@ def prune_to_stage(model: RLT, layers: range, is_first: bool, is_last: bool) -> 
             model.cross[i] = nn.Module()
             if model.dec_blocks is not None:
                 model.dec_blocks[i] = nn.Module()
-    if not is_first:
+    if not is_first_stage:
         model.embed = None
         model.recur_norm = None
         model.recur_proj = None
         model.z_init = None
-    if not is_last:
+    if not is_last_stage:
         model.memory_norm = None
         model.final_norm = None
         model.lm_head = None
@@ -89,7 +89,7 @@ def _backward(outputs: list, grads: list) -> None:
 @dataclass
 class _MicroBatch:
     inputs: torch.Tensor  # (b, T) token ids
-    targets: object  # (b, T), IGNORE_INDEX where there is no target; with an objective: its micro-batch dict
+    batch: dict  # the loss's batch dict (inputs, and targets or what else the loss reads)
     dec: DecoderKV
     emb: Optional[torch.Tensor] = None  # (b, T, d) stage 0: the embeddings, with graph
     e_steps: list = field(default_factory=list)  # stage 0: leaf (b, d) per position
@@ -110,15 +110,14 @@ class _MicroBatch:
 class RLTStage:
     """The stage interface over a pruned (and possibly tensor-parallel) RLT."""
 
-    def __init__(self, model: RLT, layers: range, is_first: bool, is_last: bool, tp: int,
-                 gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+    def __init__(self, model: RLT, layers: range, is_first_stage: bool, is_last_stage: bool, vocab: Vocab) -> None:
         self.model, self.layers = model, layers
-        self.is_first, self.is_last, self.tp = is_first, is_last, tp
-        self.gather_vocab = gather_vocab  # (..., V / tp) -> (..., V) with autograd; objectives need it when tp > 1
+        self.is_first_stage, self.is_last_stage = is_first_stage, is_last_stage
+        self.vocab = vocab  # how the loss reads the head's logits (a vocab shard under tensor parallelism)
         self.mbs: list[_MicroBatch] = []
         self.grad = True
         self.loss_scale = 1.0
-        self.objective = None  # an engine.LogitsLoss for this round; None: token cross-entropy
+        self.loss: Optional[LogitsLoss] = None  # this round's
         self.fused = model.cfg.fused_decoder
         self.stack = None  # this round's fused stack (fused decoder)
         self.fused_tensors: list = []  # its weights, with autograd into the parameters
@@ -137,23 +136,21 @@ class RLTStage:
         return (b, T, d) if kind == "seq" else (b, 1, d)
 
     # ------------------------------------------------------------------ round set-up
-    def start(self, micro_batches: list[tuple[torch.Tensor, object]], loss_scale: float, grad: bool,
-              objective=None) -> None:
-        """micro_batches: (inputs (b, T), targets (b, T)) per micro-batch of this round, or with
-        an ``objective`` (engine.LogitsLoss) (inputs, the objective's micro-batch dict);
-        loss_scale multiplies the loss sum before backward (1 / global token count times
-        the data-parallel size, since DeepSpeed averages over data-parallel ranks)."""
-        T = micro_batches[0][0].shape[1]
-        self.mbs = [_MicroBatch(x, y, DecoderKV(self.model.cfg.n_layers, capacity=T)) for x, y in micro_batches]
-        self.loss_scale, self.grad, self.objective = loss_scale, grad, objective
+    def start(self, batches: list[dict], loss_scale: float, grad: bool, loss: LogitsLoss) -> None:
+        """batches: the loss's batch dict of each micro-batch of this round (``inputs`` (b, T),
+        one T per round); loss_scale multiplies the loss sum before backward (1 / global count
+        times the data-parallel size, since DeepSpeed averages over data-parallel ranks)."""
+        T = batches[0]["inputs"].shape[1]
+        self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T)) for b in batches]
+        self.loss_scale, self.grad, self.loss = loss_scale, grad, loss
         if self.fused:
-            self._start_fused(micro_batches[0][0].shape[0])
+            self._start_fused(batches[0]["inputs"].shape[0])
 
     def _start_fused(self, rows: int) -> None:
         """The round's fused stack, from the parameters as they are now (shadows under ShadowGrads)."""
         model = self.model
         with torch.set_grad_enabled(self.grad):
-            spec, tensors = fused_weights(model, self.layers, self.is_first, replicator(model.tp_all_reduce))
+            spec, tensors = fused_weights(model, self.layers, self.is_first_stage, replicator(model.tp_all_reduce))
         device = tensors[0].device
         self.stack = build_stack(model, spec, tensors, rows, self.grad, self.dtype, compute_dtype_of(self.dtype, device))
         self.fused_tensors = tensors if self.grad else []
@@ -168,7 +165,7 @@ class RLTStage:
     # ------------------------------------------------------------------ forward
     def enc_fwd(self, j: int, x: Optional[torch.Tensor]) -> torch.Tensor:
         mb, model = self.mbs[j], self.model
-        if self.is_first:
+        if self.is_first_stage:
             mb.emb = model.embed(mb.inputs)  # (b, T, d)
             x = mb.emb
             if self.fused:
@@ -177,12 +174,12 @@ class RLTStage:
                 mb.e_steps = [_leaf(mb.emb[:, t], True) for t in range(mb.emb.shape[1])]
         mb.enc_in = _leaf(x, self.grad)
         h = model.encode(mb.enc_in, layers=self.layers)
-        mb.enc_out = model.memory_norm(h) if self.is_last else h
+        mb.enc_out = model.memory_norm(h) if self.is_last_stage else h
         return mb.enc_out
 
     def mem_fwd(self, j: int, m: Optional[torch.Tensor]) -> None:
         mb = self.mbs[j]
-        mb.m_in = _leaf(mb.enc_out if self.is_last else m, self.grad)
+        mb.m_in = _leaf(mb.enc_out if self.is_last_stage else m, self.grad)
         dense = self.model.memory_kv(mb.m_in, layers=self.layers)
         mb.mem = MemoryKV(self.model.cfg.n_layers, capacity=dense.capacity)
         mb.mem_out = []
@@ -200,7 +197,7 @@ class RLTStage:
 
     def _dec_step(self, x: torch.Tensor, e_t: Optional[torch.Tensor], t: int, dec: DecoderKV,
                   mem: MemoryKV) -> torch.Tensor:
-        if self.is_first:
+        if self.is_first_stage:
             x = self.model.decoder_input(e_t, x.squeeze(1))  # (b, 1, d)
         return self.model.decoder_layers(x, t, dec, mem, layers=self.layers)
 
@@ -208,13 +205,13 @@ class RLTStage:
         if self.fused:
             return self._dec_fwd_fused(j, t, x)
         mb, model = self.mbs[j], self.model
-        if self.is_first and t == 0:
+        if self.is_first_stage and t == 0:
             x = model.initial_state(mb.inputs.shape[0]).unsqueeze(1)  # (b, 1, d), graph into z_init
         else:
             x = _leaf(x, self.grad)
             mb.dec_in[t] = x
         e_t = None
-        if self.is_first:
+        if self.is_first_stage:
             e_t = mb.e_steps[t] if self.grad else mb.emb[:, t]
         if self.grad and model.checkpointing.decoder != "none":
             # One checkpointed segment per step on every stage: the stage's steps are not
@@ -225,7 +222,7 @@ class RLTStage:
             y = self._dec_step(x, e_t, t, mb.dec, mb.mem)
         if self.grad:
             mb.dec_out[t] = y
-        if self.is_last:
+        if self.is_last_stage:
             mb.z_cut[t] = _leaf(y, self.grad)
         return y
 
@@ -236,19 +233,19 @@ class RLTStage:
 
     def _dec_fwd_fused(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
         mb = self.mbs[j]
-        if self.is_first and t == 0:
+        if self.is_first_stage and t == 0:
             mb.z0 = self.model.initial_state(mb.inputs.shape[0])  # (b, d), graph into z_init
             x = mb.z0.detach()
         else:
             x = x.detach().squeeze(1)  # (b, d)
-        y = mb.run.forward(t, x, mb.e[t] if self.is_first else None, mode=self._fwd_mode()).unsqueeze(1)
-        if self.is_last:
+        y = mb.run.forward(t, x, mb.e[t] if self.is_first_stage else None, mode=self._fwd_mode()).unsqueeze(1)
+        if self.is_last_stage:
             mb.z_cut[t] = _leaf(y, self.grad)
         return y
 
     def _dec_bwd_fused(self, j: int, t: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         mb = self.mbs[j]
-        if self.is_last:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
+        if self.is_last_stage:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
             head_grad = mb.z_cut.pop(t).grad
             g = head_grad if g is None else head_grad + g
         if g is None:
@@ -257,7 +254,7 @@ class RLTStage:
         if self.model.checkpointing.decoder != "none":
             mb.run.forward(t, None, None, mode="recompute")
         gx = mb.run.backward(t, g.squeeze(1).to(self.dtype))
-        if self.is_first and t == 0:
+        if self.is_first_stage and t == 0:
             _backward([mb.z0], [gx])  # into z_init
             return None
         return gx.unsqueeze(1)
@@ -268,12 +265,7 @@ class RLTStage:
         mb = self.mbs[j]
         z = torch.cat([mb.z_cut[t] for t in range(len(mb.z_cut))], dim=1)  # (b, T, d)
         logits = self.model.head(z)  # (b, T, V / tp) fp32
-        if self.objective is None:
-            total = token_losses(logits, mb.targets, self.tp).sum()  # (b, T) -> ()
-        else:
-            if self.tp > 1 and self.gather_vocab is None:
-                raise RuntimeError("an objective of the logits under tensor parallelism needs gather_vocab")
-            total = self.objective.logits_loss(logits, mb.targets, self.gather_vocab or (lambda x: x))
+        total = self.loss.logits_loss(logits, mb.batch, self.vocab)
         if self.grad:
             mb.loss = total * self.loss_scale
         return total.detach()
@@ -288,7 +280,7 @@ class RLTStage:
             return self._dec_bwd_fused(j, t, g)
         mb = self.mbs[j]
         y = mb.dec_out.pop(t)
-        if self.is_last:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
+        if self.is_last_stage:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
             head_grad = mb.z_cut.pop(t).grad
             g = head_grad if g is None else head_grad + g
         _backward([y], [g])
@@ -305,7 +297,7 @@ class RLTStage:
                 grads += mb.mem.take_grads(i)
         _backward(mb.mem_out, grads)
         mb.mem, mb.mem_out = None, []
-        if not self.is_first:  # stage 0 still needs the embeddings' gradient (enc_bwd)
+        if not self.is_first_stage:  # stage 0 still needs the embeddings' gradient (enc_bwd)
             mb.run = None
         g = mb.m_in.grad
         return torch.zeros_like(mb.m_in) if g is None else g
@@ -313,7 +305,7 @@ class RLTStage:
     def enc_bwd(self, j: int, g: torch.Tensor) -> Optional[torch.Tensor]:
         mb = self.mbs[j]
         _backward([mb.enc_out], [g])
-        if self.is_first:
+        if self.is_first_stage:
             # Encoder-path gradient of the embeddings plus the decoder's, position by position.
             if self.fused:
                 g_dec = mb.run.input_grads()  # (b, T, d)

@@ -11,7 +11,7 @@ GQA groups stay on one rank because both splits are contiguous.
 Norms, ``recur_proj``, ``null_memory`` and ``z_init`` stay replicated (every TP rank computes
 them on identical inputs, so their gradients agree without communication).
 
-CPU/gloo constraints (ENGINES.md): ``use_cpu_initialization=True``, no sequence parallel,
+CPU/gloo constraints (docs/engines.md): ``use_cpu_initialization=True``, no sequence parallel,
 ``gather_output=False`` and ``input_is_parallel=True`` only, no megatron RNG tracker or
 megatron checkpointing (the model uses torch.utils.checkpoint, non-reentrant).
 """
@@ -19,12 +19,13 @@ megatron checkpointing (the model uses torch.utils.checkpoint, non-reentrant).
 from __future__ import annotations
 
 import fnmatch
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_mega.loss import IGNORE, Vocab
 from rlt_mega.parallel.dims import ParallelDims
 
 # Module-name pattern -> layer kind. "column": output features split (gather_output=False);
@@ -134,10 +135,26 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
     setattr(parent, child, new)
 
 
+InitFn = Callable[[str, tuple], torch.Tensor]  # (parameter name, full shape) -> full initial value
+
+
+def _full(mod: nn.Module, name: str, leaf: str, init: Optional[InitFn]) -> torch.Tensor:
+    """The whole (unsharded) weight or bias of a planned layer: its own, or for a layer still on
+    the meta device, ``init``'s value (one layer's full tensor at a time)."""
+    p = getattr(mod, leaf)
+    if not p.is_meta:
+        return p.detach()
+    if init is None:
+        raise ValueError(f"{name}.{leaf} is on the meta device: apply_tensor_parallel needs an init function")
+    return init(f"{name}.{leaf}", tuple(p.shape))
+
+
 @torch.no_grad()
-def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, str] = TP_PLAN) -> nn.Module:
+def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, str] = TP_PLAN,
+                          init: Optional[InitFn] = None) -> nn.Module:
     """Swaps the planned layers of ``model`` (in place) for megatron-core layers holding this
-    rank's shard of the current weights. Returns the model. A no-op when tp == 1."""
+    rank's shard of the current weights, or for layers on the meta device of ``init``'s values
+    (then on the CPU). Returns the model. A no-op when tp == 1, and for layers swapped already."""
     if dims.tp == 1:
         return model
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
@@ -149,7 +166,7 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, 
         and model.lm_head.weight is model.embed.weight
     targets = [(name, mod, plan_kind(name, plan)) for name, mod in model.named_modules()]
     for name, mod, kind in targets:
-        if kind is None:
+        if kind is None or getattr(mod, "is_tp_shard", False):
             continue
         dtype = next(mod.parameters()).dtype
         cfg = _megatron_config(dims, dtype)
@@ -157,23 +174,24 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, 
             assert isinstance(mod, nn.Embedding), f"TP plan: {name} is {type(mod).__name__}, expected nn.Embedding"
             new = VocabEmbedding(mod.num_embeddings, mod.embedding_dim, init_method=_no_init, config=cfg,
                                  tp_group=dims.tp_group)
-            new.weight.copy_(_shard(mod.weight, 0, dims.tp_rank, dims.tp))
+            new.weight.copy_(_shard(_full(mod, name, "weight", init), 0, dims.tp_rank, dims.tp))
         else:
             assert isinstance(mod, nn.Linear), f"TP plan: {name} is {type(mod).__name__}, expected nn.Linear"
             bias = mod.bias is not None
             if kind in ("column", "vocab_head"):
                 new = ColumnLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
                                    gather_output=False, tp_group=dims.tp_group)
-                new.weight.copy_(_shard(mod.weight, 0, dims.tp_rank, dims.tp))
+                new.weight.copy_(_shard(_full(mod, name, "weight", init), 0, dims.tp_rank, dims.tp))
                 if bias:
-                    new.bias.copy_(_shard(mod.bias, 0, dims.tp_rank, dims.tp))
+                    new.bias.copy_(_shard(_full(mod, name, "bias", init), 0, dims.tp_rank, dims.tp))
             else:
                 new = RowLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
                                 input_is_parallel=True, skip_bias_add=False, tp_group=dims.tp_group)
-                new.weight.copy_(_shard(mod.weight, 1, dims.tp_rank, dims.tp))
+                new.weight.copy_(_shard(_full(mod, name, "weight", init), 1, dims.tp_rank, dims.tp))
                 if bias:
-                    new.bias.copy_(mod.bias.detach())
-        new.to(mod.weight.device)
+                    new.bias.copy_(_full(mod, name, "bias", init))
+        new.is_tp_shard = True
+        new.to(mod.weight.device if not mod.weight.is_meta else "cpu")
         # megatron marks shards only when it initialises them itself (perform_initialization);
         # DeepSpeed's gradient norm counts a parameter on every TP rank only when it is marked.
         # (A column layer's bias is marked by megatron already.)
@@ -204,19 +222,16 @@ def tp_all_reduce(dims: ParallelDims):
 # The loss and the logits of a vocab-parallel head
 # ------------------------------------------------------------------------------------------
 
-IGNORE_INDEX = -100
-
-
 def token_losses(logits: torch.Tensor, targets: torch.Tensor, tp: int) -> torch.Tensor:
     """Per-token cross-entropy: logits (..., V / tp) fp32 vocab shard, targets (...) with
-    IGNORE_INDEX for positions without a target -> (...) fp32, zero where ignored.
+    IGNORE for positions without a target -> (...) fp32, zero where ignored.
 
     Under TP the logits are consumed in place by megatron's vocab_parallel_cross_entropy: do
     not reuse them afterwards."""
-    mask = targets != IGNORE_INDEX
+    mask = targets != IGNORE
     if tp == 1:
         losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none",
-                                 ignore_index=IGNORE_INDEX).view(targets.shape)
+                                 ignore_index=IGNORE).view(targets.shape)
         return losses
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
@@ -258,3 +273,19 @@ def gather_vocab_grad(logits: torch.Tensor, dims: ParallelDims) -> torch.Tensor:
     if dims.tp == 1:
         return logits
     return _GatherVocab.apply(logits, dims.tp_group, dims.tp, dims.tp_rank)
+
+
+class ShardedVocab(Vocab):
+    """The loss contract's vocabulary operations (rlt_mega/loss.py) on this rank's vocab shard
+    (..., V / tp) of a tensor-parallel head: the cross-entropy by megatron's
+    vocab_parallel_cross_entropy on the shard, without gathering the logits; whole rows, when a
+    loss needs them, by a differentiable all-gather."""
+
+    def __init__(self, dims: ParallelDims) -> None:
+        self.dims = dims
+
+    def gather(self, logits: torch.Tensor) -> torch.Tensor:
+        return gather_vocab_grad(logits, self.dims)
+
+    def cross_entropy_sum(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return token_losses(logits, targets, self.dims.tp).sum()  # (b, T) -> ()

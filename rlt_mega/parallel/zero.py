@@ -15,6 +15,9 @@ tp x pp group. What we adjust, and why:
 * The plain fp32 path (stage 0, no bf16) does not expose the norm it computes, so we call
   DeepSpeed's own ``clip_grad_norm_`` (same function, same mpu) and keep its result; DeepSpeed's
   ``gradient_clipping`` is then 0 on that path only, so clipping happens once.
+* Gradient dtypes under bf16 (:func:`deepspeed_config`): fp32 accumulation over the step's
+  micro-batches and an fp32 data-parallel reduction, by default (parallel.grad_accum_dtype,
+  parallel.grad_reduce_dtype).
 * ``deepspeed_shm_comm`` is switched off before ``init_distributed`` (it would JIT-compile a
   CPU op and is not needed: torch.distributed carries the collectives).
 """
@@ -29,7 +32,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rlt_mega.config import OptimConfig
+from rlt_mega.config import OptimConfig, ParallelConfig
 from rlt_mega.log import get_logger
 from rlt_mega.parallel.dims import ParallelDims
 
@@ -92,27 +95,52 @@ def sync_pipeline_replicas(grads: dict[nn.Parameter, torch.Tensor], model: nn.Mo
         torch.distributed.all_reduce(g, group=group)
 
 
+def grad_accum_dtype(parallel: ParallelConfig, bf16: bool) -> str:
+    """The dtype gradients accumulate in (config.py, parallel.grad_accum_dtype): fp32 wherever
+    DeepSpeed can; bf16 only when asked, or by default under bf16 without ZeRO (DeepSpeed 0.19
+    has no fp32 accumulation for bf16 parameters without ZeRO: "unsupported mix")."""
+    if not bf16:
+        return "fp32"
+    if parallel.grad_accum_dtype is not None:
+        return parallel.grad_accum_dtype
+    return "fp32" if parallel.zero_stage > 0 else "bf16"
+
+
 def deepspeed_config(optim: OptimConfig, zero_stage: int, bf16: bool, micro_batch_size: int,
-                     grad_accum_steps: int) -> dict:
+                     grad_accum_steps: int, accum_dtype: str = "fp32", reduce_dtype: str = "fp32") -> dict:
+    """What DeepSpeed 0.19.8 does with the dtypes (runtime/engine.py, _do_optimizer_sanity_check
+    and _configure_zero_optimizer): bf16 parameters with ``data_types.grad_accum_dtype`` fp32 get
+    the BF16_Optimizer under ZeRO-1 (fp32 gradient accumulators beside the bf16 .grad) and the
+    ZeRO optimizer's separate fp32 accumulation under ZeRO-2/3; bf16 accumulation without ZeRO
+    is DeepSpeed's bf16 DDP path. ``communication_data_type`` is the dtype of the data-parallel
+    reduction (DeepSpeed's default under bf16 would be bf16)."""
     plain_fp32 = zero_stage == 0 and not bf16
     cfg = {
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": grad_accum_steps,
         # Set explicitly: DeepSpeed's default is 1.0. The plain fp32 path clips in zero.py.
         "gradient_clipping": 0.0 if plain_fp32 else float(optim.grad_clip),
-        "bf16": {"enabled": bool(bf16)},
+        # immediate_grad_update: the BF16_Optimizer adds each parameter's bf16 gradient to its
+        # fp32 accumulator in the gradient hook and frees it. Without it, two backwards with no
+        # engine forward between them (the pipeline's hand-over, grads.py) add the first
+        # backward's gradient twice (measured, DeepSpeed 0.19.8: 1, 2, 4 accumulate to 11).
+        "bf16": {"enabled": bool(bf16), "immediate_grad_update": True},
         "fp16": {"enabled": False},
         "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,
         "wall_clock_breakdown": False,
     }
+    if bf16:
+        cfg["data_types"] = {"grad_accum_dtype": accum_dtype}
+        cfg["communication_data_type"] = reduce_dtype
     if zero_stage > 0:
         cfg["zero_optimization"] = {"stage": zero_stage, "overlap_comm": False}
     return cfg
 
 
 def init_deepspeed(model: nn.Module, dims: ParallelDims, optim: OptimConfig, zero_stage: int, bf16: bool,
-                   micro_batch_size: int, grad_accum_steps: int):
+                   micro_batch_size: int, grad_accum_steps: int, accum_dtype: str = "fp32",
+                   reduce_dtype: str = "fp32"):
     """Wraps ``model`` in a DeepSpeed engine with a torch AdamW; returns the engine."""
     if dims.device.type == "cpu":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")  # no accelerator probing (and its warning) per rank
@@ -121,11 +149,11 @@ def init_deepspeed(model: nn.Module, dims: ParallelDims, optim: OptimConfig, zer
     deepspeed.utils.logger.setLevel(max(logging.WARNING, log.getEffectiveLevel()))  # its INFO lines are per rank
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # before init_distributed
     deepspeed.init_distributed(dist_backend=dims.backend)
-    if bf16 and dims.device.type == "cpu" and zero_stage == 0:
-        log.info("bf16 without ZeRO: DeepSpeed's bf16 optimizer keeps fp32 master weights partitioned over dp")
+    if bf16 and accum_dtype == "bf16":
+        log.info("bf16 gradients accumulate in bf16 (parallel.grad_accum_dtype; fp32 needs ZeRO >= 1)")
     optimizer = torch.optim.AdamW(param_groups(model, optim.weight_decay), lr=optim.lr,
                                   betas=(optim.beta1, optim.beta2), eps=optim.eps, foreach=False)
-    config = deepspeed_config(optim, zero_stage, bf16, micro_batch_size, grad_accum_steps)
+    config = deepspeed_config(optim, zero_stage, bf16, micro_batch_size, grad_accum_steps, accum_dtype, reduce_dtype)
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=dims.mpu())
     return engine
 

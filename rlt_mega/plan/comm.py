@@ -44,7 +44,7 @@ def ring_ticks(seq_len: int, micro_batches: int, stages: int) -> int:
 
 def bubble_fraction(seq_len: int, micro_batches: int, stages: int) -> float:
     """Idle fraction of a stage in the decoder ring: 1 - M T / ticks, which is
-    (P - 1) / (M T + P - 1) for M >= P (DESIGN section 5)."""
+    (P - 1) / (M T + P - 1) for M >= P (docs/design.md, "Parallel layout")."""
     return 1.0 - micro_batches * seq_len / ring_ticks(seq_len, micro_batches, stages)
 
 

@@ -16,7 +16,8 @@ from rlt_mega.plan.comm import bubble_fraction, comm_per_step, encoder_bubble_fr
 from rlt_mega.plan.flops import flop_rows, summarize
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.memory import estimate_memory
-from rlt_mega.plan.params import check_tp, model_param_counts, rank_param_counts, stage_layers
+from rlt_mega.parallel.dims import check_tp
+from rlt_mega.plan.params import model_param_counts, rank_param_counts, stage_layers
 
 
 def stage_flops(cfg: ModelConfig, layout: Layout, stage: int) -> dict:

@@ -1,8 +1,9 @@
 """What the cost model needs to know about a run besides the model: sequence length, batch
 shape, parallel layout, ZeRO stage, activation checkpointing and precision.
 
-``Layout.from_config`` reads it off a root :class:`~rlt_mega.config.Config`, so
-``rlt-mega plan --config X`` costs exactly what ``rlt-mega pretrain --config X`` would run.
+``Layout.from_config`` reads it off a root :class:`~rlt_mega.config.Config` through the
+trainer's own layout rules, so ``rlt-mega plan --config X`` accepts (and costs) exactly the
+layouts ``rlt-mega pretrain --config X`` runs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Literal, Optional
 
-from rlt_mega.config import CheckpointingConfig, Config, ConfigError, _check
+from rlt_mega.config import CheckpointingConfig, Config, _check
 
 Dtype = Literal["fp32", "bf16"]
 AttentionKernel = Literal["flash", "math"]
@@ -102,31 +103,26 @@ class Layout:
 
     @classmethod
     def from_config(cls, cfg: Config, world_size: Optional[int] = None, **changes) -> "Layout":
-        """The layout a run of ``cfg`` would use. ``parallel.dp`` wins; else dp is
-        world_size // (tp * pp); else 1."""
-        par = cfg.parallel
-        if par.dp is not None:
-            dp = par.dp
-        elif world_size is not None:
-            if world_size % (par.tp * par.pp):
-                raise ConfigError(f"world size {world_size} is not a multiple of parallel.tp * parallel.pp "
-                                  f"= {par.tp * par.pp}")
-            dp = world_size // (par.tp * par.pp)
-        else:
-            dp = 1
-        # The trainer's grouping (parallel.dims.micro_batch_plan): a step is grad_accum
-        # micro-batches of micro_batch_size rows; with pp > 1 they run in rounds of M in flight,
-        # cut into M / grad_accum pieces when M > grad_accum.
-        B, G, M = cfg.train.micro_batch_size, cfg.train.grad_accum, par.micro_batches
-        if par.pp > 1:
-            from rlt_mega.parallel.dims import micro_batch_plan
+        """The layout a run of ``cfg`` on ``world_size`` ranks would use, checked by the trainer's
+        own rules (parallel.dims.resolve_layout: the same function, the same messages). Without
+        ``world_size``: the world parallel.dp implies (tp * pp * dp; dp 1 when null)."""
+        from rlt_mega.parallel.dims import micro_batch_plan, resolve_layout
 
+        par = cfg.parallel
+        if world_size is None:
+            world_size = par.tp * par.pp * (par.dp if par.dp is not None else 1)
+        tp, pp, dp = resolve_layout(par, cfg.model, world_size, cfg.train)
+        # The trainer's grouping (micro_batch_plan): a step is grad_accum batches of
+        # micro_batch_size rows; with pp > 1 they run in rounds of M in flight, cut into
+        # M / grad_accum pieces when M > grad_accum.
+        B, G, M = cfg.train.micro_batch_size, cfg.train.grad_accum, par.micro_batches
+        if pp > 1:
             pieces, rounds = micro_batch_plan(B, G, M)
             B, G = B // pieces, rounds
         else:
             M = 1
         layout = cls(seq_len=cfg.data.seq_len, micro_batch_size=B, micro_batches=M, grad_accum=G,
-                     tp=par.tp, pp=par.pp, dp=dp, zero_stage=par.zero_stage,
+                     tp=tp, pp=pp, dp=dp, zero_stage=par.zero_stage,
                      checkpointing=cfg.train.checkpointing, dtype=cfg.train.dtype,
                      pp_split=tuple(par.pp_split) if par.pp_split else None)
         return layout.replace(**changes) if changes else layout

@@ -2,7 +2,7 @@
 
 What is alive comes from reading what ``model/rlt.py`` and ``model/attention.py`` save for
 backward (checked tensor by tensor with saved-tensor hooks, and against torch's MemTracker in
-tests/test_costmodel.py). Per position and layer, with a = activation bytes (4 fp32, 2 bf16),
+tests/unit/test_costmodel.py). Per position and layer, with a = activation bytes (4 fp32, 2 bf16),
 q = H Dh / tp, kv = H_kv Dh / tp, F = ffn / tp, H = heads / tp:
 
   each RMSNorm     its input kept at 4 bytes (fp32: the residual itself; bf16: the fp32
@@ -37,7 +37,6 @@ boundary; the backward recomputes one encoder block or one decoder segment at a 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
@@ -243,11 +242,3 @@ def rollout_memory(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, fl
     caches["kv_caches"] = sum(caches.values())
     caches["batch"], caches["positions"] = Bs, Tr
     return caches
-
-
-def gib(x: float) -> float:
-    return x / 2 ** 30
-
-
-def fits(report: MemoryReport, capacity_bytes: float) -> bool:
-    return math.isfinite(report.peak) and report.peak <= capacity_bytes

@@ -1,10 +1,11 @@
 """Parameter counts by group, for the whole model and for one rank of a TP x PP layout.
 
-Sharding follows DESIGN section 5 (Megatron conventions): self- and cross-attention q/k/v
-and the MLP gate/up are column-parallel (weights and biases split by output), o and down
-row-parallel (split by input; they have no bias), embed and lm_head vocab-parallel; norms, ``recur_proj`` (d x d, small), ``z_init`` and
-``null_memory`` are replicated. Pipeline stage s owns blocks and cross blocks
-[s*L/P, (s+1)*L/P) (or ``pp_split``); stage 0 also embed and the recurrence input
+Sharding follows docs/design.md, "Parallel layout" (Megatron conventions): self- and
+cross-attention q/k/v and the MLP gate/up are column-parallel (weights and biases split by output), o and down
+row-parallel (split by input; they have no bias), embed and lm_head vocab-parallel; norms,
+``recur_proj`` (d x d, small), ``z_init`` and ``null_memory`` are replicated. Pipeline stage s
+owns a contiguous block of layers (the trainer's split: L/P each, earlier stages one more when
+P does not divide L, or ``pp_split``); stage 0 also embed and the recurrence input
 (recur_norm, recur_proj, z_init), the last stage memory_norm, final_norm and lm_head (a copy
 of embed when tied and P > 1, its gradient all-reduced with stage 0's as Megatron does). Every
 stage holds null_memory: it feeds the null slot of the stage's own cross-attention K/V.
@@ -18,8 +19,7 @@ from typing import Optional, Sequence
 
 from rlt_mega.config import ConfigError, ModelConfig
 from rlt_mega.model.rlt import param_counts
-
-GROUPS = ("embed", "lm_head", "blocks", "decoder_blocks", "cross", "recurrence", "memory", "final_norm")
+from rlt_mega.parallel.dims import check_tp, split_layers
 
 
 def padded_vocab(vocab_size: int, tp: int) -> int:
@@ -28,35 +28,15 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def check_tp(cfg: ModelConfig, tp: int) -> None:
-    """Raises ConfigError unless every sharded dimension divides by tp (as
-    ``parallel.dims.resolve_layout`` does)."""
-    for name, size in (("model.n_heads", cfg.n_heads), ("model.n_kv_heads", cfg.n_kv_heads),
-                       ("model.ffn_hidden", cfg.ffn_hidden), ("model.vocab_size", cfg.vocab_size)):
-        if size % tp:
-            raise ConfigError(f"tensor parallel size {tp} does not divide {name}={size}: "
-                              f"choose tp among the divisors of {size}")
-
-
 def stage_layers(n_layers: int, pp: int, pp_split: Optional[Sequence[int]] = None) -> list[range]:
-    """Layer indices of each pipeline stage: contiguous, L/P each, or ``pp_split``."""
+    """Layer indices of each pipeline stage: the trainer's own split (parallel.dims.split_layers:
+    contiguous, earlier stages take the remainder of an uneven split, or ``pp_split``)."""
     return list(_stage_layers(n_layers, pp, None if pp_split is None else tuple(pp_split)))
 
 
 @functools.lru_cache(maxsize=4096)
 def _stage_layers(n_layers: int, pp: int, pp_split: Optional[tuple[int, ...]]) -> tuple[range, ...]:
-    if pp_split is not None:
-        if len(pp_split) != pp or sum(pp_split) != n_layers or min(pp_split) < 1:
-            raise ConfigError(f"parallel.pp_split={list(pp_split)} must have pp={pp} positive entries "
-                              f"summing to model.n_layers={n_layers}")
-        sizes = list(pp_split)
-    else:
-        if n_layers % pp:
-            raise ConfigError(f"pipeline size {pp} does not divide model.n_layers={n_layers}: choose pp "
-                              f"among its divisors or give parallel.pp_split (layers per stage)")
-        sizes = [n_layers // pp] * pp
-    starts = [sum(sizes[:s]) for s in range(pp)]
-    return tuple(range(a, a + n) for a, n in zip(starts, sizes))
+    return tuple(split_layers(n_layers, pp, None if pp_split is None else list(pp_split)))
 
 
 def block_params(cfg: ModelConfig, tp: int = 1) -> int:
@@ -81,7 +61,7 @@ def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0
     layers = stage_layers(cfg.n_layers, pp, pp_split)
     if not 0 <= stage < pp:
         raise ConfigError(f"stage {stage} is outside 0..{pp - 1}")
-    n_local = len(layers[stage])
+    num_local_layers = len(layers[stage])
     first, last = stage == 0, stage == pp - 1
     d = cfg.d_model
     vocab_rows = padded_vocab(cfg.vocab_size, tp) // tp
@@ -89,9 +69,9 @@ def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0
     counts = {
         "embed": vocab_rows * d if first else 0,
         "lm_head": vocab_rows * d if lm_head_here else 0,
-        "blocks": n_local * block_params(cfg, tp),
-        "decoder_blocks": 0 if cfg.share_weights else n_local * block_params(cfg, tp),
-        "cross": n_local * cross_params(cfg, tp),
+        "blocks": num_local_layers * block_params(cfg, tp),
+        "decoder_blocks": 0 if cfg.share_weights else num_local_layers * block_params(cfg, tp),
+        "cross": num_local_layers * cross_params(cfg, tp),
         "recurrence": (2 * d + d * d) if first else 0,  # recur_norm, z_init, recur_proj
         "memory": d + (d if last else 0),  # null_memory everywhere, memory_norm on the last stage
         "final_norm": d if last else 0,
@@ -103,12 +83,6 @@ def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0
 def model_param_counts(cfg: ModelConfig) -> dict[str, int]:
     """The whole model, by group (the model's own closed form)."""
     return param_counts(cfg)
-
-
-def largest_stage(cfg: ModelConfig, tp: int, pp: int, pp_split: Optional[Sequence[int]] = None) -> int:
-    """The stage whose ranks hold the most parameters (the one that sets the memory bound)."""
-    totals = [rank_param_counts(cfg, tp, pp, s, pp_split)["total"] for s in range(pp)]
-    return max(range(pp), key=lambda s: totals[s])
 
 
 def rank_tensor_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0,

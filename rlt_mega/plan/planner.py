@@ -19,7 +19,7 @@ The step-time model is a roofline with stated, configurable assumptions (``Hardw
 - The optimizer step streams ~30 bytes per locally-updated parameter through HBM.
 
 Layouts: tp divides the GPUs of a node (and the head counts and ffn), pp divides L,
-dp = world / (tp pp); ZeRO-3 only without PP and ZeRO-2/3 only with dp > 1 (ENGINES.md: the
+dp = world / (tp pp); ZeRO-3 only without PP and ZeRO-2/3 only with dp > 1 (docs/engines.md: the
 combinations we support); micro-batch sizes are powers of two dividing the per-replica batch,
 all micro-batches in flight when pp > 1 (the ring holds them all until the backward), else
 gradient accumulation.
@@ -36,7 +36,8 @@ from rlt_mega.plan.comm import comm_per_step, ring_ticks
 from rlt_mega.plan.flops import flop_rows
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.memory import estimate_memory
-from rlt_mega.plan.params import check_tp, rank_param_counts, stage_layers
+from rlt_mega.parallel.dims import check_tp
+from rlt_mega.plan.params import rank_param_counts, stage_layers
 
 DECODER_OPS_FORWARD = 50  # aten operators per decoder layer and position (forward)
 DECODER_OPS_BACKWARD = 120
@@ -195,11 +196,11 @@ def candidate_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch
                 if (zero == 3 and pp > 1) or (zero > 0 and dp == 1):
                     continue
                 for B in (b for b in (2 ** i for i in range(12)) if per_replica % b == 0):
-                    n_micro = per_replica // B
+                    num_micro = per_replica // B
                     if pp == 1:
-                        shapes = [(1, n_micro)]
+                        shapes = [(1, num_micro)]
                     else:  # in flight M (a divisor of the micro-batch count), the rest accumulated
-                        shapes = [(m, n_micro // m) for m in _divisors(n_micro) if m >= min(pp, n_micro)]
+                        shapes = [(m, num_micro // m) for m in _divisors(num_micro) if m >= min(pp, num_micro)]
                     for M, accum in shapes:
                         for ck in ckpts:
                             out.append(Layout(seq_len=seq_len, micro_batch_size=B, micro_batches=M,

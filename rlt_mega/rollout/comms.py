@@ -1,9 +1,10 @@
-"""How a sampler on one rank talks to the rest of its model replica (DESIGN section 5: GRPO is
+"""How a sampler on one rank talks to the rest of its model replica (docs/design.md, "GRPO": it is
 colocated, each data-parallel replica samples with its learner's TP/PP layout).
 
 - pipeline: point-to-point messages between the stages of the replica's pipeline (the
-  training ring's ``P2P``: blocking receives, non-blocking sends, a message to oneself through
-  a local queue, so one stage closes the ring on itself);
+  training ring's ``P2P``, parallel/p2p.py: one channel per direction, blocking receives,
+  non-blocking sends, a message to oneself through a local queue, so one stage closes the ring
+  on itself);
 - tensor parallel: ``gather_vocab`` makes a vocab shard of logits whole on every TP rank, and
   ``share_tokens`` makes every TP rank continue with TP rank 0's tokens;
 - ``share_results`` hands what the last stage knows (the finished rollouts) to every stage.
@@ -20,7 +21,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from rlt_mega.parallel.pipeline import P2P
+from rlt_mega.parallel.p2p import P2P
 
 
 @dataclass
@@ -45,16 +46,16 @@ class Comms:
         """The replica of ``dims`` (parallel.dims.ParallelDims): my stage, my TP group."""
         from rlt_mega.parallel.tp import gather_vocab
 
-        return cls(P2P(dims.pp_ranks, dims.pp_rank, dims.device), num_stages=dims.pp, stage=dims.pp_rank,
+        return cls(P2P.for_pipeline(dims), num_stages=dims.pp, stage=dims.pp_rank,
                    tp=dims.tp, tp_group=dims.tp_group, tp_src=dims.rank - dims.tp_rank, pp_group=dims.pp_group,
                    last_stage_rank=dims.pp_ranks[-1], gather_fn=lambda x: gather_vocab(x, dims))
 
     @property
-    def is_first(self) -> bool:
+    def is_first_stage(self) -> bool:
         return self.stage == 0
 
     @property
-    def is_last(self) -> bool:
+    def is_last_stage(self) -> bool:
         return self.stage == self.num_stages - 1
 
     def gather_vocab(self, logits: torch.Tensor) -> torch.Tensor:
@@ -74,6 +75,6 @@ class Comms:
         """The last stage's ``obj`` (picklable, CPU tensors) on every stage of the pipeline."""
         if self.num_stages == 1:
             return obj
-        box = [obj if self.is_last else None]
+        box = [obj if self.is_last_stage else None]
         dist.broadcast_object_list(box, src=self.last_stage_rank, group=self.pp_group)
         return box[0]

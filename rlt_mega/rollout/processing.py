@@ -1,11 +1,13 @@
-"""Logits processing and sampling (DESIGN section 3).
+"""Logits processing and sampling (docs/design.md, "Exact log-probabilities").
 
 The behavior log-prob mu that the sampler records must be the log of the probability with
 which a token was really drawn. So processing returns log-probs, not logits: temperature,
 then top-k, then top-p, the kept set renormalised (``log_softmax`` over the logits with
 ``-inf`` outside the kept set), all in fp32. Sampling draws from ``exp`` of exactly those
 log-probs by inverse CDF, so a token with probability zero can never be drawn, and the
-learner's policy log-prob is the same function applied to its own logits.
+learner's policy log-prob is the same function applied to its own logits. The prefix sums
+(top-p's mass, the sampling CDF) run over fixed-point integers: exact, so deterministic on every
+device and batch size.
 
 Every operation is row-wise on a (B, V) batch; the sampler and the replay call
 ``process_logits`` on the same (B, V) shapes so their values are equal bit for bit.
@@ -42,15 +44,31 @@ class Processing:
         return self.temperature == 0
 
 
+# Probabilities become integers in units of 2^-PROB_BITS before any prefix sum: integer addition
+# is associative, so a scan's result depends neither on the order a kernel adds in (a cumsum
+# over one row on CUDA is a nondeterministic CUB scan, and torch refuses a floating-point
+# cumsum on CUDA in deterministic mode) nor on the batch size or the device. p * 2^52 is exact
+# for every fp32 probability >= 2^-29 and rounds smaller ones to the nearest unit; a row's sum
+# stays below 2^53, exact in float64 and far inside int64.
+PROB_BITS = 52
+
+
+def fixed_point(probs: torch.Tensor) -> torch.Tensor:
+    """probs (B, V) in [0, 1] -> (B, V) int64 in units of 2^-PROB_BITS."""
+    return torch.round(probs.double() * float(2 ** PROB_BITS)).long()
+
+
 def _top_p_keep(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keeps the smallest prefix of the tokens sorted by probability whose mass reaches top_p
-    (a token is kept when the mass strictly before it is < top_p; the first always is).
-    logits: (B, V) fp32, already -inf outside earlier filters -> keep mask (B, V)."""
+    (a token is kept when the mass strictly before it is < top_p times the row's mass; the
+    first always is), the masses summed exactly (``fixed_point``). logits: (B, V) fp32, already
+    -inf outside earlier filters -> keep mask (B, V)."""
     # A stable sort makes the order among equal logits (and so the kept set) deterministic.
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
-    probs = torch.softmax(sorted_logits, dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep_sorted = mass_before < top_p
+    units = fixed_point(torch.softmax(sorted_logits, dim=-1))  # (B, V) int64
+    before = torch.cumsum(units, dim=-1) - units  # exclusive prefix sums, exact
+    total = before[:, -1:] + units[:, -1:]  # (B, 1)
+    keep_sorted = before.double() < top_p * total.double()
     keep_sorted[:, 0] = True
     return torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
 
@@ -87,25 +105,26 @@ def make_generators(seeds: Sequence[int], device: torch.device | str = "cpu") ->
     return gens
 
 
-def sample(logprobs: torch.Tensor, generators: Sequence[torch.Generator], rows: Sequence[int]
-           ) -> torch.Tensor:
-    """Draws one token for each row in ``rows`` from exp(logprobs[row]) by inverse CDF.
+def draw_uniforms(generators: Sequence[torch.Generator], n: int, device: torch.device | str) -> torch.Tensor:
+    """Every random number a rollout may use, drawn once: (B, n) float64 in [0, 1), row b from
+    its request's generator (one launch per request and rollout, none per step). Column i is
+    the draw of the row's i-th sampled token."""
+    rows = [torch.rand(n, generator=g, dtype=torch.float64, device=g.device) for g in generators]
+    return torch.stack(rows).to(device)
 
-    logprobs: (B, V) processed (from ``process_logits``); generators: one per row of the
-    batch, each advanced by exactly one draw per token it samples -> tokens (len(rows),).
 
-    ``searchsorted(cdf, u, right=True)`` returns the first i with cdf[i] > u; a token of
-    probability zero has cdf[i] == cdf[i-1] <= u, so it is never returned.
+def sample(logprobs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Draws one token per row from exp(logprobs) by inverse CDF, on the device, with no host
+    synchronisation.
+
+    logprobs: (B, V) processed (from ``process_logits``); u: (B,) float64 uniforms in [0, 1)
+    -> tokens (B,). The CDF is a prefix sum of the probabilities in fixed point (``fixed_point``,
+    exact and deterministic): row b draws token i with probability units_i / sum(units), which
+    is exp(logprobs[b, i]) renormalised, to within 2^-53 absolute. A token whose probability
+    rounds to zero (zero, or below 2^-53) is never drawn: ``searchsorted(cdf, r, right=True)``
+    returns the first i with cdf[i] > r, and such a token has cdf[i] == cdf[i-1] <= r.
     """
-    if len(rows) == 0:
-        return torch.empty(0, dtype=torch.long, device=logprobs.device)
-    idx = torch.as_tensor(list(rows), dtype=torch.long, device=logprobs.device)
-    probs = logprobs.index_select(0, idx).exp()  # (n, V)
-    cdf = torch.cumsum(probs, dim=-1)
-    # u in [0, total): scaling by the row's total (not 1) absorbs the rounding of the sum.
-    u = torch.cat([torch.rand(1, generator=generators[r], device=generators[r].device) for r in rows])
-    u = u.to(logprobs.device, cdf.dtype) * cdf[:, -1]
-    tokens = torch.searchsorted(cdf, u.unsqueeze(-1), right=True).squeeze(-1)
-    # u * total can round up to total itself; then take the last token of positive probability.
-    last_positive = probs.shape[-1] - 1 - torch.flip(probs > 0, dims=[-1]).int().argmax(dim=-1)
-    return torch.minimum(tokens, last_positive)
+    cdf = torch.cumsum(fixed_point(logprobs.exp()), dim=-1)  # (B, V) int64
+    total = cdf[:, -1]
+    r = torch.minimum((u.double() * total.double()).floor().long(), total - 1)  # uniform in [0, total)
+    return torch.searchsorted(cdf, r.unsqueeze(-1), right=True).squeeze(-1)

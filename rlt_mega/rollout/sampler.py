@@ -1,4 +1,5 @@
-"""The rollout and replay schedules (DESIGN sections 2 and 3).
+"""The rollout and replay schedules (docs/design.md, "One transition, three schedules" and
+"Exact log-probabilities").
 
 Both run one executor (``executor.Executor``, the same program on one process and on every
 stage of a tensor/pipeline-parallel replica), so that with unchanged parameters their logits
@@ -24,6 +25,10 @@ The schedule, for a batch of B prompts of lengths P_b (left-aligned, right-padde
   (the same function with fused kernels, ``model/fast_decode.py``, whenever every projection
   is a plain nn.Linear), then the head (fp32 logits; under tensor parallelism the vocab
   shards gathered) and ``process_logits`` on the whole (B, V) batch.
+- Stopping: stop tokens and max_new_tokens end a row on the device; the batch stops at the
+  first check (every ``check_every`` steps, executor.py) after its last row ended, so it may
+  run up to check_every - 1 steps of pad past it. Stop strings are looked for at the checks,
+  in the tokens drawn since the last one; a row ends at the token that completed one.
 
 What the rollout records (``Schedule``) is enough to re-execute it: prompt lengths, the
 number of steps, the encoder calls, the cache capacity, processing, dtype and which decoder
@@ -32,7 +37,6 @@ step ran (fused or the modules'; they round differently, so the replay takes the
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -40,22 +44,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from rlt_mega.model.rlt import RLT
+from rlt_mega.precision import precision
 from rlt_mega.rollout.comms import Comms
-from rlt_mega.rollout.executor import Executor, Plan, Result
-from rlt_mega.rollout.processing import Processing, make_generators, sample
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def precision(dtype: str, device: torch.device | str):
-    """The context the model calls run under: nothing for fp32, autocast for bf16 (the
-    head's logits are fp32 either way)."""
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype={dtype!r}: expected one of {sorted(DTYPES)}")
-    if dtype == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device_type=torch.device(device).type, dtype=DTYPES[dtype])
-
+from rlt_mega.rollout.executor import DEFAULT_CHECK_EVERY, Executor, Plan, Result
+from rlt_mega.rollout.processing import Processing, draw_uniforms, make_generators, sample
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -138,41 +130,94 @@ def _check_model_fits(model: RLT, capacity: int) -> None:
                          "max_new_tokens or raise model.max_seq_len")
 
 
+_REASONS = ("", "stop_token", "stop_string", "length")  # finish codes on the device: 0 while running
+
+
 class _Draw:
-    """The rollout's chooser: rows past their prompt draw x_{t+1} from their own generator,
-    the others are forced (prompt tokens, or pad once finished); stop tokens, stop strings and
-    max_new_tokens end a row."""
+    """The rollout's chooser: rows past their prompt draw x_{t+1} with their own random numbers,
+    the others are forced (prompt tokens, or pad once finished); stop tokens and max_new_tokens
+    end a row on the device, stop strings at the checks (``check``), in the newest text only.
+
+    Stop strings are found up to check_every steps late: the tokens a row drew after its stop
+    string are then replaced by pad in the record (its completion ends at the string), which
+    changes no log-prob of the completion (positions are causal, rows independent)."""
 
     def __init__(self, tokens: torch.Tensor, prompt_lens: Sequence[int], params: SamplingParams,
-                 generators: list, decode: Optional[Callable[[list[int]], str]]) -> None:
-        self.tokens, self.prompt_lens, self.params, self.generators = tokens, list(prompt_lens), params, generators
-        self.decode = decode
+                 generators: list, decode: Optional[Callable[[list[int]], str]], pad_id: int) -> None:
+        device = tokens.device
+        self.tokens, self.params, self.decode, self.pad_id = tokens, params, decode, pad_id
+        self.prompt_lens = list(prompt_lens)
+        self.prompt_t = torch.as_tensor(self.prompt_lens, dtype=torch.long, device=device)  # (B,)
+        self.u = draw_uniforms(generators, params.max_new_tokens, device)  # (B, max_new_tokens)
         B = tokens.shape[0]
-        self.num_new = [0] * B
-        self.finish: list[Optional[str]] = [None] * B
-        self.stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=tokens.device)
-        self.rows: list[int] = []
+        self.num_new = torch.zeros(B, dtype=torch.long, device=device)  # tokens drawn per row
+        self.reason = torch.zeros(B, dtype=torch.long, device=device)  # index into _REASONS
+        self.stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
+        self._sampling: Optional[torch.Tensor] = None
+        self.checked = [0] * B  # completion tokens already searched for stop strings (host)
+        # A stop string of n bytes spans at most n tokens when every token decodes to at least
+        # one byte (byte-level tokenizers); 3 more cover a character split at the window's start.
+        self.lookback = max((len(x.encode("utf-8")) for x in params.stop_strings), default=0) + 3
 
-    def propose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
-        self.rows = [b for b in range(len(self.finish)) if self.finish[b] is None and t >= self.prompt_lens[b] - 1]
-        out = self.tokens[:, t + 1].clone()
-        out[self.rows] = sample(logprobs, self.generators, self.rows)
-        return out
+    def choose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
+        sampling = (self.prompt_t <= t + 1) & (self.reason == 0)  # (B,): past the prompt, running
+        draw_index = self.num_new.clamp(max=self.u.shape[1] - 1).unsqueeze(1)
+        drawn = sample(logprobs, self.u.gather(1, draw_index).squeeze(1))
+        self._sampling = sampling
+        return torch.where(sampling, drawn, self.tokens[:, t + 1])
 
-    def accept(self, t: int, tokens: torch.Tensor) -> bool:
-        drawn = tokens[self.rows]
-        is_stop = torch.isin(drawn, self.stop_ids).tolist() if len(self.stop_ids) else [False] * len(self.rows)
-        params = self.params
-        for b, stop in zip(self.rows, is_stop):
-            self.num_new[b] += 1
-            if stop:
-                self.finish[b] = "stop_token"
-            elif params.stop_strings and _has_stop_string(self.decode, self.tokens[b, self.prompt_lens[b]:t + 2],
-                                                          params.stop_strings):
-                self.finish[b] = "stop_string"
-            elif self.num_new[b] == params.max_new_tokens:
-                self.finish[b] = "length"
-        return any(f is None for f in self.finish)
+    def record(self, t: int, tokens: torch.Tensor) -> None:
+        sampling = self._sampling
+        self.num_new += sampling.long()
+        running = self.reason == 0
+        if len(self.stop_ids):
+            stop = sampling & torch.isin(tokens, self.stop_ids)
+            self.reason = torch.where(running & stop, 1, self.reason)
+            running = self.reason == 0
+        length = sampling & (self.num_new == self.params.max_new_tokens)
+        self.reason = torch.where(running & length, 3, self.reason)
+
+    def finished(self) -> torch.Tensor:
+        return self.reason != 0
+
+    def check(self, t: int) -> None:
+        """Stop strings in the tokens drawn since the last check (one read of the newest
+        tokens): a row ends at the first token whose completion text contains one (a stop token
+        at that same token takes precedence, as before; max_new_tokens does not)."""
+        if not self.params.stop_strings:
+            return
+        num_new, reason = self.num_new.tolist(), self.reason.tolist()
+        rows = [b for b in range(len(num_new)) if num_new[b] > self.checked[b]]
+        if not rows:
+            return
+        starts = {b: self.prompt_lens[b] + max(0, self.checked[b] - self.lookback) for b in rows}
+        lo = min(starts.values())
+        window = self.tokens[:, lo:t + 2].tolist()
+        for b in rows:
+            P, start = self.prompt_lens[b], starts[b]
+            ids = window[b][start - lo:P + num_new[b] - lo]
+            first_new = P + self.checked[b] - start
+            self.checked[b] = num_new[b]
+            end = _first_stop(self.decode, ids, first_new, self.params.stop_strings)
+            if end is None:
+                continue
+            length = start - P + end + 1  # the completion ends with the token that completed it
+            if reason[b] == 1 and length == num_new[b]:
+                continue
+            self.num_new[b], self.reason[b], self.checked[b] = length, 2, length
+            self.tokens[b, P + length:t + 2] = self.pad_id
+
+
+def _first_stop(decode: Callable[[list[int]], str], ids: list[int], first_new: int,
+                stop_strings: Sequence[str]) -> Optional[int]:
+    """The first index i >= first_new such that decode(ids[:i + 1]) contains a stop string."""
+    if not any(x in decode(ids) for x in stop_strings):
+        return None
+    for i in range(first_new, len(ids)):
+        text = decode(ids[:i + 1])
+        if any(x in text for x in stop_strings):
+            return i
+    return None
 
 
 class _Force:
@@ -180,12 +225,19 @@ class _Force:
 
     def __init__(self, tokens: torch.Tensor) -> None:
         self.tokens = tokens
+        self.none = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
 
-    def propose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
+    def choose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
         return self.tokens[:, t + 1]
 
-    def accept(self, t: int, tokens: torch.Tensor) -> bool:
-        return True
+    def record(self, t: int, tokens: torch.Tensor) -> None:
+        pass
+
+    def finished(self) -> torch.Tensor:
+        return self.none
+
+    def check(self, t: int) -> None:
+        pass
 
 
 class Sampler:
@@ -197,15 +249,17 @@ class Sampler:
     grouped never changes a value."""
 
     def __init__(self, model: RLT, comms: Optional[Comms] = None, layers: Optional[range] = None,
-                 fast_decode: bool = True) -> None:
+                 fast_decode: bool = True, check_every: int = DEFAULT_CHECK_EVERY) -> None:
         """fast_decode: sample with the fused decoder step (model/fast_decode.py) where the
         projections allow it; it holds a copy of the decoder weights during a run (false: the
-        modules' path, no copy). A replay always takes the path its rollout recorded."""
+        modules' path, no copy). A replay always takes the path its rollout recorded.
+        check_every: decoder steps between the host's reads of the finish flags (executor.py);
+        a batch runs up to check_every - 1 steps past its last row's end."""
         self.model = model
         self.fast_decode = fast_decode
         self.device = next(model.parameters()).device
         self.comms = comms if comms is not None else Comms.local(self.device)
-        self.executor = Executor(model, self.comms, layers)
+        self.executor = Executor(model, self.comms, layers, check_every)
 
     def generate(self, batches: Sequence[Sequence[Sequence[int]]], params: SamplingParams | Sequence[SamplingParams],
                  seeds: Sequence[Sequence[int]], pad_id: int, dtype: str = "fp32",
@@ -228,7 +282,7 @@ class Sampler:
             tokens = torch.full((len(prompts), capacity), pad_id, dtype=torch.long, device=self.device)
             for b, x in enumerate(prompts):
                 tokens[b, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
-            draw = _Draw(tokens, prompt_lens, p, make_generators(batch_seeds, self.device), decode)
+            draw = _Draw(tokens, prompt_lens, p, make_generators(batch_seeds, self.device), decode, pad_id)
             plans.append(Plan(tokens, prompt_lens, capacity - 1, draw))
             draws.append(draw)
         if len({p.processing for p in params}) != 1:
@@ -236,7 +290,9 @@ class Sampler:
         with torch.no_grad(), precision(dtype, self.device):
             results = self.executor.run(plans, params[0].processing, self.fast_decode)
         rollouts = None
-        if self.comms.is_last:
+        if self.comms.is_last_stage:
+            for res, draw in zip(results, draws):
+                draw.check(res.num_steps - 1)  # the tokens drawn after the last check
             rollouts = [_rollout(res, plan, draw, p.processing, dtype, pad_id, self.model.cfg.memory_block)
                         for res, plan, draw, p in zip(results, plans, draws, params)]
             if self.comms.num_stages > 1:
@@ -306,27 +362,23 @@ def _rollout(res: Result, plan: Plan, draw: _Draw, processing: Processing, dtype
                         capacity=plan.tokens.shape[1], num_steps=res.num_steps, encoder_calls=res.encoder_calls,
                         processing=processing, dtype=dtype, pad_id=pad_id, fast_decode=res.fast_decode)
     device = plan.tokens.device
-    step, mask = completion_positions(plan.prompt_lens, draw.num_new, device)
+    completion_lens = draw.num_new.tolist()
+    finish_reasons = [_REASONS[r] or "length" for r in draw.reason.tolist()]
+    step, mask = completion_positions(plan.prompt_lens, completion_lens, device)
     mu = torch.where(mask, res.step_logprobs.gather(1, step), torch.zeros((), device=device))
-    return Rollout(tokens=plan.tokens[:, :res.num_steps + 1].clone(), mu=mu, mask=mask, completion_lens=draw.num_new,
-                   finish_reasons=[str(f) for f in draw.finish], schedule=schedule)
+    return Rollout(tokens=plan.tokens[:, :res.num_steps + 1].clone(), mu=mu, mask=mask,
+                   completion_lens=completion_lens, finish_reasons=finish_reasons, schedule=schedule)
 
 
 def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
              pad_id: int, dtype: str = "fp32", decode: Optional[Callable[[list[int]], str]] = None,
-             device: torch.device | str | None = None, fast_decode: bool = True) -> Rollout:
+             device: torch.device | str | None = None, fast_decode: bool = True,
+             check_every: int = DEFAULT_CHECK_EVERY) -> Rollout:
     """One batch on one process (``Sampler`` for several, or under parallelism)."""
     if device is not None and torch.device(device) != next(model.parameters()).device:
         raise ValueError(f"generate on {device}: the model is on {next(model.parameters()).device}")
-    return Sampler(model, fast_decode=fast_decode).generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
-
-
-def _has_stop_string(decode: Callable[[list[int]], str], completion: torch.Tensor,
-                     stop_strings: Sequence[str]) -> bool:
-    # The first occurrence ends the row, so only the newest token can have completed one; the
-    # whole completion is decoded because a token may be part of a multi-token character.
-    text = decode(completion.tolist())
-    return any(s in text for s in stop_strings)
+    sampler = Sampler(model, fast_decode=fast_decode, check_every=check_every)
+    return sampler.generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
 
 
 def replay(model: RLT, rollout: Rollout) -> torch.Tensor:

@@ -1,53 +1,23 @@
-"""Pieces shared by GRPO, ``generate`` and ``eval``: the model with trained weights, sampling
-parameters from the config, batched generation of text and greedy GSM8K accuracy."""
+"""Pieces shared by GRPO, ``generate`` and ``eval``: sampling parameters from the config,
+batched generation of text and greedy GSM8K accuracy."""
 
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from rlt_mega.checkpoint import CheckpointError
-from rlt_mega.checkpoint_tools.training import is_training_checkpoint, load_training_weights
-from rlt_mega.config import Config, ModelConfig
+from rlt_mega.config import Config
 from rlt_mega.data.pairs import prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer
-from rlt_mega.log import get_logger
-from rlt_mega.model import RLT, build_model
-from rlt_mega.parallel.engine import resolve_device
+from rlt_mega.model import RLT
 from rlt_mega.rollout import Processing, Sampler, SamplingParams
 from rlt_mega.rollout.rewards import gsm8k_reward, score
-from rlt_mega.train.pretrain import build_local
-
-log = get_logger(__name__)
-
-def inference_model(cfg: Config) -> RLT:
-    """The model of ``cfg`` for generate/eval: weights from train.init_from (an export), else
-    from the newest valid training checkpoint in checkpoint.dir."""
-    if cfg.train.init_from:
-        return build_local(cfg)[0]
-    if not is_training_checkpoint(Path(cfg.checkpoint.dir)):
-        raise CheckpointError(f"no weights: set train.init_from=<export directory>, or train into "
-                              f"checkpoint.dir={cfg.checkpoint.dir} first")
-    saved_cfg, state, source = load_training_weights(cfg.checkpoint.dir)
-    model = build_model(cfg.model, resolve_device(cfg.train.device))
-    for f in dataclasses.fields(ModelConfig):  # as train.init_from does: shapes must agree (below)
-        if getattr(saved_cfg.model, f.name) != getattr(cfg.model, f.name):
-            log.warning("checkpoint %s: model.%s is %s there but %s in this config", source["path"], f.name,
-                        getattr(saved_cfg.model, f.name), getattr(cfg.model, f.name))
-    try:
-        model.load_state_dict(state, strict=True)
-    except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint {source['path']}: its weights do not fit model.* of this config "
-                              f"(use the checkpoint's own config.yaml): {exc}") from None
-    log.info("weights from %s (step %s)", source["path"], source.get("step"))
-    return model
 
 
 def sampling_params(cfg: Config, tokenizer: Tokenizer, greedy: bool = False) -> SamplingParams:
     s = cfg.sampling
     processing = Processing(temperature=0.0) if greedy else Processing(s.temperature, s.top_k, s.top_p)
-    return SamplingParams(processing, max_new_tokens=s.max_new_tokens, stop_token_ids=(tokenizer.eos_id,),
+    return SamplingParams(processing, max_new_tokens=s.max_new_tokens, stop_token_ids=tokenizer.stop_ids,
                           stop_strings=tuple(s.stop_strings))
 
 

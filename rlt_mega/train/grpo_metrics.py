@@ -1,9 +1,10 @@
-"""A GRPO step's metrics, reduced over every rank (train/replica.py says who contributes what).
+"""A GRPO step's metrics, reduced over every rank.
 
 Replica totals (rewards, completion lengths, positions the learner ran) come from each
-replica's source rank; the learner's per-token metrics from the loss ranks, one record per
-micro-batch (learner/objective.py); phase times are the slowest rank's. Means are taken after
-the reduction: sums / global counts, never a mean of means.
+replica's source rank (parallel/dims.py, ``is_replica_source``); the learner's per-token
+metrics from the loss ranks (``is_loss_rank``), one record per batch (learner/objective.py);
+phase times are the slowest rank's. Means are taken after the reduction: sums / global counts,
+never a mean of means.
 """
 
 from __future__ import annotations
@@ -11,18 +12,18 @@ from __future__ import annotations
 from typing import Sequence
 
 from rlt_mega.rollout import Rollout
-from rlt_mega.train.replica import Replica
+from rlt_mega.parallel.dims import ParallelDims
 
 INF = float("inf")
 
 
-def reduce_step_metrics(rep: Replica, rewards: Sequence[float], failures: int, rollouts: Sequence[Rollout],
+def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: int, rollouts: Sequence[Rollout],
                         records: Sequence[dict], first_records: int, epochs: int, t_generate: float, t_learn: float,
                         with_reference: bool) -> dict[str, float]:
     """rewards: this replica's, one per row; rollouts: its micro-batches of the step; records:
     the objective's per-micro-batch metrics on a loss rank (empty elsewhere), the first
     ``first_records`` of them the on-policy minibatch (epoch 0, minibatch 0)."""
-    src = 1.0 if rep.is_replica_source else 0.0
+    src = 1.0 if dims.is_replica_source else 0.0
     sums = {
         "rows": src * len(rewards),
         "reward": src * sum(rewards),
@@ -38,7 +39,7 @@ def reduce_step_metrics(rep: Replica, rewards: Sequence[float], failures: int, r
                               "t_generate": t_generate, "t_learn": t_learn}
     learner = {k: 0.0 for k in ("tokens", "ratio_sum", "clipped", "support_miss", "kl_sum", "diff_sum",
                                 "miss_dense_sum", "first_tokens", "first_kl_sum")}
-    if rep.is_loss_rank:
+    if dims.is_loss_rank:
         for i, m in enumerate(records):
             n = m["num_tokens"]
             learner["tokens"] += n
@@ -61,7 +62,7 @@ def reduce_step_metrics(rep: Replica, rewards: Sequence[float], failures: int, r
                     mins["first_ratio_min"] = min(mins["first_ratio_min"], m["ratio_min"])
                     maxs["first_ratio_max"] = max(maxs["first_ratio_max"], m["ratio_max"])
     sums.update(learner)
-    r = rep.reduce(sums, mins, maxs)
+    r = dims.reduce(sums, mins, maxs)
     rows, tokens = max(r["rows"], 1.0), max(r["tokens"], 1.0)
     first_min = r["first_ratio_min"] if r["first_ratio_min"] != INF else 1.0
     first_max = r["first_ratio_max"] if r["first_ratio_max"] != -INF else 1.0

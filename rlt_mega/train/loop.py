@@ -1,10 +1,12 @@
-"""The loop shared by pretraining and SFT: steps, logging, evaluation, checkpoints, resume,
-non-finite steps. A trainer provides where micro-batches come from and how loss is counted;
-this module owns the order of things.
+"""The one trainer loop. Pretraining, SFT and GRPO differ only in their :class:`Job`: its
+``step`` (fetch a batch and train; or GRPO's named phases), its evaluation and its state. The
+loop owns the order of things: resume, steps, the log / eval / save intervals, stop_after,
+the progress bar, the run's config.yaml, checkpoints, a failing step.
 
 Everything that must survive a restart is state_dict-able: the engine (model, optimizer,
-schedule), the batch source (epoch, cursor), ``TrainState`` and every RNG. A run resumed
-from step k continues bit for bit as if it had never stopped.
+schedule), the loop (:class:`LoopState`: steps done, the last checkpoint's step), the job
+(its counters and data order) and every rank's RNG. A run resumed from step k continues bit
+for bit as if it had never stopped.
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, Optional, Protocol
+from typing import Optional, Protocol
 
 import torch
 from tqdm import tqdm
 
-from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch,
-                                 rng_state, set_rng_state)
+from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch, rng_state,
+                                 set_rng_state)
 from rlt_mega.config import Config, save_config
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
-from rlt_mega.parallel.engine import CountFn, LossFn, StepStats, lm_count, lm_loss
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.parallel.engine import Engine
 
 log = get_logger(__name__)
 
@@ -31,162 +34,176 @@ class TrainingError(RuntimeError):
     """The run cannot go on (e.g. too many non-finite steps in a row); says where to resume."""
 
 
-class BatchSource(Protocol):
-    def next_micro_batches(self) -> list[dict]: ...
-    def state_dict(self) -> dict: ...
-    def load_state_dict(self, state: dict) -> None: ...
+class StepFailed(Exception):
+    """Raised by a step that ran but after which the run cannot go on: the loop logs the step's
+    ``scalars``, then stops with ``reason``, the last good checkpoint and ``hint``."""
+
+    def __init__(self, reason: str, hint: str, scalars: dict[str, float]) -> None:
+        super().__init__(reason)
+        self.reason, self.hint, self.scalars = reason, hint, scalars
 
 
 @dataclass
-class TrainState:
-    step: int = 0  # optimizer steps taken (skipped ones included)
-    tokens: int = 0  # input tokens consumed
-    nonfinite_total: int = 0
-    nonfinite_in_a_row: int = 0
-    last_checkpoint: Optional[str] = None
+class Interval:
+    """Due at every ``every``-th step (0: never) and, with ``at_end``, at the last step."""
+
+    every: int
+    at_end: bool = False
+
+    def due(self, step: int, last_step: int) -> bool:
+        return bool(self.every and step % self.every == 0) or (self.at_end and step == last_step)
+
+
+@dataclass
+class StopAfter:
+    """train.stop_after: this process stops after that many steps (time-limited jobs); the
+    learning-rate schedule still spans train.steps and train.resume=auto continues."""
+
+    steps: Optional[int]
+
+    def end(self, start: int, total: int) -> int:
+        return total if self.steps is None else min(total, start + self.steps)
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # steps done (skipped non-finite ones included)
+    last_checkpoint_step: Optional[int] = None  # the step of the last checkpoint saved or resumed
+
+    def state_dict(self) -> dict:
+        return asdict(self)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step, self.last_checkpoint_step = int(state["step"]), state["last_checkpoint_step"]
+
+
+class Job(Protocol):
+    """What the loop drives. ``step(done)`` runs the step after ``done`` steps and returns its
+    scalars (it may raise :class:`StepFailed`); ``log_line(scalars, seconds)`` what a log line
+    holds after the window since the previous one; ``evaluate(step)`` held-out scalars;
+    ``result()`` the job's part of the run's result."""
+
+    name: str  # the progress bar's label and the manifest's "job"
+    eval_every: Interval  # relative to train.steps
+    eval_at_start: bool  # also before the first step of a fresh run
+
+    def step(self, done: int) -> dict[str, float]: ...
+    def log_line(self, scalars: dict[str, float], seconds: float) -> dict[str, float]: ...
+    def postfix(self, scalars: dict[str, float]) -> dict[str, str]: ...
+    def evaluate(self, step: int) -> dict[str, float]: ...
+    def result(self) -> dict: ...
+    def state_dict(self) -> dict: ...  # called on every rank at a save; rank 0's is kept
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class Trainer:
-    def __init__(self, cfg: Config, engine, batches: BatchSource, eval_batches: Callable[[], list[dict]],
-                 loss_fn: LossFn = lm_loss, count_fn: CountFn = lm_count, rank: int = 0,
-                 barrier: Callable[[], None] = lambda: None, extra_state: Optional[Callable[[], dict]] = None
-                 ) -> None:
-        self.cfg, self.engine, self.batches, self.eval_batches = cfg, engine, batches, eval_batches
-        self.loss_fn, self.count_fn, self.rank = loss_fn, count_fn, rank
-        self.state = TrainState()
-        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=rank, barrier=barrier)
-        self.metrics = Metrics(cfg.logging.dir, enabled=rank == 0)
-        self.timers = Timers(torch.cuda.synchronize if torch.cuda.is_available() else None)
-
-    # ------------------------------------------------------------------ checkpoints
-    def save(self) -> Path:
-        return save_trainer_checkpoint(self.ckpt, self.engine, self.cfg, self.rank, self.state,
-                                       self.batches.state_dict())
-
-    def resume(self) -> None:
-        def restore(saved: dict) -> None:
-            self.state = TrainState(**saved["state"])
-            self.batches.load_state_dict(saved["data"])
-
-        path = resume_trainer_checkpoint(self.ckpt, self.engine, self.cfg, self.rank, restore)
-        if path is not None:
-            self.state.last_checkpoint = str(path)
-            log.info("resumed from %s at step %d", path, self.state.step)
+    def __init__(self, cfg: Config, dims: ParallelDims, engine: Engine, job: Job, timers: Timers) -> None:
+        self.cfg, self.dims, self.engine, self.job, self.timers = cfg, dims, engine, job, timers
+        self.log_every = Interval(cfg.train.log_every, at_end=True)  # relative to train.steps
+        self.save_every = Interval(cfg.checkpoint.every, at_end=True)  # relative to this process's last step
+        self.stop = StopAfter(cfg.train.stop_after)
+        self.state = LoopState()
+        self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=dims.rank, barrier=dims.barrier)
+        self.metrics = Metrics.for_run(cfg, enabled=dims.rank == 0)
+        self._last_path: Optional[Path] = None  # where the last checkpoint is (for messages)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
         self.resume()
-        if self.rank == 0:
-            save_config(self.cfg, _mkdir(Path(self.cfg.logging.dir)) / "config.yaml")
-        bar = tqdm(total=self.cfg.train.steps, initial=self.state.step,
-                   disable=not (self.cfg.logging.progress and self.rank == 0), desc="train", dynamic_ncols=True)
+        if self.dims.rank == 0:
+            log_dir = Path(self.cfg.logging.dir)
+            log_dir.mkdir(parents=True, exist_ok=True)
+            save_config(self.cfg, log_dir / "config.yaml")
+        total = self.cfg.train.steps
+        bar = tqdm(total=total, initial=self.state.step, desc=self.job.name, dynamic_ncols=True,
+                   disable=not (self.cfg.logging.progress and self.dims.rank == 0))
         try:  # a run stopped by an error still flushes its metrics (TensorBoard buffers them)
-            return self._loop(bar)
+            if self.state.step == 0 and self.job.eval_at_start:
+                self._evaluate(0)  # the job keeps what it needs of it (GRPO: the accuracy before)
+            return self._steps(total, bar)
         finally:
             bar.close()
             self.metrics.close()
 
-    def _loop(self, bar: tqdm) -> dict:
-        cfg = self.cfg.train
-        window_tokens, window_start, last = 0, time.perf_counter(), {}
-        end = cfg.steps if cfg.stop_after is None else min(cfg.steps, self.state.step + cfg.stop_after)
+    def _steps(self, total: int, bar: tqdm) -> dict:
+        end = self.stop.end(self.state.step, total)
+        line: dict[str, float] = {}
+        last_eval: dict[str, float] = {}
+        window_steps, window_start = 0, time.perf_counter()
         while self.state.step < end:
-            with self.timers("data"):
-                micro_batches = self.batches.next_micro_batches()
-            with self.timers("step"):
-                stats = self.engine.train_step(micro_batches, self.loss_fn, self.count_fn)
-            tokens = sum(int(mb["inputs"].numel()) for mb in micro_batches) * self.engine.data_parallel_size()
+            failure: Optional[StepFailed] = None
+            try:
+                scalars = self.job.step(self.state.step)
+            except StepFailed as exc:
+                scalars, failure = exc.scalars, exc
             self.state.step += 1
-            self.state.tokens += tokens
-            window_tokens += tokens
-            too_many_nonfinite = self._account_nonfinite(stats)
-            bar.update(1)
             step = self.state.step
-            if step % cfg.log_every == 0 or step == cfg.steps or too_many_nonfinite:
-                elapsed = time.perf_counter() - window_start
-                last = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                        "train/tokens_per_s": window_tokens / max(elapsed, 1e-9),
-                        "train/tokens": self.state.tokens, "train/nonfinite_skipped": self.state.nonfinite_total,
-                        **self.timers.pop()}
-                self.metrics.log(step, last)
-                bar.set_postfix(loss=f"{stats.loss:.4f}", tok_s=f"{last['train/tokens_per_s']:.0f}")
-                window_tokens, window_start = 0, time.perf_counter()
-            if too_many_nonfinite:
-                raise TrainingError(
-                    f"{self.state.nonfinite_in_a_row} non-finite steps in a row up to step {step} "
-                    f"(train.max_nonfinite_in_a_row={cfg.max_nonfinite_in_a_row}); last good checkpoint: "
-                    f"{self.state.last_checkpoint or 'none'}. Lower optim.lr or check the data, then resume with "
-                    "train.resume=auto")
-            if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.steps):
-                last["eval/loss"] = self.evaluate(step)
-            if self.cfg.checkpoint.every and step % self.cfg.checkpoint.every == 0 and step < end:
+            window_steps += 1
+            bar.update(1)
+            if self.log_every.due(step, total) or failure is not None:
+                times = {k: v / window_steps for k, v in self.timers.pop().items()}  # seconds per step
+                line = {**self.job.log_line(scalars, time.perf_counter() - window_start), **times}
+                self.metrics.log(step, line)
+                bar.set_postfix(self.job.postfix(line))
+                window_steps, window_start = 0, time.perf_counter()
+            if failure is not None:
+                where = self._last_path or "none"
+                raise TrainingError(f"{failure.reason}; last good checkpoint: {where}. {failure.hint}")
+            if self.job.eval_every.due(step, total):
+                last_eval = self._evaluate(step)
+            if self.save_every.due(step, end):
                 self.save()
-        if self.state.step > 0 and (not self.state.last_checkpoint
-                                    or not self.state.last_checkpoint.endswith(f"{self.state.step:08d}")):
-            self.save()
-        return {"step": self.state.step, **last}
+        return {"step": self.state.step, **line, **last_eval, **self.job.result()}
 
-    def evaluate(self, step: int) -> float:
-        loss = self.engine.eval_loss(self.eval_batches(), self.loss_fn, self.count_fn)
-        self.metrics.log(step, {"eval/loss": loss})
-        log.info("step %d: eval loss %.4f", step, loss)
-        return loss
+    def _evaluate(self, step: int) -> dict[str, float]:
+        scalars = self.job.evaluate(step)
+        if scalars:
+            self.metrics.log(step, scalars)
+        return scalars
 
-    def _account_nonfinite(self, stats: StepStats) -> bool:
-        """Counts a skipped step; True when there were more in a row than allowed."""
-        if not stats.skipped:
-            self.state.nonfinite_in_a_row = 0
-            return False
-        self.state.nonfinite_total += 1
-        self.state.nonfinite_in_a_row += 1
-        log.warning("step %d: non-finite loss %s or gradient norm %s: step skipped (%d in a row, %d in all)",
-                    self.state.step, stats.loss, stats.grad_norm, self.state.nonfinite_in_a_row,
-                    self.state.nonfinite_total)
-        return self.state.nonfinite_in_a_row > self.cfg.train.max_nonfinite_in_a_row
+    # ------------------------------------------------------------------ checkpoints
+    def save(self) -> Path:
+        """One atomic checkpoint: the engine's files, rank 0's trainer.pt (the loop's and the
+        job's state) and config.yaml, and every rank's RNG state (the data order is seeded,
+        but a user hook may draw numbers)."""
+        step = self.state.step
+        # On every rank, though only rank 0 writes it: a job's state may be a collective (a
+        # streamed run gathers every data-parallel replica's stream position).
+        job_state = self.job.state_dict()
 
+        def write(tmp: Path) -> None:
+            self.engine.save(tmp)
+            if self.dims.rank == 0:
+                torch.save({"loop": self.state.state_dict(), "job": job_state}, tmp / "trainer.pt")
+                save_config(self.cfg, tmp / "config.yaml")
+            torch.save(rng_state(), tmp / f"rng_rank{self.dims.rank}.pt")
 
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+        path = self.ckpt.save(step, write, meta={"layout": self.engine.layout(), "job": self.job.name})
+        self.state.last_checkpoint_step, self._last_path = step, path
+        log.info("saved checkpoint %s", path)
+        return path
 
-
-def save_trainer_checkpoint(ckpt: CheckpointManager, engine, cfg: Config, rank: int, state, data_state: dict,
-                            **meta) -> Path:
-    """One atomic checkpoint of a trainer: the engine's shards, rank 0's trainer state (a
-    dataclass with ``step`` and ``last_checkpoint``) with its data order and the config, and every
-    rank's RNG state (the data order is seeded, but a user hook may draw numbers)."""
-    def write(tmp: Path) -> None:
-        engine.save(tmp)
-        if rank == 0:
-            torch.save({"state": asdict(state), "data": data_state}, tmp / "trainer.pt")
-            save_config(cfg, tmp / "config.yaml")
-        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-
-    path = ckpt.save(state.step, write, meta={"layout": engine.layout(), **meta})
-    state.last_checkpoint = str(path)
-    log.info("saved checkpoint %s", path)
-    return path
-
-
-def resume_trainer_checkpoint(ckpt: CheckpointManager, engine, cfg: Config, rank: int,
-                              restore: Callable[[dict], None]) -> Optional[Path]:
-    """Loads the checkpoint train.resume names (None: there is none) into the engine, hands the
-    trainer.pt contents to ``restore`` and sets this rank's RNG state; the restored state's
-    last_checkpoint is the caller's to set (``restore`` replaces the state object)."""
-    path = ckpt.resolve(cfg.train.resume)
-    if path is None:
-        if cfg.train.resume == "auto":
-            log.info("train.resume=auto: no checkpoint in %s, starting fresh", cfg.checkpoint.dir)
-        return None
-    check_resume_config(path, cfg)
-    engine.load(path)
-    saved = load_torch(path / "trainer.pt")
-    try:
-        restore(saved)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold this trainer's state "
-                              f"({type(exc).__name__}: {exc})") from None
-    rng_file = path / f"rng_rank{rank}.pt"
-    if rng_file.is_file():
-        set_rng_state(load_torch(rng_file))
-    return path
+    def resume(self) -> Optional[Path]:
+        """Loads the checkpoint train.resume names (None: there is none) into the engine, the
+        loop and the job, and sets this rank's RNG state."""
+        cfg = self.cfg
+        path = self.ckpt.resolve(cfg.train.resume)
+        if path is None:
+            if cfg.train.resume == "auto":
+                log.info("train.resume=auto: no checkpoint in %s, starting fresh", cfg.checkpoint.dir)
+            return None
+        check_resume_config(path, cfg)
+        self.engine.load(path)
+        saved = load_torch(path / "trainer.pt")
+        try:
+            self.state.load_state_dict(saved["loop"])
+            self.job.load_state_dict(saved["job"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold the state of this {self.job.name} "
+                                  f"run ({type(exc).__name__}: {exc})") from None
+        rng_file = path / f"rng_rank{self.dims.rank}.pt"
+        if rng_file.is_file():
+            set_rng_state(load_torch(rng_file))
+        self.state.last_checkpoint_step, self._last_path = self.state.step, path
+        log.info("resumed from %s at step %d", path, self.state.step)
+        return path

@@ -1,7 +1,7 @@
 """Supervised fine-tuning: prompt/answer pairs (GSM8K format: ``question``, ``answer``, from
 generated problems, a local jsonl or a hub dataset), cross-entropy on the answer tokens only,
-the dense schedule, and the checkpoint/metrics/resume machinery of pretraining (``Trainer``),
-on one device or under the distributed engine (tensor/pipeline/ZeRO, launched as pretraining is)."""
+the dense schedule; the job and the loop of pretraining (train/supervised.py), on one process
+or on any tensor/pipeline/ZeRO layout (launched as pretraining is)."""
 
 from __future__ import annotations
 
@@ -13,12 +13,11 @@ import torch
 from rlt_mega.config import Config
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.pairs import RecordOrder, tokenize_pairs
-from rlt_mega.data.tokenizer import load_tokenizer
-from rlt_mega.learner.loss import IGNORE
+from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
-from rlt_mega.parallel import distributed
-from rlt_mega.train.loop import Trainer
-from rlt_mega.train.pretrain import build_distributed, build_local, check_vocab
+from rlt_mega.loss import IGNORE
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.train import supervised
 
 log = get_logger(__name__)
 
@@ -39,7 +38,7 @@ def sft_batch(rows: dict, pad_id: int, length: Optional[int] = None) -> dict:
 
 
 class SFTBatches:
-    """grad_accum micro-batches of pairs per step (the Trainer's BatchSource)."""
+    """grad_accum batches of pairs per step (supervised.BatchSource)."""
 
     def __init__(self, data: datasets.Dataset, batch_size: int, grad_accum: int, seed: int, pad_id: int,
                  shuffle: bool = True, rank: int = 0, world: int = 1, length: Optional[int] = None) -> None:
@@ -47,7 +46,7 @@ class SFTBatches:
         self.rank, self.world, self.length = rank, world, length
         self.order = RecordOrder(len(data), seed, shuffle)
 
-    def next_micro_batches(self) -> list[dict]:
+    def next_batches(self) -> list[dict]:
         return [sft_batch(self.data[self.order.take(self.batch_size, self.rank, self.world)], self.pad_id,
                           self.length) for _ in range(self.grad_accum)]
 
@@ -59,14 +58,11 @@ class SFTBatches:
 
 
 def run(cfg: Config) -> dict:
-    with distributed.launch(cfg) as dims:  # None: one process, the local engine
-        return _run(cfg, dims)
+    return supervised.run(cfg, pair_data)
 
 
-def _run(cfg: Config, dims) -> dict:
-    tokenizer = load_tokenizer(cfg.data.tokenizer)
-    check_vocab(cfg, tokenizer)
-    stats = DataStats()
+def pair_data(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, stats: DataStats):
+    """This data-parallel rank's prompt/answer pairs and the held-out ones (supervised.DataFn)."""
     extract = pair_of(cfg.sft.prompt_field, cfg.sft.answer_field)
     train_recs, eval_recs = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)
     train = tokenize_pairs(train_recs, tokenizer, cfg.data.seq_len, stats, f"{cfg.data.train} [train]")
@@ -74,27 +70,16 @@ def _run(cfg: Config, dims) -> dict:
     log.info("data: %d train pairs, %d eval pairs (answers truncated to data.seq_len=%d); %s", len(train),
              len(evald), cfg.data.seq_len, stats.summary())
     # Data-parallel replicas read disjoint rows; the TP and PP ranks of a replica read the same.
-    dp_rank, dp = (dims.dp_rank, dims.dp) if dims is not None else (0, 1)
     # The pipeline ring keeps micro-batches of one length in flight: pad to data.seq_len there.
-    length = cfg.data.seq_len if dims is not None and dims.pp > 1 else None
+    length = cfg.data.seq_len if dims.pp > 1 else None
     batches = SFTBatches(train, cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.seed,
-                         tokenizer.pad_id, cfg.data.shuffle, rank=dp_rank, world=dp, length=length)
-    # train.init_from, when set, is applied by the builders. The loss is pretraining's token
-    # cross-entropy (lm_loss): the prompt's targets are IGNORE, so only answers count, and the
-    # distributed engine computes it TP/PP-aware as it does for pretraining.
-    engine = build_distributed(cfg, dims)[1] if dims is not None else build_local(cfg)[1]
-
-    num_eval = min(len(evald), cfg.train.eval_batches * cfg.train.micro_batch_size)
+                         tokenizer.pad_id, cfg.data.shuffle, rank=dims.dp_rank, world=dims.dp, length=length)
+    # The loss is pretraining's token cross-entropy: the prompt's targets are IGNORE, so only
+    # answers count. train.init_from, when set, is applied by the builders.
+    size = cfg.train.micro_batch_size
+    num_eval = min(len(evald), cfg.train.eval_batches * size)
 
     def eval_batches() -> list[dict]:
-        size = cfg.train.micro_batch_size
         return [sft_batch(evald[start:start + size], tokenizer.pad_id, length) for start in range(0, num_eval, size)]
 
-    if dims is None:
-        result = Trainer(cfg, engine, batches, eval_batches).run()
-    else:  # every data-parallel rank evaluates the same pairs; the engine averages over all
-        import torch.distributed as dist
-
-        result = Trainer(cfg, engine, batches, eval_batches, rank=dims.rank, barrier=dist.barrier).run()
-    result["data/skipped"] = stats.total
-    return result
+    return batches, eval_batches

@@ -3,7 +3,7 @@
 # 2-core machine they would time each other), in quick settings that keep the whole run under
 # 10 minutes on this CPU; each prints its own table of ratios measured within its run.
 # Creates or reuses .venv like launch/test.sh. Extra arguments: the benchmarks to run
-# (training pipeline rollout peer rollout_parallel stability; default all).
+# (training pipeline rollout peer rollout_parallel stability; default all; and data).
 #
 #     bash tools/bench/all.sh                 # everything, ~10 minutes on 2 CPU cores
 #     bash tools/bench/all.sh training        # one of them
@@ -24,17 +24,21 @@ run() {  # name, command...
 want() { [[ " ${SELECTED} " == *" $1 "* ]]; }
 SELECTED="${*:-training pipeline rollout peer rollout_parallel stability}"
 
-# Targets 4 and 5 (activation checkpointing at T=512; FLOP rate against the matmul peak).
+# The decoder and encoder FLOP rates against the matmul peak, fused and module path; training
+# tokens/s fused against module path; activation checkpointing at T=512.
 # Memory: no checkpointing against decoder-per-step + encoder-per-layer, one profiled step each,
 # two timing rounds (`--modes every_k=8+enc step+enc` adds the cheapest mode, ~90 s more).
 want training && run training python tools/bench/training.py --only flops throughput memory --modes step+enc --repeats 2
-# Target 6 (ring bubble): emulated stages and the tiny model; throughput layouts skipped.
+# The ring bubble: emulated stages and the tiny model; throughput layouts skipped.
 want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
-# Targets 1-3: rollout tokens/s across C, replay/rollout, hybrid/dense (small_cpu, batch 8, 128
+# The deferred-memory speed-up (rollout tokens/s across C), replay/rollout, hybrid/dense (small_cpu, batch 8, 128
 # new tokens, with the module path's figures beside the fused step's); the HF generate peer.
 want rollout && run rollout python tools/bench/rollout.py --repeats 4 --learner-repeats 2
 want peer && run peer python tools/bench/peer.py
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
 want stability && run stability python tools/bench/stability.py --steps 40 --lr 1e-3
+# Pretraining data (issue 18; not in the default list: ~6 minutes on 200 MB): preprocess MB/s with
+# 1 and 2 workers, start-up time and peak RSS of the indexed against the in-memory path.
+want data && run data python tools/bench/data.py
 echo; echo "==== all: $SECONDS s"

@@ -1,8 +1,8 @@
 """Benchmark of the distributed engine (a measurement, not a test: it asserts nothing).
 
 1. Bubble of the decoder-ring schedule for P = 2, 4 stages and M = 1, 2, 4, 8 micro-batches,
-   against the ideal (P - 1) / (M*T + P - 1) ("formula", issue 6 target 6). The formula holds
-   for M >= P only: with M < P a position cannot start before its predecessor went round the
+   against the ideal (P - 1) / (M*T + P - 1) ("formula"; target: within 10% of it). The formula
+   holds for M >= P only: with M < P a position cannot start before its predecessor went round the
    ring, the makespan is P*T + M - 1 ticks, not M*T + P - 1 ("ring bound" = 1 - M*T / max of
    the two; equal to the formula for M >= P).
    * "model clock": rlt_mega.parallel.pipeline.simulate, each decoder op one tick, transfers free.
@@ -27,26 +27,21 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 
 import torch
 import torch.multiprocessing as mp
 
+from rlt_mega.parallel.dims import free_port
+
 COSTS_S = (0.004, 0.020)  # emulated time of one decoder op of one stage
 T_BUBBLE = 16
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn, nprocs: int, *args):
     """Runs fn(rank, queue, *args) on nprocs ranks (gloo); returns rank 0's queued result."""
-    port = _free_port()
+    port = free_port()
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     procs = [ctx.Process(target=_entry, args=(fn, r, nprocs, port, queue, args)) for r in range(nprocs)]
@@ -161,11 +156,12 @@ def _round_bubble(ring, run, P) -> float:
 def _bubble_worker(rank, P, Ms, real):
     from rlt_mega.config import ParallelConfig
     from rlt_mega.parallel.dims import ParallelDims
-    from rlt_mega.parallel.pipeline import P2P, RingSchedule
+    from rlt_mega.parallel.p2p import P2P
+    from rlt_mega.parallel.pipeline import RingSchedule
 
     cfg = _tiny_cfg(pp=P)
     dims = ParallelDims.build(ParallelConfig(pp=P), cfg.model, "cpu")
-    p2p = P2P(dims.pp_ranks, dims.pp_rank, dims.device)
+    p2p = P2P.for_pipeline(dims)
     out = {"latency": _latency(dims, cfg.model.d_model)}
     batches = {M: [(torch.randint(0, 32, (2, T_BUBBLE)), torch.randint(0, 32, (2, T_BUBBLE))) for _ in range(M)]
                for M in Ms}
@@ -206,7 +202,7 @@ def _throughput_worker(rank, parallel, steps):
     import torch.distributed as dist
 
     from rlt_mega.parallel.dims import ParallelDims
-    from rlt_mega.parallel.distributed import build_engine
+    from rlt_mega.train.builders import build_engine
 
     cfg = _tiny_cfg(**parallel)
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", cfg.train)

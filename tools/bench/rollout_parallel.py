@@ -26,7 +26,7 @@ import torch.distributed as dist
 from rlt_mega.config import load_config
 from rlt_mega.model import build_model
 from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.parallel.distributed import shard_for_rank
+from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams
 
 

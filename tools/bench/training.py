@@ -6,23 +6,26 @@ conventions: tools/bench/harness.py.
     OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/training.py --only flops --repeats 3
 
 Sections
-- flops (issue 11, target 1): the decoder's forward+backward FLOP rate (dense schedule, full
-  BPTT) at d=512 H=8 ffn=1408 L=4 B=8 T=--dec-len, fused and module path, against a 2048^3
-  torch.mm in the same run (this CPU's fp32 matmul peak at the same thread count), and the
-  encoder's for scale. FLOPs are counted by torch's FlopCounterMode on the module path
-  (rlt_mega.plan.measure.count_flops: matmuls and attention, nothing elementwise) and used as
-  the work of both paths (the fused path recomputes no more than the module path does). Each
-  position-layer's time is split into GEMM and the rest by the share of the matrix-product
-  operators' self time (mm, addmm, bmm, baddbmm, oneDNN linear) in one profiled run.
-- throughput (target 2): training tokens/s of a full step (forward, backward, AdamW) for tiny_cpu
-  and small_cpu at their configured sequence lengths, micro-batch sizes and checkpointing, fused
-  against module path.
-- memory (target 3): small_cpu at T=--seq-len, B=--batch, fused path, every checkpointing mode in
-  turn: the peak memory of a training step above what lives before it, as tensor bytes
-  (harness.peak_tensor_bytes: one profiled step per mode, the fused step's workspace emptied
-  first so that its slab counts) and as resident set size, and the step time (interleaved
-  rounds, unprofiled), each against no checkpointing; the module path's none and step+enc
-  alongside; and what the fused step's buffers hold, by purpose (FusedRun.buffer_bytes).
+- flops (the decoder FLOP rate: >= 55% of torch.mm; the encoder's: >= 50%): the decoder's
+  forward+backward FLOP rate (dense schedule, full BPTT) at d=512 H=8 ffn=1408 L=4 B=8
+  T=--dec-len, fused and module path, against a 2048^3 torch.mm in the same run (this CPU's fp32
+  matmul peak at the same thread count), and the encoder's. FLOPs are counted by torch's
+  FlopCounterMode on the module path (rlt_mega.plan.measure.count_flops: matmuls and attention,
+  nothing elementwise) and used as the work of both paths (the fused path recomputes no more than
+  the module path does). Each position-layer's time is split into GEMM and the rest by the share
+  of the matrix-product operators' self time (mm, addmm, bmm, baddbmm, oneDNN linear) in one
+  profiled run.
+- throughput (fused >= 2.5x the module path on small_cpu, >= 2x on tiny_cpu): training tokens/s
+  of a full step (forward, backward, AdamW) for tiny_cpu and small_cpu at their configured
+  sequence lengths, micro-batch sizes and checkpointing, fused against module path.
+- memory (activation checkpointing: peak <= 1/3 of none, step+enc <= 1.35x none): small_cpu at
+  T=--seq-len, B=--batch, fused path, every checkpointing mode in turn: the peak memory of a
+  training step above what lives before it (weights, Adam state, inputs), as tensor bytes
+  (harness.peak_tensor_bytes, the target's measure: one profiled step per mode, the fused step's
+  workspace emptied first so that its slab counts) and as resident set size (RSS, allocator
+  included), and the step time (interleaved rounds, unprofiled), each against no checkpointing;
+  the module path's none and step+enc alongside; and what the fused step's buffers hold, by
+  purpose (FusedRun.buffer_bytes).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from harness import add_common_args, best_of_rounds, describe, peak_rss, peak_te
 from rlt_mega.config import CheckpointingConfig, load_config
 from rlt_mega.model import build_model
 from rlt_mega.model.fused_state import WORKSPACE
-from rlt_mega.parallel.engine import LocalEngine
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.parallel.engine import EngineConfig, LocalEngine
 from rlt_mega.plan.measure import count_flops
 
 MODES = {  # label -> checkpointing
@@ -57,7 +61,7 @@ def make_step(cfg_path: str, seq_len: int, batch: int, fused: bool = True, overr
                                  f"train.micro_batch_size={batch}", f"model.fused_decoder={str(fused).lower()}",
                                  *overrides])
     model = build_model(cfg.model, seed=0)
-    engine = LocalEngine(model, cfg.optim, cfg.train, torch.device("cpu"))
+    engine = LocalEngine(model, ParallelDims.single(cfg.model, "cpu"), cfg.optim, EngineConfig.from_train(cfg.train))
     x = torch.randint(0, cfg.model.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     mb = [{"inputs": x[:, :-1], "targets": x[:, 1:]}]
     return model, cfg, lambda: engine.train_step(mb)

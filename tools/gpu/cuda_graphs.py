@@ -5,8 +5,8 @@ CUDA graphs (model/cuda_graphs.py) against the eager fused step and the module p
 
 Prints one JSON line and exits 0 when the gradients agree (fp32: every parameter within 1e-4
 relative, norm-wise, of the module path's; the captured and the eager fused step within 1e-5 of
-each other), 1 when they do not, and 0 with "status": "skipped" where there is no CUDA device (so
-a GPU check script can call it anywhere). Also reports the forward+backward time of the three
+each other), 1 when they do not, and 0 with "status": "skipped: no CUDA" where there is no CUDA
+device (tools/gpu_check.sh's fused_cuda_graph part calls it anywhere). Also reports the forward+backward time of the three
 paths (median of --repeats, after a warm-up that includes the capture).
 """
 
@@ -51,7 +51,7 @@ def main() -> int:
     args = p.parse_args()
     out = {"check": "cuda_graphs"}
     if not torch.cuda.is_available():
-        out.update(status="skipped", reason="no CUDA device")
+        out.update(status="skipped: no CUDA")
         print(json.dumps(out))
         return 0
     from rlt_mega.config import CheckpointingConfig, ModelConfig

@@ -1,0 +1,70 @@
+"""How the distributed engine turns a step's batches into what its schedules run: pipeline
+micro-batches (a batch cut into row blocks where the loss allows it), rounds of M in flight
+for the decoder ring, and the padding that makes the shapes agree where they must.
+
+A step is ``train.grad_accum`` batches of ``train.micro_batch_size`` rows (the loss's batch
+dicts). ``parallel.micro_batches`` (M) pipeline micro-batches run in flight at once;
+parallel.dims.micro_batch_plan says how the batches become them: whole (M <= grad_accum, in
+grad_accum / M rounds) or each cut into M / grad_accum pieces (one round).
+
+Padding appends tokens after the end of a sequence: everything is causal, so no earlier
+position changes; padded targets are IGNORE, and a loss reads only its own positions
+(rlt_mega/loss.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rlt_mega.loss import IGNORE, LogitsLoss
+from rlt_mega.parallel.dims import ParallelDims
+
+
+def pad_to(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
+    """(b, T) -> (b, length), right-padded with ``value``."""
+    if x.shape[1] == length:
+        return x
+    return F.pad(x, (0, length - x.shape[1]), value=value)
+
+
+def pad_batch(batch: dict, length: int) -> dict:
+    """The batch with ``inputs`` (and ``targets``, where it has them) right-padded to ``length``
+    positions: pad token 0, target IGNORE. A new dict; the caller's is unchanged."""
+    out = {**batch, "inputs": pad_to(batch["inputs"], length, 0)}
+    if torch.is_tensor(batch.get("targets")):
+        out["targets"] = pad_to(batch["targets"], length, IGNORE)
+    return out
+
+
+def pipeline_batches(batches: list[dict], loss: LogitsLoss, num_pieces: int, device: torch.device) -> list[dict]:
+    """The step's batches as pipeline micro-batches on ``device``: each cut into ``num_pieces``
+    row blocks by ``loss.split`` (a loss that keeps its batches whole returns them as given;
+    its caller formed the pipeline micro-batches)."""
+    out = []
+    for batch in batches:
+        for piece in loss.split(batch, num_pieces):
+            out.append({k: v.to(device) if torch.is_tensor(v) else v for k, v in piece.items()})
+    return out
+
+
+def same_length_over_dp(batches: list[dict], dims: ParallelDims) -> list[dict]:
+    """Pads each micro-batch to the longest of its index over the data-parallel ranks.
+
+    ZeRO-3 gathers a partitioned parameter with a collective over the data-parallel group at
+    each submodule call, and the decoder calls its blocks once per position: every rank must
+    run the same number of positions. A collective over the data-parallel group."""
+    lengths = torch.tensor([b["inputs"].shape[1] for b in batches], dtype=torch.long, device=dims.device)
+    dims.all_reduce(lengths, op="max", axis="dp")
+    return [pad_batch(b, int(T)) for b, T in zip(batches, lengths.tolist())]
+
+
+def rounds(batches: list[dict], num_in_flight: int) -> list[list[dict]]:
+    """Pipeline micro-batches grouped into rounds of ``num_in_flight`` (M); the ring runs one
+    length per round, so each round is padded to its longest."""
+    out = []
+    for i in range(0, len(batches), num_in_flight):
+        round_ = batches[i:i + num_in_flight]
+        longest = max(b["inputs"].shape[1] for b in round_)
+        out.append([pad_batch(b, longest) for b in round_])
+    return out

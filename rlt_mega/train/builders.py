@@ -1,0 +1,90 @@
+"""What the trainers and the inference commands build from a config: the model's starting
+weights, the engine for this rank's layout (the one place that picks the local or the
+distributed engine), GRPO's frozen reference, and the model ``generate`` and ``eval`` run."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Optional
+
+from torch import nn
+
+from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.checkpoint_tools.export import init_from, init_stage_from
+from rlt_mega.checkpoint_tools.training import is_training_checkpoint, load_training_weights
+from rlt_mega.config import Config, ConfigError, ModelConfig
+from rlt_mega.data.tokenizer import Tokenizer, check_same_tokenizer
+from rlt_mega.log import get_logger
+from rlt_mega.model import RLT, build_model
+from rlt_mega.parallel.build import build_stage
+from rlt_mega.parallel.dims import ParallelDims, resolve_device
+from rlt_mega.parallel.engine import Engine, EngineConfig, LocalEngine
+from rlt_mega.parallel.sharding import shard_for_rank
+
+log = get_logger(__name__)
+
+
+def check_vocab(cfg: Config, tokenizer: Tokenizer) -> None:
+    if cfg.train.init_from:  # an export that carries its own tokenizer (an imported model's) needs it
+        check_same_tokenizer(tokenizer, cfg.train.init_from, "train.init_from")
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens but model.vocab_size="
+                          f"{cfg.model.vocab_size}: set model.vocab_size >= {tokenizer.vocab_size}")
+
+
+def initial_model(cfg: Config, dims: ParallelDims) -> RLT:
+    """The starting weights, on the CPU, this rank's part only: train.init_from's (only this
+    rank's pipeline stage is read), or this rank's stage and shard of the model seeded by
+    train.seed (parallel/build.py: built from the meta device, nothing else allocated, equal to
+    the single-process model of the same seed). When train.resume finds a checkpoint, the
+    engine's load replaces them (a restarted job continues from its own checkpoints)."""
+    if cfg.train.init_from:
+        return init_stage_from(cfg.train.init_from, cfg.model, dims.layers, dims.is_first_stage, dims.is_last_stage)
+    return build_stage(cfg.model, dims, cfg.train.seed)
+
+
+def build_engine(cfg: Config, dims: ParallelDims, engine: Optional[EngineConfig] = None) -> Engine:
+    """This rank's part of the model (``initial_model``) inside the engine for ``dims``: the
+    distributed engine wherever process groups exist, the local engine on the single-process
+    layout. ``engine``: the step's shape (default: train.* as written)."""
+    engine = engine or EngineConfig.from_train(cfg.train)
+    model = initial_model(cfg, dims)
+    if dims.distributed:
+        from rlt_mega.parallel.distributed import DistributedEngine  # imports DeepSpeed's pieces when used
+
+        return DistributedEngine(model, dims, cfg.optim, engine, cfg.parallel, cfg.checkpoint)
+    return LocalEngine(shard_for_rank(model, dims), dims, cfg.optim, engine)
+
+
+def reference_model(cfg: Config, dims: ParallelDims, engine: Engine) -> nn.Module:
+    """GRPO's frozen reference: the initial policy in this rank's layout, without gradients, in
+    the dtype the engine holds its parameters in (DeepSpeed's bf16 keeps bf16 parameters; the
+    local engine autocasts over fp32)."""
+    model = shard_for_rank(initial_model(cfg, dims), dims)
+    return model.to(next(engine.module.parameters()).dtype).requires_grad_(False).eval()
+
+
+def inference_model(cfg: Config) -> RLT:
+    """The model of ``cfg`` for generate/eval, on train.device: weights from train.init_from (an
+    export), else from the newest valid training checkpoint in checkpoint.dir."""
+    device = resolve_device(cfg.train.device)
+    model = build_model(cfg.model, device)
+    if cfg.train.init_from:
+        init_from(model, cfg.train.init_from)
+        return model
+    if not is_training_checkpoint(Path(cfg.checkpoint.dir)):
+        raise CheckpointError(f"no weights: set train.init_from=<export directory>, or train into "
+                              f"checkpoint.dir={cfg.checkpoint.dir} first")
+    saved_cfg, state, source = load_training_weights(cfg.checkpoint.dir)
+    for f in dataclasses.fields(ModelConfig):  # as train.init_from does: shapes must agree (below)
+        if getattr(saved_cfg.model, f.name) != getattr(cfg.model, f.name):
+            log.warning("checkpoint %s: model.%s is %s there but %s in this config", source["path"], f.name,
+                        getattr(saved_cfg.model, f.name), getattr(cfg.model, f.name))
+    try:
+        model.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise CheckpointError(f"checkpoint {source['path']}: its weights do not fit model.* of this config "
+                              f"(use the checkpoint's own config.yaml): {exc}") from None
+    log.info("weights from %s (step %s)", source["path"], source.get("step"))
+    return model

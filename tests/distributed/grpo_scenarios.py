@@ -1,0 +1,220 @@
+"""GRPO under TP/PP/ZeRO, run on every rank by tests/distributed/worker.py (``grpo_scenarios.<fn>``).
+
+- ``replay_exact``: the sampler ring on this layout; its replay is torch.equal to mu, and the
+  rollout agrees with one process sampling the same batches with the same seeds.
+- ``grpo_step_vs_reference``: one GRPO step of the real trainer (every phase, two minibatches:
+  the second is off-policy after the first update) against a single-process GRPO step written
+  from the library's one-device pieces: every data-parallel rank's prompts and seeds sampled by
+  ``generate`` on the full model, the combined minibatch's loss over the global token count,
+  torch clipping and AdamW.
+
+Scenarios return numbers; the tests assert.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+
+from rlt_mega.config import Config, from_dict
+from rlt_mega.data.pairs import RecordOrder, prompt_ids
+from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.learner.grpo import group_advantages, grpo_loss
+from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
+from rlt_mega.model.rlt import build_model
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.parallel.engine import param_groups
+from rlt_mega.parallel.gather import gather_full
+from rlt_mega.parallel.sharding import shard_for_rank
+from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate, replay
+from rlt_mega.rollout.rewards import score
+from rlt_mega.train.common import max_new_tokens_for, sampling_params
+from rlt_mega.train.grpo import batches_per_minibatch, build_trainer, engine_config, grpo_config, request_seeds
+from tests.distributed.scenarios import max_diff
+
+MODEL = dict(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, memory_block=2,
+             max_seq_len=48, init_std=0.1)
+RAGGED = [[[1, 2, 3], [6, 7, 8, 9, 10], [3, 5, 7, 9, 11, 13]], [[4, 4], [8, 9, 10, 11, 12, 13, 14], [5, 6, 7, 8]]]
+
+
+def _bf16(model, dtype: str):
+    return model.to(torch.bfloat16) if dtype == "bf16" else model
+
+
+def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None) -> dict:
+    """Two ragged batches in flight (temperature 0.7, top-p 0.9, a stop token); bf16 as DeepSpeed
+    runs it (bf16 parameters)."""
+    cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
+    full = _bf16(build_model(cfg.model, "cpu", seed=7), dtype)
+    mine = _bf16(shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims), dtype)
+    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers)
+    params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=9, stop_token_ids=(0,))
+    seeds = [[11, 12, 13], [14, 15, 16]]
+    rollouts = sampler.generate(RAGGED, params, seeds, pad_id=0, dtype=dtype)
+    replays, again = sampler.replay(rollouts), sampler.replay(rollouts)
+    out = {"has_values": replays[0] is not None, "exact": True, "exact_again": True, "tokens_equal_one_process": True,
+           "mu_diff_one_process": 0.0, "calls_equal_one_process": True, "num_tokens": 0}
+    for ro, rp, rp2, batch, s in zip(rollouts, replays, again, RAGGED, seeds):
+        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype)
+        out["num_tokens"] += ro.num_completion_tokens()
+        if rp is not None:
+            out["exact"] &= bool(torch.equal(rp, ro.mu))
+            out["exact_again"] &= bool(torch.equal(rp2, ro.mu))
+        same = ro.tokens.shape == ref.tokens.shape and bool(torch.equal(ro.tokens, ref.tokens))
+        out["tokens_equal_one_process"] &= same
+        out["calls_equal_one_process"] &= ro.schedule.encoder_calls == ref.schedule.encoder_calls
+        if same:
+            out["mu_diff_one_process"] = max(out["mu_diff_one_process"], float((ro.mu - ref.mu).abs().max()))
+    dims.destroy()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# One GRPO step against one process
+# ------------------------------------------------------------------------------------------
+
+def odd(completion: str, answer) -> float:
+    """A reward that differs between completions from the first step: the fraction of
+    characters with an odd code point."""
+    return sum(ord(c) % 2 for c in completion) / max(len(completion), 1)
+
+
+def grpo_cfg(parallel: dict, train: dict | None = None, grpo: dict | None = None) -> Config:
+    return from_dict({
+        "model": MODEL,
+        "data": {"tokenizer": "byte", "seq_len": 32},
+        "optim": {"lr": 3e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.1, "grad_clip": 0.5},
+        "train": {"seed": 3, "steps": 1, "checkpointing": {"decoder": "none", "encoder": False}, **(train or {})},
+        "parallel": parallel,
+        "sampling": {"temperature": 1.0, "max_new_tokens": 6},
+        "grpo": {"prompts_per_step": 2, "group_size": 4, "minibatches": 2, "eval_size": 0, "eps_high": 0.28,
+                 **(grpo or {})},
+        "logging": {"progress": False},
+    })
+
+
+def records(n: int = 16) -> list[dict]:
+    return [{"question": "q" * (i % 4) + str(i), "answer": f"#### {i}"} for i in range(n)]
+
+
+class OneProcessGRPO:
+    """The single-process GRPO step on the combined batch of ``dp`` replicas."""
+
+    def __init__(self, cfg: Config, dp: int) -> None:
+        self.cfg, self.dp = cfg, dp
+        self.tok = load_tokenizer("byte")
+        self.model = build_model(cfg.model, "cpu", seed=cfg.train.seed)
+        self.reference = copy.deepcopy(self.model).requires_grad_(False)
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                                     eps=o.eps, foreach=False)
+
+    def step(self, recs: list[dict], lrs: list[float]) -> dict:
+        cfg, g = self.cfg, self.cfg.grpo
+        params = sampling_params(cfg, self.tok)
+        order = RecordOrder(len(recs), cfg.train.seed, cfg.data.shuffle)
+        global_idx = order.take(g.prompts_per_step * self.dp)
+        rows_per_rank = g.prompts_per_step * g.group_size
+        micro = batches_per_minibatch(grpo_config(cfg))
+        size = rows_per_rank // g.minibatches // micro
+        # per replica r: micro-batches of each minibatch, as the distributed trainer forms them
+        ranks = []
+        for r in range(self.dp):
+            rows = [recs[i] for i in global_idx[r::self.dp] for _ in range(g.group_size)]
+            prompts = [prompt_ids(self.tok, x["question"]) for x in rows]
+            seeds = request_seeds(cfg.train.seed, 0, r, len(rows))
+            batches = [(prompts[a:a + size], seeds[a:a + size]) for a in range(0, len(rows), size)]
+            rollouts = [generate(self.model, p, max_new_tokens_for(self.model, p, params), s, pad_id=self.tok.pad_id,
+                                 dtype=cfg.train.dtype, decode=self.tok.decode) for p, s in batches]
+            texts = [self.tok.decode(ro.completion(b)) for ro in rollouts for b in range(ro.batch_size)]
+            rewards, _ = score(texts, [x["answer"] for x in rows], list(range(len(rows))), odd)
+            adv = group_advantages(torch.tensor(rewards), g.group_size, g.advantage, g.advantage_eps)
+            refs = [replay(self.reference, ro) for ro in rollouts] if g.kl_coef > 0 else [None] * len(rollouts)
+            ranks.append((rollouts, adv.split(size), refs, rewards))
+        out = {"rollouts": [r[0] for r in ranks], "rewards": [x for r in ranks for x in r[3]], "loss": [], "norm": []}
+        per_mb = len(ranks[0][0]) // g.minibatches
+        for k in range(g.minibatches):
+            picked = [(ro, a, ref) for rollouts, adv, refs, _ in ranks
+                      for ro, a, ref in list(zip(rollouts, adv, refs))[k * per_mb:(k + 1) * per_mb]]
+            count = sum(ro.num_completion_tokens() for ro, _, _ in picked)
+            self.opt.zero_grad(set_to_none=True)
+            total = 0.0
+            for ro, a, ref in picked:
+                logp = hybrid_logprobs(dense_logprobs(self.model, ro), replay(self.model, ro))
+                loss = grpo_loss(logp, ro.mu, a, ro.mask, g.eps_low, g.eps_high, ref_logp=ref,
+                                 kl_coef=g.kl_coef if ref is not None else 0.0).loss / count
+                loss.backward()
+                total += float(loss)
+            for grp in self.opt.param_groups:
+                grp["lr"] = lrs[k]
+            out["norm"].append(float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)))
+            out["loss"].append(total)
+            self.opt.step()
+        out["params"] = {n: p.detach().clone() for n, p in self.model.named_parameters()}
+        out["moved"] = max_diff(out["params"], {n: p for n, p in self.reference.named_parameters()})[0]
+        return out
+
+
+@contextlib.contextmanager
+def _zero3_persistence(threshold: int | None):
+    """DeepSpeed's stage3_param_persistence_threshold while an engine is built (the scenarios of
+    a launch share the process: the patch must not outlive its scenario)."""
+    if threshold is None:
+        yield
+        return
+    from rlt_mega.parallel import zero
+
+    original = zero.deepspeed_config
+
+    def patched(*args, **kwargs):
+        cfg = original(*args, **kwargs)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = threshold
+        return cfg
+
+    zero.deepspeed_config = patched
+    try:
+        yield
+    finally:
+        zero.deepspeed_config = original
+
+
+def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict | None = None,
+                           persistence_threshold: int | None = None) -> dict:
+    """One GRPO step (two minibatches) of the distributed trainer against ``OneProcessGRPO``.
+    ``persistence_threshold`` (ZeRO-3): DeepSpeed's stage3_param_persistence_threshold, 0 to
+    partition every parameter of the tiny model (else all stay whole and nothing is tested)."""
+    cfg = grpo_config(grpo_cfg(parallel, train, grpo))
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
+    recs = records()
+    with _zero3_persistence(persistence_threshold):
+        trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, recs, [])
+    captured = {}
+    original = trainer.engine.train_step
+
+    def spy(batches, loss):
+        stats = original(batches, loss)
+        captured.setdefault("stats", []).append(stats)
+        captured.setdefault("rollouts", []).extend(b["rollout"] for b in batches)
+        return stats
+
+    trainer.engine.train_step = spy
+    scalars = trainer.job.step(0)
+    stats = captured["stats"]
+    ref = OneProcessGRPO(cfg, dims.dp).step(recs, [s.lr for s in stats])
+    mine = captured["rollouts"][:len(captured["rollouts"]) // cfg.grpo.epochs]
+    theirs = ref["rollouts"][dims.dp_rank]
+    same_tokens = len(mine) == len(theirs) and all(
+        a.tokens.shape == b.tokens.shape and torch.equal(a.tokens, b.tokens) for a, b in zip(mine, theirs))
+    mu_diff = max(float((a.mu - b.mu).abs().max()) for a, b in zip(mine, theirs)) if same_tokens else float("inf")
+    full = gather_full(trainer.engine.parameters_fp32(), dims)
+    param_diff, worst = max_diff(full, ref["params"])
+    out = {"param_moved": ref["moved"], "same_tokens": same_tokens, "mu_diff": mu_diff,
+           "loss": [s.loss for s in stats], "ref_loss": ref["loss"],
+           "norm": [s.grad_norm for s in stats], "ref_norm": ref["norm"], "param_diff": param_diff,
+           "param_worst": worst, "scalars": scalars, "ref_reward_mean": sum(ref["rewards"]) / len(ref["rewards"])}
+    trainer.engine.close()
+    dims.destroy()
+    return out

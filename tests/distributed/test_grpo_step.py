@@ -1,0 +1,51 @@
+"""One GRPO step of the trainer (every phase, two minibatches: the second off-policy after the
+first update) against a one-process GRPO step on the combined batch
+(tests/distributed/grpo_scenarios.py): same tokens, mu, per-update loss and gradient norm
+(clipping acts), parameters after the step, on-policy ratios exactly 1. On two ranks: DP=2
+ZeRO-1, TP=2 (with the k3 KL to a reference built in the same layout), PP=2 (grad_accum 2,
+the KL) and DP=2 ZeRO-3 with every parameter partitioned; on four: TP=2 x PP=2 (the KL) and
+PP=2 x DP=2 ZeRO-2."""
+
+import pytest
+
+TWO = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 1}}),
+       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "zero_stage": 1}, "grpo": {"kl_coef": 0.1}}),
+       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
+                                                  "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
+       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 3}, "persistence_threshold": 0})]
+FOUR = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "pp": 2, "zero_stage": 1, "micro_batches": 2},
+                                                   "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
+        ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 2, "micro_batches": 2},
+                                                   "train": {"grad_accum": 2}})]
+SCENARIOS = {2: TWO, 4: FOUR}
+
+
+def check_grpo_step(r: dict, args: dict) -> None:
+    """One rank's grpo_step_vs_reference against the one-process step."""
+    assert r["same_tokens"]
+    assert r["mu_diff"] <= 1e-5
+    assert r["scalars"]["ratio/onpolicy_max_dev"] == 0.0  # every rank's first minibatch: exactly 1
+    assert r["scalars"]["ratio/max"] > 1.0 + 1e-4  # the second minibatch is off-policy
+    assert r["scalars"]["reward/mean"] == pytest.approx(r["ref_reward_mean"], abs=1e-12)
+    assert r["ref_norm"][0] > 0.5  # grad_clip=0.5 acts: a wrong norm would change the update
+    for norm, ref in zip(r["norm"], r["ref_norm"]):
+        assert norm == pytest.approx(ref, rel=1e-5)
+    for loss, ref in zip(r["loss"], r["ref_loss"]):
+        assert loss == pytest.approx(ref, abs=1e-6)
+    assert r["param_moved"] > 1e-3
+    # Adam's first steps divide by |g|: TP's reordered sums move tiny gradients' updates most
+    assert r["param_diff"] < 5e-5, r["param_worst"]
+    if args.get("grpo", {}).get("kl_coef"):
+        assert r["scalars"]["kl/reference"] > 0.0
+
+
+@pytest.mark.parametrize("name,args", TWO)
+def test_a_grpo_step_on_two_ranks_matches_one_process(ranks, name, args):
+    for r in ranks(2).each(name, args):
+        check_grpo_step(r, args)
+
+
+@pytest.mark.parametrize("name,args", FOUR)
+def test_a_grpo_step_on_four_ranks_matches_one_process(ranks, name, args):
+    for r in ranks(4).each(name, args):
+        check_grpo_step(r, args)

@@ -1,0 +1,118 @@
+"""Elastic restart: ``torchrun --max-restarts=2`` on 2 data-parallel ranks (DeepSpeed ZeRO-1);
+rank 1 is SIGKILLed in the middle of the run (tests/crash_driver.py); torchrun restarts the
+group, the ranks resume from the last checkpoint (train.resume=auto) and finish with the
+weights and optimizer shards of an uninterrupted run, bit for bit. And a launch whose restarts
+could not work (torchrun's shared rendezvous store) is warned about at start-up."""
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+ROOT = Path(__file__).resolve().parents[2]
+
+TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.n_layers=2",
+        "model.memory_block=2", "data.seq_len=16", "data.generated.num_train=300", "data.generated.num_eval=10",
+        "train.micro_batch_size=4", "train.eval_every=0", "train.log_every=1", "logging.progress=false",
+        "optim.warmup_steps=2", "optim.lr=5e-3"]
+STEPS, EVERY, KILL_AT = 8, 3, 5  # checkpoints at 3 and 6; rank 1 dies fetching step 5's batches
+RUN = [*TINY, "parallel.zero_stage=1", f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "checkpoint.keep=2",
+       "train.resume=auto"]
+DRIVER = str(Path(__file__).resolve().parents[1] / "crash_driver.py")
+TIMEOUT = 600  # seconds; ~20 s per attempt on an idle 2-core machine
+
+
+def torchrun(tmp_path, name, *extra_args, kill=None, share_store=False):
+    # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: otherwise torchrun's agent keeps one TCPStore for
+    # every attempt and the restarted ranks read the dead ranks' gloo addresses from the first
+    # one: "Gloo connectFullMesh failed ... Connection refused" (pytorch/pytorch#135712). Only
+    # the c10d rendezvous (--standalone, --rdzv-backend c10d) honours it; static does not.
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
+               TORCH_DISABLE_SHARE_RDZV_TCP_STORE="0" if share_store else "1")
+    if kill:
+        env["RLT_CRASH_KILL"] = kill
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *extra_args,
+           DRIVER, "pretrain", "--config", "configs/tiny_cpu.yaml", *RUN, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
+           f"logging.dir={tmp_path / name / 'tb'}"]
+    # its own session, so that a hang is cleaned up with every rank, not only the launcher
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-5000:]}")
+    assert proc.returncode == 0, out[-2000:] + err[-5000:]
+    return err
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final checkpoint of the same 2-rank run without a kill, and its log. It runs with
+    torchrun's shared store (harmless without a restart), so that it also shows the warning."""
+    tmp = tmp_path_factory.mktemp("full")
+    log = torchrun(tmp, "full", "--max-restarts=1", share_store=True)
+    return tmp / "full" / "ckpt" / f"step_{STEPS:08d}", log
+
+
+def test_a_launch_whose_restarts_would_fail_is_warned_about(uninterrupted):
+    assert "restarts will fail to connect. Export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in uninterrupted[1]
+
+
+def test_one_rank_killed_torchrun_restarts_and_the_run_ends_as_if_uninterrupted(tmp_path, uninterrupted):
+    log = torchrun(tmp_path, "elastic", "--max-restarts=2", kill=f"1:{KILL_AT}")
+    assert "failed (exitcode: -9) local_rank: 1" in log, log[-4000:]  # the kill, seen by torchrun
+    assert "restarts will fail" not in log
+    assert f"resumed from {tmp_path / 'elastic' / 'ckpt' / f'step_{EVERY:08d}'} at step {EVERY}" in log, log[-4000:]
+    full, elastic = uninterrupted[0], tmp_path / "elastic" / "ckpt" / f"step_{STEPS:08d}"
+    ref, got = load_file(full / "model.safetensors"), load_file(elastic / "model.safetensors")
+    assert ref.keys() == got.keys()
+    for key in ref:
+        assert torch.equal(ref[key], got[key]), key
+    # every rank's DeepSpeed files: optimizer shards (fp32 master weights, Adam moments)
+    shards = sorted(p.relative_to(full) for p in full.rglob("*optim_states.pt"))
+    assert shards and shards == sorted(p.relative_to(elastic) for p in elastic.rglob("*optim_states.pt"))
+    for shard in shards:
+        assert_equal_tree(torch.load(full / shard, weights_only=False)["optimizer_state_dict"],
+                          torch.load(elastic / shard, weights_only=False)["optimizer_state_dict"], str(shard))
+    assert sorted(p.name for p in (tmp_path / "elastic" / "ckpt").iterdir()) == [
+        "latest", f"step_{STEPS - 2:08d}", f"step_{STEPS:08d}"]
+
+
+def test_a_two_rank_checkpoint_does_not_resume_in_one_process(tmp_path, uninterrupted, capsys):
+    """Another layout without the reshard tool: one line naming both layouts, exit status 2."""
+    from rlt_mega.cli import main
+
+    code = main(["pretrain", "--config", "configs/tiny_cpu.yaml", *RUN, "parallel.zero_stage=0",
+                 f"train.steps={STEPS + 2}", f"train.resume={uninterrupted[0]}", f"checkpoint.dir={tmp_path / 'ckpt'}",
+                 f"logging.dir={tmp_path / 'tb'}"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    line = [e for e in err.splitlines() if e.startswith("rlt-mega pretrain: error: ")]
+    assert len(line) == 1, err[-3000:]
+    assert "was written with layout {'tp': 1, 'pp': 1, 'dp': 2, 'zero_stage': 1}" in line[0]
+    assert "this run has {'tp': 1, 'pp': 1, 'dp': 1, 'zero_stage': 0}" in line[0]
+
+
+def assert_equal_tree(a, b, where):
+    if torch.is_tensor(a):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_equal_tree(a[key], b[key], f"{where}/{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_equal_tree(x, y, f"{where}/{i}")
+    elif hasattr(a, "__dict__"):  # e.g. DeepSpeed's loss scaler, which has no __eq__
+        assert type(a) is type(b), where
+        assert_equal_tree(vars(a), vars(b), where)
+    else:
+        assert a == b, where

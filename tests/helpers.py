@@ -1,0 +1,111 @@
+"""What several test files share (tests/ is on sys.path: ``from helpers import TINY``)."""
+
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+from rlt_mega.config import ModelConfig
+from rlt_mega.parallel.dims import ParallelDims, free_port
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# CLI overrides of a very small pretraining run on generated problems (with configs/tiny_cpu.yaml).
+TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=1", "model.ffn_hidden=64", "model.n_layers=2",
+        "model.memory_block=2", "data.seq_len=24", "data.generated.num_train=400", "data.generated.num_eval=20",
+        "train.micro_batch_size=4", "train.eval_every=0", "train.log_every=1", "logging.progress=false",
+        "optim.warmup_steps=2", "optim.lr=5e-3"]
+
+
+def emit_seven(completion: str, answer) -> float:
+    """A learnable GRPO reward (grpo.reward=helpers:emit_seven): the fraction of the completion
+    that is the token '7'."""
+    return sum(c == "7" for c in completion) / max(len(completion), 1)
+
+
+def gsm8k_dir():
+    """The local GSM8K copy (train.jsonl, test.jsonl) beside the repository, if there is one."""
+    for base in (ROOT / ".." / "shared", Path("/work/shared")):
+        if (base / "data" / "gsm8k" / "test.jsonl").is_file():
+            return base / "data" / "gsm8k"
+    return None
+
+
+def launched(nproc: int, args: list, launcher: str = "torchrun", check: bool = True,
+             timeout: float = 600) -> subprocess.CompletedProcess:
+    """``rlt-mega ARGS`` on ``nproc`` processes under torchrun or the deepspeed launcher (gloo)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", RLT_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT),
+               PYTHONWARNINGS="ignore")
+    port = str(free_port())
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
+               "-m", "rlt_mega", *args]
+    else:
+        cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(nproc), "--master_port",
+               port, "--no_local_rank", "--module", "rlt_mega", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
+    if check:
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    return proc
+
+
+# A pretraining run of tiny_cpu small enough for two to four CPU ranks.
+DIST_TINY = ["model.d_model=32", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_hidden=64", "model.n_layers=2",
+             "model.memory_block=2", "data.seq_len=16", "data.generated.num_train=300", "data.generated.num_eval=10",
+             "train.micro_batch_size=4", "train.eval_every=0", "train.log_every=1", "logging.progress=false",
+             "optim.warmup_steps=2", "optim.lr=5e-3"]
+
+
+def pretrain_launched(tmp_path, name, nproc, *overrides, launcher="torchrun", check=True):
+    """``rlt-mega pretrain`` of DIST_TINY into tmp_path/name on ``nproc`` launched processes."""
+    args = ["pretrain", "--config", "configs/tiny_cpu.yaml", *DIST_TINY, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
+            f"logging.dir={tmp_path / name / 'tb'}", *overrides]
+    return launched(nproc, args, launcher, check)
+
+
+# ------------------------------------------------------------------------------ pretraining data
+WORDS = ["alpha", "beta", "gamma", "delta", "€uro", "ünï", "x"]
+
+
+def write_corpus(path, num_docs, seed=0, letter=None, bad_lines=True):
+    """A jsonl corpus of documents of varied length (a few bad lines among them)."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(num_docs):
+            text = letter * rng.randint(5, 80) if letter else f"doc {i}: " + " ".join(
+                rng.choice(WORDS) for _ in range(rng.randint(1, 40)))
+            f.write(json.dumps({"text": text}) + "\n")
+            if bad_lines and i % 97 == 13:
+                f.write("{not json\n\n")
+    return path
+
+
+def make_prefix(tmp_path, name, num_docs=300, workers=1, **kwargs):
+    """``rlt-mega preprocess`` of a write_corpus corpus -> (the dataset prefix, the corpus)."""
+    from rlt_mega.data.preprocess import preprocess
+
+    corpus = write_corpus(Path(tmp_path) / f"{name}.jsonl", num_docs, **kwargs)
+    preprocess(str(corpus), "byte", str(Path(tmp_path) / "data" / name), workers=workers, chunk=37, progress=False)
+    return str(Path(tmp_path) / "data" / name), corpus
+
+
+def dp_layout(rank=0, world=1):
+    """Data-parallel rank ``rank`` of ``world`` as the data path sees it, on one process (no
+    process group: ``gather_over_dp`` is this rank's state alone)."""
+    return dataclasses.replace(ParallelDims.single(ModelConfig(), "cpu"), dp=world, dp_rank=rank,
+                               dp_ranks=list(range(world)))
+
+
+def docs_in(windows):
+    """The documents of a rank's byte-level windows, read in order: its stream, split at
+    end-of-text (the first and the last may be cut, and are left out)."""
+    import torch
+
+    from rlt_mega.data.tokenizer import byte_level
+
+    stream = torch.cat([w.reshape(-1) for w in windows]).tolist()
+    text = byte_level().tok.decode(stream, skip_special_tokens=False)
+    return [d for d in text.split("<|eos|>")[1:-1]]

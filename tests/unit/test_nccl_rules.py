@@ -1,0 +1,110 @@
+"""Every pipeline program we run, replayed under NCCL's point-to-point rules (parallel/nccl_sim.py:
+tags ignored, messages pair by order, one stream per communicator where a posted receive blocks
+what follows it, rendezvous sends): the training ring and the sampler ring for P in {2, 3, 4},
+M in {1, 2, 3, 4, 8} (the sampler also with C in {1, 2, 4}, ragged prompts and checks) find no
+deadlock and no mismatched pair; the schedules as they were before their channels, and
+deliberately reordered programs, are caught. One process, no ranks."""
+
+import pytest
+
+from rlt_mega.parallel.nccl_sim import Deadlock, Mismatch, Msg, Step, check_pairs, simulate_nccl
+from rlt_mega.parallel.p2p import pipeline_channels
+from rlt_mega.parallel.pipeline import ring_programs, simulate
+from rlt_mega.rollout.ring import MicroBatchMeta, is_check
+from rlt_mega.rollout.ring import ring_programs as sampler_programs
+
+PS, MS = [2, 3, 4], [1, 2, 3, 4, 8]
+
+
+def ragged(M: int, C: int, check_every: int) -> tuple[list, list]:
+    """M micro-batches of ragged prompts (shortest 2 + j tokens, so prefills differ, some empty),
+    max_new_tokens 9; odd ones stop early at a check, even ones run to max_steps."""
+    metas, steps = [], []
+    for j in range(M):
+        shortest, longest = 2 + j, 5 + 2 * j
+        meta = MicroBatchMeta(prefill_end=C * (shortest // C), max_steps=longest + 9 - 1)
+        early = next((t for t in range(longest, meta.max_steps) if is_check(t, check_every)), meta.max_steps)
+        metas.append(meta)
+        steps.append(early if j % 2 else meta.max_steps)
+    return metas, steps
+
+
+@pytest.mark.parametrize("P", PS)
+@pytest.mark.parametrize("M", MS)
+def test_the_training_ring_runs_under_nccl_rules(P, M):
+    for backward in (False, True):
+        r = simulate(P, M, 3, backward=backward)
+        if M >= P and not backward:  # and the ring stays full
+            assert r["bubble"] == pytest.approx((P - 1) / (M * 3 + P - 1))
+
+
+@pytest.mark.parametrize("P", PS)
+@pytest.mark.parametrize("M", MS)
+def test_the_training_ring_before_its_channels_deadlocks_under_nccl(P, M):
+    # Both directions of a pair on one stream, the next op's receive posted before this op's
+    # sends (what RingSchedule did): the receive blocks the send the peer waits for.
+    for backward in (False, True):
+        with pytest.raises(Deadlock):
+            simulate(P, M, 3, backward=backward, streams="pair")
+
+
+@pytest.mark.parametrize("P", PS)
+@pytest.mark.parametrize("M", MS)
+@pytest.mark.parametrize("C", [1, 2, 4])
+def test_the_sampler_ring_runs_under_nccl_rules(P, M, C):
+    for check_every in (1, 4):
+        metas, steps = ragged(M, C, check_every)
+        programs = sampler_programs(P, C, check_every, metas, steps)
+        simulate_nccl(programs, ahead=False)
+        simulate_nccl(programs, ahead=True)  # posting one step ahead would be safe too
+
+
+def test_the_sampler_ring_needs_its_memory_lane():
+    # On one stream per direction, the last stage sends a block's memory in the middle of an
+    # item and step t's control at its end, while stage 0 takes that control only at item
+    # (t + 1, j): with two micro-batches the pair mispairs (the old executor's r_ctl-for-r_mem).
+    metas, steps = ragged(2, 2, 1)
+    with pytest.raises(Mismatch, match="r_ctl.*r_mem|r_mem.*r_ctl"):
+        simulate_nccl(sampler_programs(2, 2, 1, metas, steps), streams="pair", ahead=False)
+
+
+def test_a_reordered_program_is_caught():
+    programs = ring_programs(2, 2, 3, backward=True)
+    # stage 1 takes the encoder input of micro-batch 1 before that of micro-batch 0
+    swapped = [list(p) for p in programs]
+    swapped[1][0], swapped[1][1] = swapped[1][1], swapped[1][0]
+    with pytest.raises(Mismatch, match="stages 0 -> 1"):
+        simulate_nccl(swapped)
+    # stage 0 waits for micro-batch 0's memory before it has sent that micro-batch's encoder input
+    early = [list(p) for p in programs]
+    mem = next(k for k, s in enumerate(early[0]) if s.name.startswith("mem_fwd(j=0"))
+    early[0].insert(0, early[0].pop(mem))
+    with pytest.raises(Deadlock, match="stage 0 at step 0 mem_fwd"):
+        simulate_nccl(early)
+    # a message nobody receives
+    extra = [list(p) for p in programs]
+    extra[0].append(Step("stray", (), (Msg(0, 1, "dec", 9, 9),)))
+    with pytest.raises(Mismatch, match="no partner"):
+        check_pairs(extra)
+
+
+def test_a_large_send_that_waits_for_its_receive_is_what_deadlocks():
+    # Two ranks that both send first and receive second: fine if sends complete at once
+    # (small, eager), a deadlock under rendezvous when both directions share a stream.
+    programs = [[Step("a", (), (Msg(0, 1, "dec"),)), Step("b", (Msg(1, 0, "dec"),), ())],
+                [Step("a", (), (Msg(1, 0, "dec"),)), Step("b", (Msg(0, 1, "dec"),), ())]]
+    simulate_nccl(programs, streams="pair", ahead=False, eager=True)
+    with pytest.raises(Deadlock):
+        simulate_nccl(programs, streams="pair", ahead=False)
+    simulate_nccl(programs, ahead=False)  # one channel per direction
+
+
+@pytest.mark.parametrize("P", PS)
+def test_every_channel_a_program_uses_exists(P):
+    from rlt_mega.parallel.p2p import lane_of
+
+    channels = set(pipeline_channels(P))
+    metas, steps = ragged(3, 2, 4)
+    for programs in (ring_programs(P, 3, 3, backward=True), sampler_programs(P, 2, 4, metas, steps)):
+        used = {(m.src, m.dst, lane_of(m.stream)) for prog in programs for step in prog for m in step.sends}
+        assert used <= channels
