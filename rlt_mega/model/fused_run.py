@@ -451,8 +451,8 @@ class FusedRun:
                 if n > 0:
                     into = self.buf[layers[n - 1]]["g4"]
                 g = self._layer_backward(layers[n], pos, g, into)
-            if not stack.spec.with_input:
-                return g
+            if not stack.spec.with_input:  # a later pipeline stage: what it sends back is in the stream dtype
+                return g if g.dtype == stack.stream_dtype else g.to(stack.stream_dtype)
             # the recurrence input: u = e + recur(a0), a0 = z_{t-1} / rms; du is e's gradient too
             pos.put(self.du, pos.t, g)
             da0 = stack.recur.grad_input(g.to(stack.compute_dtype))
