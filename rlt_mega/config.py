@@ -67,6 +67,10 @@ class ModelConfig:
     # input-ignoring attractor (loss spikes above the uniform loss; see docs/stability.md).
     embed_init_std: Optional[float] = None
     max_seq_len: int = 2048
+    # The dense schedule's decoder (pretraining, SFT, evaluation, the GRPO learner) on the fused
+    # step with a hand-written backward and deferred weight gradients (model/fused_run.py); false:
+    # the module path, the reference the tests compare it with. Same function, other rounding.
+    fused_decoder: bool = True
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -240,6 +244,9 @@ class TrainConfig:
     # Stop this process after this many steps (a checkpoint is written), e.g. for time-limited
     # cluster jobs; the schedule still spans train.steps and train.resume=auto continues.
     stop_after: Optional[int] = None
+    # The dense schedule's decoder positions as captured CUDA graphs of the fused step
+    # (model/cuda_graphs.py): a GPU feature (the decoder is launch-bound there); off on a CPU.
+    cuda_graphs: bool = False
     # Deterministic kernels (rlt_mega/determinism.py): torch.use_deterministic_algorithms,
     # CUBLAS_WORKSPACE_CONFIG, deterministic attention backward, NCCL_NVLS_ENABLE=0. Bit-exact
     # replays, checkpointing and resumes on CUDA need it; it costs some speed there.
@@ -257,6 +264,9 @@ class TrainConfig:
                f"train.device={_show(self.device)}: expected auto, cpu, cuda or cuda:N (or mps, xpu:N)")
         _check(self.resume is None or bool(self.resume.strip()),
                "train.resume is empty: use null (fresh start), auto, or a checkpoint path")
+        _check(not self.cuda_graphs or self.device == "auto" or self.device.startswith("cuda"),
+               f"train.cuda_graphs=true with train.device={_show(self.device)}: CUDA graphs need a CUDA device; "
+               "set train.device=cuda (or auto on a GPU machine), or train.cuda_graphs=false")
         _check(self.init_from is None or self.resume in (None, "auto"),
                f"train.init_from={self.init_from} and train.resume={self.resume}: resuming restores the "
                "weights from the checkpoint, so init_from would be ignored; set only one of them")
@@ -438,6 +448,13 @@ class Config:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
 
     def __post_init__(self) -> None:
+        _check(not self.train.cuda_graphs or self.model.fused_decoder,
+               "train.cuda_graphs=true captures the fused decoder: set model.fused_decoder=true (or "
+               "train.cuda_graphs=false)")
+        _check(not self.train.cuda_graphs or self.parallel.pp == 1,
+               f"train.cuda_graphs=true with parallel.pp={self.parallel.pp}: the graphs capture the dense "
+               "schedule's decoder loop, which a pipeline stage does not run (its positions arrive over the "
+               "wire); set train.cuda_graphs=false or parallel.pp=1")
         _check(self.data.seq_len <= self.model.max_seq_len,
                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
                "raise model.max_seq_len or lower data.seq_len")

@@ -8,7 +8,8 @@ distance to math), exactness (replay torch.equal to mu, three times per case), g
 (one GRPO step's on-policy max |ratio - 1|), gradients (bit-identical across checkpointing modes
 and runs), qwen2 (an imported random Qwen2's logits), sync_audit (host synchronisations of 32
 sampler steps and a dense step), bench / bench_loose (grpo_gsm8k-size figures, deterministic
-kernels on / off), fused_cuda_graph (the slot for issue 11's capture check).
+kernels on / off), fused_cuda_graph (train.cuda_graphs: the fused decoder's captured step,
+tools/gpu/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -28,8 +29,9 @@ sys.path.insert(0, str(ROOT))
 
 PARTS = ["versions", "sdpa", "exactness", "grpo_onpolicy", "gradients", "qwen2", "sync_audit", "bench",
          "bench_loose", "fused_cuda_graph"]
-# The fused decoder's CUDA-graph capture check (issue 11) lands as this script; run with --json.
-FUSED_GRAPH_CHECK = ROOT / "tools" / "check_fused_cuda_graph.py"
+# The fused decoder's CUDA-graph capture check (train.cuda_graphs); it prints one JSON line.
+FUSED_GRAPH_CHECK = ROOT / "tools" / "gpu" / "cuda_graphs.py"
+FUSED_GRAPH_ARGS = ["--seq-len", "64", "--repeats", "3"]  # inside the part's budget on one H200
 NO_CUDA = "skipped: no CUDA"
 
 
@@ -392,15 +394,14 @@ def part_bench(smoke: bool) -> dict:
 
 
 def part_fused_cuda_graph(smoke: bool) -> dict:
-    """The slot for issue 11's check that the fused decoder's training step captures into a CUDA
-    graph: tools/check_fused_cuda_graph.py --json (it prints one JSON object)."""
+    """train.cuda_graphs: the fused decoder's training step captured as CUDA graphs against the
+    eager fused step and the module path (tools/gpu/cuda_graphs.py, which prints one JSON object;
+    without CUDA it reports "skipped: no CUDA", so the smoke mode runs the wiring too)."""
     import subprocess
 
-    if not FUSED_GRAPH_CHECK.exists():
-        return {"status": f"skipped: {FUSED_GRAPH_CHECK.relative_to(ROOT)} is not here yet (issue 11)"}
-    if not _torch().cuda.is_available():
-        return {"status": NO_CUDA}
-    done = subprocess.run([sys.executable, str(FUSED_GRAPH_CHECK), "--json"], capture_output=True, text=True)
+    args = ["--d-model", "64", "--layers", "2", "--seq-len", "16", "--repeats", "1"] if smoke else FUSED_GRAPH_ARGS
+    done = subprocess.run([sys.executable, str(FUSED_GRAPH_CHECK), *args], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         result = json.loads(done.stdout.strip().splitlines()[-1])
     except (ValueError, IndexError):

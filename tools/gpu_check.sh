@@ -3,7 +3,8 @@
 # model's shapes, replay exactness (torch.equal to mu) over batch sizes, ragged prompts, C, top-p,
 # fp32/bf16 and both decoder paths, one GRPO step's on-policy ratios, gradients bit-identical
 # across checkpointing modes and runs, an imported random Qwen2's logits, a host-sync audit of the
-# sampler and a dense step, and grpo_gsm8k-size figures with deterministic kernels on and off.
+# sampler and a dense step, grpo_gsm8k-size figures with deterministic kernels on and off, and the
+# fused decoder's training step captured as CUDA graphs (train.cuda_graphs).
 # Each part runs in its own subprocess under a time budget; a JSON summary comes at the end.
 #
 #   source launch/env.sh && bash tools/gpu_check.sh [--smoke] [--out gpu_check.json]
@@ -23,9 +24,9 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-# Seconds per part on one H200 (they add up to 470 s); smoke mode allows the same on a slow CPU.
+# Seconds per part on one H200 (they add up to 490 s); smoke mode allows the same on a slow CPU.
 declare -A BUDGET=([versions]=20 [sdpa]=50 [exactness]=110 [grpo_onpolicy]=40 [gradients]=40 [qwen2]=30
-                   [sync_audit]=30 [bench]=70 [bench_loose]=60 [fused_cuda_graph]=20)
+                   [sync_audit]=30 [bench]=70 [bench_loose]=60 [fused_cuda_graph]=40)
 # GPU_CHECK_PARTS="exactness qwen2" reruns some parts only (the others are reported missing).
 PARTS="${GPU_CHECK_PARTS:-versions sdpa exactness grpo_onpolicy gradients qwen2 sync_audit bench bench_loose fused_cuda_graph}"
 TMP="$(mktemp -d)"

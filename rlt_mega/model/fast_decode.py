@@ -1,42 +1,39 @@
-"""The decoder step and the memory writes of the no-grad schedules (rollout and replay), with
-fewer, larger kernels.
+"""The decoder step and the memory writes of the no-grad schedules (rollout and replay), on the
+fused layout and kernels of the training step (model/fused.py).
 
 At sampling batch sizes a decoder step is a few dozen small GEMMs and a few hundred small
-ops; their dispatch cost, not their FLOPs, sets the step time (small_cpu, batch 8, one CPU
-thread: the module path took ~4.5 ms for the 4 decoder layers of a step, of which ~0.8 ms
-were GEMMs; this path ~2 ms; tools/bench/rollout.py shows both). This path computes the
-function of
-``RLT.decoder_layer`` / ``RLT.append_memory`` with:
+ops; their dispatch cost and the bytes of weight they stream, not their FLOPs, set the step
+time (tools/bench/rollout.py shows this path against the module path). This path computes the
+function of ``RLT.decoder_layer`` / ``RLT.append_memory`` with what the training step uses:
 
-- q, k, v fused into one GEMM, gate and up into another, the cross-attention's k and v into a
-  third, over weights concatenated once per run and stored transposed (in, out), so that
-  every projection is one ``mm``/``addmm``;
-- the RMSNorm weights and the attention scale folded into the weights that follow them; the
-  residual adds folded into the output projections (``addmm``);
-- RoPE of q and k in one pass; the single-position attentions (self and cross) as two ``bmm``
-  around a softmax over keys stored transposed (``StepKV``), without the autograd Function.
+- the fused weights of model/fused.py (q/k/v in one product, gate/up in another, the RMSNorm
+  weights and the attention scale folded in), prepared once per run as ``Gemm`` products
+  (oneDNN with the weight reordered for the batch on CPU), the residual adds fused into the
+  output products; the cross-attention's k and v in one more product for the memory writes;
+- the same RMSNorm, RoPE and single-query attention kernels, and the same cache layout as the
+  training step's buffers: keys stored transposed (``StepKV``).
 
-It rounds differently from the module path (other GEMM shapes, folded scales, fused adds):
-the same kind of gap as between the dense schedule and the rollout. Rollout and replay both
-run it with the same shapes, so their values stay equal bit for bit.
+It rounds differently from the module path (other GEMM kernels and shapes, folded scales, fused
+adds): the same kind of gap as between the dense schedule and the rollout. Rollout and replay
+both run it with the same shapes, so their values stay equal bit for bit.
 
 ``DecodeWeights.build`` snapshots the parameters once per executor run: nothing changes them
 during a no-grad run and every run takes a new snapshot, so nothing computed from old
 parameters is reused (the caches' rule). It returns None (the caller then runs the module
 path) unless every projection is a plain ``nn.Linear``: a tensor-parallel model holds
-megatron-core layers.
+megatron-core layers, and the sampler's ring runs their modules.
 """
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_mega.model.fused import (Gemm, LayerGemms, NormConstants, attend, fuse_layer, head_counts, rms_forward, rope,
+                                  rope_tables, wide)
 from rlt_mega.precision import LOW_PRECISION
 
 
@@ -44,9 +41,10 @@ class StepKV:
     """K/V per layer for the fast step, keys stored transposed: k_t (B, h_kv, Dh, capacity),
     v (B, h_kv, capacity, Dh), so both attention products read their right-hand side in the
     layout a GEMM wants (q @ K^T over (Dh, S) rows is 2-3x faster than over a transposed view
-    at these sizes). The decoder's own K/V (one position per write) and the cross-attention
-    memory (slot 0 the null memory, then C positions per write) both use it. Buffers are
-    allocated at the first write of each layer."""
+    at these sizes): the layout of the training step's buffers (model/fused_run.py). The
+    decoder's own K/V (one position per write) and the cross-attention memory (slot 0 the null
+    memory, then C positions per write) both use it. Buffers are allocated at the first write of
+    each layer."""
 
     def __init__(self, num_layers: int, capacity: int) -> None:
         self.capacity = capacity
@@ -71,57 +69,26 @@ class StepKV:
         return k_t[..., :end].reshape(B * h_kv, Dh, end), v[:, :, :end].reshape(B * h_kv, end, Dh)
 
 
-@dataclass
-class _LayerWeights:
-    """One decoder layer; matrices transposed to (in, out), RMSNorm weights folded into rows."""
-
-    qkv: torch.Tensor  # (d, (h + 2 h_kv) Dh): attn_norm folded in, q columns scaled by 1/sqrt(Dh)
-    qkv_bias: Optional[torch.Tensor]  # ((h + 2 h_kv) Dh,), q part scaled
-    o: torch.Tensor  # (h Dh, d)
-    cross_q: torch.Tensor  # (d, h Dh): cross_norm folded in, scaled
-    cross_kv: torch.Tensor  # (d, 2 h_kv Dh): the memory's k and v (memory_norm is applied before)
-    cross_o: torch.Tensor  # (h Dh, d)
-    gate_up: torch.Tensor  # (d, 2F): mlp_norm folded in
-    down: torch.Tensor  # (F, d)
-    num_heads: int
-    num_kv_heads: int
-
-
 def _plain(*modules: nn.Module) -> bool:
     return all(type(m) is nn.Linear for m in modules)
 
 
-def _residual_mm(u: torch.Tensor, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """u + a @ w; one addmm when the dtypes agree (a bf16 product into an fp32 stream is added
-    after the GEMM, as the module path does under autocast)."""
-    if u.dtype == a.dtype:
-        return torch.addmm(u, a, w)
-    return u + torch.mm(a, w)
-
-
-def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """One query position, grouped heads: q (B h_kv, g, Dh) already scaled; keys_t
-    (B h_kv, Dh, S), values (B h_kv, S, Dh) -> (B h_kv, g, Dh). Softmax in fp32 (fp64 for
-    fp64), as attention._attend."""
-    scores = torch.bmm(q, keys_t)  # (B h_kv, g, S)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
-    return torch.bmm(probs if probs.dtype == q.dtype else probs.to(q.dtype), values)
-
-
 class DecodeWeights:
     """A snapshot of the decoder's weights for one no-grad run, in the dtype the GEMMs run in
-    (the autocast dtype under autocast, else the parameters')."""
+    (the autocast dtype under autocast, else the parameters'): the fused weights of each layer,
+    prepared as products for each batch size the run meets."""
 
-    def __init__(self, layers: dict[int, _LayerWeights], compute_dtype: torch.dtype, head_dim: int, eps: float,
-                 memory_block: int, cos: torch.Tensor, sin_signed: torch.Tensor, d: int,
-                 param_dtype: torch.dtype) -> None:
-        self.layers, self.compute_dtype, self.head_dim = layers, compute_dtype, head_dim
-        self.memory_block, self.num_layers = memory_block, max(layers) + 1
-        self.cos, self.sin_signed = cos, sin_signed  # (max_seq_len, Dh) each
-        # RMSNorm statistics in fp32 (fp64 for fp64): eps + mean(x^2) as one addmm with 1/d.
-        stat = torch.float64 if param_dtype == torch.float64 else torch.float32
-        self.eps = torch.full((1,), eps, dtype=stat, device=cos.device)
-        self.mean_col = torch.full((d, 1), 1.0 / d, dtype=stat, device=cos.device)
+    def __init__(self, fused: dict[int, dict], cross_kv: dict[int, torch.Tensor], heads: tuple[int, int],
+                 compute_dtype: torch.dtype, param_dtype: torch.dtype, head_dim: int, eps: float, memory_block: int,
+                 cos: torch.Tensor, sin: torch.Tensor, d: int) -> None:
+        self.fused, self.cross_kv_w = fused, cross_kv
+        self.layer_ids = sorted(fused)
+        self.heads, self.compute_dtype, self.head_dim = heads, compute_dtype, head_dim
+        self.memory_block, self.num_layers = memory_block, max(fused) + 1
+        self.cos, self.sin_fwd, _ = rope_tables(cos, sin)  # (max_seq_len, Dh)
+        self.norm = NormConstants(d, eps, param_dtype, cos.device)
+        self._gemms: dict[int, dict[int, LayerGemms]] = {}  # batch size -> layer -> products
+        self._cross_kv: dict[int, dict[int, Gemm]] = {}
 
     @classmethod
     @torch.no_grad()
@@ -135,39 +102,28 @@ class DecodeWeights:
         param_dtype = model.cross[layers[0]].cross_norm.weight.dtype
         compute_dtype = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) \
             else param_dtype
-        Dh = cfg.head_dim
-        scale = 1.0 / math.sqrt(Dh)
-        out = {}
+        fused, cross_kv = {}, {}
+        heads = (0, 0)
         for i in layers:
             blk, cb = model.decoder_block(i), model.cross[i]
             a, c, m = blk.attn, cb.attn, blk.mlp
             if not _plain(a.q, a.k, a.v, a.o, c.q, c.k, c.v, c.o, m.gate, m.up, m.down):
                 return None
-
-            def wide(w: torch.Tensor) -> torch.Tensor:  # folding happens in fp32 at least, rounded once
-                return w.to(torch.promote_types(w.dtype, torch.float32))
-
-            def t(w: torch.Tensor, norm: Optional[nn.Module] = None) -> torch.Tensor:
-                """(out, in) -> (in, out) in the compute dtype, a norm's weight folded into the rows."""
-                w = wide(w).t()
-                if norm is not None:
-                    w = w * wide(norm.weight)[:, None]
-                return w.to(compute_dtype).contiguous()
-
-            bias = None
-            if a.q.bias is not None:
-                bias = torch.cat([wide(a.q.bias) * scale, wide(a.k.bias), wide(a.v.bias)]).to(compute_dtype)
-            out[i] = _LayerWeights(
-                qkv=t(torch.cat([wide(a.q.weight) * scale, wide(a.k.weight), wide(a.v.weight)]), blk.attn_norm),
-                qkv_bias=bias, o=t(a.o.weight), cross_q=t(wide(c.q.weight) * scale, cb.cross_norm),
-                cross_kv=t(torch.cat([c.k.weight, c.v.weight])), cross_o=t(c.o.weight),
-                gate_up=t(torch.cat([m.gate.weight, m.up.weight]), blk.mlp_norm), down=t(m.down.weight),
-                num_heads=a.q.weight.shape[0] // Dh, num_kv_heads=a.k.weight.shape[0] // Dh)
+            fused[i] = {k: None if w is None else w.to(compute_dtype)
+                        for k, w in fuse_layer(blk, cb, cfg.head_dim).items()}
+            cross_kv[i] = torch.cat([wide(c.k.weight), wide(c.v.weight)]).to(compute_dtype)  # (2 h_kv Dh, d)
+            heads = head_counts(blk, cfg.head_dim)
         cos, sin = model.rotary.tables(device, compute_dtype)
-        half = Dh // 2
-        sin_signed = torch.cat([-sin[:, :half], sin[:, half:]], dim=1)  # rotate_half as a roll with signs
-        return cls(out, compute_dtype, Dh, cfg.norm_eps, cfg.memory_block, cos, sin_signed, cfg.d_model,
-                   param_dtype)
+        return cls(fused, cross_kv, heads, compute_dtype, param_dtype, cfg.head_dim, cfg.norm_eps,
+                   cfg.memory_block, cos, sin, cfg.d_model)
+
+    def gemms(self, rows: int) -> dict[int, LayerGemms]:
+        """The products prepared for batches of ``rows`` (once per batch size and run)."""
+        if rows not in self._gemms:
+            h, h_kv = self.heads
+            self._gemms[rows] = {i: LayerGemms.build(w, self.compute_dtype, rows, False, h, h_kv)
+                                 for i, w in self.fused.items()}
+        return self._gemms[rows]
 
     # ------------------------------------------------------------------ caches and memory
     def new_cache(self, capacity: int) -> StepKV:
@@ -188,9 +144,11 @@ class DecodeWeights:
         """Commits memory m (B, n, d) (memory_norm applied) of positions [start, start + n)."""
         B, n, d = m.shape
         x = m.reshape(B * n, d).to(self.compute_dtype)
+        products = self._cross_kv.setdefault(B * n, {i: Gemm(w, B * n) for i, w in self.cross_kv_w.items()})
+        h_kv = self.heads[1]
         with torch.autocast(device_type=m.device.type, enabled=False):
-            for i, w in self.layers.items():
-                kv = torch.mm(x, w.cross_kv).view(B, n, 2, w.num_kv_heads, self.head_dim)
+            for i in self.layer_ids:
+                kv = products[i](x).view(B, n, 2, h_kv, self.head_dim)
                 mem.write(i, 1 + start, kv[:, :, 0], kv[:, :, 1])
 
     # ------------------------------------------------------------------ the step
@@ -198,37 +156,36 @@ class DecodeWeights:
         """u (B, 1, d) at position t -> (B, 1, d); writes the decoder K/V of position t."""
         x = u.squeeze(1)  # (B, d)
         visible = 1 + self.memory_block * ((t + 1) // self.memory_block)  # the null slot + vis(t)
-        cos, sin = self.cos[t], self.sin_signed[t]
+        cos, sin = self.cos[t], self.sin_fwd[t]
+        gemms = self.gemms(x.shape[0])
         with torch.autocast(device_type=u.device.type, enabled=False):
-            for i, w in self.layers.items():
-                x = self._layer(w, i, x, t, dec, mem, visible, cos, sin)
+            for i in self.layer_ids:
+                x = self._layer(gemms[i], i, x, t, dec, mem, visible, cos, sin)
         return x.unsqueeze(1)
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        """x / rms(x) in the compute dtype (the norm's weight lives in the next GEMM): the
-        statistics in fp32 (fp64), as layers.RMSNorm."""
-        xf = x.float() if x.dtype in LOW_PRECISION else x
-        inv_rms = torch.addmm(self.eps, xf * xf, self.mean_col).rsqrt_()  # (B, 1)
-        return (xf * inv_rms).to(self.compute_dtype)
-
-    def _layer(self, w: _LayerWeights, i: int, x: torch.Tensor, t: int, dec: StepKV, mem: StepKV,
+    def _layer(self, w: LayerGemms, i: int, x: torch.Tensor, t: int, dec: StepKV, mem: StepKV,
                visible: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        B, Dh = x.shape[0], self.head_dim
+        """The training step's forward (FusedRun._layer_forward without saving), over StepKV."""
+        B, Dh, cd = x.shape[0], self.head_dim, self.compute_dtype
         h, h_kv = w.num_heads, w.num_kv_heads
         g = h // h_kv
         # self-attention over the decoder's K/V of positions [0, t]
-        a = self._norm(x)
-        qkv = torch.mm(a, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, a, w.qkv)
-        qk = qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh)
-        qk = torch.addcmul(qk * cos, qk.roll(Dh // 2, dims=-1), sin)  # RoPE at position t
+        a, _ = rms_forward(x, self.norm, cd)
+        qkv = w.qkv(a)
+        qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), cos, sin)  # RoPE at position t
         v = qkv[:, (h + h_kv) * Dh:].view(B, 1, h_kv, Dh)
         dec.write(i, t, qk[:, None, h:], v)
-        att = _attend(qk[:, :h].reshape(B * h_kv, g, Dh), *dec.view(i, t + 1))
-        x = _residual_mm(x, att.view(B, h * Dh), w.o)
+        att = attend(qk[:, :h].reshape(B * h_kv, g, Dh), *dec.view(i, t + 1))
+        x = w.o.add(att.view(B, h * Dh), x)
         # cross-attention into {null} + the visible memory
-        cq = torch.mm(self._norm(x), w.cross_q).view(B * h_kv, g, Dh)
-        x = _residual_mm(x, _attend(cq, *mem.view(i, visible)).view(B, h * Dh), w.cross_o)
+        a, _ = rms_forward(x, self.norm, cd)
+        cq = w.cross_q(a).view(B * h_kv, g, Dh)
+        x = w.cross_o.add(attend(cq, *mem.view(i, visible)).view(B, h * Dh), x)
         # SwiGLU MLP
-        gu = torch.mm(self._norm(x), w.gate_up)  # (B, 2F)
+        a, _ = rms_forward(x, self.norm, cd)
+        gu = w.gate_up(a)  # (B, 2F)
         f = gu.shape[1] // 2
-        return _residual_mm(x, F.silu(gu[:, :f]) * gu[:, f:], w.down)
+        return w.down.add(F.silu(gu[:, :f]) * gu[:, f:], x)
+
+
+__all__ = ["DecodeWeights", "StepKV", "LOW_PRECISION"]

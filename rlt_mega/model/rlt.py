@@ -18,6 +18,15 @@ with an encoder cache), ``memory_kv`` / ``init_memory`` / ``append_memory``, ``d
 (``decoder_input`` + ``decoder_layers``), ``head``. ``forward`` is the dense schedule: the
 encoder in one causal batch, the decoder position by position, full BPTT. Every method that
 touches blocks takes an optional ``layers`` range so a pipeline stage runs only its own.
+
+The dense schedule's decoder has two implementations of the same function: the fused step
+(model/fused_dense.py, ``model.fused_decoder``, the default) and the module path below
+(``decoder_step`` per position through autograd), the reference the tests compare it with.
+
+Set from outside: ``tp_all_reduce`` (parallel/tp.py: the in-place sum over the tensor-parallel
+ranks that the fused step calls where megatron's layers would communicate; None on one
+process), ``static_decoder`` (the fused step's capture-ready form) and, through
+``set_cuda_graphs``, the capture of that form as CUDA graphs (model/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -33,6 +42,7 @@ from torch.utils.checkpoint import checkpoint
 from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.model.attention import DecoderSelfAttention, encoder_attention, memory_attention
 from rlt_mega.model.cache import DecoderKV, KVCache, MemoryGradients, MemoryKV
+from rlt_mega.model.fused_dense import decode_dense_fused
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
 
 
@@ -67,6 +77,10 @@ class RLT(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(Dh, cfg.max_seq_len, cfg.rope_theta)
         self.checkpointing = CheckpointingConfig()
+        self.tp_all_reduce = None  # set by parallel/tp.py under tensor parallelism
+        self.static_decoder = False  # the fused step's capture-ready form (model/fused_run.py)
+        self.cuda_graphs = False  # its capture (train.cuda_graphs, set_cuda_graphs)
+        self._graph_cache = None
         if self.null_memory.device.type != "meta":
             self.init_weights()
 
@@ -85,6 +99,21 @@ class RLT(nn.Module):
 
     def set_checkpointing(self, cfg: CheckpointingConfig) -> None:
         self.checkpointing = cfg
+
+    def set_cuda_graphs(self, enabled: bool) -> None:
+        """train.cuda_graphs: the dense schedule's decoder positions run as captured CUDA graphs
+        of the fused step's capture-ready form (model/cuda_graphs.py)."""
+        if enabled:
+            device = self.null_memory.device
+            if device.type != "cuda":
+                raise ValueError(f"train.cuda_graphs=true needs the model on a CUDA device, not {device}: set "
+                                 "train.cuda_graphs=false (CUDA graphs are a GPU feature; on a CPU the fused "
+                                 "decoder runs eagerly)")
+            if not self.cfg.fused_decoder:
+                raise ValueError("train.cuda_graphs=true captures the fused decoder: set model.fused_decoder=true")
+        self.cuda_graphs = enabled
+        self.static_decoder = enabled
+        self._graph_cache = None
 
     def decoder_block(self, i: int) -> Block:
         return self.blocks[i] if self.dec_blocks is None else self.dec_blocks[i]
@@ -126,7 +155,9 @@ class RLT(nn.Module):
         slots = torch.cat([self.null_memory.to(m.dtype).expand(m.shape[0], 1, -1), m], dim=1)
         for i in self._layers(layers):
             k, v = self.cross[i].attn.kv(slots)
-            if torch.is_grad_enabled() and k.requires_grad:  # the steps' gradients reach k, v here
+            # The module path's steps accumulate their gradients in ``mem``; the fused decoder
+            # takes k, v as inputs of its autograd Function and returns theirs.
+            if torch.is_grad_enabled() and k.requires_grad and not self.cfg.fused_decoder:
                 k, v = MemoryGradients.apply(k, v, mem, i)
             mem.set(i, k, v)
         return mem
@@ -193,11 +224,14 @@ class RLT(nn.Module):
                      ) -> torch.Tensor:
         """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d).
 
-        With decoder checkpointing, each segment of k steps is recomputed in backward; the
+        ``model.fused_decoder``: the fused step (model/fused_dense.py). The module path:
+        with decoder checkpointing, each segment of k steps is recomputed in backward; the
         recomputation repeats the forward exactly, and the autograd graph has the same shape
         in every mode (each step reads its own embedding row, every z_t is stacked once at
         the end), so gradients are bit-identical across checkpointing modes.
         """
+        if self.cfg.fused_decoder:
+            return decode_dense_fused(self, emb, mem, z0)
         B, T, _ = emb.shape
         dec = DecoderKV(self.cfg.n_layers, capacity=T)
         z = self.initial_state(B) if z0 is None else z0

@@ -66,6 +66,8 @@ class DistributedEngine:
         self.full_cfg = model.cfg
         shard_for_rank(model, dims)
         model.set_checkpointing(engine.checkpointing)
+        if engine.cuda_graphs:  # (off: the model's default)
+            model.set_cuda_graphs(True)
         mark_for_grad_norm(model, dims)
         mbs, accum = engine.micro_batch_size, engine.grad_accum
         self.num_pieces, _ = micro_batch_plan(mbs, accum, self.num_in_flight)

@@ -51,11 +51,12 @@ class EngineConfig:
     grad_accum: int  # batches per optimizer step
     dtype: str = "fp32"  # "fp32" or "bf16" (precision.DTYPES)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    cuda_graphs: bool = False  # train.cuda_graphs: the fused decoder's positions as captured CUDA graphs
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> "EngineConfig":
         return cls(total_steps=train.steps, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
-                   dtype=train.dtype, checkpointing=train.checkpointing)
+                   dtype=train.dtype, checkpointing=train.checkpointing, cuda_graphs=train.cuda_graphs)
 
 
 @dataclass
@@ -147,6 +148,8 @@ class LocalEngine:
         self.model, self.dims, self.optim_cfg = model, dims, optim
         self.device, self.dtype = dims.device, engine.dtype
         model.set_checkpointing(engine.checkpointing)
+        if engine.cuda_graphs:  # (off: the model's default)
+            model.set_cuda_graphs(True)
         self.optimizer, self.scheduler = build_optimizer(model, optim, engine.total_steps)
 
     @property

@@ -27,6 +27,15 @@ detached leaves whose gradients accumulate over the steps and are pushed into th
 once (the memory K/V's in the MemoryKV's own buffers, so a step adds only its visible
 prefix). The per-layer ``DecoderKV`` needs the steps of one micro-batch backwarded in
 decreasing t on every stage; the reversed ring does exactly that.
+
+The fused decoder (``model.fused_decoder``, the default): the stage's layers (and on stage 0 the
+recurrence input) are one model/fused_run.FusedStack per round, built at ``start`` from the
+current parameters; each micro-batch is a FusedRun whose ``forward``/``backward`` the decoder
+ops call position by position, with no autograd graph per step. Its deferred weight gradients
+accumulate over the round's micro-batches and reach the parameters in one autograd backward at
+``finish`` (through the fused weights' expressions: the shadow parameters under ShadowGrads).
+With decoder checkpointing each position is recomputed from what the run keeps just before its
+backward (model/fused_run.py: the same as on one process).
 """
 
 from __future__ import annotations
@@ -40,6 +49,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.loss import LogitsLoss, Vocab
 from rlt_mega.model.cache import DecoderKV, MemoryKV
+from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator
+from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
 from rlt_mega.model.rlt import RLT
 
 
@@ -91,6 +102,9 @@ class _MicroBatch:
     dec_out: dict = field(default_factory=dict)  # t -> output with graph
     z_cut: dict = field(default_factory=dict)  # last stage: t -> leaf (b, 1, d) for the head
     loss: Optional[torch.Tensor] = None
+    run: Optional[FusedRun] = None  # the fused decoder's state for this micro-batch
+    e: Optional[torch.Tensor] = None  # stage 0, fused: the embeddings (T, b, d), contiguous rows
+    z0: Optional[torch.Tensor] = None  # stage 0, fused: z_{-1} (b, d) with its graph into z_init
 
 
 class RLTStage:
@@ -104,6 +118,10 @@ class RLTStage:
         self.grad = True
         self.loss_scale = 1.0
         self.loss: Optional[LogitsLoss] = None  # this round's
+        self.fused = model.cfg.fused_decoder
+        self.stack = None  # this round's fused stack (fused decoder)
+        self.fused_tensors: list = []  # its weights, with autograd into the parameters
+        self.weight_grads: Optional[WeightGrads] = None
 
     # ------------------------------------------------------------------ shapes for receiving
     @property
@@ -125,9 +143,24 @@ class RLTStage:
         T = batches[0]["inputs"].shape[1]
         self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T)) for b in batches]
         self.loss_scale, self.grad, self.loss = loss_scale, grad, loss
+        if self.fused:
+            self._start_fused(batches[0]["inputs"].shape[0])
+
+    def _start_fused(self, rows: int) -> None:
+        """The round's fused stack, from the parameters as they are now (shadows under ShadowGrads)."""
+        model = self.model
+        with torch.set_grad_enabled(self.grad):
+            spec, tensors = fused_weights(model, self.layers, self.is_first_stage, replicator(model.tp_all_reduce))
+        device = tensors[0].device
+        self.stack = build_stack(model, spec, tensors, rows, self.grad, self.dtype, compute_dtype_of(self.dtype, device))
+        self.fused_tensors = tensors if self.grad else []
+        self.weight_grads = WeightGrads(spec, tensors) if self.grad else None
 
     def finish(self) -> None:
-        self.mbs = []
+        """The end of the round: the fused decoder's weight gradients reach the parameters."""
+        if self.weight_grads is not None:
+            _backward(self.fused_tensors, self.weight_grads.grads())
+        self.mbs, self.stack, self.fused_tensors, self.weight_grads = [], None, [], None
 
     # ------------------------------------------------------------------ forward
     def enc_fwd(self, j: int, x: Optional[torch.Tensor]) -> torch.Tensor:
@@ -135,7 +168,9 @@ class RLTStage:
         if self.is_first_stage:
             mb.emb = model.embed(mb.inputs)  # (b, T, d)
             x = mb.emb
-            if self.grad:  # the decoder reads the embeddings position by position: one leaf each
+            if self.fused:
+                mb.e = mb.emb.detach().transpose(0, 1).contiguous()
+            elif self.grad:  # the decoder reads the embeddings position by position: one leaf each
                 mb.e_steps = [_leaf(mb.emb[:, t], True) for t in range(mb.emb.shape[1])]
         mb.enc_in = _leaf(x, self.grad)
         h = model.encode(mb.enc_in, layers=self.layers)
@@ -152,6 +187,13 @@ class RLTStage:
             k, v = dense.k[i], dense.v[i]
             mb.mem_out += [k, v]
             mb.mem.set(i, _leaf(k, self.grad), _leaf(v, self.grad))
+        if self.fused:
+            b, T = mb.inputs.shape
+            slots = None
+            if self.grad and self.model.checkpointing.decoder != "none":
+                slots = checkpoint_slots(b, T)
+            mb.run = FusedRun(self.stack, b, T, [(dense.k[i], dense.v[i]) for i in self.layers],
+                              grads=self.weight_grads, slots=slots if self.grad else 1)
 
     def _dec_step(self, x: torch.Tensor, e_t: Optional[torch.Tensor], t: int, dec: DecoderKV,
                   mem: MemoryKV) -> torch.Tensor:
@@ -160,6 +202,8 @@ class RLTStage:
         return self.model.decoder_layers(x, t, dec, mem, layers=self.layers)
 
     def dec_fwd(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+        if self.fused:
+            return self._dec_fwd_fused(j, t, x)
         mb, model = self.mbs[j], self.model
         if self.is_first_stage and t == 0:
             x = model.initial_state(mb.inputs.shape[0]).unsqueeze(1)  # (b, 1, d), graph into z_init
@@ -182,6 +226,39 @@ class RLTStage:
             mb.z_cut[t] = _leaf(y, self.grad)
         return y
 
+    def _fwd_mode(self) -> str:
+        if not self.grad:
+            return "none"
+        return "save" if self.model.checkpointing.decoder == "none" else "checkpoint"
+
+    def _dec_fwd_fused(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+        mb = self.mbs[j]
+        if self.is_first_stage and t == 0:
+            mb.z0 = self.model.initial_state(mb.inputs.shape[0])  # (b, d), graph into z_init
+            x = mb.z0.detach()
+        else:
+            x = x.detach().squeeze(1)  # (b, d)
+        y = mb.run.forward(t, x, mb.e[t] if self.is_first_stage else None, mode=self._fwd_mode()).unsqueeze(1)
+        if self.is_last_stage:
+            mb.z_cut[t] = _leaf(y, self.grad)
+        return y
+
+    def _dec_bwd_fused(self, j: int, t: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        mb = self.mbs[j]
+        if self.is_last_stage:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
+            head_grad = mb.z_cut.pop(t).grad
+            g = head_grad if g is None else head_grad + g
+        if g is None:
+            g = torch.zeros(mb.inputs.shape[0], 1, self.model.cfg.d_model, dtype=self.dtype,
+                            device=mb.inputs.device)
+        if self.model.checkpointing.decoder != "none":
+            mb.run.forward(t, None, None, mode="recompute")
+        gx = mb.run.backward(t, g.squeeze(1).to(self.dtype))
+        if self.is_first_stage and t == 0:
+            _backward([mb.z0], [gx])  # into z_init
+            return None
+        return gx.unsqueeze(1)
+
     def loss_fwd(self, j: int) -> torch.Tensor:
         """Head over all positions at once (one GEMM shape, as the dense model does) -> the
         micro-batch's loss sum (fp32, no graph)."""
@@ -199,6 +276,8 @@ class RLTStage:
         self.mbs[j].loss = None
 
     def dec_bwd(self, j: int, t: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        if self.fused:
+            return self._dec_bwd_fused(j, t, g)
         mb = self.mbs[j]
         y = mb.dec_out.pop(t)
         if self.is_last_stage:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
@@ -211,10 +290,15 @@ class RLTStage:
     def mem_bwd(self, j: int) -> torch.Tensor:
         mb = self.mbs[j]
         grads = []
-        for i in self.layers:  # the decoder steps accumulated them in mb.mem (see MemoryKV)
-            grads += mb.mem.take_grads(i)
+        if self.fused:
+            grads = [g for pair in mb.run.memory_grads() for g in pair]
+        else:
+            for i in self.layers:  # the decoder steps accumulated them in mb.mem (see MemoryKV)
+                grads += mb.mem.take_grads(i)
         _backward(mb.mem_out, grads)
         mb.mem, mb.mem_out = None, []
+        if not self.is_first_stage:  # stage 0 still needs the embeddings' gradient (enc_bwd)
+            mb.run = None
         g = mb.m_in.grad
         return torch.zeros_like(mb.m_in) if g is None else g
 
@@ -223,7 +307,11 @@ class RLTStage:
         _backward([mb.enc_out], [g])
         if self.is_first_stage:
             # Encoder-path gradient of the embeddings plus the decoder's, position by position.
-            g_dec = torch.stack([e.grad if e.grad is not None else torch.zeros_like(e) for e in mb.e_steps], dim=1)
+            if self.fused:
+                g_dec = mb.run.input_grads()  # (b, T, d)
+                mb.run = None
+            else:
+                g_dec = torch.stack([e.grad if e.grad is not None else torch.zeros_like(e) for e in mb.e_steps], dim=1)
             g_emb = g_dec if mb.enc_in.grad is None else mb.enc_in.grad + g_dec
             _backward([mb.emb], [g_emb])
             return None

@@ -201,7 +201,21 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, 
         _replace(model, name, new)
     if tied:
         model.lm_head.weight = model.embed.weight
+    # The fused decoder (model/fused_run.py) reads these shards' weights directly and calls this
+    # where megatron's layers communicate: after each row-parallel product (o, cross o, down) and
+    # on the input gradient of each column-parallel one (q/k/v, cross q, gate/up).
+    model.tp_all_reduce = tp_all_reduce(dims)
     return model
+
+
+def tp_all_reduce(dims: ParallelDims):
+    """In-place sum over the tensor-parallel group (no autograd)."""
+    group = dims.tp_group
+
+    def all_reduce(x: torch.Tensor) -> None:
+        torch.distributed.all_reduce(x, group=group)
+
+    return all_reduce
 
 
 # ------------------------------------------------------------------------------------------

@@ -51,12 +51,34 @@ def _PeakTracker():
 
 
 def count_flops(fn: Callable[[], object]) -> int:
-    """FLOPs that flop_counter attributes to ``fn()`` (forward and any backward inside)."""
+    """FLOPs that flop_counter attributes to ``fn()`` (forward and any backward inside), with the
+    products flop_counter does not know added: the in-place ``addmm_`` / ``baddbmm_`` (the fused
+    decoder's deferred weight and K/V gradients) and oneDNN's linear (its CPU products)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_extra_flops()) as counter:
         fn()
     return counter.get_total_flops()
+
+
+def _extra_flops() -> dict:
+    def addmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # (m, k) @ (k, n)
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+    def baddbmm(self_shape, a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # (b, m, k) @ (b, k, n)
+        return 2 * a_shape[0] * a_shape[1] * a_shape[2] * b_shape[2]
+
+    def linear(x_shape, *args, out_shape=None, **kwargs) -> int:  # x (..., in) -> out (..., out)
+        n = 1
+        for s in out_shape:
+            n *= s
+        return 2 * n * x_shape[-1]
+
+    aten = torch.ops.aten
+    extra = {aten.addmm_: addmm, aten.baddbmm_: baddbmm}
+    if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        extra[torch.ops.mkldnn._linear_pointwise] = linear
+    return extra
 
 
 def zero_probe(rank: int, world_size: int, port: int, model_cfg: dict, cases: list[dict],

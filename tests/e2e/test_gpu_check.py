@@ -26,6 +26,7 @@ def test_the_driver_runs_parts_in_subprocesses_and_summarises(tmp_path):
     assert summary["mode"] == "smoke" and summary["ok"] and set(summary["parts"]) == {"gradients", "fused_cuda_graph"}
     assert summary["parts"]["gradients"]["status"] == "ok"
     assert summary["parts"]["fused_cuda_graph"]["status"].startswith("skipped")
+    assert summary["parts"]["fused_cuda_graph"]["check"] == "cuda_graphs"  # tools/gpu/cuda_graphs.py answered
     missing = gpu_check.summarise(tmp_path, "smoke", {"qwen2": 30}, ["qwen2"])
     assert not missing["ok"] and "over its 30 s budget" in missing["parts"]["qwen2"]["status"]
 

@@ -253,7 +253,7 @@ MEMORY_CASES = [("tiny", "none", False), ("tiny", "step", False), ("tiny", "ever
 def test_peak_training_memory_fp32(name, mode, enc):
     """The trainer's whole step (forward, loss, backward, clipping, AdamW) at B T large
     enough that activations, not the optimizer, set the peak in most cases."""
-    cfg = ModelConfig(**CONFIGS[name])
+    cfg = ModelConfig(**CONFIGS[name], fused_decoder=False)  # the decoder the memory model describes
     ck = CheckpointingConfig(decoder=mode, decoder_k=3, encoder=enc)
     B, T = 8, 16
     measured = _measure_engine_step(cfg, B, T, ck)
@@ -266,7 +266,7 @@ def test_peak_forward_backward_memory_bf16(mode, enc):
     """bf16 weights and activations (fp32 norms, softmax, logits and decoder K/V gradients,
     as the model computes them). The optimizer is left out: the model's bf16 optimizer
     (fp32 master + moments) is DeepSpeed's, not a torch AdamW on bf16 tensors."""
-    cfg = ModelConfig(**CONFIGS["tiny"])
+    cfg = ModelConfig(**CONFIGS["tiny"], fused_decoder=False)  # the decoder the memory model describes
     ck = CheckpointingConfig(decoder=mode, decoder_k=3, encoder=enc)
     B, T = 8, 16
     measured = _measure_forward_backward_bf16(cfg, B, T, ck)

@@ -24,10 +24,11 @@ run() {  # name, command...
 want() { [[ " ${SELECTED} " == *" $1 "* ]]; }
 SELECTED="${*:-training pipeline rollout peer rollout_parallel stability}"
 
-# Activation checkpointing at T=512; the encoder FLOP rate against the matmul peak.
+# The decoder and encoder FLOP rates against the matmul peak, fused and module path; training
+# tokens/s fused against module path; activation checkpointing at T=512.
 # Memory: no checkpointing against decoder-per-step + encoder-per-layer, one profiled step each,
 # two timing rounds (`--modes every_k=8+enc step+enc` adds the cheapest mode, ~90 s more).
-want training && run training python tools/bench/training.py --only memory flops --modes step+enc --repeats 2
+want training && run training python tools/bench/training.py --only flops throughput memory --modes step+enc --repeats 2
 # The ring bubble: emulated stages and the tiny model; throughput layouts skipped.
 want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
 # The deferred-memory speed-up (rollout tokens/s across C), replay/rollout, hybrid/dense (small_cpu, batch 8, 128

@@ -101,10 +101,18 @@ def peak_tensor_bytes(fn: Callable[[], object]) -> int:
         fn()
     finally:
         result = _disable_profiler()
-    peak, stack = 0, list(result.experimental_event_tree())
+    # total_allocated is torch's CPU memory reporter's running total, which is not reset between
+    # profiling sessions (a block allocated in one session and freed outside any is never taken
+    # off it): measure from its value just before this session's first allocation event.
+    events, stack = [], list(result.experimental_event_tree())
     while stack:
         event = stack.pop()
         if event.tag == _EventType.Allocation and event.extra_fields.device.type == "cpu":
-            peak = max(peak, event.extra_fields.total_allocated)
+            events.append((event.start_time_ns, event.extra_fields.total_allocated, event.extra_fields.alloc_size))
         stack.extend(event.children)
-    return peak
+    if not events:
+        return 0
+    events.sort()
+    _, first_total, first_size = events[0]
+    base = first_total - first_size
+    return max(0, max(total for _, total, _ in events) - base)

@@ -1,33 +1,44 @@
-"""Training-step benchmarks, measured side by side in one run (a measurement, not a test: it
-asserts nothing). Timing and memory conventions: tools/bench/harness.py.
+"""Training-step benchmarks: the fused decoder (model.fused_decoder, the default) and the module
+path side by side in one run (a measurement, not a test: it asserts nothing). Timing and memory
+conventions: tools/bench/harness.py.
 
-    PYTHONPATH=. python tools/bench/training.py                       # all sections
-    PYTHONPATH=. python tools/bench/training.py --only memory --seq-len 512
+    OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/training.py                  # all sections
+    OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/training.py --only flops --repeats 3
 
 Sections
-- throughput: training tokens/s of a full step (forward, backward, AdamW) for tiny_cpu and
-  small_cpu at their configured sequence lengths and micro-batch sizes.
-- memory (activation checkpointing: peak <= 1/3 of none, step <= 1.35x): small_cpu at
-  T=--seq-len, B=--batch, one model and one engine, every checkpointing mode switched on it in
-  turn: the peak memory of a training step above what lives before it (weights, Adam state,
-  inputs), as tensor bytes (harness.peak_tensor_bytes, the target's measure: one profiled step
-  per mode) and as resident set size (RSS, allocator included), and the step time (interleaved
-  rounds, unprofiled), each against no checkpointing.
-- flops (the encoder FLOP rate: >= 50% of torch.mm): the encoder's forward+backward FLOP rate
-  at d=512 against a large torch.mm in the same run (this CPU's fp32 matmul peak at the same
-  thread count), and the decoder's (dense schedule, full BPTT). FLOPs are counted by torch's FlopCounterMode
-  (rlt_mega.plan.measure.count_flops): matmuls and attention, nothing elementwise.
+- flops (the decoder FLOP rate: >= 55% of torch.mm; the encoder's: >= 50%): the decoder's
+  forward+backward FLOP rate (dense schedule, full BPTT) at d=512 H=8 ffn=1408 L=4 B=8
+  T=--dec-len, fused and module path, against a 2048^3 torch.mm in the same run (this CPU's fp32
+  matmul peak at the same thread count), and the encoder's. FLOPs are counted by torch's
+  FlopCounterMode on the module path (rlt_mega.plan.measure.count_flops: matmuls and attention,
+  nothing elementwise) and used as the work of both paths (the fused path recomputes no more than
+  the module path does). Each position-layer's time is split into GEMM and the rest by the share
+  of the matrix-product operators' self time (mm, addmm, bmm, baddbmm, oneDNN linear) in one
+  profiled run.
+- throughput (fused >= 2.5x the module path on small_cpu, >= 2x on tiny_cpu): training tokens/s
+  of a full step (forward, backward, AdamW) for tiny_cpu and small_cpu at their configured
+  sequence lengths, micro-batch sizes and checkpointing, fused against module path.
+- memory (activation checkpointing: peak <= 1/3 of none, step+enc <= 1.35x none): small_cpu at
+  T=--seq-len, B=--batch, fused path, every checkpointing mode in turn: the peak memory of a
+  training step above what lives before it (weights, Adam state, inputs), as tensor bytes
+  (harness.peak_tensor_bytes, the target's measure: one profiled step per mode, the fused step's
+  workspace emptied first so that its slab counts) and as resident set size (RSS, allocator
+  included), and the step time (interleaved rounds, unprofiled), each against no checkpointing;
+  the module path's none and step+enc alongside; and what the fused step's buffers hold, by
+  purpose (FusedRun.buffer_bytes).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 
 from harness import add_common_args, best_of_rounds, describe, peak_rss, peak_tensor_bytes, setup
 from rlt_mega.config import CheckpointingConfig, load_config
 from rlt_mega.model import build_model
+from rlt_mega.model.fused_state import WORKSPACE
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
 from rlt_mega.plan.measure import count_flops
@@ -39,12 +50,16 @@ MODES = {  # label -> checkpointing
     "every_k=8+enc": dict(decoder="every_k", decoder_k=8, encoder=True),
     "step+enc": dict(decoder="step", encoder=True),
 }
+PATHS = {"fused": True, "module": False}
+GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmm_", "aten::baddbmm_",
+            "mkldnn::_linear_pointwise", "aten::addbmm", "aten::matmul")
 
 
-def make_step(cfg_path: str, seq_len: int, batch: int, overrides=()):
-    """-> (model, step fn) of a LocalEngine training step on one fixed random micro-batch."""
+def make_step(cfg_path: str, seq_len: int, batch: int, fused: bool = True, overrides=()):
+    """-> (model, cfg, step fn) of a LocalEngine training step on one fixed random micro-batch."""
     cfg = load_config(cfg_path, [f"data.seq_len={seq_len}", f"model.max_seq_len={max(seq_len, 1024)}",
-                                 f"train.micro_batch_size={batch}", *overrides])
+                                 f"train.micro_batch_size={batch}", f"model.fused_decoder={str(fused).lower()}",
+                                 *overrides])
     model = build_model(cfg.model, seed=0)
     engine = LocalEngine(model, ParallelDims.single(cfg.model, "cpu"), cfg.optim, EngineConfig.from_train(cfg.train))
     x = torch.randint(0, cfg.model.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
@@ -54,41 +69,87 @@ def make_step(cfg_path: str, seq_len: int, batch: int, overrides=()):
 
 def section_throughput(args, clock) -> None:
     print("\n## training throughput (full step: forward, backward, AdamW; each config's own checkpointing)")
-    print(f"{'config':<12} {'B x T':>10} {'step s':>8} {'tokens/s':>10}")
+    print(f"{'config':<10} {'B x T':>9} {'checkpointing':>24} {'fused s':>8} {'module s':>9} {'fused tok/s':>11} "
+          f"{'module tok/s':>12} {'ratio':>6}")
     for name in ("tiny_cpu", "small_cpu"):
-        model, cfg, step = make_step(f"configs/{name}.yaml", load_config(f"configs/{name}.yaml").data.seq_len,
-                                     load_config(f"configs/{name}.yaml").train.micro_batch_size)
-        model.set_checkpointing(cfg.train.checkpointing)
-        B, T = cfg.train.micro_batch_size, cfg.data.seq_len
-        step()  # warm-up: Adam state
-        best, _ = best_of_rounds({name: step}, args.repeats, clock)
-        print(f"{name:<12} {f'{B} x {T}':>10} {best[name]:8.2f} {B * T / best[name]:10.0f}")
+        base = load_config(f"configs/{name}.yaml")
+        B, T = base.train.micro_batch_size, base.data.seq_len
+        steps = {}
+        for label, fused in PATHS.items():
+            model, cfg, step = make_step(f"configs/{name}.yaml", T, B, fused)
+            model.set_checkpointing(cfg.train.checkpointing)
+            step()  # warm-up: Adam state, the fused step's workspace
+            steps[label] = step
+        best, _ = best_of_rounds(steps, args.repeats, clock)
+        ck = base.train.checkpointing
+        mode = ck.decoder + (f"(k={ck.decoder_k})" if ck.decoder == "every_k" else "") + ("+enc" if ck.encoder else "")
+        print(f"{name:<10} {f'{B} x {T}':>9} {mode:>24} {best['fused']:8.2f} {best['module']:9.2f} "
+              f"{B * T / best['fused']:11.0f} {B * T / best['module']:12.0f} {best['module'] / best['fused']:6.2f}")
 
 
 def section_memory(args, clock) -> None:
     T, B = args.seq_len, args.batch
-    model, _, step = make_step("configs/small_cpu.yaml", T, B)
-    step()  # warm-up: Adam state, so that it is not counted as step memory
-    modes = {label: CheckpointingConfig(**MODES[label]) for label in args.modes}
+    runs = {label: make_step("configs/small_cpu.yaml", T, B, fused) for label, fused in PATHS.items()}
+    for _, _, step in runs.values():
+        step()  # warm-up: Adam state, so that it is not counted as step memory
+    cases = [("fused", label) for label in args.modes] + [("module", label) for label in ("none", "step+enc")
+                                                          if label in args.modes]
     tensors, rss = {}, {}
-    for label, mode in modes.items():  # memory is deterministic: one step each
-        model.set_checkpointing(mode)
-        tensors[label] = peak_tensor_bytes(step)
-        rss[label] = peak_rss(step)
+    for path, label in cases:  # memory is deterministic: one step each
+        model, _, step = runs[path]
+        model.set_checkpointing(CheckpointingConfig(**MODES[label]))
+        WORKSPACE.clear()
+        tensors[path, label] = peak_tensor_bytes(step)
+        WORKSPACE.clear()
+        rss[path, label] = peak_rss(step)
 
-    def run(mode):
-        model.set_checkpointing(mode)
+    def run(path, label):
+        model, _, step = runs[path]
+        model.set_checkpointing(CheckpointingConfig(**MODES[label]))
         step()
 
-    times, _ = best_of_rounds({label: (lambda m=mode: run(m)) for label, mode in modes.items()}, args.repeats, clock)
+    times, _ = best_of_rounds({case: (lambda c=case: run(*c)) for case in cases}, args.repeats, clock)
     print(f"\n## activation checkpointing, small_cpu, B={B}, T={T}: peak = the step's memory above what lives "
           f"before it (tensors: the target's measure; RSS: with glibc's heap); time: best of {args.repeats} "
-          "interleaved rounds")
-    print(f"{'mode':<14} {'tensors MiB':>11} {'vs none':>8} {'RSS MiB':>8} {'vs none':>8} {'step s':>7} {'vs none':>8}")
-    for label in modes:
-        print(f"{label:<14} {tensors[label] / 2**20:11.1f} {tensors[label] / tensors['none']:8.2f} "
-              f"{rss[label] / 2**20:8.1f} {rss[label] / rss['none']:8.2f} {times[label]:7.2f} "
-              f"{times[label] / times['none']:8.2f}")
+          "interleaved rounds; each against its path's no checkpointing")
+    print(f"{'path':<7} {'mode':<14} {'tensors MiB':>11} {'vs none':>8} {'RSS MiB':>8} {'vs none':>8} {'step s':>7} "
+          f"{'vs none':>8}")
+    for path, label in cases:
+        ref = (path, "none")
+        print(f"{path:<7} {label:<14} {tensors[path, label] / 2**20:11.1f} {tensors[path, label] / tensors[ref]:8.2f} "
+              f"{rss[path, label] / 2**20:8.1f} {rss[path, label] / rss[ref]:8.2f} {times[path, label]:7.2f} "
+              f"{times[path, label] / times[ref]:8.2f}")
+    print("fused step's buffers (MiB) by checkpointing mode: saved = activation slots + attention outputs; "
+          "wgrad_ring = the deferred weight gradients' output-gradient ring; kv_rows = the deferred K/V gradients' "
+          "rows; kv = decoder and memory K/V with their gradients; plus the fp32 weight-gradient accumulators")
+    model = runs["fused"][0]
+    for label in args.modes:
+        model.set_checkpointing(CheckpointingConfig(**MODES[label]))
+        sizes = fused_buffers(model, B, T)
+        print(f"  {label:<14} " + "  ".join(f"{k} {v / 2**20:.1f}" for k, v in sizes.items()))
+
+
+def fused_buffers(model, B: int, T: int) -> dict[str, int]:
+    """The buffers of the fused run one training step of ``model`` builds (captured by a spy)."""
+    from rlt_mega.model import fused_run
+
+    seen = {}
+    original = fused_run.FusedRun.__init__
+
+    def spy(self, *a, **kw):
+        original(self, *a, **kw)
+        if self.grads is not None:
+            seen["run"] = {**self.buffer_bytes(),
+                           "accumulators": sum(a.numel() * a.element_size() for a in self.grads.acc.values())}
+
+    fused_run.FusedRun.__init__ = spy
+    try:
+        x = torch.randint(0, model.cfg.vocab_size, (B, T))
+        model(x).sum().backward()
+        model.zero_grad(set_to_none=True)
+    finally:
+        fused_run.FusedRun.__init__ = original
+    return seen["run"]
 
 
 def matmul_peak(clock, n: int = 2048, repeats: int = 5) -> float:
@@ -97,42 +158,66 @@ def matmul_peak(clock, n: int = 2048, repeats: int = 5) -> float:
     return 2 * n ** 3 / best["mm"]
 
 
+def gemm_share(fn) -> float:
+    """The share of one profiled call of fn spent in the matrix-product operators: their self
+    time over the call's, both elapsed time (the profiler's clock)."""
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        total = time.perf_counter() - t0
+    return min(1.0, sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6 / total)
+
+
 def section_flops(args, clock) -> None:
     cfg = load_config("configs/small_cpu.yaml", ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=8",
                                                  "model.ffn_hidden=1408"])
-    model = build_model(cfg.model, seed=0)
-    B = 8
+    models = {label: build_model(dataclasses.replace(cfg.model, fused_decoder=fused), seed=0)
+              for label, fused in PATHS.items()}
+    B, L, T = 8, cfg.model.n_layers, args.dec_len
+    module = models["module"]
     x_enc = torch.randint(0, cfg.model.vocab_size, (B, args.enc_len))
-    x_dec = x_enc[:, :args.dec_len]
-    h = model.embed(x_enc).detach().requires_grad_(True)
+    x_dec = x_enc[:, :T]
+    h = module.embed(x_enc).detach().requires_grad_(True)
     with torch.no_grad():
-        m = model.memory_norm(model.encode(model.embed(x_dec)))
-    e = model.embed(x_dec).detach().requires_grad_(True)
+        m = module.memory_norm(module.encode(module.embed(x_dec)))
+    e = module.embed(x_dec).detach().requires_grad_(True)
     m = m.requires_grad_(True)
 
     def encoder():
-        model.encode(h).sum().backward()
+        module.encode(h).sum().backward()
 
-    def decoder():
-        model.decode_dense(e, model.memory_kv(m)).sum().backward()
+    def decoder(label):
+        model = models[label]
+        return lambda: model.decode_dense(e, model.memory_kv(m)).sum().backward()
 
-    fns = {"encoder": encoder, "decoder": decoder, "matmul": lambda: None}
-    flops = {k: count_flops(fn) for k, fn in fns.items() if k != "matmul"}
+    fns = {"encoder": encoder, **{label: decoder(label) for label in PATHS}}
+    flops = {"encoder": count_flops(encoder), "decoder": count_flops(decoder("module"))}
+    for label in PATHS:
+        fns[label]()  # warm-up (the fused step's workspace)
+    share = {label: gemm_share(fns[label]) for label in PATHS}
     peaks = []
-
-    def mm():
-        peaks.append(matmul_peak(clock))
-
-    fns["matmul"] = mm
+    fns["matmul"] = lambda: peaks.append(matmul_peak(clock))
     best, _ = best_of_rounds(fns, args.repeats, clock)
     peak = max(peaks)
-    print(f"\n## dense training FLOP rate (forward + backward), d=512 H=8 ffn=1408 L={cfg.model.n_layers}, B={B}, "
-          f"encoder T={args.enc_len}, decoder T={args.dec_len}; fp32 matmul peak (2048^3 torch.mm, same run) "
-          f"{peak / 1e9:.1f} GFLOP/s; best of {args.repeats} rounds")
-    print(f"{'part':<8} {'GFLOP':>7} {'s':>7} {'GFLOP/s':>8} {'of peak':>8}")
-    for name in ("encoder", "decoder"):
-        rate = flops[name] / best[name]
-        print(f"{name:<8} {flops[name] / 1e9:7.2f} {best[name]:7.2f} {rate / 1e9:8.1f} {rate / peak:8.1%}")
+    print(f"\n## dense training FLOP rate (forward + backward), d=512 H=8 ffn=1408 L={L}, B={B}, encoder "
+          f"T={args.enc_len}, decoder T={T}; fp32 matmul peak (2048^3 torch.mm, same run) {peak / 1e9:.1f} GFLOP/s; "
+          f"best of {args.repeats} rounds; decoder FLOPs counted on the module path")
+    print(f"{'part':<16} {'GFLOP':>7} {'s':>7} {'GFLOP/s':>8} {'of peak':>8} {'per position-layer: ms':>23} "
+          f"{'GEMM':>6} {'rest':>6}")
+    rate = flops["encoder"] / best["encoder"]
+    print(f"{'encoder':<16} {flops['encoder'] / 1e9:7.2f} {best['encoder']:7.2f} {rate / 1e9:8.1f} {rate / peak:8.1%}")
+    for label in PATHS:
+        rate = flops["decoder"] / best[label]
+        per = best[label] / (T * L) * 1e3
+        g = share[label] * per
+        print(f"{'decoder ' + label:<16} {flops['decoder'] / 1e9:7.2f} {best[label]:7.2f} {rate / 1e9:8.1f} "
+              f"{rate / peak:8.1%} {per:23.3f} {g:6.3f} {per - g:6.3f}")
+    print(f"fused / module decoder time: {best['module'] / best['fused']:.2f}x (GEMM/rest split: the shares of "
+          "one profiled run, whose per-operator overhead inflates the rest, applied to the unprofiled time)")
 
 
 def main() -> None:
@@ -150,7 +235,7 @@ def main() -> None:
     args.modes = ["none"] + [m for m in args.modes if m != "none"]
     clock = setup(args)
     print(describe(args))
-    for name, fn in (("throughput", section_throughput), ("memory", section_memory), ("flops", section_flops)):
+    for name, fn in (("flops", section_flops), ("throughput", section_throughput), ("memory", section_memory)):
         if args.only is None or name in args.only:
             fn(args, clock)
 

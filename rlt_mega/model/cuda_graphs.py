@@ -1,0 +1,176 @@
+"""CUDA graphs of the fused decoder step (``train.cuda_graphs``).
+
+On a GPU the decoder is launch-bound: ~90 kernels per layer and position, each a few
+microseconds of launch for less work (docs/cost_model.md: ~33 ms of launches against ~14 ms of
+GPU work per position at L = 48). The capture-ready form of the step (model/fused_run.py,
+``static=True``) has no shape or Python value that depends on t, so one position's forward and
+one position's backward are captured once as graphs and replayed T times per sequence, with t
+advanced on the device (``t.fill_``: a kernel argument, no host synchronisation).
+
+:class:`CapturedRun` owns everything the graphs touch, at fixed addresses, across steps: the
+static FusedRun's slab, the prepared weights (copied in place from the current parameters at
+every forward), the embeddings, the outputs z (with z_{-1} in row 0), the output gradients and
+the recurrence's carried gradient. A graph's inputs are read from those buffers by index inside
+the graph. The deferred weight-gradient flushes (a few large GEMMs every W positions) run eagerly
+between replays. Captured runs are cached per model by their shapes; one in use (a forward whose
+backward has not run yet) is never handed out twice.
+
+Without CUDA the same object runs with the captured bodies called directly (``capture=False``),
+which the unit tests use to check the orchestration against the module path on a CPU; the
+capture itself is checked by tools/gpu/cuda_graphs.py on a GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Callable
+
+import torch
+
+from rlt_mega.model.fused_run import FusedRun, FusedStack, StackSpec, WeightGrads, checkpoint_slots
+
+
+class _Body:
+    """A position's computation: replayed from a CUDA graph, or called directly."""
+
+    def __init__(self, fn: Callable[[], None], capture: bool, pool=None) -> None:
+        self.fn, self.graph = fn, None
+        if capture:
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm-up outside the graph (allocator, cuBLAS workspaces)
+                for _ in range(2):
+                    fn()
+            torch.cuda.current_stream().wait_stream(side)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph, pool=pool):
+                fn()
+
+    def __call__(self) -> None:
+        if self.graph is None:
+            self.fn()
+        else:
+            self.graph.replay()
+
+
+class CapturedRun:
+    """A static FusedRun whose per-position steps are captured (see the module docstring).
+
+    stack: built from private copies of the weights (:meth:`load_weights` refreshes them);
+    memory_like: per layer, memory K/V of the shapes to come; checkpointed: keep the per-position
+    tensors only and recompute the rest before each position's backward."""
+
+    def __init__(self, stack: FusedStack, spec: StackSpec, weights, batch: int, capacity: int,
+                 memory_like, checkpointed: bool, capture: bool) -> None:
+        self.stack, self.spec, self.B, self.T, self.checkpointed = stack, spec, batch, capacity, checkpointed
+        slots = checkpoint_slots(batch, capacity) if checkpointed else None
+        self.run = FusedRun(stack, batch, capacity, memory_like, grads=WeightGrads(spec, weights), slots=slots,
+                            static=True)
+        self.busy = False
+        device, d = stack.device, stack.d
+        self.e = torch.zeros(capacity, batch, d, dtype=stack.stream_dtype, device=device)
+        self.zs = torch.zeros(capacity + 1, batch, d, dtype=stack.stream_dtype, device=device)  # row 0: z_{-1}
+        self.gz = torch.zeros(capacity, batch, d, dtype=stack.stream_dtype, device=device)
+        self.carry = torch.zeros(batch, d, dtype=stack.stream_dtype, device=device)
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        self.forward_body = _Body(lambda: self._forward("checkpoint" if checkpointed else "save"), capture, pool)
+        self.recompute_body = _Body(self._recompute, capture, pool) if checkpointed else None
+        self.backward_body = _Body(self._backward, capture, pool)
+        self.run.reset_grads()  # the warm-up ran the bodies once
+
+    # ------------------------------------------------------------------ captured bodies
+    def _forward(self, mode: str) -> None:
+        pos = self.run.position
+        pos.update()
+        x = self.zs.index_select(0, pos.t1).squeeze(0)  # z_{t-1}
+        e = self.e.index_select(0, pos.t1).squeeze(0)
+        y = self.run.step_forward(pos, x, e, mode)
+        self.zs.index_copy_(0, pos.t1 + 1, y.unsqueeze(0))
+
+    def _recompute(self) -> None:
+        pos = self.run.position
+        pos.update()
+        self.run.step_forward(pos, None, None, "recompute")
+
+    def _backward(self) -> None:
+        pos = self.run.position
+        pos.update()
+        gy = self.gz.index_select(0, pos.t1).squeeze(0) + self.carry
+        self.carry.copy_(self.run.step_backward(pos, gy))
+
+    # ------------------------------------------------------------------ a sequence
+    def load(self, weights, emb: torch.Tensor, z0: torch.Tensor, memory) -> None:
+        """The current fused weights, embeddings (B, T, d), z_{-1} (B, d) and memory K/V into the
+        captured buffers."""
+        named = dict(zip(self.spec.keys, weights))
+        for i, gemms in self.stack.layers.items():
+            for name in ("qkv", "o", "cross_q", "cross_o", "gate_up", "down"):
+                getattr(gemms, name).load(named[(i, name)].detach())
+            if gemms.qkv.bias is not None:
+                gemms.qkv.bias.copy_(named[(i, "qkv_bias")].detach())
+        if self.stack.recur is not None:
+            self.stack.recur.load(named[(-1, "recur")].detach())
+        self.e.copy_(emb.detach().transpose(0, 1))
+        self.zs[0].copy_(z0.detach())
+        self.run.load_memory(memory)
+
+    def forward(self) -> torch.Tensor:
+        """Every position -> z (T, B, d), a new tensor."""
+        for t in range(self.T):
+            self.run.position.t.fill_(t)
+            self.forward_body()
+        return self.zs[1:].clone()
+
+    def backward(self, grad_z: torch.Tensor, weights) -> tuple:
+        """grad_z (B, T, d) -> (grad of the embeddings, of z_{-1}, memory K/V grads, weight grads)."""
+        run = self.run
+        run.grads = WeightGrads(self.spec, weights)
+        run.reset_grads()
+        self.gz.copy_(grad_z.transpose(0, 1))
+        self.carry.zero_()
+        for t in reversed(range(self.T)):
+            run.position.t.fill_(t)
+            if self.recompute_body is not None:
+                self.recompute_body()
+            self.backward_body()
+            if t % run.chunk == 0:
+                run.flush(t, min(t + run.chunk, self.T))
+        memory = [g for pair in run.memory_grads() for g in pair]
+        return run.input_grads(), self.carry.clone(), memory, run.grads.grads()
+
+
+class GraphedDecode(torch.autograd.Function):
+    """FusedDecode (model/fused_dense.py) on a CapturedRun."""
+
+    @staticmethod
+    def forward(ctx, captured: CapturedRun, num_memory: int, emb: torch.Tensor, z0: torch.Tensor,
+                *tensors: torch.Tensor) -> torch.Tensor:
+        mem_flat, weights = tensors[:num_memory], tensors[num_memory:]
+        captured.busy = True
+        captured.load(weights, emb, z0, list(zip(mem_flat[0::2], mem_flat[1::2])))
+        zs = captured.forward()
+        ctx.captured, ctx.weights = captured, [w.detach() for w in weights]
+        # free again when this graph is (after its backward, or never backwarded; a retained
+        # graph keeps it for its next backward)
+        weakref.finalize(ctx, setattr, captured, "busy", False)
+        return zs.transpose(0, 1)
+
+    @staticmethod
+    def backward(ctx, grad_z: torch.Tensor):
+        grad_emb, grad_z0, memory, weights = ctx.captured.backward(grad_z, ctx.weights)
+        return (None, None, grad_emb, grad_z0, *memory, *weights)
+
+
+class GraphCache:
+    """Captured runs of one model, by shape; a run stays busy from its forward to its backward."""
+
+    def __init__(self) -> None:
+        self.runs: dict[tuple, list[CapturedRun]] = {}
+
+    def get(self, key: tuple, build: Callable[[], CapturedRun]) -> CapturedRun:
+        for run in self.runs.get(key, []):
+            if not run.busy:
+                return run
+        run = build()
+        self.runs.setdefault(key, []).append(run)
+        return run

@@ -1,0 +1,608 @@
+"""The fused decoder training step: explicit per-position forward and backward over
+preallocated buffers, with deferred weight gradients.
+
+A :class:`FusedStack` holds a set of decoder layers (and, on the first pipeline stage, the
+recurrence input ``u = embed[x_t] + recur_proj(recur_norm(z_{t-1}))``) as prepared products
+(model/fused.py). A :class:`FusedRun` is one batch of sequences through it:
+
+    run.forward(t, x, e)  -> y      position t, in increasing t; x: z_{t-1} (with the input
+                                    layer) or the stage's input; e: embed[x_t]; y (B, d)
+    run.backward(t, gy)   -> gx     in decreasing t; gy: the gradient of y; gx: of x
+    run.memory_grads(), run.input_grads()     once every position is done
+
+Why this shape. Every consumer runs positions one at a time: the dense schedule's autograd
+Function (model/fused_dense.py) loops over the whole sequence; a pipeline stage
+(parallel/stage.py) gets each position's output gradient over the wire and calls ``backward``
+for it. One object with explicit per-position calls serves both, and the Function around it is
+a loop, not a graph of T x L x ~50 nodes: per layer and position the forward is ~40 operators
+and the backward ~50 (the module path: ~50 and ~120, each with autograd bookkeeping).
+
+What backward keeps. The forward saves, per layer and position, only what the backward reads:
+the normalised inputs and 1/rms of the three norms, the RoPE'd q, the attention outputs, the
+cross query, gate/up and the SwiGLU product (the residual stream is never needed). Attention
+probabilities are recomputed (one query row per head: cheaper than storing (T, B, h, T)).
+
+Deferred weight gradients. The input gradients must be computed position by position (the
+recurrence); the weight gradients need not. Each product's input X (saved anyway) and output
+gradient dY (written into a ring of W positions) are kept, and every W positions one GEMM per
+weight over the W x B rows, ``acc.addmm_(dY^T, X)``, adds them to the weight's accumulator
+(cuDNN's RNNs do the same). W = ceil(512 / B) (rows enough to run that GEMM at the CPU's matmul
+peak) depends on B alone, so the flushes, and their rounding, are the same in every
+checkpointing mode. What it costs: the dY ring, W x B rows of (h + 2 h_kv) Dh + h Dh + 2F + 3d
+values per layer (small_cpu, B=8: 26 MB for its 4 layers), and one fp32 accumulator per fused
+weight (a copy of the decoder's weights).
+
+Deferred K/V gradients, the same idea for attention. Position t's query adds to the gradient of
+every key and value s <= t; done directly that is a (B h_kv, Dh, t+1) outer product written per
+position, O(T) memory traffic per position for each of the self-attention and the memory. Only
+the keys of the current chunk of ``KV_CHUNK`` positions are needed soon (a position's own K/V
+gradient is complete when its backward runs, since every later position has run), so those are
+added directly, and the rest (keys before the chunk, and the whole memory, whose gradient is only
+needed at the end) is formed once per chunk as one batched GEMM over the chunk's stored score
+gradients and probabilities.
+
+Checkpointing. The forward always keeps, per layer and position, the normalised inputs of the
+three norms with their 1/rms and the two attention outputs (3d + 2 h Dh + 3 values per row); the
+rest of what the backward reads (RoPE'd q/k, the cross query, gate/up, the SwiGLU product: the
+"slot tensors") is kept too in mode "save" (slots = capacity), and in a checkpointed run (mode
+"checkpoint", ``checkpoint_slots`` slots) recomputed from the kept tensors just before each
+position's backward (mode "recompute"): three products, RoPE and SwiGLU, with no norm, no
+attention and no residual product, and nothing from any other position, so no segment of
+positions has to be replayed (in this path "step" and "every_k" are one mode). The choice:
+attention at one query row per head is memory-bound (it reads every key and value) and costs
+more to recompute than its output costs to keep (Megatron's selective recomputation chooses the
+other way round, for the opposite shapes: its attention activations are quadratic in T), and
+keeping the normalised inputs makes positions independent. What a checkpointed run keeps is about
+a third of what "save" keeps at small_cpu's sizes (d=256, F=704: 1283 of 4035 values per row and
+layer), next to the K/V and their gradients that every mode holds. The recomputation repeats the
+forward's operations on the same values, so the gradients are the same in every mode, bit for bit.
+
+The capture-ready step (``static=True``). Nothing in a position's computation depends on t
+through a shape or a Python value: t is a device tensor, K/V and saved tensors are written with
+``index_copy_`` and read with ``index_select``, RoPE rows are looked up by index, both attentions
+run over the full capacity under an additive mask built on the device, and the K/V gradients
+accumulate directly over the full capacity (no chunks). So one position's forward (or backward)
+can be captured once as a CUDA graph and replayed for every t (model/cuda_graphs.py). The eager
+form (the default) slices exactly the visible keys with Python ints: fewer FLOPs, and no host
+synchronisation either.
+
+Extension points (not implemented here). Per-row positions (B,) replace the scalar t of
+:class:`StaticPosition` (RoPE rows by ``index_select`` of a (B,) index, K/V written per row,
+masks per row: in the static form every piece already is a tensor). A per-row key mask
+(documents in packed SFT) multiplies into the same additive masks, and a document start resets
+x to z_init for that row before the input layer. A variable set of live rows (finished GRPO
+rows leaving, a prompt forked into G rows) runs the step on ``index_select``-ed rows with the
+K/V buffers gathered alike, or keeps every row and masks the finished ones; the step itself
+does not change.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+
+from rlt_mega.model.fused import (LAYER_WEIGHTS, Gemm, LayerGemms, NormConstants, attend, attention_grads,
+                                  fuse_layer, fuse_recurrence, head_counts, rms_backward, rms_forward, rope,
+                                  rope_tables, stat_dtype)
+from rlt_mega.model.fused_state import EagerPosition, Slab, StaticPosition
+
+# Rows per weight-gradient GEMM: enough to run it at this CPU's matmul peak (measured: 96 GFLOP/s
+# at 512 rows, the same as a 2048^3 torch.mm).
+WGRAD_ROWS = 512
+# Positions per deferred K/V-gradient chunk: the direct part grows with it, the per-chunk GEMM's
+# inner dimension too.
+KV_CHUNK = 16
+
+AllReduce = Callable[[torch.Tensor], None]
+
+
+def wgrad_positions(batch: int, capacity: int) -> int:
+    """W: positions per weight-gradient flush, a function of the batch size alone (capped at
+    the capacity)."""
+    return max(1, min(capacity, math.ceil(WGRAD_ROWS / batch)))
+
+
+def checkpoint_slots(batch: int, capacity: int) -> int:
+    """Activation slots of a checkpointed run: each position's slot tensors are recomputed just
+    before its backward, and the one read later (the down product's input, at its chunk's
+    weight-gradient flush) must live until then: one chunk."""
+    return wgrad_positions(batch, capacity)
+
+
+# ------------------------------------------------------------------------------------------
+# The stack's weights
+# ------------------------------------------------------------------------------------------
+
+@dataclass
+class StackSpec:
+    """What the fused weights of a stack are: the layers (global indices), whether it has the
+    recurrence input, this rank's head counts, and the order of the flat tensor list."""
+
+    layers: list[int]
+    with_input: bool
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    keys: list[tuple[int, str]] = field(default_factory=list)  # (layer or -1, name) per tensor
+
+
+def fused_weights(model, layers: Sequence[int], with_input: bool,
+                  replicate: Callable[[torch.Tensor], torch.Tensor]) -> tuple[StackSpec, list[torch.Tensor]]:
+    """The fused weights of ``layers`` of ``model`` (an RLT, or a pipeline stage of one, possibly
+    tensor-parallel) as a flat list of differentiable tensors (fp32 at least) and their spec."""
+    Dh = model.cfg.head_dim
+    if not layers and not with_input:
+        raise ValueError("a fused stack needs at least one layer or the recurrence input")
+    h = h_kv = 0
+    keys, tensors = [], []
+    for i in layers:
+        block, cross = model.decoder_block(i), model.cross[i]
+        h, h_kv = head_counts(block, Dh)
+        for name, w in fuse_layer(block, cross, Dh, replicate).items():
+            if w is not None:
+                keys.append((i, name))
+                tensors.append(w)
+    if with_input:
+        keys.append((-1, "recur"))
+        tensors.append(fuse_recurrence(model.recur_norm, model.recur_proj))
+    return StackSpec(list(layers), with_input, Dh, h, h_kv, keys), tensors
+
+
+class FusedStack:
+    """Prepared products of a stack for one forward (and backward), in the compute dtype."""
+
+    def __init__(self, spec: StackSpec, tensors: Sequence[torch.Tensor], *, stream_dtype: torch.dtype,
+                 compute_dtype: torch.dtype, rows: int, backward: bool, d_model: int, eps: float,
+                 memory_block: int, rotary, all_reduce: Optional[AllReduce] = None) -> None:
+        self.spec, self.rows = spec, rows
+        self.stream_dtype, self.compute_dtype = stream_dtype, compute_dtype
+        self.stat_dtype = stat_dtype(stream_dtype)
+        self.d, self.C, self.all_reduce = d_model, memory_block, all_reduce
+        named = dict(zip(spec.keys, tensors))
+        self.layers = {}
+        for i in spec.layers:
+            per = {n: named.get((i, n)) for n in (*LAYER_WEIGHTS, "qkv_bias")}
+            self.layers[i] = LayerGemms.build(per, compute_dtype, rows, backward, spec.num_heads, spec.num_kv_heads)
+        self.recur = Gemm(named[(-1, "recur")].detach().to(compute_dtype), rows, backward) if spec.with_input else None
+        self.ffn = self.layers[spec.layers[0]].down.in_features if spec.layers else 0
+        self.device = tensors[0].device
+        self.norm = NormConstants(d_model, eps, stream_dtype, self.device)
+        cos, sin = rotary.tables(self.device, compute_dtype)
+        self.cos, self.sin_fwd, self.sin_bwd = rope_tables(cos, sin)  # (max_seq_len, Dh) each
+        self.max_seq_len = cos.shape[0]
+
+
+class WeightGrads:
+    """Accumulators of the fused weights' gradients (each tensor's shape and dtype, fp32 at
+    least), shared by every run of one backward (a pipeline round: all its micro-batches)."""
+
+    def __init__(self, spec: StackSpec, tensors: Sequence[torch.Tensor]) -> None:
+        self.spec = spec
+        self.acc = {key: torch.zeros(w.shape, dtype=w.dtype, device=w.device) for key, w in zip(spec.keys, tensors)}
+
+    def grads(self) -> list[torch.Tensor]:
+        return [self.acc[key] for key in self.spec.keys]
+
+
+# ------------------------------------------------------------------------------------------
+# The run
+# ------------------------------------------------------------------------------------------
+
+_SAVED = ("qk", "cq", "gu", "f")  # per layer and activation slot: recomputed when checkpointed
+# per layer and position, kept in every mode (see "Checkpointing"): the normalised inputs of the
+# three norms with their 1/rms, and the two attention outputs
+_POSITIONAL = ("a1", "r1", "a2", "r2", "a3", "r3", "o1", "c")
+_RING = ("dqkv", "g2", "dcq", "g3", "dgu", "g4")  # per layer and ring slot: the products' dY
+
+
+class FusedRun:
+    """One batch of B sequences through a stack, positions [0, capacity).
+
+    memory: per layer of the stack, the memory K/V (B, h_kv, S, Dh) (slot 0 the null memory),
+    any dtype, read only. grads: the accumulators of the deferred weight gradients (None: no
+    backward). slots: activation slots (None: every position saved; a checkpointed run:
+    :func:`checkpoint_slots`). static: the capture-ready form."""
+
+    def __init__(self, stack: FusedStack, batch: int, capacity: int,
+                 memory: Sequence[tuple[torch.Tensor, torch.Tensor]], grads: Optional[WeightGrads] = None,
+                 slots: Optional[int] = None, static: bool = False) -> None:
+        spec = stack.spec
+        self.stack, self.B, self.capacity, self.grads, self.static = stack, batch, capacity, grads, static
+        B, d, Dh, ffn = batch, stack.d, spec.head_dim, stack.ffn
+        h, h_kv = spec.num_heads, spec.num_kv_heads
+        self.h, self.h_kv, self.g = h, h_kv, (h // h_kv if h_kv else 0)
+        BH, g = B * h_kv, self.g
+        cd, sd, st = stack.compute_dtype, stack.stream_dtype, stack.stat_dtype
+        self.slots = capacity if slots is None else slots
+        self.chunk = wgrad_positions(batch, capacity)
+        self.kv_chunk = min(KV_CHUNK, capacity)
+        grad = grads is not None
+        S = memory[0][0].shape[2] if len(memory) else 1
+        self.mem_capacity = S
+        widths = {"a1": d, "r1": 1, "qk": (h + h_kv) * Dh, "o1": h * Dh, "a2": d, "r2": 1, "cq": h * Dh,
+                  "c": h * Dh, "a3": d, "r3": 1, "gu": 2 * ffn, "f": ffn,
+                  "dqkv": (h + 2 * h_kv) * Dh, "g2": d, "dcq": h * Dh, "g3": d, "dgu": 2 * ffn, "g4": d}
+        dtypes = {"r1": st, "r2": st, "r3": st, "g2": sd, "g3": sd, "g4": sd}
+        slab = Slab(stack.device)
+        self._purpose: dict[str, str] = {}
+
+        def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
+            self._purpose[name] = purpose
+            slab.add(name, shape, dtype, zero)
+
+        for i in spec.layers:
+            for n in _SAVED:
+                add(f"{n}{i}", "saved", (self.slots, B, widths[n]), dtypes.get(n, cd))
+            for n in _POSITIONAL:  # (a run without backward keeps none)
+                add(f"{n}{i}", "saved", (capacity if grad else 1, B, widths[n]), dtypes.get(n, cd))
+            # decoder K/V, keys transposed as in the sampler: (B, h_kv, Dh, cap), (B, h_kv, cap, Dh)
+            add(f"kt{i}", "kv", (B, h_kv, Dh, capacity), cd, zero=True)
+            add(f"v{i}", "kv", (B, h_kv, capacity, Dh), cd, zero=True)
+            add(f"mkt{i}", "kv", (BH, Dh, S), cd)
+            add(f"mv{i}", "kv", (BH, S, Dh), cd)
+            if grad:
+                for n in _RING:
+                    add(f"{n}{i}", "wgrad_ring", (self.chunk, B, widths[n]), dtypes.get(n, cd))
+                add(f"gkt{i}", "kv", (B, h_kv, Dh, capacity), st, zero=True)
+                add(f"gv{i}", "kv", (B, h_kv, capacity, Dh), st, zero=True)
+                add(f"gmkt{i}", "kv", (BH, Dh, S), st, zero=True)
+                add(f"gmv{i}", "kv", (BH, S, Dh), st, zero=True)
+                if not static:  # the chunk's stored rows for the deferred K/V gradients (batch-major)
+                    W = self.kv_chunk
+                    for kind, n_keys in (("s", capacity), ("m", S)):
+                        add(f"q{kind}{i}", "kv_rows", (BH, W * g, Dh), st)
+                        add(f"do{kind}{i}", "kv_rows", (BH, W * g, Dh), st)
+                        add(f"p{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True)
+                        add(f"ds{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True)
+        if spec.with_input:
+            add("a0", "saved", (capacity if grad else 1, B, d), cd)
+            add("r0", "saved", (capacity if grad else 1, B, 1), st)
+            if grad:  # the gradient of u_t: recur's dY and the embedding's gradient
+                add("du", "input_grads", (capacity, B, d), sd)
+        self.tensors = slab.allocate(self)
+        self.buf = {i: {n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL, *(_RING if grad else ()))}
+                    for i in spec.layers}
+        self.kt4 = {i: self.tensors[f"kt{i}"] for i in spec.layers}
+        self.v4 = {i: self.tensors[f"v{i}"] for i in spec.layers}
+        self.kt = {i: self.kt4[i].view(BH, Dh, capacity) for i in spec.layers}
+        self.v = {i: self.v4[i].view(BH, capacity, Dh) for i in spec.layers}
+        self.mkt = {i: self.tensors[f"mkt{i}"] for i in spec.layers}
+        self.mv = {i: self.tensors[f"mv{i}"] for i in spec.layers}
+        self.load_memory(memory)
+        if spec.with_input:
+            self.a0, self.r0 = self.tensors["a0"], self.tensors["r0"]
+            self.du = self.tensors["du"] if grad else None
+        if grad:
+            self.gkt4 = {i: self.tensors[f"gkt{i}"] for i in spec.layers}
+            self.gv4 = {i: self.tensors[f"gv{i}"] for i in spec.layers}
+            self.gkt = {i: self.gkt4[i].view(BH, Dh, capacity) for i in spec.layers}
+            self.gv = {i: self.gv4[i].view(BH, capacity, Dh) for i in spec.layers}
+            self.gmkt = {i: self.tensors[f"gmkt{i}"] for i in spec.layers}
+            self.gmv = {i: self.tensors[f"gmv{i}"] for i in spec.layers}
+        self.position = None
+        if static:
+            self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
+                                           stack.sin_bwd, cd, stack.device)
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """This run's buffers by purpose, in bytes: what the backward keeps ("saved": the
+        activation slots and the attention outputs), what deferring costs ("wgrad_ring": the
+        products' output gradients; "kv_rows": the rows of the deferred K/V gradients), the K/V
+        with their gradients ("kv"), and the embeddings' gradient ("input_grads")."""
+        out = dict.fromkeys(("saved", "wgrad_ring", "kv_rows", "kv", "input_grads"), 0)
+        for name, t in self.tensors.items():
+            out[self._purpose[name]] += t.numel() * t.element_size()
+        return out
+
+    def load_memory(self, memory: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """The memory K/V (B, h_kv, S, Dh) per layer, copied into the step's layout (once per batch)."""
+        self.mem_meta = {}
+        for i, (k, v) in zip(self.stack.spec.layers, memory):
+            B, h_kv, S, Dh = k.shape
+            self.mem_meta[i] = (k.shape, k.dtype)
+            self.mkt[i].view(B, h_kv, Dh, S).copy_(k.detach().transpose(-1, -2))
+            self.mv[i].view(B, h_kv, S, Dh).copy_(v.detach())
+
+    # ------------------------------------------------------------------ positions
+    def at(self, t: int):
+        """The position object of t (static: the run's own, moved to t on the device)."""
+        if self.static:
+            self.position.t.fill_(t)
+            self.position.update()
+            return self.position
+        s = self.stack
+        return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd)
+
+    def reset_grads(self) -> None:
+        """Zeroes the K/V gradient accumulators: each backward pass starts from zero (a second
+        backward through the same forward gives the same gradients)."""
+        for i in self.stack.spec.layers:
+            for buf in (self.gkt4[i], self.gv4[i], self.gmkt[i], self.gmv[i]):
+                buf.zero_()
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, t: int, x: Optional[torch.Tensor], e: Optional[torch.Tensor] = None,
+                mode: str = "save") -> Optional[torch.Tensor]:
+        """Position t: x (B, d) in the stream dtype (z_{t-1} with the input layer), e (B, d)
+        contiguous, the embedding of x_t (input layer only) -> y (B, d). mode: "save" (keep
+        everything the backward reads), "checkpoint" (keep the K/V and the per-position
+        tensors only), "recompute" (after "checkpoint", just before this position's backward:
+        the rest from what was kept; x and e unused, returns None) or "none" (no backward:
+        keep the K/V only)."""
+        return self.step_forward(self.at(t), x, e, mode)
+
+    def step_forward(self, pos, x: Optional[torch.Tensor], e: Optional[torch.Tensor], mode: str) -> Optional[torch.Tensor]:
+        stack = self.stack
+        with torch.autocast(device_type=stack.device.type, enabled=False):
+            if mode == "recompute":
+                for i in stack.spec.layers:
+                    self._layer_recompute(i, pos)
+                return None
+            keep = mode != "none"
+            if stack.spec.with_input:
+                a0 = self._norm(x, pos, self.a0 if keep else None, self.r0 if keep else None)
+                x = stack.recur.add(a0, e)  # e_t + recur_proj(recur_norm(z_{t-1}))
+            for i in stack.spec.layers:
+                x = self._layer_forward(i, pos, x, mode)
+        return x
+
+    def _norm(self, x: torch.Tensor, pos, buf_a: Optional[torch.Tensor], buf_r: Optional[torch.Tensor]) -> torch.Tensor:
+        """x / rms(x), kept with 1/rms in the position-indexed buffers when given."""
+        a, r = rms_forward(x, self.stack.norm, self.stack.compute_dtype,
+                           out=None if buf_a is None else pos.out_t(buf_a),
+                           out_r=None if buf_r is None else pos.out_t(buf_r))
+        if buf_a is not None:
+            pos.keep_t(buf_r, r)
+            pos.keep_t(buf_a, a)
+        return a
+
+    def _residual(self, gemm: Gemm, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """x + a @ w^T; for a row-parallel product the partial sums are all-reduced first."""
+        if self.stack.all_reduce is None:
+            return gemm.add(a, x)
+        y = gemm(a)
+        self.stack.all_reduce(y)
+        return x + y
+
+    def _layer_forward(self, i: int, pos, x: torch.Tensor, mode: str) -> torch.Tensor:
+        w, B, Dh = self.stack.layers[i], self.B, self.stack.spec.head_dim
+        h, h_kv, g = self.h, self.h_kv, self.g
+        keep = mode != "none"  # the per-position tensors
+        b = self.buf[i] if keep else dict.fromkeys(_POSITIONAL)
+        s = b if mode == "save" else dict.fromkeys(_SAVED)  # the slot tensors
+        # self-attention over the decoder's K/V of positions [0, t]
+        a1 = self._norm(x, pos, b["a1"], b["r1"])
+        qk, v = self._qk(w, pos, a1, s["qk"])
+        pos.write_kv(self.kt4[i], self.v4[i], qk[:, h:], v)
+        x = self._residual(w.o, self._attention(i, "s", pos, qk[:, :h].reshape(B * h_kv, g, Dh), keep), x)
+        # cross-attention into {null} + the visible memory
+        a2 = self._norm(x, pos, b["a2"], b["r2"])
+        cq = pos.keep(s["cq"], w.cross_q(a2))  # (B, h Dh)
+        x = self._residual(w.cross_o, self._attention(i, "m", pos, cq.view(B * h_kv, g, Dh), keep), x)
+        # SwiGLU MLP
+        a3 = self._norm(x, pos, b["a3"], b["r3"])
+        return self._residual(w.down, self._mlp(w, pos, a3, s["gu"], s["f"]), x)
+
+    def _qk(self, w: LayerGemms, pos, a1: torch.Tensor, buf: Optional[torch.Tensor]
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> q and k at the position, RoPE'd (q scaled) (B, h + h_kv, Dh), and v (B, h_kv, Dh)."""
+        B, Dh, h, h_kv = self.B, self.stack.spec.head_dim, self.h, self.h_kv
+        qkv = w.qkv(a1)  # (B, (h + 2 h_kv) Dh)
+        out = pos.out(buf)
+        qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), pos.cos, pos.sin_fwd,
+                  out=None if out is None else out.view(B, h + h_kv, Dh))
+        pos.keep(buf, qk.view(B, -1))
+        return qk, qkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh)
+
+    def _mlp(self, w: LayerGemms, pos, a3: torch.Tensor, buf_gu: Optional[torch.Tensor],
+             buf_f: Optional[torch.Tensor]) -> torch.Tensor:
+        """silu(gate) * up of gate/up = gate_up(a3) -> (B, F), both kept in their slots when given."""
+        gu = pos.keep(buf_gu, w.gate_up(a3))  # (B, 2F)
+        ffn = gu.shape[1] // 2
+        return pos.keep(buf_f, torch.mul(F.silu(gu[:, :ffn]), gu[:, ffn:], out=pos.out(buf_f)))
+
+    def _layer_recompute(self, i: int, pos) -> None:
+        """The slot tensors of layer i at pos from the per-position ones: the three products that
+        read the normalised inputs, RoPE and SwiGLU; no norm, no attention, no residual product,
+        and nothing from any other position or layer."""
+        w, b = self.stack.layers[i], self.buf[i]
+        self._qk(w, pos, pos.load_t(b["a1"]), b["qk"])
+        pos.keep(b["cq"], w.cross_q(pos.load_t(b["a2"])))
+        self._mlp(w, pos, pos.load_t(b["a3"]), b["gu"], b["f"])
+
+    def _attention(self, i: int, kind: str, pos, q: torch.Tensor, keep: bool) -> torch.Tensor:
+        """Layer i's self ("s") or memory ("m") attention of q (B h_kv, g, Dh) -> (B, h Dh),
+        kept per position when ``keep``."""
+        buf = self.buf[i]["o1" if kind == "s" else "c"] if keep else None
+        keys_t, values = pos.self_keys(self.kt[i], self.v[i]) if kind == "s" else pos.mem_keys(self.mkt[i], self.mv[i])
+        out = None if buf is None else pos.out_t(buf)
+        y = attend(q, keys_t, values, pos.self_mask if kind == "s" else pos.mem_mask,
+                   out=None if out is None else out.view(q.shape)).view(self.B, -1)
+        return y if buf is None else pos.keep_t(buf, y)
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, t: int, gy: torch.Tensor) -> torch.Tensor:
+        """Position t, after every later position: gy (B, d), the gradient of y -> the gradient
+        of x (B, d) in the stream dtype. Reads position t's saved tensors (a forward with
+        save=True since its chunk was last flushed). Flushes the deferred gradients when t is
+        the first position of a chunk."""
+        pos = self.at(t)
+        gx = self.step_backward(pos, gy)
+        if not self.static and t % self.kv_chunk == 0:
+            self.flush_kv(t, min(t + self.kv_chunk, self.capacity))
+        if t % self.chunk == 0:
+            self.flush(t, min(t + self.chunk, self.capacity))
+        return gx
+
+    def step_backward(self, pos, gy: torch.Tensor) -> torch.Tensor:
+        stack = self.stack
+        layers = stack.spec.layers
+        with torch.autocast(device_type=gy.device.type, enabled=False):
+            g = gy
+            if layers:  # the top layer's output gradient is the down product's dY: kept in its ring
+                top = self.buf[layers[-1]]["g4"]
+                g = pos.keep_ring(top, gy) if pos.static else top[pos.ring].copy_(gy)
+            for n in range(len(layers) - 1, -1, -1):
+                into = None
+                if n > 0:
+                    into = self.buf[layers[n - 1]]["g4"]
+                g = self._layer_backward(layers[n], pos, g, into)
+            if not stack.spec.with_input:  # a later pipeline stage: what it sends back is in the stream dtype
+                return g if g.dtype == stack.stream_dtype else g.to(stack.stream_dtype)
+            # the recurrence input: u = e + recur(a0), a0 = z_{t-1} / rms; du is e's gradient too
+            pos.put(self.du, pos.t, g)
+            da0 = stack.recur.grad_input(g.to(stack.compute_dtype))
+            return rms_backward(da0, pos.load_t(self.a0), pos.load_t(self.r0), stack.norm, None).to(stack.stream_dtype)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The input gradient of a column-parallel product, summed over the tensor-parallel ranks."""
+        if self.stack.all_reduce is not None:
+            self.stack.all_reduce(x)
+        return x
+
+    def _layer_backward(self, i: int, pos, g4: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
+        """g4: the gradient of layer i's output (in its ring slot) -> the gradient of its input,
+        computed into ``into``'s ring slot when given (the layer below's g4)."""
+        stack, w, b = self.stack, self.stack.layers[i], self.buf[i]
+        B, Dh, h, h_kv, g = self.B, stack.spec.head_dim, self.h, self.h_kv, self.g
+        BH, cd, nc = B * h_kv, stack.compute_dtype, stack.norm
+        # MLP: x4 = x3 + down(silu(gate) * up), gate/up = gate_up(a3)
+        df = w.down.grad_input(g4.to(cd))  # (B, F)
+        gu = pos.load(b["gu"])
+        ffn = gu.shape[1] // 2
+        gate, up = gu[:, :ffn], gu[:, ffn:]
+        dgu = pos.out_ring(b["dgu"])
+        if dgu is None:
+            dgu = pos.keep_ring(b["dgu"], torch.cat([torch.ops.aten.silu_backward(df * up, gate), df * F.silu(gate)], 1))
+        else:
+            torch.ops.aten.silu_backward.grad_input(df * up, gate, grad_input=dgu[:, :ffn])
+            torch.mul(df, F.silu(gate), out=dgu[:, ffn:])
+        da3 = self._reduce(w.gate_up.grad_input(dgu))
+        g3 = pos.keep_ring(b["g3"], rms_backward(da3, pos.load_t(b["a3"]), pos.load_t(b["r3"]), nc, g4,
+                                                 out=pos.out_ring(b["g3"])))
+        # cross-attention: x3 = x2 + cross_o(attend(cross_q(a2), memory))
+        dc = w.cross_o.grad_input(g3.to(cd)).view(BH, g, Dh)
+        cq = pos.load(b["cq"]).view(BH, g, Dh)
+        dcq = self._attention_backward(i, "m", pos, cq, dc, pos.out_ring(b["dcq"]))
+        dcq = pos.keep_ring(b["dcq"], dcq.view(B, h * Dh))
+        da2 = self._reduce(w.cross_q.grad_input(dcq))
+        g2 = pos.keep_ring(b["g2"], rms_backward(da2, pos.load_t(b["a2"]), pos.load_t(b["r2"]), nc, g3,
+                                                 out=pos.out_ring(b["g2"])))
+        # self-attention: x2 = x1 + o(attend(q, K/V of [0, t]))
+        do1 = w.o.grad_input(g2.to(cd)).view(BH, g, Dh)
+        qk = pos.load(b["qk"]).view(B, h + h_kv, Dh)
+        dq = self._attention_backward(i, "s", pos, qk[:, :h].reshape(BH, g, Dh), do1, None)
+        dk_t, dv_t = pos.kv_grad(self.gkt4[i], self.gv4[i])  # complete: every later position has added its part
+        dqk = torch.cat([dq.view(B, h, Dh), dk_t.to(cd)], dim=1)  # (B, h + h_kv, Dh)
+        dqkv = pos.out_ring(b["dqkv"])
+        if dqkv is None:
+            dqkv = pos.keep_ring(b["dqkv"], torch.cat([rope(dqk, pos.cos, pos.sin_bwd).view(B, -1),
+                                                       dv_t.to(cd).reshape(B, -1)], dim=1))
+        else:
+            rope(dqk, pos.cos, pos.sin_bwd, out=dqkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh))
+            dqkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh).copy_(dv_t)
+        da1 = self._reduce(w.qkv.grad_input(dqkv))
+        g1 = rms_backward(da1, pos.load_t(b["a1"]), pos.load_t(b["r1"]), nc, g2,
+                          out=None if into is None else pos.out_ring(into))
+        return g1 if into is None else pos.keep_ring(into, g1)
+
+    def _attention_backward(self, i: int, kind: str, pos, q: torch.Tensor, grad_out: torch.Tensor,
+                            out: Optional[torch.Tensor]) -> torch.Tensor:
+        """Backward of layer i's self ("s") or memory ("m") attention at pos -> the gradient of
+        q (B h_kv, g, Dh). The K/V gradients: the static form adds them directly over the full
+        capacity; the eager form adds those of the current K/V chunk's keys directly and keeps
+        the rest for :meth:`flush_kv`."""
+        if kind == "s":
+            keys_t, values = pos.self_keys(self.kt[i], self.v[i])
+            gk, gv, mask = self.gkt[i], self.gv[i], pos.self_mask
+        else:
+            keys_t, values = pos.mem_keys(self.mkt[i], self.mv[i])
+            gk, gv, mask = self.gmkt[i], self.gmv[i], pos.mem_mask
+        probs, grad_s, grad_q = attention_grads(q, keys_t, values, grad_out, mask,
+                                                out=None if out is None else out.view(q.shape))
+        acc = gk.dtype
+        qa, ga = q.to(acc), grad_out.to(acc)
+        if pos.static:  # every key, masked ones with zero probability and score gradient
+            gk.baddbmm_(qa.transpose(1, 2), grad_s)
+            gv.baddbmm_(probs.transpose(1, 2), ga)
+            return grad_q
+        n, g = keys_t.shape[-1], self.g
+        c0 = pos.t - pos.t % self.kv_chunk  # the K/V chunk's first position
+        lo = c0 if kind == "s" else n  # keys added directly: [c0, n) for self, none for the memory
+        if n > lo:
+            gk[:, :, lo:n].add_(torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
+            gv[:, lo:n].add_(torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
+        if lo > 0:  # the rest: this position's rows, for the chunk's GEMM
+            r = (pos.t - c0) * g
+            self.tensors[f"q{kind}{i}"][:, r:r + g].copy_(qa)
+            self.tensors[f"do{kind}{i}"][:, r:r + g].copy_(ga)
+            self.tensors[f"p{kind}{i}"][:, r:r + g, :lo].copy_(probs[:, :, :lo])
+            self.tensors[f"ds{kind}{i}"][:, r:r + g, :lo].copy_(grad_s[:, :, :lo])
+        return grad_q
+
+    # ------------------------------------------------------------------ deferred gradients
+    def flush_kv(self, t0: int, t1: int) -> None:
+        """The deferred K/V gradients of the chunk [t0, t1): for each layer, the self keys
+        before t0 and the memory's keys, one batched GEMM each from the stored rows."""
+        rows = (t1 - t0) * self.g
+        for i in self.stack.spec.layers:
+            for kind, gk, gv, n in (("s", self.gkt[i], self.gv[i], t0),
+                                    ("m", self.gmkt[i], self.gmv[i], 1 + self.stack.C * (t1 // self.stack.C))):
+                n = min(n, gk.shape[-1])
+                if n == 0:
+                    continue
+                q, do = self.tensors[f"q{kind}{i}"][:, :rows], self.tensors[f"do{kind}{i}"][:, :rows]
+                p, ds = self.tensors[f"p{kind}{i}"][:, :rows, :n], self.tensors[f"ds{kind}{i}"][:, :rows, :n]
+                gk[:, :, :n].add_(torch.bmm(q.transpose(1, 2), ds))  # (B h_kv, Dh, n)
+                gv[:, :n].add_(torch.bmm(p.transpose(1, 2), do))  # (B h_kv, n, Dh)
+                p.zero_()  # rows of a later chunk (fewer visible memory slots) must not see these
+                ds.zero_()
+
+    def flush(self, t0: int, t1: int) -> None:
+        """Adds the weight gradients of positions [t0, t1) (one chunk) to the accumulators: one
+        GEMM per weight over their (t1 - t0) x B rows."""
+        acc = self.grads.acc
+        n, rows = t1 - t0, (t1 - t0) * self.B
+        s0 = t0 % self.slots  # a chunk is contiguous in the slots (a multiple of it, or all) and starts the ring
+
+        def add(key, dy: torch.Tensor, x: torch.Tensor) -> None:
+            a = acc[key]
+            dy, x = dy.reshape(rows, -1), x.reshape(rows, -1)
+            a.addmm_(dy.t().to(a.dtype), x.to(a.dtype))  # (out, in) += dY^T X
+
+        for i in self.stack.spec.layers:
+            b = self.buf[i]
+            saved = {name: b[name][t0:t1] for name in ("a1", "a2", "a3", "o1", "c")}
+            saved["f"] = b["f"][s0:s0 + n]
+            ring = {name: b[name][:n] for name in _RING}
+            add((i, "qkv"), ring["dqkv"], saved["a1"])
+            if (i, "qkv_bias") in acc:
+                bias = acc[(i, "qkv_bias")]
+                bias.add_(ring["dqkv"].reshape(rows, -1).sum(0, dtype=bias.dtype))
+            add((i, "o"), ring["g2"], saved["o1"])
+            add((i, "cross_q"), ring["dcq"], saved["a2"])
+            add((i, "cross_o"), ring["g3"], saved["c"])
+            add((i, "gate_up"), ring["dgu"], saved["a3"])
+            add((i, "down"), ring["g4"], saved["f"])
+        if self.stack.spec.with_input:
+            add((-1, "recur"), self.du[t0:t1], self.a0[t0:t1])
+
+    # ------------------------------------------------------------------ results
+    def memory_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer: the gradients of the memory K/V given at construction, in their shapes
+        (B, h_kv, S, Dh) and dtypes (new tensors: the buffers go back to the workspace)."""
+        out = []
+        for i in self.stack.spec.layers:
+            (B, h_kv, S, Dh), dtype = self.mem_meta[i]
+            gk = self.gmkt[i].view(B, h_kv, Dh, S).transpose(-1, -2).to(dtype, copy=True)
+            out.append((gk, self.gmv[i].view(B, h_kv, S, Dh).to(dtype, copy=True)))
+        return out
+
+    def input_grads(self) -> torch.Tensor:
+        """With the input layer: the gradient of every position's embedding, (B, capacity, d)
+        (a new tensor)."""
+        return self.du.transpose(0, 1).clone()

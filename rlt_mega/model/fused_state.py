@@ -1,0 +1,248 @@
+"""The state of a fused decoder run (model/fused_run.py): where a position is (eager or
+static), and the preallocated buffers, carved from one slab that a workspace pool reuses.
+
+Why a pool. A run's buffers are large (d=512, L=4, B=8, T=64: ~130 MB of saved activations,
+output-gradient rings and K/V gradients) and touched once or twice per step. Fresh memory
+faults in page by page (measured: a fresh (8, 512) slot takes ~2x longer to write than a
+reused one), so every run takes one slab from :data:`WORKSPACE` and gives it back when it is
+garbage-collected (the autograd graph that holds it is freed), and the next step of the same
+shape finds it there. On CUDA the caching allocator does this already; the pool is harmless.
+``WORKSPACE.clear()`` returns the memory (the memory benchmark calls it before each measured
+step, so that a step's peak counts its slab).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Optional
+
+import torch
+
+_ALIGN = 64  # bytes: every buffer of a slab starts on a cache line
+
+
+class Workspace:
+    """Free slabs (uint8 tensors) by device; a run takes the smallest that fits."""
+
+    def __init__(self, max_free_bytes: int = 8 << 30) -> None:
+        self._free: dict[torch.device, list[torch.Tensor]] = {}
+        # reentrant: a finalizer (give) can run inside take when the garbage collector fires there
+        self._lock = threading.RLock()
+        self.max_free_bytes = max_free_bytes
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        with self._lock:
+            free = self._free.get(device, [])
+            fits = [j for j, s in enumerate(free) if nbytes <= s.numel() <= 2 * nbytes]
+            if fits:
+                return free.pop(min(fits, key=lambda j: free[j].numel()))
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def give(self, slab: torch.Tensor) -> None:
+        with self._lock:
+            free = self._free.setdefault(slab.device, [])
+            free.append(slab)
+            while sum(s.numel() for s in free) > self.max_free_bytes:
+                free.pop(0)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._free.clear()
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(s.numel() for free in self._free.values() for s in free)
+
+
+WORKSPACE = Workspace()
+
+
+class Slab:
+    """Carves typed buffers out of one allocation. Declare every buffer with :meth:`add`, then
+    :meth:`allocate` once; ``owner``'s garbage collection gives the slab back."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._specs: list[tuple[str, tuple, torch.dtype, bool]] = []
+        self.nbytes = 0
+        self.tensors: dict[str, torch.Tensor] = {}
+
+    def add(self, name: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
+        self._specs.append((name, tuple(shape), dtype, zero))
+
+    def allocate(self, owner: object) -> dict[str, torch.Tensor]:
+        offsets, total = [], 0
+        for name, shape, dtype, _ in self._specs:
+            n = 1
+            for s in shape:
+                n *= s
+            offsets.append(total)
+            total += (n * torch.empty((), dtype=dtype).element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+        slab = WORKSPACE.take(max(total, _ALIGN), self.device)
+        weakref.finalize(owner, WORKSPACE.give, slab)
+        for (name, shape, dtype, zero), off in zip(self._specs, offsets):
+            size = torch.empty((), dtype=dtype).element_size()
+            n = 1
+            for s in shape:
+                n *= s
+            t = slab[off:off + n * size].view(dtype).view(shape)
+            if zero:
+                t.zero_()
+            self.tensors[name] = t
+        self.nbytes = total
+        return self.tensors
+
+
+# ------------------------------------------------------------------------------------------
+# Where a position is
+# ------------------------------------------------------------------------------------------
+
+def _slot_ptr(buf: torch.Tensor, i: int) -> int:
+    """The address of buf[i] (without creating the view)."""
+    return buf.data_ptr() + i * buf.stride(0) * buf.element_size()
+
+
+class EagerPosition:
+    """Position t with Python integers: saved tensors are views of their slot, keys are
+    sliced to exactly t + 1 (self) and 1 + vis(t) (memory)."""
+
+    static = False
+
+    def __init__(self, t: int, slot: int, ring: int, memory_block: int, cos, sin_fwd, sin_bwd) -> None:
+        self.t, self.slot, self.ring = t, slot, ring
+        self.n_self = t + 1
+        self.n_mem = 1 + memory_block * ((t + 1) // memory_block)  # the null slot + vis(t)
+        self.cos, self.sin_fwd, self.sin_bwd = cos[t], sin_fwd[t], sin_bwd[t]
+        self.self_mask = self.mem_mask = None
+
+    def out(self, buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Where to compute a saved tensor: its slot (None: not saved)."""
+        return None if buf is None else buf[self.slot]
+
+    def out_ring(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.ring]
+
+    def keep(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+        """value, kept in its slot of ``buf`` (a no-op when computed there or not saved)."""
+        if buf is not None and value.data_ptr() != _slot_ptr(buf, self.slot):
+            buf[self.slot].copy_(value)
+        return value
+
+    def keep_ring(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if value.data_ptr() != _slot_ptr(buf, self.ring):
+            buf[self.ring].copy_(value)
+        return value
+
+    def load(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.slot]
+
+    def out_t(self, buf: torch.Tensor) -> torch.Tensor:  # the position-indexed buffers
+        return buf[self.t]
+
+    def keep_t(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        if value.data_ptr() != _slot_ptr(buf, self.t):
+            buf[self.t].copy_(value)
+        return value
+
+    def load_t(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf[self.t]
+
+    def write_kv(self, kt: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """kt (B, h_kv, Dh, cap), v (B, h_kv, cap, Dh) <- this position's k, v (B, h_kv, Dh)."""
+        kt.select(3, self.t).copy_(k_new)
+        v.select(2, self.t).copy_(v_new)
+
+    def self_keys(self, kt: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """kt (B h_kv, Dh, cap), v (B h_kv, cap, Dh) -> the keys and values attended to."""
+        return kt[:, :, :self.n_self], v[:, :self.n_self]
+
+    def mem_keys(self, kt: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kt[:, :, :self.n_mem], v[:, :self.n_mem]
+
+    def kv_grad(self, gkt: torch.Tensor, gv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This position's (complete) K/V gradients from the (B, h_kv, Dh, cap) and
+        (B, h_kv, cap, Dh) accumulators: (B, h_kv, Dh) each."""
+        return gkt.select(3, self.t), gv.select(2, self.t)
+
+    def put(self, buf: torch.Tensor, index: int, value: torch.Tensor) -> None:
+        """buf[index] <- value (the input gradient of the stack: a position-indexed buffer)."""
+        if value.data_ptr() != _slot_ptr(buf, index):
+            buf[index].copy_(value)
+
+
+class StaticPosition:
+    """Position t as a 0-d long device tensor: every shape is the capacity's, so the step can be
+    captured once and replayed for every t. After changing ``t`` (in place, on the device), call
+    :meth:`update`: device operations only, so it is part of a captured step."""
+
+    static = True
+
+    def __init__(self, capacity: int, mem_capacity: int, slots: int, ring: int, memory_block: int,
+                 cos, sin_fwd, sin_bwd, mask_dtype: torch.dtype, device: torch.device) -> None:
+        self.slots_n, self.ring_n, self.C = slots, ring, memory_block
+        self.tables = (cos, sin_fwd, sin_bwd)
+        self.mask_dtype = mask_dtype
+        self.t = torch.zeros((), dtype=torch.long, device=device)
+        self.positions = torch.arange(capacity, device=device)
+        self.mem_positions = torch.arange(mem_capacity, device=device)
+        self.neg_inf = torch.tensor(float("-inf"), dtype=mask_dtype, device=device)
+        self.zero = torch.zeros((), dtype=mask_dtype, device=device)
+        self.update()
+
+    def update(self) -> None:
+        t = self.t
+        self.t1 = t.view(1)
+        self.slot = torch.remainder(t, self.slots_n).view(1)
+        self.ring = torch.remainder(t, self.ring_n).view(1)
+        cos, sin_fwd, sin_bwd = self.tables
+        self.cos = cos.index_select(0, self.t1)  # (1, Dh)
+        self.sin_fwd = sin_fwd.index_select(0, self.t1)
+        self.sin_bwd = sin_bwd.index_select(0, self.t1)
+        visible = 1 + self.C * torch.div(t + 1, self.C, rounding_mode="floor")  # the null slot + vis(t)
+        self.self_mask = torch.where(self.positions <= t, self.zero, self.neg_inf).view(1, 1, -1)
+        self.mem_mask = torch.where(self.mem_positions < visible, self.zero, self.neg_inf).view(1, 1, -1)
+
+    def out(self, buf: Optional[torch.Tensor]) -> None:
+        return None
+
+    def out_ring(self, buf: torch.Tensor) -> None:
+        return None
+
+    def keep(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
+        if buf is not None:
+            buf.index_copy_(0, self.slot, value.unsqueeze(0))
+        return value
+
+    def keep_ring(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        buf.index_copy_(0, self.ring, value.unsqueeze(0))
+        return value
+
+    def load(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.index_select(0, self.slot).squeeze(0)
+
+    def out_t(self, buf: torch.Tensor) -> None:
+        return None
+
+    def keep_t(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        buf.index_copy_(0, self.t1, value.unsqueeze(0))
+        return value
+
+    def load_t(self, buf: torch.Tensor) -> torch.Tensor:
+        return buf.index_select(0, self.t1).squeeze(0)
+
+    def write_kv(self, kt: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        kt.index_copy_(3, self.t1, k_new.unsqueeze(3))
+        v.index_copy_(2, self.t1, v_new.unsqueeze(2))
+
+    def self_keys(self, kt: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kt, v
+
+    def mem_keys(self, kt: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return kt, v
+
+    def kv_grad(self, gkt: torch.Tensor, gv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return gkt.index_select(3, self.t1).squeeze(3), gv.index_select(2, self.t1).squeeze(2)
+
+    def put(self, buf: torch.Tensor, index, value: torch.Tensor) -> None:
+        buf.index_copy_(0, self.t1, value.unsqueeze(0))

@@ -1,0 +1,84 @@
+"""Distributed scenarios of the fused decoder (model/fused_run.py), run on every rank by
+tests/distributed/worker.py: the engine on the fused path against a single-process reference on
+the module path (``model.fused_decoder: false``), and proof that the fused path ran (and the
+module path's decoder did not) on every rank, under TP (megatron-core shards), PP (each stage
+on its own layers) and ZeRO-3 (partitioned parameters)."""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import contextmanager
+
+
+from rlt_mega.model import fused_run
+from rlt_mega.model.rlt import RLT
+from rlt_mega.parallel.gather import gather_full
+from tests.distributed.scenarios import Reference, _close, _engine, global_batch, local_batches, make_cfg, max_diff
+
+
+@contextmanager
+def count_calls():
+    """Counts the fused step's positions and the module path's decoder layers run inside."""
+    counts = {"fused_positions": 0, "module_layers": 0}
+    fused, module = fused_run.FusedRun.step_forward, RLT.decoder_layer
+
+    def fused_spy(self, *args, **kwargs):
+        counts["fused_positions"] += 1
+        return fused(self, *args, **kwargs)
+
+    def module_spy(self, *args, **kwargs):
+        counts["module_layers"] += 1
+        return module(self, *args, **kwargs)
+
+    fused_run.FusedRun.step_forward, RLT.decoder_layer = fused_spy, module_spy
+    try:
+        yield counts
+    finally:
+        fused_run.FusedRun.step_forward, RLT.decoder_layer = fused, module
+
+
+@contextmanager
+def zero3_persistence(threshold):
+    """DeepSpeed's stage3_param_persistence_threshold while building an engine (None: as is);
+    0 partitions every parameter of the tiny model (else all stay whole and nothing is tested)."""
+    from rlt_mega.parallel import zero
+
+    original = zero.deepspeed_config
+
+    def patched(*args, **kwargs):
+        cfg = original(*args, **kwargs)
+        if threshold is not None and "zero_optimization" in cfg:
+            # nothing persists, nothing stays live between uses: every access must be gathered
+            cfg["zero_optimization"].update(stage3_param_persistence_threshold=threshold,
+                                            stage3_max_live_parameters=0, stage3_max_reuse_distance=0,
+                                            stage3_prefetch_bucket_size=0)
+        return cfg
+
+    zero.deepspeed_config = patched
+    try:
+        yield
+    finally:
+        zero.deepspeed_config = original
+
+
+def fused_vs_module(model=None, parallel=None, train=None, persistence_threshold=None) -> dict:
+    """One backward of the engine (fused decoder) against the single-process module path on
+    the combined batch: loss, every gathered gradient, and the call counts of both paths.
+    ``persistence_threshold``: DeepSpeed's stage3_param_persistence_threshold (0 partitions every
+    parameter of the tiny model under ZeRO-3)."""
+    cfg = make_cfg({**(model or {}), "fused_decoder": True}, parallel, train)
+    with zero3_persistence(persistence_threshold):
+        dims, engine = _engine(cfg)
+    ref = Reference(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fused_decoder=False)))
+    x, y = global_batch(cfg, 0, dims.dp)
+    with count_calls() as ref_counts:
+        ref_loss = ref.backward(x, y)
+    with count_calls() as counts:
+        loss, _, _ = engine.backward_step(local_batches(cfg, 0, dims))
+    full = gather_full(engine.gradients(), dims)
+    out = {"loss": loss, "ref_loss": ref_loss, **counts, "ref_module_layers": ref_counts["module_layers"],
+           "ref_fused_positions": ref_counts["fused_positions"]}
+    out["grad_diff"], out["grad_worst"] = max_diff(full, ref.grads())
+    out["grad_scale"] = max(float(g.abs().max()) for g in ref.grads().values())
+    _close(dims, engine)
+    return out

@@ -1,0 +1,28 @@
+"""The fused decoder on four gloo ranks against the single-process module path (the shared
+four-rank launch of tests/distributed/conftest.py; scenarios in fused_scenarios.py): tensor
+parallelism with ZeRO-3 and every parameter partitioned (TP=2 x DP=2), the pipeline ring with
+per-position recomputation (PP=2 x DP=2), and TP=2 x PP=2, each rank's stage and shard built
+from the meta device (parallel/build.py). Each checks that the fused path ran on every rank and the module path's decoder did
+not."""
+
+import pytest
+
+S = "fused_scenarios."
+GRADIENTS = [
+    (S + "fused_vs_module", {"model": {"qkv_bias": True, "n_kv_heads": 2}, "parallel": {"tp": 2, "zero_stage": 3},
+                             "persistence_threshold": 0}),
+    (S + "fused_vs_module", {"model": {"tie_embeddings": True, "memory_block": 3},
+                             "parallel": {"pp": 2, "micro_batches": 2, "zero_stage": 1},
+                             "train": {"checkpointing": {"decoder": "every_k", "decoder_k": 3}}}),
+    (S + "fused_vs_module", {"model": {"share_weights": False}, "parallel": {"tp": 2, "pp": 2, "micro_batches": 2}}),
+]
+SCENARIOS = {4: GRADIENTS}
+
+
+@pytest.mark.parametrize("name,args", GRADIENTS)
+def test_fused_gradients_equal_the_one_process_module_path(ranks, name, args):
+    for r in ranks(4).each(name, args):
+        assert r["fused_positions"] > 0 and r["module_layers"] == 0, r
+        assert r["ref_module_layers"] > 0 and r["ref_fused_positions"] == 0
+        assert abs(r["loss"] - r["ref_loss"]) < 1e-5
+        assert r["grad_diff"] < 1e-5 * max(1.0, r["grad_scale"]), r["grad_worst"]
