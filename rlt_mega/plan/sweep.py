@@ -15,15 +15,28 @@ plot of loss against compute (one line per configuration).
     smooth: 5                                             # trailing mean over logged losses
     launcher: ["{python}", "-m", "rlt_mega"]              # optional: e.g. torchrun for layouts
     env: {OMP_NUM_THREADS: "1"}                           # optional
+    seeds: [0, 1, 2]                  # optional: every point trained once per train.seed
+    budgets: [2.0e12, 8.0e12]         # optional: iso-compute, training FLOPs per run (below)
+    family: "{size}"                  # optional: what a power-law fit groups (default model.arch)
+
+A *point* is one combination of the grid's axes (and budget); with ``seeds`` it is trained once
+per seed and reported as the mean and the standard deviation over its seeds (points.csv). With
+``budgets`` every point is trained to the same training compute: its steps are the budget over
+the cost model's training FLOPs per token times the tokens of a step (rounded, at least 1),
+so a family that costs more per token trains on fewer tokens. Per family the losses are fitted
+by a power law ``loss = a * compute^(-alpha)`` (least squares in log-log over every run of the
+family; fits.json), and the plot shows the families in one figure: the points with their
+spread, the fitted lines, and each point's training curve (mean over seeds).
 
 Each run is ``<launcher> pretrain --config <base> <overrides> <axis overrides>`` in a
 subprocess, with logging.dir and checkpoint.dir inside its own directory; a run whose
 ``result.json`` exists is not run again (a sweep can be resumed). Compute is the cost
 model's training FLOPs per token (forward + backward, no recomputation: the MFU
-convention) times the tokens trained. Peak memory is the peak resident set size of the run's
-process (on CPU it includes the Python and torch runtime, a few hundred MB), and the
-trainer's own ``train/peak_memory_bytes`` metric when it logs one, beside the cost model's
-prediction for the step itself.
+convention) times the tokens trained. Peak memory: ``peak_rss_mb`` is the peak resident set size
+of the run's process tree as the sweep sees it, ``peak_memory_mb`` the trainer's own
+``train/peak_memory_bytes`` (rank 0: torch.cuda.max_memory_allocated on a GPU, the process's peak
+RSS elsewhere, rlt_mega.metrics.peak_memory_bytes), beside the cost model's prediction for the
+step itself (``predicted_step_mb``).
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import math
 import os
 import re
 import subprocess
@@ -51,7 +65,9 @@ from rlt_mega.plan.memory import estimate_memory
 log = get_logger(__name__)
 
 PEAK_METRIC = "train/peak_memory_bytes"
-SWEEP_KEYS = {"base", "out", "overrides", "grid", "label", "launcher", "env", "title", "smooth"}
+SWEEP_KEYS = {"base", "out", "overrides", "grid", "label", "launcher", "env", "title", "smooth", "seeds", "budgets",
+              "family"}
+SEED_AXIS, BUDGET_AXIS = "seed", "budget"
 
 
 @dataclass
@@ -61,6 +77,10 @@ class Run:
     overrides: list[str]  # the run's own (axis) overrides
     values: dict[str, Any]  # axis -> value (a mapping's name for mapping axes)
     config: Optional[Config] = None
+    point: str = ""  # the run's point: its name without the seed
+    family: str = ""  # what the power-law fit groups
+    seed: Optional[int] = None
+    budget: Optional[float] = None  # training FLOPs (iso-compute), None: the config's steps
 
 
 @dataclass
@@ -73,6 +93,8 @@ class Sweep:
     env: dict[str, str] = field(default_factory=dict)
     title: Optional[str] = None
     smooth: int = 1
+    seeds: list[int] = field(default_factory=list)
+    budgets: list[float] = field(default_factory=list)
 
 
 def _scalar(value: Any) -> str:
@@ -123,24 +145,81 @@ def expand(spec: dict, base_dir: Path = Path(".")) -> Sweep:
     grid = spec["grid"]
     if not isinstance(grid, dict) or not grid:
         raise ConfigError("sweep 'grid' must be a mapping of axis -> list of values")
+    for reserved in (SEED_AXIS, BUDGET_AXIS):
+        if reserved in grid:
+            raise ConfigError(f"sweep grid axis '{reserved}' is reserved: use the sweep key "
+                              f"'{reserved}s' ({reserved}s: [...]) instead")
+    seeds = _int_list(spec.get("seeds", []), "seeds")
+    budgets = _budget_list(spec.get("budgets", []))
     axes = {axis: _axis_points(axis, values) for axis, values in grid.items()}
     runs = []
     for combo in itertools.product(*axes.values()):
         values = {axis: point[0] for axis, point in zip(axes, combo)}
-        run_overrides = [o for point in combo for o in point[1]]
-        name = "__".join(f"{_short(a)}={re.sub(r'[^A-Za-z0-9_.-]', '_', str(v))}" for a, v in values.items())
-        try:
-            cfg = load_config(base, overrides + run_overrides)
-        except ConfigError as exc:
-            raise ConfigError(f"sweep run {name}: {exc}") from None
-        runs.append(Run(name, _label(spec.get("label"), values), run_overrides, values, cfg))
+        grid_overrides = [o for point in combo for o in point[1]]
+        for budget in budgets or [None]:
+            for seed in seeds or [None]:
+                runs.append(_make_run(spec, base, overrides, values, grid_overrides, budget, seed))
     if len({r.name for r in runs}) != len(runs):
         raise ConfigError("two sweep runs have the same name: give mapping axes distinct 'name's")
     out = Path(spec.get("out", "runs/sweep"))
     return Sweep(base=base, out=out if out.is_absolute() else base_dir / out, overrides=overrides, runs=runs,
                  launcher=[str(x) for x in spec.get("launcher", ["{python}", "-m", "rlt_mega"])],
                  env={str(k): str(v) for k, v in spec.get("env", {}).items()},
-                 title=spec.get("title"), smooth=_positive_int(spec.get("smooth", 1), "smooth"))
+                 title=spec.get("title"), smooth=_positive_int(spec.get("smooth", 1), "smooth"),
+                 seeds=seeds, budgets=budgets)
+
+
+def _make_run(spec: dict, base: str, overrides: list[str], values: dict[str, Any], grid_overrides: list[str],
+              budget: Optional[float], seed: Optional[int]) -> Run:
+    """One run: the grid point's overrides, then the budget's steps and the seed."""
+    point_values = dict(values)
+    if budget is not None:
+        point_values[BUDGET_AXIS] = f"{budget:.3g}"
+    point = _name(point_values)
+    run_values = {**point_values, **({SEED_AXIS: seed} if seed is not None else {})}
+    name = _name(run_values)
+    run_overrides = list(grid_overrides) + ([f"train.seed={seed}"] if seed is not None else [])
+    try:
+        cfg = load_config(base, overrides + run_overrides)
+        if budget is not None:
+            steps = steps_for_budget(cfg, budget)
+            run_overrides.append(f"train.steps={steps}")
+            cfg = load_config(base, overrides + run_overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"sweep run {name}: {exc}") from None
+    label = _label(spec.get("label"), point_values)
+    family = _label(spec["family"], point_values) if spec.get("family") else cfg.model.arch
+    return Run(name, label, run_overrides, run_values, cfg, point=point, family=family, seed=seed, budget=budget)
+
+
+def _name(values: dict[str, Any]) -> str:
+    return "__".join(f"{_short(a)}={re.sub(r'[^A-Za-z0-9_.-]', '_', str(v))}" for a, v in values.items())
+
+
+def tokens_per_step(cfg: Config) -> int:
+    """Input tokens of one optimizer step over every data-parallel replica (the trainer's count)."""
+    return cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * (cfg.parallel.dp or 1)
+
+
+def steps_for_budget(cfg: Config, budget: float) -> int:
+    """The steps that spend ``budget`` training FLOPs (the cost model's, forward + backward)."""
+    return max(1, round(budget / (flops_per_token(cfg) * tokens_per_step(cfg))))
+
+
+def _int_list(value: Any, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"sweep '{key}' must be a list of integers, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"sweep '{key}' lists a value twice: {value}")
+    return value
+
+
+def _budget_list(value: Any) -> list[float]:
+    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+                                              for v in value):
+        raise ConfigError(f"sweep 'budgets' must be a list of positive training FLOPs (e.g. [2.0e12]), "
+                          f"got {value!r}")
+    return [float(v) for v in value]
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -223,7 +302,9 @@ def summarize_run(sweep: Sweep, run: Run, result: dict) -> dict:
     speeds = [r["train/tokens_per_s"] for r in records[1:] or records]  # the first window warms up
     tokens = records[-1]["train/tokens"] if records else 0
     return {
-        "run": run.name, "label": run.label, **{k: v for k, v in run.values.items()},
+        "run": run.name, "label": run.label, "point": run.point or run.name, "family": run.family,
+        "arch": cfg.model.arch, **{k: v for k, v in run.values.items()},
+        "budget_flops": run.budget if run.budget is not None else float("nan"),
         "params": _param_counts(cfg)["total"],
         "flops_per_token": fpt, "steps": records[-1]["step"] if records else 0, "tokens": tokens,
         "compute_flops": fpt * tokens,
@@ -257,27 +338,128 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def plot(sweep: Sweep, path: Path, title: Optional[str] = None) -> None:
-    """Training loss against compute, one line per run (log-scale compute)."""
+# ------------------------------------------------------------------ points, fits, plot
+MEAN_FIELDS = ("final_loss", "last_loss", "eval_loss", "compute_flops", "tokens", "steps", "tokens_per_s",
+               "peak_rss_mb", "peak_memory_mb", "predicted_step_mb", "wall_s")
+
+
+def _mean_std(values: list[float]) -> tuple[float, float]:
+    """Mean and sample standard deviation (n - 1; 0 for one value) of the finite values."""
+    xs = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    if not xs:
+        return float("nan"), float("nan")
+    mean = sum(xs) / len(xs)
+    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
+    return mean, std
+
+
+def aggregate(rows: list[dict]) -> list[dict]:
+    """One row per point (the runs of its seeds): the mean and the spread (sample std) of each
+    measured field, in the order the points first appear."""
+    groups: dict[str, list[dict]] = {}
+    for row in rows:
+        groups.setdefault(row["point"], []).append(row)
+    points = []
+    for point, rs in groups.items():
+        ok = [r for r in rs if r["status"] == "ok"]
+        first = rs[0]
+        out = {"point": point, "label": first["label"], "family": first["family"], "arch": first["arch"],
+               "budget_flops": first["budget_flops"], "params": first["params"],
+               "flops_per_token": first["flops_per_token"], "seeds": len(ok),
+               "failed": len(rs) - len(ok)}
+        for key in MEAN_FIELDS:
+            out[key], out[key + "_std"] = _mean_std([r[key] for r in ok])
+        points.append(out)
+    return points
+
+
+def fit_metric(rows: list[dict]) -> str:
+    """The loss the fits and the plot use: the held-out loss where every run has one, else the
+    (smoothed) final training loss."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    return "eval_loss" if ok and all(math.isfinite(r["eval_loss"]) for r in ok) else "final_loss"
+
+
+def power_law_fit(compute: list[float], loss: list[float]) -> dict:
+    """Least squares of log(loss) = log(a) - alpha log(compute) -> {a, alpha, r2, n}; alpha nan
+    when the points do not span at least two compute values."""
+    pts = [(math.log(c), math.log(y)) for c, y in zip(compute, loss)
+           if math.isfinite(c) and math.isfinite(y) and c > 0 and y > 0]
+    n = len(pts)
+    out = {"a": float("nan"), "alpha": float("nan"), "r2": float("nan"), "n": n,
+           "compute_min": min((math.exp(x) for x, _ in pts), default=float("nan")),
+           "compute_max": max((math.exp(x) for x, _ in pts), default=float("nan"))}
+    if n < 2:
+        return out
+    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
+    sxx = sum((x - mx) ** 2 for x, _ in pts)
+    if sxx <= 1e-12 * max(1.0, mx * mx):  # one compute value: no slope to fit
+        return out
+    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
+    intercept = my - slope * mx
+    syy = sum((y - my) ** 2 for _, y in pts)
+    resid = sum((y - (intercept + slope * x)) ** 2 for x, y in pts)
+    out.update(a=math.exp(intercept), alpha=-slope, r2=1.0 - resid / syy if syy > 0 else 1.0)
+    return out
+
+
+def fit_families(rows: list[dict]) -> dict[str, dict]:
+    """A power law of loss against compute per family, over every finished run of the family."""
+    metric = fit_metric(rows)
+    fits = {}
+    for family in dict.fromkeys(r["family"] for r in rows):
+        rs = [r for r in rows if r["family"] == family and r["status"] == "ok"]
+        fits[family] = {"metric": metric, **power_law_fit([r["compute_flops"] for r in rs], [r[metric] for r in rs])}
+    return fits
+
+
+def plot(sweep: Sweep, path: Path, title: Optional[str] = None, rows: Optional[list[dict]] = None) -> None:
+    """The families in one figure (log-scale compute): each point's mean training curve (thin),
+    its final loss with the spread over seeds (marker and error bar) and each family's fitted
+    power law (dashed), one colour per family."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for run in sweep.runs:
-        records = [r for r in read_records(sweep, run) if "train/loss" in r]
-        if not records:
+    rows = rows if rows is not None else [summarize_run(sweep, r, {"returncode": 0}) for r in sweep.runs]
+    metric = fit_metric(rows)
+    points = aggregate(rows)
+    fits = fit_families(rows)
+    families = list(dict.fromkeys(r.family for r in sweep.runs))
+    colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
+    for point in dict.fromkeys(r.point or r.name for r in sweep.runs):  # mean training curve over seeds
+        runs = [r for r in sweep.runs if (r.point or r.name) == point]
+        curves = [[(rec["train/tokens"] * flops_per_token(r.config), rec["train/loss"])
+                   for rec in read_records(sweep, r) if "train/loss" in rec] for r in runs]
+        curves = [c for c in curves if c]
+        if not curves:
             continue
-        fpt = flops_per_token(run.config)
-        ax.plot([r["train/tokens"] * fpt for r in records],
-                trailing_mean([r["train/loss"] for r in records], sweep.smooth), label=run.label, linewidth=1.5)
+        n = min(len(c) for c in curves)
+        xs = [curves[0][i][0] for i in range(n)]
+        ys = trailing_mean([sum(c[i][1] for c in curves) / len(curves) for i in range(n)], sweep.smooth)
+        ax.plot(xs, ys, color=colours[runs[0].family], linewidth=0.8, alpha=0.35)
+    for family in families:
+        ps = [p for p in points if p["family"] == family and math.isfinite(p[metric])]
+        if not ps:
+            continue
+        fit = fits[family]
+        name = family + (f" (alpha={fit['alpha']:.3f})" if math.isfinite(fit["alpha"]) else "")
+        ax.errorbar([p["compute_flops"] for p in ps], [p[metric] for p in ps], yerr=[p[metric + "_std"] for p in ps],
+                    fmt="o", color=colours[family], markersize=4, capsize=3, label=name)
+        if math.isfinite(fit["alpha"]):
+            lo, hi = fit["compute_min"], fit["compute_max"]
+            xs = [lo * (hi / lo) ** (i / 20) for i in range(21)]
+            ax.plot(xs, [fit["a"] * x ** -fit["alpha"] for x in xs], "--", color=colours[family], linewidth=1.2)
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("training compute (FLOPs, forward + backward)")
-    ax.set_ylabel("training loss" + (f" (mean of {sweep.smooth} logged steps)" if sweep.smooth > 1 else ""))
+    what = "held-out loss" if metric == "eval_loss" else "final training loss"
+    ax.set_ylabel(f"{what}; curves: training loss" + (f" (mean of {sweep.smooth})" if sweep.smooth > 1 else ""))
     ax.set_title(title or sweep.title or f"sweep {sweep.out.name}")
     ax.grid(True, which="both", alpha=0.3)
-    if ax.lines:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -285,7 +467,9 @@ def plot(sweep: Sweep, path: Path, title: Optional[str] = None) -> None:
 
 
 def run_sweep(sweep: Sweep, force: bool = False, only_collect: bool = False) -> list[dict]:
-    """Runs (or only collects) every configuration; writes results.csv and loss_vs_compute.png."""
+    """Runs (or only collects) every configuration; writes results.csv (one row per run),
+    points.csv (per point: mean and spread over seeds), fits.json (per family) and
+    loss_vs_compute.png."""
     sweep.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, run in enumerate(sweep.runs, 1):
@@ -297,8 +481,26 @@ def run_sweep(sweep: Sweep, force: bool = False, only_collect: bool = False) -> 
             result = execute(sweep, run, force)
         rows.append(summarize_run(sweep, run, result))
     write_csv(rows, sweep.out / "results.csv")
-    plot(sweep, sweep.out / "loss_vs_compute.png")
+    write_csv(aggregate(rows), sweep.out / "points.csv")
+    (sweep.out / "fits.json").write_text(json.dumps(fit_families(rows), indent=2))
+    plot(sweep, sweep.out / "loss_vs_compute.png", rows=rows)
     return rows
+
+
+def report(rows: list[dict]) -> str:
+    """The points (mean +- spread over seeds) and the fitted exponents, as text."""
+    metric = fit_metric(rows)
+    lines = [f"{'point':<34} {'seeds':>5} {metric + ' (mean +- std)':>24} {'compute':>10} {'steps':>6} "
+             f"{'tok/s':>8} {'peak MB':>8}"]
+    for p in aggregate(rows):
+        lines.append(f"{p['label']:<34} {p['seeds']:>5} {p[metric]:>14.4f} +- {p[metric + '_std']:.4f} "
+                     f"{p['compute_flops']:>10.3g} {p['steps']:>6.0f} {p['tokens_per_s']:>8.0f} "
+                     f"{p['peak_memory_mb']:>8.0f}" + (f"  ({p['failed']} failed)" if p["failed"] else ""))
+    lines.append(f"power-law fits, {metric} = a * compute^(-alpha), per family:")
+    for family, fit in fit_families(rows).items():
+        lines.append(f"  {family:<20} alpha {fit['alpha']:.4f}  a {fit['a']:.4g}  r2 {fit['r2']:.3f}  "
+                     f"({fit['n']} runs, {fit['compute_min']:.3g}..{fit['compute_max']:.3g} FLOPs)")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -319,10 +521,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.dry_run:
         for run in sweep.runs:
             sys.stdout.write(" ".join(command(sweep, run)) + "\n")
+        sys.stdout.write(f"{len(sweep.runs)} runs\n")
         return 0
     rows = run_sweep(sweep, force=args.force, only_collect=args.collect)
-    for row in rows:
-        sys.stdout.write(f"{row['label']:<28} loss {row['final_loss']:.4f}  {row['tokens_per_s']:9.0f} tok/s  "
-                         f"{row['compute_flops']:.3g} FLOPs  peak RSS {row['peak_rss_mb']:.0f} MB  {row['status']}\n")
-    sys.stdout.write(f"wrote {sweep.out / 'results.csv'} and {sweep.out / 'loss_vs_compute.png'}\n")
+    sys.stdout.write(report(rows))
+    sys.stdout.write(f"wrote {sweep.out / 'results.csv'}, points.csv, fits.json and loss_vs_compute.png\n")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
