@@ -47,6 +47,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -215,11 +216,21 @@ def _int_list(value: Any, key: str) -> list[int]:
 
 
 def _budget_list(value: Any) -> list[float]:
-    if not isinstance(value, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
-                                              for v in value):
+    """Positive FLOPs; strings too, since YAML reads 1.2e10 (no sign in the exponent) as one."""
+    def number(v: Any) -> float:
+        if isinstance(v, bool):
+            return float("nan")
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return float("nan")
+    budgets = [number(v) for v in value] if isinstance(value, list) else [float("nan")]
+    if not all(math.isfinite(b) and b > 0 for b in budgets):
         raise ConfigError(f"sweep 'budgets' must be a list of positive training FLOPs (e.g. [2.0e12]), "
                           f"got {value!r}")
-    return [float(v) for v in value]
+    if len(set(budgets)) != len(budgets):
+        raise ConfigError(f"sweep 'budgets' lists a value twice: {value}")
+    return budgets
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -257,21 +268,54 @@ def execute(sweep: Sweep, run: Run, force: bool = False) -> dict:
     if result_path.exists() and not force:
         return json.loads(result_path.read_text())
     d.mkdir(parents=True, exist_ok=True)
-    cmd = command(sweep, run)
-    env = {**os.environ, **sweep.env}
-    start = time.perf_counter()
-    with open(d / "output.log", "w") as logfile:
-        proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env)
-        # wait4 gives this child's own resource usage: ru_maxrss is its peak RSS (KiB on Linux)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    result = {"returncode": proc.returncode, "wall_s": time.perf_counter() - start,
-              "peak_rss_mb": usage.ru_maxrss / 1024, "command": cmd}
-    if proc.returncode == 0:
-        result_path.write_text(json.dumps(result, indent=2))
-    else:
-        log.warning("sweep run %s failed (exit %d): see %s", run.name, proc.returncode, d / "output.log")
-    return result
+    if not _claim(d / LOCK_NAME):
+        log.info("sweep run %s: another sweep process is running it (%s); skipped", run.name, d / LOCK_NAME)
+        return {"returncode": None}
+    try:
+        for partial in ("tb", "checkpoints"):  # an interrupted attempt's: the trainer would append to them
+            shutil.rmtree(d / partial, ignore_errors=True)
+        cmd = command(sweep, run)
+        env = {**os.environ, **sweep.env}
+        start = time.perf_counter()
+        with open(d / "output.log", "w") as logfile:
+            proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env)
+            # wait4 gives this child's own resource usage: ru_maxrss is its peak RSS (KiB on Linux)
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        result = {"returncode": proc.returncode, "wall_s": time.perf_counter() - start,
+                  "peak_rss_mb": usage.ru_maxrss / 1024, "command": cmd}
+        if proc.returncode == 0:
+            result_path.write_text(json.dumps(result, indent=2))
+        else:
+            log.warning("sweep run %s failed (exit %d): see %s", run.name, proc.returncode, d / "output.log")
+        return result
+    finally:
+        (d / LOCK_NAME).unlink(missing_ok=True)
+
+
+LOCK_NAME = "running.lock"
+
+
+def _claim(lock: Path) -> bool:
+    """Takes a run for this process (several sweep processes may share one directory): the lock
+    file holds the owner's pid; a lock whose process is gone (a killed sweep) is taken over."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                owner = int(lock.read_text().strip() or 0)
+                os.kill(owner, 0)
+                return False  # alive: its run
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)  # stale
+                continue
+            except PermissionError:
+                return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
 
 
 # ------------------------------------------------------------------ collecting
@@ -428,7 +472,7 @@ def plot(sweep: Sweep, path: Path, title: Optional[str] = None, rows: Optional[l
     fits = fit_families(rows)
     families = list(dict.fromkeys(r.family for r in sweep.runs))
     colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
-    fig, ax = plt.subplots(figsize=(7.2, 4.6), dpi=100)
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
     for point in dict.fromkeys(r.point or r.name for r in sweep.runs):  # mean training curve over seeds
         runs = [r for r in sweep.runs if (r.point or r.name) == point]
         curves = [[(rec["train/tokens"] * flops_per_token(r.config), rec["train/loss"])
