@@ -62,6 +62,7 @@ from rlt_mega.log import get_logger
 from rlt_mega.plan.flops import flop_rows, summarize
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.memory import estimate_memory
+from rlt_mega.plan.sweep_stats import aggregate, fit_families, fit_metric, markdown, power_law_fit, report  # noqa: F401
 
 log = get_logger(__name__)
 
@@ -382,108 +383,38 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-# ------------------------------------------------------------------ points, fits, plot
-MEAN_FIELDS = ("final_loss", "last_loss", "eval_loss", "compute_flops", "tokens", "steps", "tokens_per_s",
-               "peak_rss_mb", "peak_memory_mb", "predicted_step_mb", "wall_s")
-
-
-def _mean_std(values: list[float]) -> tuple[float, float]:
-    """Mean and sample standard deviation (n - 1; 0 for one value) of the finite values."""
-    xs = [float(v) for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
-    if not xs:
-        return float("nan"), float("nan")
-    mean = sum(xs) / len(xs)
-    std = math.sqrt(sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)) if len(xs) > 1 else 0.0
-    return mean, std
-
-
-def aggregate(rows: list[dict]) -> list[dict]:
-    """One row per point (the runs of its seeds): the mean and the spread (sample std) of each
-    measured field, in the order the points first appear."""
-    groups: dict[str, list[dict]] = {}
-    for row in rows:
-        groups.setdefault(row["point"], []).append(row)
-    points = []
-    for point, rs in groups.items():
-        ok = [r for r in rs if r["status"] == "ok"]
-        first = rs[0]
-        out = {"point": point, "label": first["label"], "family": first["family"], "arch": first["arch"],
-               "budget_flops": first["budget_flops"], "params": first["params"],
-               "flops_per_token": first["flops_per_token"], "seeds": len(ok),
-               "failed": len(rs) - len(ok)}
-        for key in MEAN_FIELDS:
-            out[key], out[key + "_std"] = _mean_std([r[key] for r in ok])
-        points.append(out)
-    return points
-
-
-def fit_metric(rows: list[dict]) -> str:
-    """The loss the fits and the plot use: the held-out loss where every run has one, else the
-    (smoothed) final training loss."""
-    ok = [r for r in rows if r["status"] == "ok"]
-    return "eval_loss" if ok and all(math.isfinite(r["eval_loss"]) for r in ok) else "final_loss"
-
-
-def power_law_fit(compute: list[float], loss: list[float]) -> dict:
-    """Least squares of log(loss) = log(a) - alpha log(compute) -> {a, alpha, r2, n}; alpha nan
-    when the points do not span at least two compute values."""
-    pts = [(math.log(c), math.log(y)) for c, y in zip(compute, loss)
-           if math.isfinite(c) and math.isfinite(y) and c > 0 and y > 0]
-    n = len(pts)
-    out = {"a": float("nan"), "alpha": float("nan"), "r2": float("nan"), "n": n,
-           "compute_min": min((math.exp(x) for x, _ in pts), default=float("nan")),
-           "compute_max": max((math.exp(x) for x, _ in pts), default=float("nan"))}
-    if n < 2:
-        return out
-    mx, my = sum(x for x, _ in pts) / n, sum(y for _, y in pts) / n
-    sxx = sum((x - mx) ** 2 for x, _ in pts)
-    if sxx <= 1e-12 * max(1.0, mx * mx):  # one compute value: no slope to fit
-        return out
-    slope = sum((x - mx) * (y - my) for x, y in pts) / sxx
-    intercept = my - slope * mx
-    syy = sum((y - my) ** 2 for _, y in pts)
-    resid = sum((y - (intercept + slope * x)) ** 2 for x, y in pts)
-    out.update(a=math.exp(intercept), alpha=-slope, r2=1.0 - resid / syy if syy > 0 else 1.0)
-    return out
-
-
-def fit_families(rows: list[dict]) -> dict[str, dict]:
-    """A power law of loss against compute per family, over every finished run of the family."""
-    metric = fit_metric(rows)
-    fits = {}
-    for family in dict.fromkeys(r["family"] for r in rows):
-        rs = [r for r in rows if r["family"] == family and r["status"] == "ok"]
-        fits[family] = {"metric": metric, **power_law_fit([r["compute_flops"] for r in rs], [r[metric] for r in rs])}
-    return fits
-
-
-def plot(sweep: Sweep, path: Path, title: Optional[str] = None, rows: Optional[list[dict]] = None) -> None:
+# ------------------------------------------------------------------ plot
+def plot(sweep: "Sweep | list[Sweep]", path: Path, title: Optional[str] = None,
+         rows: Optional[list[dict]] = None) -> None:
     """The families in one figure (log-scale compute): each point's mean training curve (thin),
     its final loss with the spread over seeds (marker and error bar) and each family's fitted
-    power law (dashed), one colour per family."""
+    power law (dashed), one colour per family. Several sweeps: their runs together."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = rows if rows is not None else [summarize_run(sweep, r, {"returncode": 0}) for r in sweep.runs]
+    sweeps = sweep if isinstance(sweep, list) else [sweep]
+    pairs = [(s, r) for s in sweeps for r in s.runs]
+    sweep = sweeps[0]  # smoothing and title
+    rows = rows if rows is not None else [summarize_run(s, r, {"returncode": 0}) for s, r in pairs]
     metric = fit_metric(rows)
     points = aggregate(rows)
     fits = fit_families(rows)
-    families = list(dict.fromkeys(r.family for r in sweep.runs))
+    families = list(dict.fromkeys(r.family for _, r in pairs))
     colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for point in dict.fromkeys(r.point or r.name for r in sweep.runs):  # mean training curve over seeds
-        runs = [r for r in sweep.runs if (r.point or r.name) == point]
+    for point in dict.fromkeys((id(s), r.point or r.name) for s, r in pairs):  # mean training curve over seeds
+        runs = [(s, r) for s, r in pairs if (id(s), r.point or r.name) == point]
         curves = [[(rec["train/tokens"] * flops_per_token(r.config), rec["train/loss"])
-                   for rec in read_records(sweep, r) if "train/loss" in rec] for r in runs]
+                   for rec in read_records(s, r) if "train/loss" in rec] for s, r in runs]
         curves = [c for c in curves if c]
         if not curves:
             continue
         n = min(len(c) for c in curves)
         xs = [curves[0][i][0] for i in range(n)]
         ys = trailing_mean([sum(c[i][1] for c in curves) / len(curves) for i in range(n)], sweep.smooth)
-        ax.plot(xs, ys, color=colours[runs[0].family], linewidth=0.8, alpha=0.35)
+        ax.plot(xs, ys, color=colours[runs[0][1].family], linewidth=0.8, alpha=0.35)
     for family in families:
         ps = [p for p in points if p["family"] == family and math.isfinite(p[metric])]
         if not ps:
@@ -531,43 +462,41 @@ def run_sweep(sweep: Sweep, force: bool = False, only_collect: bool = False) -> 
     return rows
 
 
-def report(rows: list[dict]) -> str:
-    """The points (mean +- spread over seeds) and the fitted exponents, as text."""
-    metric = fit_metric(rows)
-    lines = [f"{'point':<34} {'seeds':>5} {metric + ' (mean +- std)':>24} {'compute':>10} {'steps':>6} "
-             f"{'tok/s':>8} {'peak MB':>8}"]
-    for p in aggregate(rows):
-        lines.append(f"{p['label']:<34} {p['seeds']:>5} {p[metric]:>14.4f} +- {p[metric + '_std']:.4f} "
-                     f"{p['compute_flops']:>10.3g} {p['steps']:>6.0f} {p['tokens_per_s']:>8.0f} "
-                     f"{p['peak_memory_mb']:>8.0f}" + (f"  ({p['failed']} failed)" if p["failed"] else ""))
-    lines.append(f"power-law fits, {metric} = a * compute^(-alpha), per family:")
-    for family, fit in fit_families(rows).items():
-        lines.append(f"  {family:<20} alpha {fit['alpha']:.4f}  a {fit['a']:.4g}  r2 {fit['r2']:.3f}  "
-                     f"({fit['n']} runs, {fit['compute_min']:.3g}..{fit['compute_max']:.3g} FLOPs)")
-    return "\n".join(lines) + "\n"
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(prog="sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", help="the sweep YAML file")
+    parser.add_argument("spec", nargs="+", help="the sweep YAML file (several: each runs, then all are "
+                                                "reported, fitted and plotted together into --combined)")
+    parser.add_argument("--combined", help="with several specs: the directory of their joint CSVs, fits and plot")
     parser.add_argument("--force", action="store_true", help="rerun runs that already have a result")
     parser.add_argument("--collect", action="store_true", help="only collect existing runs into CSV and plot")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    parser.add_argument("--markdown", action="store_true", help="print the points and fits as Markdown tables")
     args = parser.parse_args(argv)
+    if len(args.spec) > 1 and not args.combined:
+        parser.error("several sweep files need --combined DIR (where their joint results go)")
     try:
-        sweep = load_sweep(args.spec)
+        sweeps = [load_sweep(spec) for spec in args.spec]
     except ConfigError as exc:
         sys.stderr.write(f"sweep: error: {exc}\n")
         return 2
     if args.dry_run:
-        for run in sweep.runs:
-            sys.stdout.write(" ".join(command(sweep, run)) + "\n")
-        sys.stdout.write(f"{len(sweep.runs)} runs\n")
+        for sweep in sweeps:
+            for run in sweep.runs:
+                sys.stdout.write(" ".join(command(sweep, run)) + "\n")
+        sys.stdout.write(f"{sum(len(s.runs) for s in sweeps)} runs\n")
         return 0
-    rows = run_sweep(sweep, force=args.force, only_collect=args.collect)
-    sys.stdout.write(report(rows))
-    sys.stdout.write(f"wrote {sweep.out / 'results.csv'}, points.csv, fits.json and loss_vs_compute.png\n")
+    rows = [row for sweep in sweeps for row in run_sweep(sweep, force=args.force, only_collect=args.collect)]
+    out = sweeps[0].out
+    if len(sweeps) > 1:
+        out = Path(args.combined)
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(rows, out / "results.csv")
+        write_csv(aggregate(rows), out / "points.csv")
+        (out / "fits.json").write_text(json.dumps(fit_families(rows), indent=2))
+        plot(sweeps, out / "loss_vs_compute.png", rows=rows)
+    sys.stdout.write(markdown(rows) if args.markdown else report(rows))
+    sys.stdout.write(f"wrote {out / 'results.csv'}, points.csv, fits.json and loss_vs_compute.png\n")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
