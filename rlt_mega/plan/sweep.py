@@ -470,6 +470,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("spec", nargs="+", help="the sweep YAML file (several: each runs, then all are "
                                                 "reported, fitted and plotted together into --combined)")
     parser.add_argument("--combined", help="with several specs: the directory of their joint CSVs, fits and plot")
+    parser.add_argument("--title", help="the joint plot's title (default: the first spec's)")
     parser.add_argument("--force", action="store_true", help="rerun runs that already have a result")
     parser.add_argument("--collect", action="store_true", help="only collect existing runs into CSV and plot")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
@@ -496,7 +497,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_csv(rows, out / "results.csv")
         write_csv(aggregate(rows), out / "points.csv")
         (out / "fits.json").write_text(json.dumps(fit_families(rows), indent=2))
-        plot(sweeps, out / "loss_vs_compute.png", rows=rows)
+        plot(sweeps, out / "loss_vs_compute.png", title=args.title, rows=rows)
     sys.stdout.write(markdown(rows) if args.markdown else report(rows))
     sys.stdout.write(f"wrote {out / 'results.csv'}, points.csv, fits.json and loss_vs_compute.png\n")
     return 0 if all(r["status"] == "ok" for r in rows) else 1
