@@ -64,6 +64,14 @@ def cmd_params(args: argparse.Namespace) -> int:
     width = max(len(k) for k in counts)
     for key, value in counts.items():
         sys.stdout.write(f"{key:<{width}}  {value:>16,}\n")
+    from rlt_mega.plan.flops import flop_rows, summarize
+
+    T = cfg.data.seq_len
+    per_token = summarize(flop_rows(cfg.model, T, cfg.train.checkpointing), T)["per_token"]
+    shape = {"rlt": f"rlt C={cfg.model.memory_block}", "dense": "dense", "looped": f"looped R={cfg.model.loops}"}
+    sys.stdout.write(f"model.arch {shape[cfg.model.arch]}: training FLOPs per token at data.seq_len={T}: "
+                     f"{per_token['model']:,.0f} (forward {per_token['forward']:,.0f}; with recomputation "
+                     f"{per_token['hardware']:,.0f})\n")
     if real != counts["total"]:  # the closed form and the module disagree: a bug, say so
         sys.stdout.write(f"WARNING: the meta-device model has {real:,} parameters\n")
         return 1
@@ -100,6 +108,9 @@ def _inference_model(cfg: Config):
 
     from rlt_mega.rollout import Sampler
 
+    from rlt_mega.model.dense import require_rlt
+
+    require_rlt(cfg.model, "rlt-mega generate/eval")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     check_vocab(cfg, tokenizer)
     sampler = Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode, check_every=cfg.sampling.check_every)

@@ -46,8 +46,16 @@ _DEVICE = re.compile(r"^(auto|cpu|meta|mps|(cuda|xpu|hpu|npu)(:\d+)?)$")
 
 @dataclass
 class ModelConfig:
-    """The RLT architecture (docs/design.md, "The model"). Encoder and decoder both have ``n_layers``."""
+    """The RLT architecture (docs/design.md, "The model"). Encoder and decoder both have ``n_layers``.
 
+    ``arch`` picks the family: ``rlt`` (the default), or one of the two baselines trained by the
+    same code (rlt_mega/model/dense.py): ``dense``, the Llama/Qwen2 layout (embed, the
+    ``n_layers`` shared blocks, final_norm, lm_head), and ``looped``, the same blocks applied
+    ``loops`` times per token with weights shared across loops (Ouro, Huginn). The RLT-only
+    fields (memory_block, share_weights) mean nothing for the baselines."""
+
+    arch: Literal["rlt", "dense", "looped"] = "rlt"
+    loops: int = 1  # R: passes through the block stack per token (arch=looped only)
     vocab_size: int = 260
     d_model: int = 128
     n_layers: int = 2
@@ -91,6 +99,13 @@ class ModelConfig:
                f"model.n_kv_heads={self.n_kv_heads} must divide model.n_heads={self.n_heads} (GQA)")
         _check(self.memory_block >= 1,
                f"model.memory_block (C) = {self.memory_block}: must be >= 1 (1 is dense memory)")
+        _check(self.loops >= 1, f"model.loops={self.loops}: must be >= 1 (the passes through the blocks per token)")
+        _check(self.arch == "looped" or self.loops == 1,
+               f"model.loops={self.loops} with model.arch={self.arch}: only arch=looped repeats the blocks; "
+               "set model.arch=looped or model.loops=1")
+        _check(self.arch == "rlt" or self.share_weights,
+               f"model.share_weights=false with model.arch={self.arch}: the decoder copies are RLT-only; "
+               "set model.share_weights=true")
         _check(self.ffn_hidden >= 1, f"model.ffn_hidden={self.ffn_hidden}: must be positive")
         _check(self.rope_theta > 0, f"model.rope_theta={self.rope_theta}: must be positive")
         _check(self.norm_eps > 0, f"model.norm_eps={self.norm_eps}: must be positive")

@@ -15,10 +15,26 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from rlt_mega.config import Config, ConfigError, WandbConfig, to_dict
 from rlt_mega.log import get_logger
 
 log = get_logger(__name__)
+
+
+def peak_memory_bytes(device: torch.device) -> float:
+    """The process's peak memory so far: on CUDA the caching allocator's peak of allocated
+    tensors on ``device`` (torch.cuda.max_memory_allocated); elsewhere the peak resident set size
+    of the process (getrusage's ru_maxrss, KiB on Linux), which includes the Python and torch
+    runtime (a few hundred MB)."""
+    if device.type == "cuda":
+        return float(torch.cuda.max_memory_allocated(device))
+    import resource
+    import sys
+
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return float(rss if sys.platform == "darwin" else rss * 1024)  # macOS reports bytes
 
 
 class Metrics:

@@ -90,6 +90,8 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("hf_dir", help="a Llama/Qwen2 directory: config.json + model.safetensors (or index + shards)")
     p.add_argument("out_dir", help="the RLT export directory to write")
     p.add_argument("--memory-block", type=int, default=1, help="model.memory_block (C) of the RLT")
+    p.add_argument("--arch", choices=("rlt", "dense"), default="rlt",
+                   help="rlt (default): the RLT that reproduces the model; dense: the model itself (model.arch=dense)")
     p.add_argument("--seed", type=int, default=0, help="seed of the RLT-only weights (cross q/k/v, ...)")
     p.add_argument("--dtype", default="auto", help="auto (as stored), fp32, bf16 or fp16")
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
@@ -101,7 +103,7 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
 def run_import(a: argparse.Namespace) -> str:
     out = import_hf(a.hf_dir, a.out_dir, memory_block=a.memory_block, seed=a.seed, dtype=a.dtype,
                     max_seq_len=a.max_seq_len, max_shard_size=a.max_shard_size,
-                    tokenizer=None if a.no_tokenizer else "auto", overwrite=a.overwrite)
+                    tokenizer=None if a.no_tokenizer else "auto", overwrite=a.overwrite, arch=a.arch)
     return f"imported {a.hf_dir} -> {out}"
 
 

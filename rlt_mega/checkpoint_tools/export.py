@@ -22,6 +22,10 @@ loads into ``RLT(cfg)`` with ``load_state_dict(strict=True)``.
 A directory is checked on every load: the tensor names and shapes against config.json and
 the bytes of every tensor against its sha256. A damaged or inconsistent export is an error
 that names the file and the tensor, never a model that silently computes something else.
+
+model.arch: a ``dense`` export is a standard Llama/Qwen2 checkpoint (hf_dense.py: HF config.json
+and tensor names, no modeling code); a ``looped`` one is this format without modeling code
+(transformers has no looped model). Both keep rlt_export.json.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ from rlt_mega.config import ConfigError, ModelConfig, from_dict
 from rlt_mega.log import get_logger
 from rlt_mega.model import RLT, build_model
 from rlt_mega.precision import parse_storage_dtype as parse_dtype
-from rlt_mega.checkpoint_tools import hf_files
+from rlt_mega.checkpoint_tools import hf_dense, hf_files
 from rlt_mega.checkpoint_tools.files import (
     CheckpointFormatError, SafetensorsDir, atomic_directory, dtype_name, read_json, save_safetensors,
     tensor_sha256, write_json,
@@ -57,7 +61,7 @@ TOKENIZER_FILES = hf_files.TOKENIZER_FILES
 
 # ModelConfig fields that fix the set of parameters and their shapes. The others (memory_block,
 # rope_theta, norm_eps, max_seq_len, init_std) change what the weights compute, not what they are.
-SHAPE_FIELDS = ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
+SHAPE_FIELDS = ("arch", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden",
                 "share_weights", "tie_embeddings", "qkv_bias")
 
 # ----------------------------------------------------------------------------------------
@@ -76,6 +80,9 @@ def read_config(path: str | Path) -> ModelConfig:
     data = read_json(file, "an exported RLT directory holds config.json (the model config); "
                            "export with `rlt-mega export` or `rlt-mega import`")
     model_type = data.pop("model_type", None)
+    if model_type in ("llama", "qwen2") and isinstance(data.get(hf_dense.RLT_KEY), dict):
+        data = data[hf_dense.RLT_KEY]  # a dense export: a Llama/Qwen2 checkpoint with its ModelConfig
+        model_type = MODEL_TYPE
     for key in hf_files.HF_CONFIG_KEYS:  # transformers' keys, not ModelConfig's
         data.pop(key, None)
     if model_type != MODEL_TYPE:
@@ -160,8 +167,9 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out
     cast = parse_dtype(dtype)
     sd = _store_once(state_dict, cfg)
     check_tensors({n: tuple(t.shape) for n, t in sd.items()}, cfg, "the state dict to export")
-    sd = {n: (t.detach().to("cpu", cast if cast is not None and t.is_floating_point() else t.dtype)
-              .contiguous()) for n, t in sd.items()}
+    stored_as = hf_dense.file_names(cfg)  # a dense model: the Llama/Qwen2 names
+    sd = {stored_as.get(n, n): (t.detach().to("cpu", cast if cast is not None and t.is_floating_point() else t.dtype)
+                                .contiguous()) for n, t in sd.items()}
     tensors = {n: {"shape": list(t.shape), "dtype": dtype_name(t.dtype), "sha256": tensor_sha256(t)}
                for n, t in sd.items()}
     out = Path(out_dir)
@@ -171,9 +179,16 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out
         tok, tokenizer_read = hf_files.write_tokenizer(tokenizer, tmp, cfg)
         hf_files.check_vocab(tokenizer_read, cfg, str(out))
         special = hf_files.special_token_ids(tokenizer_read)
-        hf = hf_files.hf_config(cfg, special, float_dtypes.pop() if len(float_dtypes) == 1 else None)
-        write_json(tmp / CONFIG_NAME, config_to_json(cfg, hf))
-        hf_files.write_code(tmp)
+        stored_dtype = float_dtypes.pop() if len(float_dtypes) == 1 else None
+        if cfg.arch == "dense":
+            write_json(tmp / CONFIG_NAME, hf_dense.hf_dense_config(cfg, special, stored_dtype))
+        elif cfg.arch == "looped":  # no modeling code: transformers cannot run it
+            hf = hf_files.hf_config(cfg, special, stored_dtype)
+            write_json(tmp / CONFIG_NAME, config_to_json(cfg, {k: v for k, v in hf.items()
+                                                               if k not in ("auto_map", "architectures")}))
+        else:
+            write_json(tmp / CONFIG_NAME, config_to_json(cfg, hf_files.hf_config(cfg, special, stored_dtype)))
+            hf_files.write_code(tmp)
         hf_files.write_generation_config(tmp, special)
         write_json(tmp / MANIFEST_NAME, {
             "format": FORMAT, "format_version": FORMAT_VERSION, "files": files,
@@ -229,8 +244,10 @@ def open_export(path: str | Path) -> tuple[ModelConfig, dict, SafetensorsDir]:
     manifest = read_manifest(path)
     st = SafetensorsDir(path)
     try:
+        ours = {stored: n for n, stored in hf_dense.file_names(cfg).items()}  # file name -> model name
+        file_of = {ours.get(n, n): f for n, f in st.file_of.items()}
+        check_tensors({ours.get(n, n): st.shape(n) for n in st.names()}, cfg, str(path), file_of)
         shapes = {n: st.shape(n) for n in st.names()}
-        check_tensors(shapes, cfg, str(path), st.file_of)
         listed = manifest["tensors"]
         if set(listed) != set(shapes):
             diff = sorted(set(listed) ^ set(shapes))
@@ -262,15 +279,19 @@ def load_exported(path: str | Path, device: str | torch.device = "cpu", *,
     with st:
         wanted = list(st.names()) if keys is None else list(keys)
         sd: dict[str, torch.Tensor] = {}
+        stored_as = hf_dense.file_names(cfg)  # model name -> file name (a dense export's HF names)
+        ours = {f: n for n, f in stored_as.items()}
+        wanted = [ours.get(n, n) for n in wanted] if keys is None else wanted
         for name in wanted:
             stored = aliases.get(name, name)
-            if stored not in st.file_of:
+            in_file = stored_as.get(stored, stored)
+            if in_file not in st.file_of:
                 raise KeyError(f"{path}: no tensor '{name}' in this export")
             if stored not in sd:
-                t = st.get(stored)
-                if verify and tensor_sha256(t) != manifest["tensors"][stored]["sha256"]:
+                t = st.get(in_file)
+                if verify and tensor_sha256(t) != manifest["tensors"][in_file]["sha256"]:
                     raise CheckpointFormatError(
-                        f"{st.file_of[stored]}: tensor '{stored}' does not match its sha256 in "
+                        f"{st.file_of[in_file]}: tensor '{in_file}' does not match its sha256 in "
                         f"{MANIFEST_NAME}: the file was changed or damaged after export; export it again")
                 if cast is not None and t.is_floating_point():
                     t = t.to(cast)

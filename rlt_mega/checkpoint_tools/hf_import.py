@@ -13,6 +13,10 @@ Only what we can reproduce exactly is accepted; anything else is refused with th
 causes it (RoPE scaling, sliding-window attention, biases on o_proj or the MLP, other
 activations, another head_dim, quantized weights, other architectures).
 
+With ``arch="dense"`` the checkpoint becomes the dense baseline itself (model.arch: dense,
+model/dense.py): the same tensors under the same names, nothing else, so it trains, exports and
+compares as the model it is.
+
 The HF config.json is read as plain JSON: the importer does not need transformers.
 """
 
@@ -31,6 +35,7 @@ from rlt_mega.checkpoint_tools.export import (
     tied_aliases,
 )
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError, SafetensorsDir, read_json
+from rlt_mega.checkpoint_tools.hf_dense import hf_names  # HF name -> model name, shared with the dense export
 
 log = get_logger(__name__)
 
@@ -72,8 +77,13 @@ def _uses_sliding_window(hf: dict) -> bool:
     return False
 
 
-def hf_model_config(hf: dict, file: Path, memory_block: int = 1, max_seq_len: Optional[int] = None) -> ModelConfig:
-    """The ModelConfig of the RLT that reproduces the dense model described by ``hf``."""
+def hf_model_config(hf: dict, file: Path, memory_block: int = 1, max_seq_len: Optional[int] = None,
+                    arch: str = "rlt") -> ModelConfig:
+    """The ModelConfig of the RLT (or, arch "dense", the dense model) that reproduces the dense
+    model described by ``hf``."""
+    if arch not in ("rlt", "dense"):
+        raise ConfigError(f"import as model.arch={arch!r}: a Llama/Qwen2 checkpoint becomes an rlt or a dense "
+                          "model (a looped model has no checkpoint to import from)")
     model_type = hf.get("model_type")
     archs = hf.get("architectures") or []
     if model_type not in SUPPORTED:
@@ -104,7 +114,7 @@ def hf_model_config(hf: dict, file: Path, memory_block: int = 1, max_seq_len: Op
                                  f"max_window_layers={hf.get('max_window_layers')}); an RLT attends to all positions")
     try:
         return ModelConfig(
-            vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+            arch=arch, vocab_size=hf["vocab_size"], d_model=d, n_layers=hf["num_hidden_layers"], n_heads=n_heads,
             n_kv_heads=hf.get("num_key_value_heads") or n_heads, ffn_hidden=hf["intermediate_size"],
             memory_block=memory_block, rope_theta=_rope_theta(hf, file), norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             share_weights=True, tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -114,25 +124,6 @@ def hf_model_config(hf: dict, file: Path, memory_block: int = 1, max_seq_len: Op
         )
     except ConfigError as exc:
         raise CheckpointFormatError(f"{file}: the RLT this would become is not valid: {exc}") from None
-
-
-def hf_names(cfg: ModelConfig) -> dict[str, str]:
-    """HF tensor name -> RLT name for every imported tensor."""
-    names = {"model.embed_tokens.weight": "embed.weight", "model.norm.weight": "final_norm.weight"}
-    if not cfg.tie_embeddings:
-        names["lm_head.weight"] = "lm_head.weight"
-    for i in range(cfg.n_layers):
-        hf, rlt = f"model.layers.{i}.", f"blocks.{i}."
-        names[hf + "input_layernorm.weight"] = rlt + "attn_norm.weight"
-        names[hf + "post_attention_layernorm.weight"] = rlt + "mlp_norm.weight"
-        for x in "qkvo":
-            names[hf + f"self_attn.{x}_proj.weight"] = rlt + f"attn.{x}.weight"
-        if cfg.qkv_bias:
-            for x in "qkv":
-                names[hf + f"self_attn.{x}_proj.bias"] = rlt + f"attn.{x}.bias"
-        for x in ("gate", "up", "down"):
-            names[hf + f"mlp.{x}_proj.weight"] = rlt + f"mlp.{x}.weight"
-    return names
 
 
 def check_hf_tensors(st: SafetensorsDir, cfg: ModelConfig, names: dict[str, str]) -> None:
@@ -154,8 +145,8 @@ def check_hf_tensors(st: SafetensorsDir, cfg: ModelConfig, names: dict[str, str]
 
 
 def convert_hf(hf_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
-               max_seq_len: Optional[int] = None, dtype: Optional[str | torch.dtype] = "auto"
-               ) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
+               max_seq_len: Optional[int] = None, dtype: Optional[str | torch.dtype] = "auto",
+               arch: str = "rlt") -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
     """Reads a HF checkpoint directory -> (cfg, RLT state dict with tied aliases, source info).
 
     dtype "auto" keeps the checkpoint's dtype (the RLT-only weights are initialised in fp32
@@ -167,7 +158,7 @@ def convert_hf(hf_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
                                     "directory with config.json and model.safetensors)")
     file = hf_dir / CONFIG_NAME
     hf = read_json(file, "a Hugging Face checkpoint directory holds config.json (the model config)")
-    cfg = hf_model_config(hf, file, memory_block=memory_block, max_seq_len=max_seq_len)
+    cfg = hf_model_config(hf, file, memory_block=memory_block, max_seq_len=max_seq_len, arch=arch)
     names = hf_names(cfg)
     with SafetensorsDir(hf_dir) as st:
         check_hf_tensors(st, cfg, names)
@@ -179,9 +170,10 @@ def convert_hf(hf_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
         model.init_weights(seed)
         sd = {n: t.detach() for n, t in model.state_dict().items()}
         with torch.no_grad():
-            for i in range(cfg.n_layers):
-                sd[f"cross.{i}.attn.o.weight"].zero_()  # every cross-attention adds exactly 0
-            sd["recur_proj.weight"].zero_()  # the decoder input is embed[x_t]
+            if arch == "rlt":
+                for i in range(cfg.n_layers):
+                    sd[f"cross.{i}.attn.o.weight"].zero_()  # every cross-attention adds exactly 0
+                sd["recur_proj.weight"].zero_()  # the decoder input is embed[x_t]
             sd = {n: t.to(out_dtype) for n, t in sd.items()}
             for hf_name, rlt_name in names.items():
                 sd[rlt_name] = st.get(hf_name).to(out_dtype)
@@ -189,26 +181,26 @@ def convert_hf(hf_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
             sd[alias] = sd[stored]
     source = {"kind": "hf_import", "path": str(hf_dir.resolve()), "model_type": hf["model_type"],
               "architectures": hf.get("architectures"), "seed": seed,
-              "zero_initialised": ["cross.*.attn.o.weight", "recur_proj.weight"]}
+              "zero_initialised": ["cross.*.attn.o.weight", "recur_proj.weight"] if arch == "rlt" else []}
     return cfg, sd, source
 
 
 def import_hf(hf_dir: str | Path, out_dir: str | Path, *, memory_block: int = 1, seed: int = 0,
               max_seq_len: Optional[int] = None, dtype: Optional[str | torch.dtype] = "auto",
               tokenizer: Optional[str | Path] = "auto", max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
-              overwrite: bool = False) -> Path:
+              overwrite: bool = False, arch: str = "rlt") -> Path:
     """Converts a Llama/Qwen2 checkpoint directory into an RLT export directory.
 
     ``tokenizer``: "auto" copies the tokenizer files found in hf_dir (if any), None copies none,
     or a path as in :func:`export_state_dict`.
     """
     cfg, sd, source = convert_hf(hf_dir, memory_block=memory_block, seed=seed, max_seq_len=max_seq_len,
-                                 dtype=dtype)
+                                 dtype=dtype, arch=arch)
     if tokenizer == "auto":
         has_tokenizer = any((Path(hf_dir) / n).is_file() for n in TOKENIZER_FILES)
         tokenizer = hf_dir if has_tokenizer else None
     out = export_state_dict(sd, cfg, out_dir, tokenizer=tokenizer, max_shard_size=max_shard_size,
                             source=source, overwrite=overwrite)
-    log.info("imported %s (%s, L=%d, d=%d) as an RLT in %s", hf_dir, source["model_type"], cfg.n_layers,
-             cfg.d_model, out)
+    log.info("imported %s (%s, L=%d, d=%d) as model.arch=%s in %s", hf_dir, source["model_type"], cfg.n_layers,
+             cfg.d_model, cfg.arch, out)
     return out

@@ -272,12 +272,24 @@ class RLT(nn.Module):
         return self.head(z)
 
 
-def param_counts(cfg: ModelConfig) -> dict[str, int]:
-    """Closed-form parameter counts by group (tested against the real module)."""
-    d, V, L, Dh = cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.head_dim
+def block_param_count(cfg: ModelConfig) -> int:
+    """One shared block: attn_norm, q/k/v(+biases)/o, mlp_norm, gate/up/down."""
+    d, Dh = cfg.d_model, cfg.head_dim
     q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
     attn = d * q_out + 2 * d * kv_out + q_out * d + (q_out + 2 * kv_out if cfg.qkv_bias else 0)
-    block = 2 * d + attn + 3 * d * cfg.ffn_hidden
+    return 2 * d + attn + 3 * d * cfg.ffn_hidden
+
+
+def param_counts(cfg: ModelConfig) -> dict[str, int]:
+    """Closed-form parameter counts by group (tested against the real module), for every
+    model.arch (the baselines: model/dense.py)."""
+    if cfg.arch != "rlt":
+        from rlt_mega.model.dense import dense_param_counts
+
+        return dense_param_counts(cfg)
+    d, V, L, Dh = cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.head_dim
+    q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
+    block = block_param_count(cfg)
     cross = d + d * q_out + 2 * d * kv_out + q_out * d
     counts = {
         "embed": V * d,
@@ -303,8 +315,8 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple, seed: int) -> torch
     """The initial value of parameter ``name`` (its global name, as on one process), fp32 on the
     CPU, drawn from its own generator (parameter_seed): N(0, init_std) for projections; the
     projections that write into the residual stream (o, down, cross o, recur_proj) scaled by
-    1/sqrt(2 * 2L), since each token's residual stream passes 2L blocks (GPT-2 / Megatron
-    convention). Embeddings N(0, embed_init_std): 1.0 when untied, so the token is not drowned
+    1/sqrt(number of residual branches a token passes): 2 * 2L for an RLT (2L blocks), 2L for a
+    dense model, 2RL for a looped one (GPT-2 / Megatron convention). Embeddings N(0, embed_init_std): 1.0 when untied, so the token is not drowned
     by the recurrence input (a departure from GPT-2's 0.02, measured in docs/stability.md). The
     null memory and z_init are N(0, 1): they live where normalised vectors live. A tied
     lm_head (a pipeline's last stage holds a copy) takes the embedding's value."""
@@ -323,17 +335,32 @@ def initial_value(cfg: ModelConfig, name: str, shape: tuple, seed: int) -> torch
     if name == "embed.weight":
         return out.normal_(0.0, cfg.embed_init_std, generator=g)
     if any(name.endswith(s + ".weight") or name == s + ".weight" for s in residual_out):
-        return out.normal_(0.0, std / math.sqrt(4 * cfg.n_layers), generator=g)
+        return out.normal_(0.0, std / math.sqrt(residual_branches(cfg)), generator=g)
     return out.normal_(0.0, std, generator=g)
 
 
-def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: Optional[int] = None) -> RLT:
-    """Builds an RLT; on the meta device nothing is allocated (sizes only). ``seed``: the
-    layout-independent initialisation of ``init_weights`` (None: a seed from torch's global
-    generator)."""
+def residual_branches(cfg: ModelConfig) -> int:
+    """Residual branches (attention + MLP per block) a token's stream passes."""
+    blocks = {"rlt": 2 * cfg.n_layers, "dense": cfg.n_layers, "looped": cfg.loops * cfg.n_layers}[cfg.arch]
+    return 2 * blocks
+
+
+def model_class(cfg: ModelConfig) -> type:
+    """The module of model.arch: RLT, or model/dense.py's DenseLM for dense and looped."""
+    if cfg.arch == "rlt":
+        return RLT
+    from rlt_mega.model.dense import DenseLM
+
+    return DenseLM
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: Optional[int] = None) -> nn.Module:
+    """Builds the model of model.arch (an RLT, or a dense/looped baseline); on the meta device
+    nothing is allocated (sizes only). ``seed``: the layout-independent initialisation of
+    ``init_weights`` (None: a seed from torch's global generator)."""
     device = torch.device(device)
     with torch.device("meta"):
-        model = RLT(cfg)
+        model = model_class(cfg)(cfg)
     if device.type == "meta":
         return model
     if seed is not None:

@@ -124,6 +124,11 @@ def resolve_layout(parallel: ParallelConfig, model: ModelConfig, world_size: int
                           f"world size is {world_size}: set parallel.dp={world_size // (tp * pp)} (or null) or launch "
                           f"{tp * pp * dp} processes")
     check_tp(model, tp)
+    if pp > 1 and model.arch != "rlt":
+        raise ConfigError(f"parallel.pp={pp} with model.arch={model.arch}: pipeline parallelism runs the RLT's "
+                          "ring schedule (an encoder pass, then a decoder ring over positions); the dense and "
+                          "looped baselines are not split into stages. Use parallel.pp=1 with tensor "
+                          "parallelism (parallel.tp) and ZeRO (parallel.zero_stage) instead")
     split_layers(model.n_layers, pp, parallel.pp_split)
     if parallel.pp_split is not None and pp == 1 and list(parallel.pp_split) != [model.n_layers]:
         raise ConfigError("parallel.pp_split is only meaningful with parallel.pp > 1")

@@ -106,9 +106,12 @@ def format_report(rep: dict) -> str:
     """A plain-text table of ``estimate``'s result."""
     m, lay = rep["model"], rep["layout"]
     T = lay["seq_len"]
+    arch = m.get("arch", "rlt")
+    family = {"rlt": f"RLT C={m['memory_block']}", "dense": "dense (Llama layout)",
+              "looped": f"looped R={m.get('loops', 1)} (blocks applied R times; FLOP rows 'encoder' = the blocks)"}[arch]
     lines = [
-        f"RLT d={m['d_model']} L={m['n_layers']} H={m['n_heads']} H_kv={m['n_kv_heads']} "
-        f"ffn={m['ffn_hidden']} V={m['vocab_size']} C={m['memory_block']} "
+        f"{family}: d={m['d_model']} L={m['n_layers']} H={m['n_heads']} H_kv={m['n_kv_heads']} "
+        f"ffn={m['ffn_hidden']} V={m['vocab_size']} "
         f"(share_weights={m['share_weights']}, tied={m['tie_embeddings']})",
         f"layout tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} (world {lay['world_size']}), "
         f"ZeRO-{lay['zero_stage']}, {lay['dtype']}, T={T}, micro-batch {lay['micro_batch_size']} x "

@@ -15,6 +15,11 @@ Per sequence of T positions (B = 1), summed over all L layers:
   decoder input         recur_proj 2 d^2 per position
   head                  lm_head 2 d V per position
 
+model.arch dense / looped (model/dense.py): the encoder rows alone, for R * L block
+applications (R = model.loops; 1 for dense), every one a causal batch, and the head; no
+decoder. Activation checkpointing (train.checkpointing.encoder, or any decoder mode) recomputes
+each block application, less its final down projection (the early stop).
+
 Backward: linear layers 2x forward (input and weight gradients). Scores: "math" 2x; "flash"
 2.5x (the kernel recomputes QK^T, as flop_counter counts it); the decoder self-attention's
 own autograd Function 3x (it recomputes the probabilities, then four matmuls). Recomputation
@@ -62,6 +67,8 @@ def flop_rows(cfg: ModelConfig, seq_len: int, checkpointing: CheckpointingConfig
     with tensor-parallel size ``tp``; ``first_stage``/``last_stage`` add the recurrence input
     and the head. Every sharded matmul divides by tp; recur_proj is replicated."""
     ck = checkpointing or CheckpointingConfig()
+    if cfg.arch != "rlt":
+        return _baseline_rows(cfg, seq_len, ck, kernel, tp)
     T, d, L = seq_len, cfg.d_model, cfg.n_layers if layers is None else layers
     q, kv, f = cfg.n_heads * cfg.head_dim / tp, cfg.n_kv_heads * cfg.head_dim / tp, cfg.ffn_hidden / tp
     hd = q  # H * Dh on this rank: what the score matmuls scale with
@@ -98,6 +105,25 @@ def flop_rows(cfg: ModelConfig, seq_len: int, checkpointing: CheckpointingConfig
     head = T * 2 * d * cfg.vocab_size / tp if last_stage else 0
     rows.append(FlopRow("head", "lm_head", head, 2 * head, 0))
     return rows
+
+
+def _baseline_rows(cfg: ModelConfig, T: int, ck: CheckpointingConfig, kernel: str, tp: int) -> list[FlopRow]:
+    """The dense and looped models: R * L causal block applications and the head."""
+    d, n = cfg.d_model, cfg.loops * cfg.n_layers
+    q, kv, f = cfg.n_heads * cfg.head_dim / tp, cfg.n_kv_heads * cfg.head_dim / tp, cfg.ffn_hidden / tp
+    pairs = attention_pairs(T, 1)["causal" if kernel == "flash" else "square"]
+    sdpa_bwd = 2.5 if kernel == "flash" else 2.0
+    ckpt = bool(ck.encoder) or ck.decoder != "none"
+    proj = n * T * 2 * d * (2 * q + 2 * kv)
+    mlp = n * T * 6 * d * f
+    scores = n * 4 * q * pairs
+    head = T * 2 * d * cfg.vocab_size / tp
+    return [
+        FlopRow("encoder", "self_attn_proj", proj, 2 * proj, proj if ckpt else 0),
+        FlopRow("encoder", "self_attn_scores", scores, sdpa_bwd * scores, scores if ckpt else 0),
+        FlopRow("encoder", "mlp", mlp, 2 * mlp, mlp - n * T * 2 * d * f if ckpt else 0),
+        FlopRow("head", "lm_head", head, 2 * head, 0),
+    ]
 
 
 def sdpa_rows(rows: list[FlopRow]) -> list[FlopRow]:

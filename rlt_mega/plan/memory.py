@@ -31,6 +31,10 @@ shrink gradient memory only after the backward; the peak sits in the decoder bac
 DecoderKV object is referenced from the graph, so its buffers (and their gradients) live
 until the trainer drops the loss, i.e. through the optimizer step.
 
+model.arch dense / looped (model/dense.py): R * L encoder-like block applications (R =
+model.loops, 1 for dense), no decoder, no memory, no DecoderKV; checkpointing (any mode) keeps
+each block application's input. The sampling caches are R * L self-attention K/V layers.
+
 Checkpointing: the encoder keeps each block's input; the decoder keeps z at each segment
 boundary; the backward recomputes one encoder block or one decoder segment at a time.
 """
@@ -109,6 +113,12 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
     dec_block = 3 * norm + 4 * a * q + 4 * h + 4 * a * f
     dec_input = norm if first else 0.0
     seg = {"none": T, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
+    if cfg.arch != "rlt":
+        apps = cfg.loops * n  # block applications per token
+        ckpt = ck.encoder or ck.decoder != "none"
+        return {"encoder": apps * (a * d if ckpt else enc_block), "head": norm if last else 0.0,
+                "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
+                "tokens": 8 * (first + last)}
     items = {
         "encoder": n * (a * d if ck.encoder else enc_block),
         "decoder": n * dec_block + dec_input if ck.decoder == "none" else a * d / seg,
@@ -137,6 +147,9 @@ def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[st
     T = layout.seq_len
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     seg = {"none": 0, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
+    if cfg.arch != "rlt":
+        ckpt = ck.encoder or ck.decoder != "none"
+        return {"decoder": 0.0, "encoder": full["encoder"] / max(cfg.loops * n, 1) if ckpt else 0.0}
     return {"decoder": full["decoder"] * seg / T,
             "encoder": full["encoder"] / max(n, 1) if ck.encoder else 0.0}
 
@@ -181,9 +194,11 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     tok = B * T  # positions per micro-batch
     in_flight = layout.micro_batches if pp > 1 else 1
     saved = sum(act.values())
+    baseline = cfg.arch != "rlt"
+    act = {"decoder_kv": 0.0, **act}  # a baseline keeps no DecoderKV
     logits_kept = 4 * V if (last and layout.keep_logits) else 0.0
     logsoftmax = 4 * V if last else 0.0
-    dkv_grad = n * 2 * 4 * kv
+    dkv_grad = 0.0 if baseline else n * 2 * 4 * kv
     retained = act["decoder_kv"] + dkv_grad  # live until the loss is dropped
     embed_grad_params = counts["embed"] if not cfg.tie_embeddings else 0
     grads_in_backward = (psi - embed_grad_params) * w  # shared weights: full, see docstring
@@ -194,10 +209,11 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
         phases["head_backward"] = static + in_flight * tok * saved + tok * 2 * 4 * V
     dec_extra = (dkv_grad + n * 2 * a * kv * (T + 1) / T + a * d * (first + last))
     dec_transient = 4 * a * kv * (T + 1) / T  # one layer's K/V gradients + a full-size slice grad
-    phases["decoder_backward"] = (
-        static + grads_in_backward
-        + in_flight * tok * (saved - act["head"] - logsoftmax + dec_extra)
-        + tok * (rec["decoder"] + dec_transient))
+    if not baseline:  # the baselines have no decoder
+        phases["decoder_backward"] = (
+            static + grads_in_backward
+            + in_flight * tok * (saved - act["head"] - logsoftmax + dec_extra)
+            + tok * (rec["decoder"] + dec_transient))
     # One block's backward working set: the incoming gradient and, in the SwiGLU backward,
     # the gradients of the product, of silu and of up alive together while the product is gone.
     enc_transient = a * (2 * cfg.ffn_hidden / tp + d)
@@ -237,6 +253,11 @@ def rollout_memory(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, fl
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     kv = cfg.n_kv_heads * cfg.head_dim / layout.tp
     per_layer = 2 * a * kv * Bs
+    if cfg.arch != "rlt":  # one self-attention cache per (loop, layer)
+        caches = {"kv": cfg.loops * n * per_layer * Tr}
+        caches["kv_caches"] = caches["kv"]
+        caches["batch"], caches["positions"] = Bs, Tr
+        return caches
     caches = {"encoder_kv": n * per_layer * Tr, "decoder_kv": n * per_layer * Tr,
               "memory_kv": n * per_layer * (1 + Tr)}
     caches["kv_caches"] = sum(caches.values())

@@ -10,6 +10,9 @@ P does not divide L, or ``pp_split``); stage 0 also embed and the recurrence inp
 of embed when tied and P > 1, its gradient all-reduced with stage 0's as Megatron does). Every
 stage holds null_memory: it feeds the null slot of the stage's own cross-attention K/V.
 This is what ``parallel/tp.py`` and ``parallel/stage.py`` build.
+
+model.arch dense / looped (model/dense.py): embed, the blocks, final_norm and lm_head, sharded
+by the same plan; these models run without pipeline parallelism (parallel.dims refuses pp > 1).
 """
 
 from __future__ import annotations
@@ -66,6 +69,11 @@ def rank_param_counts(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0
     d = cfg.d_model
     vocab_rows = padded_vocab(cfg.vocab_size, tp) // tp
     lm_head_here = last and (not cfg.tie_embeddings or pp > 1)
+    if cfg.arch != "rlt":
+        counts = {"embed": vocab_rows * d if first else 0, "lm_head": vocab_rows * d if lm_head_here else 0,
+                  "blocks": num_local_layers * block_params(cfg, tp), "final_norm": d if last else 0}
+        counts["total"] = sum(counts.values())
+        return counts
     counts = {
         "embed": vocab_rows * d if first else 0,
         "lm_head": vocab_rows * d if lm_head_here else 0,
@@ -98,6 +106,11 @@ def rank_tensor_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 
     bias = [q, kv, kv] if cfg.qkv_bias else []
     block = [d, d * q, d * kv, d * kv, q * d, *bias, d, d * f, d * f, f * d]
     cross = [d, d * q, d * kv, d * kv, q * d]
+    if cfg.arch != "rlt":  # the order of model/dense.py's parameters
+        sizes = ([vocab_rows * d] if first else []) + block * len(layers) + ([d] if last else [])
+        if last and (not cfg.tie_embeddings or pp > 1):
+            sizes.append(vocab_rows * d)
+        return sizes
     sizes = [d]  # null_memory
     if first:
         sizes += [d, vocab_rows * d]  # z_init, embed

@@ -15,15 +15,28 @@ plot of loss against compute (one line per configuration).
     smooth: 5                                             # trailing mean over logged losses
     launcher: ["{python}", "-m", "rlt_mega"]              # optional: e.g. torchrun for layouts
     env: {OMP_NUM_THREADS: "1"}                           # optional
+    seeds: [0, 1, 2]                  # optional: every point trained once per train.seed
+    budgets: [2.0e12, 8.0e12]         # optional: iso-compute, training FLOPs per run (below)
+    family: "{size}"                  # optional: what a power-law fit groups (default model.arch)
+
+A *point* is one combination of the grid's axes (and budget); with ``seeds`` it is trained once
+per seed and reported as the mean and the standard deviation over its seeds (points.csv). With
+``budgets`` every point is trained to the same training compute: its steps are the budget over
+the cost model's training FLOPs per token times the tokens of a step (rounded, at least 1),
+so a family that costs more per token trains on fewer tokens. Per family the losses are fitted
+by a power law ``loss = a * compute^(-alpha)`` (least squares in log-log over every run of the
+family; fits.json), and the plot shows the families in one figure: the points with their
+spread, the fitted lines, and each point's training curve (mean over seeds).
 
 Each run is ``<launcher> pretrain --config <base> <overrides> <axis overrides>`` in a
 subprocess, with logging.dir and checkpoint.dir inside its own directory; a run whose
 ``result.json`` exists is not run again (a sweep can be resumed). Compute is the cost
 model's training FLOPs per token (forward + backward, no recomputation: the MFU
-convention) times the tokens trained. Peak memory is the peak resident set size of the run's
-process (on CPU it includes the Python and torch runtime, a few hundred MB), and the
-trainer's own ``train/peak_memory_bytes`` metric when it logs one, beside the cost model's
-prediction for the step itself.
+convention) times the tokens trained. Peak memory: ``peak_rss_mb`` is the peak resident set size
+of the run's process tree as the sweep sees it, ``peak_memory_mb`` the trainer's own
+``train/peak_memory_bytes`` (rank 0: torch.cuda.max_memory_allocated on a GPU, the process's peak
+RSS elsewhere, rlt_mega.metrics.peak_memory_bytes), beside the cost model's prediction for the
+step itself (``predicted_step_mb``).
 """
 
 from __future__ import annotations
@@ -31,8 +44,10 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -47,11 +62,14 @@ from rlt_mega.log import get_logger
 from rlt_mega.plan.flops import flop_rows, summarize
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.memory import estimate_memory
+from rlt_mega.plan.sweep_stats import aggregate, fit_families, fit_metric, markdown, power_law_fit, report  # noqa: F401
 
 log = get_logger(__name__)
 
 PEAK_METRIC = "train/peak_memory_bytes"
-SWEEP_KEYS = {"base", "out", "overrides", "grid", "label", "launcher", "env", "title", "smooth"}
+SWEEP_KEYS = {"base", "out", "overrides", "grid", "label", "launcher", "env", "title", "smooth", "seeds", "budgets",
+              "family"}
+SEED_AXIS, BUDGET_AXIS = "seed", "budget"
 
 
 @dataclass
@@ -61,6 +79,10 @@ class Run:
     overrides: list[str]  # the run's own (axis) overrides
     values: dict[str, Any]  # axis -> value (a mapping's name for mapping axes)
     config: Optional[Config] = None
+    point: str = ""  # the run's point: its name without the seed
+    family: str = ""  # what the power-law fit groups
+    seed: Optional[int] = None
+    budget: Optional[float] = None  # training FLOPs (iso-compute), None: the config's steps
 
 
 @dataclass
@@ -73,6 +95,8 @@ class Sweep:
     env: dict[str, str] = field(default_factory=dict)
     title: Optional[str] = None
     smooth: int = 1
+    seeds: list[int] = field(default_factory=list)
+    budgets: list[float] = field(default_factory=list)
 
 
 def _scalar(value: Any) -> str:
@@ -123,24 +147,91 @@ def expand(spec: dict, base_dir: Path = Path(".")) -> Sweep:
     grid = spec["grid"]
     if not isinstance(grid, dict) or not grid:
         raise ConfigError("sweep 'grid' must be a mapping of axis -> list of values")
+    for reserved in (SEED_AXIS, BUDGET_AXIS):
+        if reserved in grid:
+            raise ConfigError(f"sweep grid axis '{reserved}' is reserved: use the sweep key "
+                              f"'{reserved}s' ({reserved}s: [...]) instead")
+    seeds = _int_list(spec.get("seeds", []), "seeds")
+    budgets = _budget_list(spec.get("budgets", []))
     axes = {axis: _axis_points(axis, values) for axis, values in grid.items()}
     runs = []
     for combo in itertools.product(*axes.values()):
         values = {axis: point[0] for axis, point in zip(axes, combo)}
-        run_overrides = [o for point in combo for o in point[1]]
-        name = "__".join(f"{_short(a)}={re.sub(r'[^A-Za-z0-9_.-]', '_', str(v))}" for a, v in values.items())
-        try:
-            cfg = load_config(base, overrides + run_overrides)
-        except ConfigError as exc:
-            raise ConfigError(f"sweep run {name}: {exc}") from None
-        runs.append(Run(name, _label(spec.get("label"), values), run_overrides, values, cfg))
+        grid_overrides = [o for point in combo for o in point[1]]
+        for budget in budgets or [None]:
+            for seed in seeds or [None]:
+                runs.append(_make_run(spec, base, overrides, values, grid_overrides, budget, seed))
     if len({r.name for r in runs}) != len(runs):
         raise ConfigError("two sweep runs have the same name: give mapping axes distinct 'name's")
     out = Path(spec.get("out", "runs/sweep"))
     return Sweep(base=base, out=out if out.is_absolute() else base_dir / out, overrides=overrides, runs=runs,
                  launcher=[str(x) for x in spec.get("launcher", ["{python}", "-m", "rlt_mega"])],
                  env={str(k): str(v) for k, v in spec.get("env", {}).items()},
-                 title=spec.get("title"), smooth=_positive_int(spec.get("smooth", 1), "smooth"))
+                 title=spec.get("title"), smooth=_positive_int(spec.get("smooth", 1), "smooth"),
+                 seeds=seeds, budgets=budgets)
+
+
+def _make_run(spec: dict, base: str, overrides: list[str], values: dict[str, Any], grid_overrides: list[str],
+              budget: Optional[float], seed: Optional[int]) -> Run:
+    """One run: the grid point's overrides, then the budget's steps and the seed."""
+    point_values = dict(values)
+    if budget is not None:
+        point_values[BUDGET_AXIS] = f"{budget:.3g}"
+    point = _name(point_values)
+    run_values = {**point_values, **({SEED_AXIS: seed} if seed is not None else {})}
+    name = _name(run_values)
+    run_overrides = list(grid_overrides) + ([f"train.seed={seed}"] if seed is not None else [])
+    try:
+        cfg = load_config(base, overrides + run_overrides)
+        if budget is not None:
+            steps = steps_for_budget(cfg, budget)
+            run_overrides.append(f"train.steps={steps}")
+            cfg = load_config(base, overrides + run_overrides)
+    except ConfigError as exc:
+        raise ConfigError(f"sweep run {name}: {exc}") from None
+    label = _label(spec.get("label"), point_values)
+    family = _label(spec["family"], point_values) if spec.get("family") else cfg.model.arch
+    return Run(name, label, run_overrides, run_values, cfg, point=point, family=family, seed=seed, budget=budget)
+
+
+def _name(values: dict[str, Any]) -> str:
+    return "__".join(f"{_short(a)}={re.sub(r'[^A-Za-z0-9_.-]', '_', str(v))}" for a, v in values.items())
+
+
+def tokens_per_step(cfg: Config) -> int:
+    """Input tokens of one optimizer step over every data-parallel replica (the trainer's count)."""
+    return cfg.train.micro_batch_size * cfg.train.grad_accum * cfg.data.seq_len * (cfg.parallel.dp or 1)
+
+
+def steps_for_budget(cfg: Config, budget: float) -> int:
+    """The steps that spend ``budget`` training FLOPs (the cost model's, forward + backward)."""
+    return max(1, round(budget / (flops_per_token(cfg) * tokens_per_step(cfg))))
+
+
+def _int_list(value: Any, key: str) -> list[int]:
+    if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise ConfigError(f"sweep '{key}' must be a list of integers, got {value!r}")
+    if len(set(value)) != len(value):
+        raise ConfigError(f"sweep '{key}' lists a value twice: {value}")
+    return value
+
+
+def _budget_list(value: Any) -> list[float]:
+    """Positive FLOPs; strings too, since YAML reads 1.2e10 (no sign in the exponent) as one."""
+    def number(v: Any) -> float:
+        if isinstance(v, bool):
+            return float("nan")
+        try:
+            return float(v)
+        except (TypeError, ValueError):
+            return float("nan")
+    budgets = [number(v) for v in value] if isinstance(value, list) else [float("nan")]
+    if not all(math.isfinite(b) and b > 0 for b in budgets):
+        raise ConfigError(f"sweep 'budgets' must be a list of positive training FLOPs (e.g. [2.0e12]), "
+                          f"got {value!r}")
+    if len(set(budgets)) != len(budgets):
+        raise ConfigError(f"sweep 'budgets' lists a value twice: {value}")
+    return budgets
 
 
 def _positive_int(value: Any, name: str) -> int:
@@ -178,21 +269,54 @@ def execute(sweep: Sweep, run: Run, force: bool = False) -> dict:
     if result_path.exists() and not force:
         return json.loads(result_path.read_text())
     d.mkdir(parents=True, exist_ok=True)
-    cmd = command(sweep, run)
-    env = {**os.environ, **sweep.env}
-    start = time.perf_counter()
-    with open(d / "output.log", "w") as logfile:
-        proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env)
-        # wait4 gives this child's own resource usage: ru_maxrss is its peak RSS (KiB on Linux)
-        _, status, usage = os.wait4(proc.pid, 0)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-    result = {"returncode": proc.returncode, "wall_s": time.perf_counter() - start,
-              "peak_rss_mb": usage.ru_maxrss / 1024, "command": cmd}
-    if proc.returncode == 0:
-        result_path.write_text(json.dumps(result, indent=2))
-    else:
-        log.warning("sweep run %s failed (exit %d): see %s", run.name, proc.returncode, d / "output.log")
-    return result
+    if not _claim(d / LOCK_NAME):
+        log.info("sweep run %s: another sweep process is running it (%s); skipped", run.name, d / LOCK_NAME)
+        return {"returncode": None}
+    try:
+        for partial in ("tb", "checkpoints"):  # an interrupted attempt's: the trainer would append to them
+            shutil.rmtree(d / partial, ignore_errors=True)
+        cmd = command(sweep, run)
+        env = {**os.environ, **sweep.env}
+        start = time.perf_counter()
+        with open(d / "output.log", "w") as logfile:
+            proc = subprocess.Popen(cmd, stdout=logfile, stderr=subprocess.STDOUT, env=env)
+            # wait4 gives this child's own resource usage: ru_maxrss is its peak RSS (KiB on Linux)
+            _, status, usage = os.wait4(proc.pid, 0)
+            proc.returncode = os.waitstatus_to_exitcode(status)
+        result = {"returncode": proc.returncode, "wall_s": time.perf_counter() - start,
+                  "peak_rss_mb": usage.ru_maxrss / 1024, "command": cmd}
+        if proc.returncode == 0:
+            result_path.write_text(json.dumps(result, indent=2))
+        else:
+            log.warning("sweep run %s failed (exit %d): see %s", run.name, proc.returncode, d / "output.log")
+        return result
+    finally:
+        (d / LOCK_NAME).unlink(missing_ok=True)
+
+
+LOCK_NAME = "running.lock"
+
+
+def _claim(lock: Path) -> bool:
+    """Takes a run for this process (several sweep processes may share one directory): the lock
+    file holds the owner's pid; a lock whose process is gone (a killed sweep) is taken over."""
+    for _ in range(2):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            try:
+                owner = int(lock.read_text().strip() or 0)
+                os.kill(owner, 0)
+                return False  # alive: its run
+            except (ValueError, ProcessLookupError, FileNotFoundError):
+                lock.unlink(missing_ok=True)  # stale
+                continue
+            except PermissionError:
+                return False
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
 
 
 # ------------------------------------------------------------------ collecting
@@ -223,7 +347,9 @@ def summarize_run(sweep: Sweep, run: Run, result: dict) -> dict:
     speeds = [r["train/tokens_per_s"] for r in records[1:] or records]  # the first window warms up
     tokens = records[-1]["train/tokens"] if records else 0
     return {
-        "run": run.name, "label": run.label, **{k: v for k, v in run.values.items()},
+        "run": run.name, "label": run.label, "point": run.point or run.name, "family": run.family,
+        "arch": cfg.model.arch, **{k: v for k, v in run.values.items()},
+        "budget_flops": run.budget if run.budget is not None else float("nan"),
         "params": _param_counts(cfg)["total"],
         "flops_per_token": fpt, "steps": records[-1]["step"] if records else 0, "tokens": tokens,
         "compute_flops": fpt * tokens,
@@ -257,27 +383,58 @@ def write_csv(rows: list[dict], path: Path) -> None:
         writer.writerows(rows)
 
 
-def plot(sweep: Sweep, path: Path, title: Optional[str] = None) -> None:
-    """Training loss against compute, one line per run (log-scale compute)."""
+# ------------------------------------------------------------------ plot
+def plot(sweep: "Sweep | list[Sweep]", path: Path, title: Optional[str] = None,
+         rows: Optional[list[dict]] = None) -> None:
+    """The families in one figure (log-scale compute): each point's mean training curve (thin),
+    its final loss with the spread over seeds (marker and error bar) and each family's fitted
+    power law (dashed), one colour per family. Several sweeps: their runs together."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    sweeps = sweep if isinstance(sweep, list) else [sweep]
+    pairs = [(s, r) for s in sweeps for r in s.runs]
+    sweep = sweeps[0]  # smoothing and title
+    rows = rows if rows is not None else [summarize_run(s, r, {"returncode": 0}) for s, r in pairs]
+    metric = fit_metric(rows)
+    points = aggregate(rows)
+    fits = fit_families(rows)
+    families = list(dict.fromkeys(r.family for _, r in pairs))
+    colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for run in sweep.runs:
-        records = [r for r in read_records(sweep, run) if "train/loss" in r]
-        if not records:
+    for point in dict.fromkeys((id(s), r.point or r.name) for s, r in pairs):  # mean training curve over seeds
+        runs = [(s, r) for s, r in pairs if (id(s), r.point or r.name) == point]
+        curves = [[(rec["train/tokens"] * flops_per_token(r.config), rec["train/loss"])
+                   for rec in read_records(s, r) if "train/loss" in rec] for s, r in runs]
+        curves = [c for c in curves if c]
+        if not curves:
             continue
-        fpt = flops_per_token(run.config)
-        ax.plot([r["train/tokens"] * fpt for r in records],
-                trailing_mean([r["train/loss"] for r in records], sweep.smooth), label=run.label, linewidth=1.5)
+        n = min(len(c) for c in curves)
+        xs = [curves[0][i][0] for i in range(n)]
+        ys = trailing_mean([sum(c[i][1] for c in curves) / len(curves) for i in range(n)], sweep.smooth)
+        ax.plot(xs, ys, color=colours[runs[0][1].family], linewidth=0.8, alpha=0.35)
+    for family in families:
+        ps = [p for p in points if p["family"] == family and math.isfinite(p[metric])]
+        if not ps:
+            continue
+        fit = fits[family]
+        name = family + (f" (alpha={fit['alpha']:.3f})" if math.isfinite(fit["alpha"]) else "")
+        ax.errorbar([p["compute_flops"] for p in ps], [p[metric] for p in ps], yerr=[p[metric + "_std"] for p in ps],
+                    fmt="o", color=colours[family], markersize=4, capsize=3, label=name)
+        if math.isfinite(fit["alpha"]):
+            lo, hi = fit["compute_min"], fit["compute_max"]
+            xs = [lo * (hi / lo) ** (i / 20) for i in range(21)]
+            ax.plot(xs, [fit["a"] * x ** -fit["alpha"] for x in xs], "--", color=colours[family], linewidth=1.2)
     ax.set_xscale("log")
+    ax.set_yscale("log")
     ax.set_xlabel("training compute (FLOPs, forward + backward)")
-    ax.set_ylabel("training loss" + (f" (mean of {sweep.smooth} logged steps)" if sweep.smooth > 1 else ""))
+    what = "held-out loss" if metric == "eval_loss" else "final training loss"
+    ax.set_ylabel(f"{what}; curves: training loss" + (f" (mean of {sweep.smooth})" if sweep.smooth > 1 else ""))
     ax.set_title(title or sweep.title or f"sweep {sweep.out.name}")
     ax.grid(True, which="both", alpha=0.3)
-    if ax.lines:
+    if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path)
@@ -285,7 +442,9 @@ def plot(sweep: Sweep, path: Path, title: Optional[str] = None) -> None:
 
 
 def run_sweep(sweep: Sweep, force: bool = False, only_collect: bool = False) -> list[dict]:
-    """Runs (or only collects) every configuration; writes results.csv and loss_vs_compute.png."""
+    """Runs (or only collects) every configuration; writes results.csv (one row per run),
+    points.csv (per point: mean and spread over seeds), fits.json (per family) and
+    loss_vs_compute.png."""
     sweep.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, run in enumerate(sweep.runs, 1):
@@ -297,7 +456,9 @@ def run_sweep(sweep: Sweep, force: bool = False, only_collect: bool = False) -> 
             result = execute(sweep, run, force)
         rows.append(summarize_run(sweep, run, result))
     write_csv(rows, sweep.out / "results.csv")
-    plot(sweep, sweep.out / "loss_vs_compute.png")
+    write_csv(aggregate(rows), sweep.out / "points.csv")
+    (sweep.out / "fits.json").write_text(json.dumps(fit_families(rows), indent=2))
+    plot(sweep, sweep.out / "loss_vs_compute.png", rows=rows)
     return rows
 
 
@@ -306,23 +467,37 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     parser = argparse.ArgumentParser(prog="sweep", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("spec", help="the sweep YAML file")
+    parser.add_argument("spec", nargs="+", help="the sweep YAML file (several: each runs, then all are "
+                                                "reported, fitted and plotted together into --combined)")
+    parser.add_argument("--combined", help="with several specs: the directory of their joint CSVs, fits and plot")
+    parser.add_argument("--title", help="the joint plot's title (default: the first spec's)")
     parser.add_argument("--force", action="store_true", help="rerun runs that already have a result")
     parser.add_argument("--collect", action="store_true", help="only collect existing runs into CSV and plot")
     parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    parser.add_argument("--markdown", action="store_true", help="print the points and fits as Markdown tables")
     args = parser.parse_args(argv)
+    if len(args.spec) > 1 and not args.combined:
+        parser.error("several sweep files need --combined DIR (where their joint results go)")
     try:
-        sweep = load_sweep(args.spec)
+        sweeps = [load_sweep(spec) for spec in args.spec]
     except ConfigError as exc:
         sys.stderr.write(f"sweep: error: {exc}\n")
         return 2
     if args.dry_run:
-        for run in sweep.runs:
-            sys.stdout.write(" ".join(command(sweep, run)) + "\n")
+        for sweep in sweeps:
+            for run in sweep.runs:
+                sys.stdout.write(" ".join(command(sweep, run)) + "\n")
+        sys.stdout.write(f"{sum(len(s.runs) for s in sweeps)} runs\n")
         return 0
-    rows = run_sweep(sweep, force=args.force, only_collect=args.collect)
-    for row in rows:
-        sys.stdout.write(f"{row['label']:<28} loss {row['final_loss']:.4f}  {row['tokens_per_s']:9.0f} tok/s  "
-                         f"{row['compute_flops']:.3g} FLOPs  peak RSS {row['peak_rss_mb']:.0f} MB  {row['status']}\n")
-    sys.stdout.write(f"wrote {sweep.out / 'results.csv'} and {sweep.out / 'loss_vs_compute.png'}\n")
+    rows = [row for sweep in sweeps for row in run_sweep(sweep, force=args.force, only_collect=args.collect)]
+    out = sweeps[0].out
+    if len(sweeps) > 1:
+        out = Path(args.combined)
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(rows, out / "results.csv")
+        write_csv(aggregate(rows), out / "points.csv")
+        (out / "fits.json").write_text(json.dumps(fit_families(rows), indent=2))
+        plot(sweeps, out / "loss_vs_compute.png", title=args.title, rows=rows)
+    sys.stdout.write(markdown(rows) if args.markdown else report(rows))
+    sys.stdout.write(f"wrote {out / 'results.csv'}, points.csv, fits.json and loss_vs_compute.png\n")
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -257,6 +257,9 @@ def batches_per_minibatch(cfg: Config) -> int:
 
 # ---------------------------------------------------------------------- set-up
 def run(cfg: Config) -> dict:
+    from rlt_mega.model.dense import require_rlt
+
+    require_rlt(cfg.model, "GRPO")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     check_vocab(cfg, tokenizer)
     try:

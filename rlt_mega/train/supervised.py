@@ -16,7 +16,7 @@ from rlt_mega.data.datasets import DataStats
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.loss import LM_LOSS, LogitsLoss
-from rlt_mega.metrics import Timers
+from rlt_mega.metrics import Timers, peak_memory_bytes
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import Engine, StepStats
 from rlt_mega.parallel.launch import launch
@@ -94,7 +94,8 @@ class SupervisedJob:
         return self.state.nonfinite_in_a_row > self.train.max_nonfinite_in_a_row
 
     def log_line(self, scalars: dict[str, float], seconds: float) -> dict[str, float]:
-        line = {**scalars, "train/tokens_per_s": self._window_tokens / max(seconds, 1e-9)}
+        line = {**scalars, "train/tokens_per_s": self._window_tokens / max(seconds, 1e-9),
+                "train/peak_memory_bytes": peak_memory_bytes(self.dims.device)}
         self._window_tokens = 0
         return line
 
@@ -126,7 +127,7 @@ def run(cfg: Config, data: DataFn) -> dict:
         stats = DataStats()
         batches, eval_batches = data(cfg, dims, tokenizer, stats)
         engine = build_engine(cfg, dims)
-        log.info("model: %.2fM parameters on this rank, C=%d, L=%d, d=%d",
+        log.info("model: %s, %.2fM parameters on this rank, C=%d, L=%d, d=%d", cfg.model.arch,
                  sum(p.numel() for p in engine.module.parameters()) / 1e6, cfg.model.memory_block,
                  cfg.model.n_layers, cfg.model.d_model)
         timers = phase_timers()

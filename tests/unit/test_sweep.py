@@ -97,3 +97,87 @@ def test_plot_skips_runs_without_metrics(tmp_path):
     sweep = expand({"base": TINY, "out": str(tmp_path), "grid": {"model.n_layers": [2]}})
     plot(sweep, tmp_path / "empty.png")
     assert (tmp_path / "empty.png").stat().st_size > 0
+
+
+# ---------------------------------------------------------------- seeds, budgets, families, fits
+def _families(tmp_path, **extra):
+    return expand({"base": TINY, "out": str(tmp_path), "overrides": ["data.seq_len=32", "train.micro_batch_size=4"],
+                   "grid": {"family": [{"name": "dense", "model.arch": "dense"},
+                                       {"name": "looped", "model.arch": "looped", "model.loops": 2}]},
+                   "family": "{family}", **extra})
+
+
+def test_seeds_and_budgets_expand_into_iso_compute_runs(tmp_path):
+    from rlt_mega.plan.sweep import steps_for_budget, tokens_per_step
+
+    sweep = _families(tmp_path, seeds=[0, 1], budgets=["1.0e10", 2.0e10])  # YAML reads 1.0e10 as a string
+    assert len(sweep.runs) == 8
+    assert [r.name for r in sweep.runs[:3]] == ["family=dense__budget=1e_10__seed=0",
+                                                "family=dense__budget=1e_10__seed=1",
+                                                "family=dense__budget=2e_10__seed=0"]
+    assert {r.point for r in sweep.runs} == {f"family={f}__budget={b}" for f in ("dense", "looped")
+                                             for b in ("1e_10", "2e_10")}
+    for run in sweep.runs:
+        cfg = run.config
+        assert cfg.train.seed == run.seed and run.family == cfg.model.arch
+        assert cfg.train.steps == steps_for_budget(cfg, run.budget)
+        per_step = tokens_per_step(cfg) * flops_per_token(cfg)
+        assert cfg.train.steps > 3 and abs(cfg.train.steps * per_step - run.budget) <= per_step / 2  # whole steps
+    dense, looped = sweep.runs[0].config, sweep.runs[4].config
+    assert looped.train.steps < dense.train.steps  # the looped model costs more per token
+    with pytest.raises(ConfigError, match="reserved"):
+        expand({"base": TINY, "grid": {"seed": [1, 2]}})
+    with pytest.raises(ConfigError, match="budgets"):
+        _families(tmp_path, budgets=[0])
+    with pytest.raises(ConfigError, match="seeds"):
+        _families(tmp_path, seeds=[1, 1])
+
+
+def test_two_families_two_seeds_give_means_spreads_fits_and_one_plot(tmp_path):
+    """Losses made from known power laws (alpha 0.10 dense, 0.20 looped) times a seed factor:
+    points.csv holds each point's mean and sample std over seeds, fits.json recovers the
+    exponents, the report prints them, the plot has the families in one figure."""
+    import matplotlib.image
+
+    from rlt_mega.plan.sweep import report
+
+    sweep = _families(tmp_path, seeds=[0, 1], budgets=[1.0e10, 4.0e10])
+    alpha = {"dense": 0.10, "looped": 0.20}
+    for run in sweep.runs:
+        fpt = flops_per_token(run.config)
+        steps = run.config.train.steps
+        per_step = run.budget / steps / fpt
+        factor = 1.02 if run.seed else 0.98
+        losses = [factor * 50.0 * ((i + 1) * per_step * fpt) ** -alpha[run.family] for i in range(steps)]
+        _fake_metrics(sweep, run, losses, tokens_per_step=per_step)
+        eval_path = run_dir(sweep, run) / "tb" / "metrics.jsonl"
+        lines = eval_path.read_text().splitlines()[:-1]  # eval loss equal to the last training loss
+        lines.append(json.dumps({"step": steps, "eval/loss": losses[-1], "train/peak_memory_bytes": 2 ** 20}))
+        eval_path.write_text("\n".join(lines) + "\n")
+    rows = run_sweep(sweep, only_collect=True)
+    with open(tmp_path / "points.csv") as f:
+        points = list(csv.DictReader(f))
+    assert len(points) == 4 and all(p["seeds"] == "2" for p in points)
+    for p in points:
+        runs = [r for r in rows if r["point"] == p["point"]]
+        losses = [r["eval_loss"] for r in runs]
+        assert float(p["eval_loss"]) == pytest.approx(sum(losses) / 2)
+        assert float(p["eval_loss_std"]) == pytest.approx(abs(losses[0] - losses[1]) / 2 ** 0.5)
+    fits = json.loads((tmp_path / "fits.json").read_text())
+    assert fits["dense"]["metric"] == "eval_loss" and fits["dense"]["n"] == 4
+    assert fits["dense"]["alpha"] == pytest.approx(0.10, abs=0.01)
+    assert fits["looped"]["alpha"] == pytest.approx(0.20, abs=0.01)
+    text = report(rows)
+    assert "alpha 0.1" in text and "alpha 0.2" in text and "+-" in text
+    image = matplotlib.image.imread(tmp_path / "loss_vs_compute.png")
+    assert image.shape[:2] == (400, 640)
+
+
+def test_power_law_fit_edge_cases():
+    from rlt_mega.plan.sweep import power_law_fit
+
+    exact = power_law_fit([1e9, 1e10, 1e11], [4.0, 2.0, 1.0])
+    assert exact["alpha"] == pytest.approx(0.30103, rel=1e-4) and exact["r2"] == pytest.approx(1.0)
+    same = power_law_fit([1e9, 1e9], [2.0, 2.1])  # one compute value: no exponent, said so by nan
+    assert same["n"] == 2 and same["alpha"] != same["alpha"]
+    assert power_law_fit([], [])["n"] == 0
