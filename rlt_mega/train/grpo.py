@@ -55,7 +55,7 @@ from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
-from rlt_mega.evaluation import metric_names
+from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
 from rlt_mega.train.grpo_metrics import reduce_step_metrics
 from rlt_mega.train.grpo_rounds import Round, keep_all, keep_informative, row_keep, row_kl_sums
@@ -276,7 +276,7 @@ class GRPOJob:
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out greedy accuracy on the first grpo.eval_size records, each replica taking
         every dp-th of them (at step 0: the accuracy before GRPO); with eval.samples = n > 0
-        also pass@k, maj@k and mean@n of n samples per problem (rlt_mega/evaluation.py)."""
+        also pass@k, maj@k and mean@n of n samples per problem (rlt_mega/rollout/evaluation.py)."""
         n = min(self.cfg.grpo.eval_size, len(self.eval_records))
         if n == 0:
             return {}

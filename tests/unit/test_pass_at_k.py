@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import pytest
 
-from rlt_mega.evaluation import majority, maj_at_k, metric_names, pass_at_k, problem_scores
+from rlt_mega.rollout.evaluation import majority, maj_at_k, metric_names, pass_at_k, problem_scores
 
 
 def test_pass_at_k_by_hand():
