@@ -406,11 +406,13 @@ class GRPOConfig:
                f"choose among {[m for m in range(1, rows + 1) if rows % m == 0]}")
         _check(self.advantage in ("grpo", "dr_grpo", "rloo"),
                f"grpo.advantage={self.advantage!r}: expected 'grpo', 'dr_grpo' or 'rloo'")
-        _check(self.policy_loss in ("clip", "gspo"), f"grpo.policy_loss={self.policy_loss!r}: expected 'clip' or 'gspo'")
+        _check(self.policy_loss in ("clip", "gspo"),
+               f"grpo.policy_loss={self.policy_loss!r}: expected 'clip' or 'gspo'")
         _check(0 <= self.eps_low < 1 and self.eps_high >= 0,
                f"grpo.eps_low={self.eps_low} must be in [0, 1) and grpo.eps_high={self.eps_high} >= 0")
         _check(0 <= self.gspo_eps_low < 1 and self.gspo_eps_high >= 0,
-               f"grpo.gspo_eps_low={self.gspo_eps_low} must be in [0, 1) and grpo.gspo_eps_high={self.gspo_eps_high} >= 0")
+               f"grpo.gspo_eps_low={self.gspo_eps_low} must be in [0, 1) and "
+               f"grpo.gspo_eps_high={self.gspo_eps_high} >= 0")
         _check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
                f"grpo.clip_ratio_c={self.clip_ratio_c}: the dual-clip bound must be > 1 (e.g. 3), or null for none")
         modes = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")

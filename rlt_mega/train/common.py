@@ -68,9 +68,8 @@ def greedy_accuracy(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequenc
 def sampled_scores(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequence[dict], indices: Sequence[int],
                    cfg: Config, dtype: str = "fp32") -> dict[str, float]:
     """pass@k, maj@k and mean@n (rlt_mega/rollout/evaluation.py) SUMMED over ``records``: n =
-    eval.samples
-    completions each at eval.temperature (sampling.temperature when null), with sampling's
-    top-k/top-p. ``indices``: the records' positions in the evaluated set, which seed their
+    eval.samples completions each at eval.temperature (sampling.temperature when null), with
+    sampling's top-k/top-p. ``indices``: the records' positions in the evaluated set, which seed their
     samples, so that the figures do not depend on how the set is split over replicas."""
     from rlt_mega.config import ConfigError
     from rlt_mega.rollout.evaluation import metric_names, problem_scores
