@@ -133,3 +133,19 @@ def test_one_process_step_loss_does_not_depend_on_grad_accum(mode):
     for s in losses:
         assert s.loss == pytest.approx(stats.loss, rel=1e-6) and s.grad_norm == pytest.approx(stats.grad_norm, rel=1e-5)
         assert s.num_tokens == stats.num_tokens
+
+
+def test_periodic_eval_reports_sampled_figures_by_k_and_n():
+    import dataclasses
+
+    from rlt_mega.config import EvalConfig
+
+    cfg = grpo_cfg({}, None, {"eval_size": 3})
+    cfg = grpo_config(dataclasses.replace(cfg, eval=EvalConfig(samples=3, k=[1, 2], temperature=1.0)))
+    trainer = build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records(8),
+                            records(5))
+    out = trainer.job.evaluate(0)
+    assert set(out) == {"eval/accuracy", "eval/pass@1_n3", "eval/pass@2_n3", "eval/maj@1_n3", "eval/maj@2_n3",
+                        "eval/mean@3"}
+    assert all(0.0 <= v <= 1.0 for v in out.values())
+    assert out["eval/pass@2_n3"] >= out["eval/pass@1_n3"] == pytest.approx(out["eval/mean@3"])
