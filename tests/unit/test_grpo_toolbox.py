@@ -189,7 +189,7 @@ def test_kl_loss_term_with_each_estimator(estimator):
     base = grpo_loss(logp, mu, adv, mask)
     out = grpo_loss(logp, mu, adv, mask, ref_logp=ref, kl_coef=0.5, kl_estimator=estimator)
     kl = torch.where(mask, kl_estimate(logp.detach(), ref, estimator), torch.zeros_like(mu)).sum()
-    assert float(out.loss - base.loss) == pytest.approx(0.5 * float(kl), rel=1e-10)
+    assert float((out.loss - base.loss).detach()) == pytest.approx(0.5 * float(kl), rel=1e-10)
 
 
 def test_entropy_bonus_and_metric_against_torch_distributions():
