@@ -191,8 +191,7 @@ class GRPOJob:
             parts = []
             for r, rnd in enumerate(rounds):
                 keep = self._batches(list(row_keep(rnd, g.group_size, g.mask_truncated).unbind(0)), k)[j]
-                filler = r == min(replays) and not any(self._learns_from(x, k) for x in rounds)
-                if not (any(bool(x) for x in keep) or filler):
+                if not any(bool(x) for x in keep):
                     continue
                 adv = self._batches(list(advantages[r].unbind(0)), k)[j]
                 ref = None if (rnd.refs is None or g.kl_in_reward) else rnd.refs[k][j]
