@@ -15,8 +15,9 @@ from typing import Optional
 
 import torch
 
+# Re-exported: callers (the trainer, the tests) import the GRPO pieces from here.
 from rlt_mega.learner.advantages import ADVANTAGE_ESTIMATORS, group_advantages, register_advantage  # noqa: F401
-from rlt_mega.learner.aggregation import loss_count, loss_sum
+from rlt_mega.learner.aggregation import loss_sum
 from rlt_mega.learner.kl import k3_kl, kl_estimate  # noqa: F401
 from rlt_mega.learner.policy_loss import ClipRange, policy_loss
 

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 
 from rlt_mega.learner.advantages import informative_groups
+from rlt_mega.learner.kl import kl_estimate
 from rlt_mega.rollout import Rollout
 
 
@@ -80,8 +81,6 @@ def row_keep(rnd: Round, group_size: int, mask_truncated: bool) -> torch.Tensor:
 def row_kl_sums(rollout: Rollout, ref: Optional[torch.Tensor], estimator: str) -> torch.Tensor:
     """(B,) sum over each completion's tokens of the KL estimate between the behavior policy
     mu and the reference, on a rank that has the reference's replay (zeros elsewhere)."""
-    from rlt_mega.learner.kl import kl_estimate
-
     if ref is None:
         return torch.zeros(rollout.batch_size, dtype=torch.float64)
     mask = rollout.mask.bool() & torch.isfinite(ref) & torch.isfinite(rollout.mu)
