@@ -4,9 +4,11 @@
 #   2. SFTs a tiny RLT on them (configs/demo_sft.yaml) and exports it,
 #   3. runs GRPO from that export (configs/demo_grpo.yaml), rewarded for the correct final
 #      answer within a budget of new tokens, with exact replayed log-probabilities,
-# and prints the held-out greedy accuracy before and after GRPO.
-# Extra arguments are config overrides for both stages (e.g. `bash launch/demo.sh train.dtype=bf16`);
-# SFT_OVERRIDES / GRPO_OVERRIDES (space-separated) go to one stage only.
+# and prints the held-out greedy accuracy before, during and after GRPO and the training reward, and
+# saves both curves as a PNG beside the TensorBoard logs ($RUN/grpo/curves.png).
+# Extra arguments are config overrides for both stages (e.g. `bash launch/demo.sh train.seed=1`);
+# SFT_OVERRIDES / GRPO_OVERRIDES (space-separated) go to one stage only; RUN=dir moves the run
+# (default runs/demo; it is deleted first).
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -14,7 +16,7 @@ cd "$ROOT"
 # second thread gains little on a quiet machine and, when other jobs share the cores, makes
 # each step many times slower. OMP_NUM_THREADS=2 bash launch/demo.sh on a machine of its own.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-RUN=runs/demo
+RUN="${RUN:-runs/demo}"
 rm -rf "$RUN"
 START=$SECONDS
 read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
@@ -39,6 +41,7 @@ rlt-mega export $RUN/sft/checkpoints $RUN/sft/export
 echo "== 3. GRPO from the SFT model (TensorBoard logs: $RUN/grpo/tb)"
 rlt-mega grpo --config configs/demo_grpo.yaml data.train=$RUN/data train.init_from=$RUN/sft/export \
   checkpoint.dir=$RUN/grpo/checkpoints logging.dir=$RUN/grpo/tb "$@" ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
+python launch/demo_curves.py "$RUN/grpo/tb" "$RUN/grpo/curves.png"
 python - "$RUN/grpo/tb" <<'PY'
 import sys
 from rlt_mega.metrics import read_metrics

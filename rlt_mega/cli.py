@@ -167,6 +167,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         records = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)[1]
     records = [records[i] for i in range(min(len(records), args.limit or len(records)))]
     accuracy, completions = greedy_accuracy(model, tokenizer, records, cfg, cfg.train.dtype)
+    if cfg.eval.samples:  # pass@k, maj@k, mean@n of eval.samples completions per problem
+        from rlt_mega.train.common import sampled_scores
+
+        sums = sampled_scores(model, tokenizer, records, list(range(len(records))), cfg, cfg.train.dtype)
+        for name, total in sums.items():
+            sys.stdout.write(f"{name.removeprefix('eval/')}: {total / len(records):.4f}\n")
     if args.output:
         with open(args.output, "w") as f:
             for r, c in zip(records, completions):
@@ -190,7 +196,7 @@ COMMANDS: dict[str, tuple[Callable[[argparse.Namespace], int], str]] = {
     "sft": (cmd_sft, "supervised fine-tuning on prompt/answer pairs (loss on answers only)"),
     "grpo": (cmd_grpo, "GRPO with exact (replayed) log-probabilities"),
     "generate": (cmd_generate, "sample completions for prompts from a file or stdin (jsonl to stdout)"),
-    "eval": (cmd_eval, "greedy accuracy on a GSM8K-format dataset"),
+    "eval": (cmd_eval, "greedy accuracy on a GSM8K-format dataset (and pass@k, maj@k, mean@n with eval.samples=n)"),
     "params": (cmd_params, "parameter counts of a config, built on the meta device"),
 }
 EXTRA_ARGS: dict[str, Callable[[argparse.ArgumentParser], None]] = {"generate": _generate_args, "eval": _eval_args}

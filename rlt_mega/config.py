@@ -386,11 +386,37 @@ class GRPOConfig:
     group_size: int = 8  # G completions per prompt
     minibatches: int = 1
     epochs: int = 1
-    advantage: str = "grpo"  # "grpo" ((r - mean) / (std + eps)) or "dr_grpo" (r - mean)
+    advantage: str = "grpo"  # "grpo" ((r - mean) / (std + eps)), "dr_grpo" (r - mean) or "rloo" (leave-one-out)
     advantage_eps: float = 1.0e-6
+    # The policy loss (learner/policy_loss.py): "clip" (PPO's clipped surrogate, token ratios,
+    # eps_low / eps_high, dual-clip clip_ratio_c) or "gspo" (one length-normalised ratio per
+    # sequence, clipped to gspo_eps_low / gspo_eps_high).
+    policy_loss: str = "clip"
     eps_low: float = 0.2
     eps_high: float = 0.2  # > eps_low: DAPO's clip-higher
-    kl_coef: float = 0.0  # > 0: k3 KL to a frozen copy of the initial model
+    clip_ratio_c: Optional[float] = None  # dual-clip: the loss of a negative advantage is <= -A * c (c > 1, e.g. 3)
+    gspo_eps_low: float = 3.0e-4  # the GSPO paper's clip range
+    gspo_eps_high: float = 4.0e-4
+    # How per-token losses become the step's loss (learner/aggregation.py), normalised over the
+    # whole step: "token_mean", "seq_mean_token_mean", "seq_mean_token_sum" or
+    # "seq_mean_token_sum_norm" (Dr.GRPO: divided by loss_agg_length per sequence).
+    loss_agg: str = "token_mean"
+    loss_agg_length: Optional[int] = None  # seq_mean_token_sum_norm's constant; null: sampling.max_new_tokens
+    kl_coef: float = 0.0  # > 0: KL to a frozen copy of the initial model
+    kl_estimator: str = "k3"  # "k1" (log ratio), "k2" (squared log ratio / 2) or "k3" (low variance, >= 0)
+    kl_in_reward: bool = False  # true: r - kl_coef * sum_t KL(mu_t, ref_t) before the advantages, no KL loss
+    entropy_coef: float = 0.0  # > 0: an entropy bonus, - entropy_coef * the policy's token entropy
+    # DAPO's dynamic sampling: groups whose rewards are all equal carry no gradient; they are
+    # dropped and more prompts sampled until prompts_per_step informative groups are kept
+    # (per replica), in at most max_sampling_rounds rounds of prompts_per_step prompts each.
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    # Overlong completions (cut at sampling.max_new_tokens): mask_truncated takes them out of
+    # the loss; overlong_buffer > 0 is DAPO's soft penalty, which subtracts up to
+    # overlong_penalty, linearly over the last overlong_buffer tokens of the budget.
+    mask_truncated: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
     reward: str = "gsm8k"  # "gsm8k" or "module:function" taking (completion text, answer record)
     eval_every: int = 10  # GRPO steps between held-out greedy accuracy checks; 0: first and last only
     eval_size: int = 200  # held-out prompts in each check
@@ -403,12 +429,53 @@ class GRPOConfig:
         _check(rows % self.minibatches == 0,
                f"grpo.minibatches={self.minibatches} does not divide prompts_per_step x group_size = {rows}: "
                f"choose among {[m for m in range(1, rows + 1) if rows % m == 0]}")
-        _check(self.advantage in ("grpo", "dr_grpo"),
-               f"grpo.advantage={self.advantage!r}: expected 'grpo' or 'dr_grpo'")
+        _check(self.advantage in ("grpo", "dr_grpo", "rloo"),
+               f"grpo.advantage={self.advantage!r}: expected 'grpo', 'dr_grpo' or 'rloo'")
+        _check(self.policy_loss in ("clip", "gspo"),
+               f"grpo.policy_loss={self.policy_loss!r}: expected 'clip' or 'gspo'")
         _check(0 <= self.eps_low < 1 and self.eps_high >= 0,
                f"grpo.eps_low={self.eps_low} must be in [0, 1) and grpo.eps_high={self.eps_high} >= 0")
+        _check(0 <= self.gspo_eps_low < 1 and self.gspo_eps_high >= 0,
+               f"grpo.gspo_eps_low={self.gspo_eps_low} must be in [0, 1) and "
+               f"grpo.gspo_eps_high={self.gspo_eps_high} >= 0")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
+               f"grpo.clip_ratio_c={self.clip_ratio_c}: the dual-clip bound must be > 1 (e.g. 3), or null for none")
+        modes = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+        _check(self.loss_agg in modes, f"grpo.loss_agg={self.loss_agg!r}: expected one of {', '.join(modes)}")
+        _check(self.loss_agg_length is None or self.loss_agg_length >= 1,
+               f"grpo.loss_agg_length={self.loss_agg_length}: must be >= 1, or null for sampling.max_new_tokens")
         _check(self.kl_coef >= 0, f"grpo.kl_coef={self.kl_coef}: must be >= 0")
+        _check(self.kl_estimator in ("k1", "k2", "k3"),
+               f"grpo.kl_estimator={self.kl_estimator!r}: expected 'k1', 'k2' or 'k3'")
+        _check(not self.kl_in_reward or self.kl_coef > 0,
+               "grpo.kl_in_reward=true needs grpo.kl_coef > 0 (the weight of the KL in the reward)")
+        _check(self.entropy_coef >= 0, f"grpo.entropy_coef={self.entropy_coef}: must be >= 0")
+        _check(self.max_sampling_rounds >= 1, f"grpo.max_sampling_rounds={self.max_sampling_rounds}: must be >= 1")
+        _check(self.overlong_buffer >= 0 and self.overlong_penalty >= 0,
+               f"grpo.overlong_buffer={self.overlong_buffer} and grpo.overlong_penalty={self.overlong_penalty} "
+               "must be >= 0")
         _check(self.eval_every >= 0 and self.eval_size >= 0, "grpo.eval_every and grpo.eval_size must be >= 0")
+
+
+@dataclass
+class EvalConfig:
+    """Sampled evaluation, beside the greedy accuracy (``rlt-mega eval`` and GRPO's periodic
+    eval): n = samples completions per problem at ``temperature``, reported as pass@k (the
+    unbiased estimator of Chen et al. 2021), maj@k (majority vote over the extracted answers)
+    for each k in ``k``, and mean@n (the mean accuracy of a sample)."""
+
+    samples: int = 0  # n per problem; 0: greedy accuracy only
+    k: list = field(default_factory=lambda: [1])
+    temperature: Optional[float] = None  # null: sampling.temperature
+
+    def __post_init__(self) -> None:
+        _check(self.samples >= 0, f"eval.samples={self.samples}: must be >= 0 (0: greedy accuracy only)")
+        _check(bool(self.k) and all(isinstance(k, int) and k >= 1 for k in self.k),
+               f"eval.k={self.k}: expected a non-empty list of integers >= 1")
+        _check(self.samples == 0 or max(self.k) <= self.samples,
+               f"eval.k={self.k}: every k must be <= eval.samples={self.samples} (pass@k needs n >= k samples)")
+        _check(self.temperature is None or self.temperature > 0,
+               f"eval.temperature={self.temperature}: must be > 0 (the greedy accuracy is reported anyway)")
 
 
 @dataclass
@@ -461,6 +528,7 @@ class Config:
     sft: SFTConfig = field(default_factory=SFTConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
         _check(not self.train.cuda_graphs or self.model.fused_decoder,

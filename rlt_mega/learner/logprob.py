@@ -49,6 +49,15 @@ def dense_logprobs_from_logits(logits: torch.Tensor, rollout: Rollout,
     completion tokens, with autograd. Under tensor parallelism V_local = V / tp and
     ``gather_vocab`` (differentiable) makes the picked rows whole before the processing, which
     needs the whole distribution (top-k, top-p, the normalisation)."""
+    return dense_logprobs_and_entropy(logits, rollout, gather_vocab, with_entropy=False)[0]
+
+
+def dense_logprobs_and_entropy(logits: torch.Tensor, rollout: Rollout,
+                               gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                               with_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """``dense_logprobs_from_logits`` and, with_entropy, the entropy (B, N) fp32 of the policy's
+    processed distribution at each completion token (the one the rollout sampled from: its
+    temperature, top-k and top-p), with autograd (GRPO's entropy bonus); 0 where masked."""
     s = rollout.schedule
     device = rollout.tokens.device
     step, mask = completion_positions(s.prompt_lens, rollout.completion_lens, device)  # (B, N)
@@ -60,7 +69,15 @@ def dense_logprobs_from_logits(logits: torch.Tensor, rollout: Rollout,
     targets = rollout.tokens.gather(1, step + 1)[mask]  # (M,)
     values = logprobs.gather(1, targets[:, None]).squeeze(1)
     out = torch.zeros(step.shape, dtype=values.dtype, device=device)
-    return out.masked_scatter(mask, values)
+    out = out.masked_scatter(mask, values)
+    if not with_entropy:
+        return out, None
+    # -sum p log p over the kept set: outside it p = 0 and log p = -inf, whose product is 0.
+    kept = torch.isfinite(logprobs)
+    plogp = torch.where(kept, logprobs.exp() * torch.where(kept, logprobs, torch.zeros_like(logprobs)),
+                        torch.zeros_like(logprobs))
+    entropy = torch.zeros(step.shape, dtype=values.dtype, device=device)
+    return out, entropy.masked_scatter(mask, -plogp.sum(dim=-1))
 
 
 def replay_logprobs(model: RLT, rollout: Rollout) -> torch.Tensor:

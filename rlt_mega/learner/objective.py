@@ -3,61 +3,114 @@ that every engine runs it on every layout: on one process, and under tensor, pip
 ZeRO parallelism, where the distributed engine computes the logits (a vocab shard under TP,
 on the last stage under PP) and hands them over.
 
-A batch (``grpo_batch``) is one rollout batch with what the learner attached to it:
+A batch (``grpo_batch``) is one or more rollout batches (``GRPOPart``) with what the learner
+attached to each, their dense inputs stacked row-wise into one dense call:
 
-    inputs      (B, T) the dense schedule's tokens (``dense_inputs``)
-    rollout     the Rollout (tokens, mu, mask, schedule)
-    replay      (B, N) its replay under the current parameters (the hybrid's value); under
-                pipeline parallelism only the last stage has it, and only it computes the loss
-    advantages  (B,)
-    ref         (B, N) the frozen reference's replay, or None
+    inputs      (sum_i B_i, max_i T_i) the parts' dense schedule tokens (``dense_inputs``),
+                right-padded (everything is causal: no earlier position changes)
+    parts       [GRPOPart]: the Rollout (tokens, mu, mask, schedule); its replay (B, N) under
+                the current parameters (the hybrid's value; under pipeline parallelism only
+                the last stage has it, and only it computes the loss); advantages (B,); the
+                frozen reference's replay (B, N) or None; rows (B,) bool, the rows that carry
+                loss (dynamic sampling drops whole groups, grpo.mask_truncated cut rows)
 
-The loss is the SUM over the batch's completion tokens and ``count`` its completion tokens:
-the engine divides the step's sum by the global count (every batch of the step, every
-data-parallel rank). A batch is never cut: its replay repeats its rollout's calls.
+One part is the usual batch. Several parts are how dynamic sampling learns from the groups it
+kept out of several sampling rounds without cutting a rollout batch (each part's replay
+repeats its rollout's calls) and without changing how many batches the engine steps over
+(train.grad_accum). The dense pass is the gradient only, so stacking its rows is free.
+
+The loss is a SUM and ``count`` its share of the normaliser (learner/aggregation.py, by
+grpo.loss_agg): the engine divides the step's sum by the global count (every batch of the
+step, every data-parallel rank).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
+from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import grpo_loss
-from rlt_mega.learner.logprob import dense_inputs, dense_logprobs_from_logits, hybrid_logprobs, mismatch_metrics
+from rlt_mega.learner.logprob import dense_inputs, dense_logprobs_and_entropy, hybrid_logprobs, mismatch_metrics
 from rlt_mega.loss import LogitsLoss, Vocab
 from rlt_mega.rollout.sampler import Rollout
 
 
-def grpo_batch(rollout: Rollout, replay: Optional[torch.Tensor], advantages: torch.Tensor,
-               ref: Optional[torch.Tensor] = None) -> dict:
-    return {"inputs": dense_inputs(rollout), "rollout": rollout, "replay": replay,
-            "advantages": advantages.to(rollout.mu.device), "ref": ref}
+@dataclass
+class GRPOPart:
+    rollout: Rollout
+    replay: Optional[torch.Tensor]  # (B, N), or None on a rank without the loss
+    advantages: torch.Tensor  # (B,)
+    ref: Optional[torch.Tensor] = None  # (B, N)
+    rows: Optional[torch.Tensor] = None  # (B,) bool; None: every row carries loss
+
+    def loss_mask(self) -> torch.Tensor:
+        """(B, N) bool: the completion tokens that carry loss."""
+        mask = self.rollout.mask.bool()
+        return mask if self.rows is None else mask & self.rows.to(mask.device)[:, None]
+
+
+def grpo_batch(parts: list[GRPOPart]) -> dict:
+    if not parts:
+        raise ValueError("a GRPO batch needs at least one rollout batch")
+    inputs = [dense_inputs(p.rollout) for p in parts]  # each (B_i, T_i)
+    longest = max(x.shape[1] for x in inputs)
+    stacked = torch.cat([F.pad(x, (0, longest - x.shape[1]), value=0) for x in inputs])  # (sum B_i, T)
+    for p in parts:
+        p.advantages = p.advantages.to(p.rollout.mu.device)
+    return {"inputs": stacked, "parts": parts}
+
+
+@dataclass(frozen=True)
+class LossSettings:
+    """What the objective needs of grpo.* (train/grpo.py builds it from the config)."""
+
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    kl_coef: float = 0.0  # the KL loss term's coefficient (0 when the KL is folded into the reward)
+    loss: str = "clip"
+    clip_ratio_c: Optional[float] = None
+    kl_estimator: str = "k3"
+    loss_agg: str = "token_mean"
+    loss_agg_length: int = 0
+    entropy_coef: float = 0.0
 
 
 class GRPOObjective(LogitsLoss):
-    """Hybrid log-probs (value = replay, gradient = dense), the clipped surrogate against mu and
-    the optional k3 KL to the reference. ``records`` collects each batch's metric sums in call
-    order, on the ranks that compute the loss (all of them without pipeline parallelism, the
-    last stage with it); the trainer reduces them over the world."""
+    """Hybrid log-probs (value = replay, gradient = dense), the policy loss against mu, the
+    optional KL to the reference and entropy bonus. ``records`` collects each part's metric
+    sums in call order, on the ranks that compute the loss (all of them without pipeline
+    parallelism, the last stage with it); the trainer reduces them over the world."""
 
-    def __init__(self, eps_low: float, eps_high: float, kl_coef: float = 0.0) -> None:
-        self.eps_low, self.eps_high, self.kl_coef = eps_low, eps_high, kl_coef
+    def __init__(self, eps_low: float = 0.2, eps_high: float = 0.2, kl_coef: float = 0.0,
+                 settings: Optional[LossSettings] = None) -> None:
+        self.settings = settings or LossSettings(eps_low, eps_high, kl_coef)
         self.records: list[dict[str, float]] = []
 
     def count(self, batch: dict) -> float:
-        return batch["rollout"].num_completion_tokens()
+        s = self.settings
+        return sum(loss_count(p.loss_mask(), s.loss_agg, s.loss_agg_length) for p in batch["parts"])
 
     def logits_loss(self, logits: torch.Tensor, batch: dict, vocab: Vocab) -> torch.Tensor:
-        ro: Rollout = batch["rollout"]
-        if batch["replay"] is None:
-            raise RuntimeError("the GRPO loss needs the replay of its rollout on the rank that computes it")
-        dense = dense_logprobs_from_logits(logits, ro, vocab.gather)  # (B, N)
-        logp = hybrid_logprobs(dense, batch["replay"])
-        ref = batch["ref"]
-        out = grpo_loss(logp, ro.mu, batch["advantages"], ro.mask, eps_low=self.eps_low, eps_high=self.eps_high,
-                        ref_logp=ref, kl_coef=self.kl_coef if ref is not None else 0.0)
-        record = {k: float(v) for k, v in out.metrics.items()}
-        record.update(mismatch_metrics(ro.mu, dense, batch["replay"], ro.mask))
-        self.records.append(record)
-        return out.loss
+        s, total, offset = self.settings, None, 0
+        for part in batch["parts"]:
+            ro: Rollout = part.rollout
+            if part.replay is None:
+                raise RuntimeError("the GRPO loss needs the replay of its rollout on the rank that computes it")
+            rows = logits[offset:offset + ro.batch_size]  # (B, T, V_local)
+            offset += ro.batch_size
+            dense, entropy = dense_logprobs_and_entropy(rows, ro, vocab.gather)  # (B, N) each
+            logp = hybrid_logprobs(dense, part.replay)
+            kl_coef = s.kl_coef if part.ref is not None else 0.0
+            out = grpo_loss(logp, ro.mu, part.advantages, part.loss_mask(), s.eps_low, s.eps_high,
+                            ref_logp=part.ref, kl_coef=kl_coef, loss=s.loss, clip_ratio_c=s.clip_ratio_c,
+                            kl_estimator=s.kl_estimator, loss_agg=s.loss_agg,
+                            entropy=entropy if s.entropy_coef else entropy.detach(), entropy_coef=s.entropy_coef)
+            record = {k: float(v) for k, v in out.metrics.items()}
+            record.update(mismatch_metrics(ro.mu, dense, part.replay, ro.mask))
+            self.records.append(record)
+            total = out.loss if total is None else total + out.loss
+        return total

@@ -63,3 +63,32 @@ def greedy_accuracy(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequenc
                                  seeds=[0] * len(questions), batch_size=cfg.sampling.batch_size, dtype=dtype)
     correct, _ = score(completions, [r["answer"] for r in records], list(range(len(records))), gsm8k_reward)
     return sum(correct) / len(correct), completions
+
+
+def sampled_scores(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequence[dict], indices: Sequence[int],
+                   cfg: Config, dtype: str = "fp32") -> dict[str, float]:
+    """pass@k, maj@k and mean@n (rlt_mega/rollout/evaluation.py) SUMMED over ``records``: n =
+    eval.samples completions each at eval.temperature (sampling.temperature when null), with
+    sampling's top-k/top-p. ``indices``: the records' positions in the evaluated set, which seed their
+    samples, so that the figures do not depend on how the set is split over replicas."""
+    from rlt_mega.config import ConfigError
+    from rlt_mega.rollout.evaluation import metric_names, problem_scores
+    from rlt_mega.rollout.rewards import extract_answer, gold_answer
+
+    n, ks = cfg.eval.samples, list(cfg.eval.k)
+    temperature = cfg.eval.temperature if cfg.eval.temperature is not None else cfg.sampling.temperature
+    if temperature <= 0:
+        raise ConfigError(f"eval.samples={n} draws samples but the temperature is {temperature}: set eval.temperature "
+                          "(e.g. 1.0), or eval.samples=0 for the greedy accuracy only")
+    base = sampling_params(cfg, tokenizer)
+    params = dataclasses.replace(base, processing=dataclasses.replace(base.processing, temperature=temperature))
+    questions = [r["question"] for r in records for _ in range(n)]
+    seeds = [cfg.train.seed * 1_000_003 + 2 ** 40 + i * n + j for i in indices for j in range(n)]
+    completions = generate_texts(model, tokenizer, questions, params, seeds=seeds, batch_size=cfg.sampling.batch_size,
+                                 dtype=dtype)
+    totals = dict.fromkeys(metric_names(n, ks), 0.0)
+    for p, record in enumerate(records):
+        answers = [extract_answer(c) for c in completions[p * n:(p + 1) * n]]
+        for name, value in problem_scores(answers, gold_answer(record["answer"]), ks, seed=indices[p]).items():
+            totals[name] += value
+    return totals

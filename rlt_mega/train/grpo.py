@@ -45,7 +45,7 @@ from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.pairs import RecordOrder, prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.learner.grpo import group_advantages
-from rlt_mega.learner.objective import GRPOObjective, grpo_batch
+from rlt_mega.learner.objective import GRPOObjective, GRPOPart, LossSettings, grpo_batch
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Timers
 from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
@@ -53,9 +53,12 @@ from rlt_mega.parallel.engine import Engine, EngineConfig
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
+from rlt_mega.rollout.shaping import overlong_penalties
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
-from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampling_params
+from rlt_mega.rollout.evaluation import metric_names
+from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
 from rlt_mega.train.grpo_metrics import reduce_step_metrics
+from rlt_mega.train.grpo_rounds import Round, keep_all, keep_informative, row_keep, row_kl_sums
 from rlt_mega.train.loop import Interval, Trainer
 from rlt_mega.train.supervised import phase_timers
 
@@ -93,7 +96,8 @@ class GRPOJob:
         self.rows_per_step = g.prompts_per_step * g.group_size  # per replica
         self.minibatch_rows = self.rows_per_step // g.minibatches
         self.batch_rows = self.minibatch_rows // batches_per_minibatch(cfg)
-        self.objective = GRPOObjective(g.eps_low, g.eps_high, g.kl_coef)
+        self.objective = GRPOObjective(settings=loss_settings(cfg))
+        self._t_generate = 0.0
 
     # ------------------------------------------------------------------ one step
     def _batches(self, items: list, k: int) -> list[list]:
@@ -101,54 +105,137 @@ class GRPOJob:
         mb = items[k * self.minibatch_rows:(k + 1) * self.minibatch_rows]
         return [mb[i:i + self.batch_rows] for i in range(0, len(mb), self.batch_rows)]
 
-    def step(self, done: int) -> dict[str, float]:
-        g, dtype, dims = self.cfg.grpo, self.cfg.train.dtype, self.dims
+    def _sample_round(self, sampler: Sampler, done: int, round_: int) -> Round:
+        """prompts_per_step fresh prompts x group_size completions, generated and scored."""
+        g, dims = self.cfg.grpo, self.dims
         records = [self.train_records[i] for i in self.order.take(g.prompts_per_step, dims.dp_rank, dims.dp)]
         rows = [r for r in records for _ in range(g.group_size)]  # the G completions of a prompt are contiguous
         prompts = [prompt_ids(self.tokenizer, r["question"]) for r in rows]
-        seeds = request_seeds(self.cfg.train.seed, done, dims.dp_rank, len(rows))
-
+        seeds = request_seeds(self.cfg.train.seed, done, dims.dp_rank, len(rows), round_)
         with self.timers("generate"):
             t0 = time.perf_counter()
-            sampler = self.sampler()
             rollouts: list[list[Rollout]] = []  # [minibatch][batch]
             for k in range(g.minibatches):
                 batches = self._batches(prompts, k)
                 params = [max_new_tokens_for(sampler.model, b, self.params) for b in batches]
                 rollouts.append(sampler.generate(batches, params, self._batches(seeds, k),
-                                                 pad_id=self.tokenizer.pad_id, dtype=dtype,
+                                                 pad_id=self.tokenizer.pad_id, dtype=self.cfg.train.dtype,
                                                  decode=self.tokenizer.decode))
-            t_generate = time.perf_counter() - t0
+            self._t_generate += time.perf_counter() - t0
         flat = [ro for mb in rollouts for ro in mb]
         with self.timers("score"):
-            rewards, failures = None, 0
+            scores, failures = None, 0
             if dims.is_replica_source:
                 texts = [self.tokenizer.decode(ro.completion(b)) for ro in flat for b in range(ro.batch_size)]
-                ids = [f"step{done}/dp{dims.dp_rank}/row{i}" for i in range(len(rows))]
-                rewards, failures = score(texts, [r["answer"] for r in rows], ids, self.reward_fn)
-            rewards, failures = dims.share_in_replica((rewards, failures))
-        with self.timers("advantages"):
-            advantages = group_advantages(torch.tensor(rewards), g.group_size, g.advantage, g.advantage_eps)
-        refs: list[list[Optional[torch.Tensor]]] = [[None] * len(mb) for mb in rollouts]
+                ids = [f"step{done}/round{round_}/dp{dims.dp_rank}/row{i}" for i in range(len(rows))]
+                scores, failures = score(texts, [r["answer"] for r in rows], ids, self.reward_fn)
+            scores, failures = dims.share_in_replica((scores, failures))
+            lengths = [n for ro in flat for n in ro.completion_lens]
+            penalties = overlong_penalties(lengths, self.cfg.sampling.max_new_tokens, g.overlong_buffer,
+                                           g.overlong_penalty)
+        return Round(rows, rollouts, scores, penalties, failures)
+
+    def _sample(self, done: int) -> tuple[list[Round], dict[str, float]]:
+        """The step's rounds (one, or dynamic sampling's), their kept groups marked."""
+        g, dims = self.cfg.grpo, self.dims
+        sampler = self.sampler()
+        rounds: list[Round] = []
+        kept = 0
+        for round_ in range(g.max_sampling_rounds if g.dynamic_sampling else 1):
+            rnd = self._sample_round(sampler, done, round_)
+            rounds.append(rnd)
+            if not g.dynamic_sampling:
+                keep_all(rnd, g.group_size)
+                kept = g.prompts_per_step
+                break
+            kept += keep_informative(rnd, g.group_size, g.prompts_per_step - kept)
+            # Every replica samples as many rounds as the neediest (its data order stays the same).
+            short = torch.tensor([float(kept < g.prompts_per_step)], device=dims.device)
+            if not dims.all_reduce(short, op="max", axis="dp").item():
+                break
+        if kept < g.prompts_per_step:
+            log.warning("GRPO step %d: dynamic sampling kept %d informative groups of the %d wanted in %d rounds "
+                        "(grpo.max_sampling_rounds); the step learns from those", done, kept, g.prompts_per_step,
+                        len(rounds))
+        drawn = len(rounds) * g.prompts_per_step
+        return rounds, {"sampling/prompts_drawn": float(drawn), "sampling/groups_dropped": float(drawn - kept),
+                        "sampling/groups_kept": float(kept), "sampling/rounds": float(len(rounds))}
+
+    def _reference(self, rounds: list[Round]) -> None:
+        """The frozen reference's replay of every batch the step learns from; under
+        grpo.kl_in_reward also each row's KL penalty, shared over the model replica."""
+        g, dims = self.cfg.grpo, self.dims
+        for rnd in rounds:
+            rnd.refs = [self.reference.replay(mb) if self._learns_from(rnd, k) else [None] * len(mb)
+                        for k, mb in enumerate(rnd.rollouts)]
+            if g.kl_in_reward:
+                sums = torch.cat([row_kl_sums(ro, ref if dims.is_loss_rank else None, g.kl_estimator)
+                                  for mb, refs in zip(rnd.rollouts, rnd.refs) for ro, ref in zip(mb, refs)])
+                # Only the loss rank (the last stage, TP rank 0) has the reference's values.
+                sums = dims.all_reduce(sums.to(dims.device), axis="mp").cpu()
+                rnd.kl_penalties = g.kl_coef * sums
+
+    def _learns_from(self, rnd: Round, k: int) -> bool:
+        g = self.cfg.grpo
+        groups = self.minibatch_rows // g.group_size
+        return bool(rnd.group_keep[k * groups:(k + 1) * groups].any())
+
+    def _minibatch(self, rounds: list[Round], k: int, advantages: list[torch.Tensor],
+                   replays: dict[int, list]) -> list[dict]:
+        """Minibatch k as the engine's batches: batch j holds batch (k, j) of every round that
+        kept one of its rows (round 0's, carrying no loss, if none did: the engine steps over a
+        fixed number of batches)."""
+        g = self.cfg.grpo
+        batches = []
+        for j in range(len(rounds[0].rollouts[k])):
+            parts = []
+            for r, rnd in enumerate(rounds):
+                keep = self._batches(list(row_keep(rnd, g.group_size, g.mask_truncated).unbind(0)), k)[j]
+                if not any(bool(x) for x in keep):
+                    continue
+                adv = self._batches(list(advantages[r].unbind(0)), k)[j]
+                ref = None if (rnd.refs is None or g.kl_in_reward) else rnd.refs[k][j]
+                parts.append(GRPOPart(rnd.rollouts[k][j], replays[r][j], torch.stack(adv), ref, torch.stack(keep)))
+            if not parts:  # no round kept a row of this batch: round 0's, carrying no loss
+                r = min(replays)
+                ro = rounds[r].rollouts[k][j]
+                parts.append(GRPOPart(ro, replays[r][j], torch.zeros(ro.batch_size), None,
+                                      torch.zeros(ro.batch_size, dtype=torch.bool)))
+            batches.append(grpo_batch(parts))
+        return batches
+
+    def step(self, done: int) -> dict[str, float]:
+        g, dims = self.cfg.grpo, self.dims
+        self._t_generate = 0.0
+        rounds, sampling = self._sample(done)
         if self.reference is not None:
             with self.timers("reference"):
-                refs = [self.reference.replay(mb) for mb in rollouts]
+                self._reference(rounds)
+        with self.timers("advantages"):
+            advantages = [group_advantages(rnd.rewards().float(), g.group_size, g.advantage, g.advantage_eps)
+                          for rnd in rounds]
 
         self.objective.records = []
         step_stats = []
         t_learn = 0.0
+        first_records = 0
+        learned: list[Rollout] = []
         for epoch in range(g.epochs):
-            for k, mb_rollouts in enumerate(rollouts):
+            for k in range(g.minibatches):
                 t0 = time.perf_counter()
                 with self.timers("replay"):
-                    # Fresh caches under the current parameters (after the previous update).
-                    replayed = self.sampler().replay(mb_rollouts)
-                adv = self._batches(list(advantages.unbind(0)), k)
-                batches = [grpo_batch(ro, rp, torch.stack(a), ref)
-                           for ro, rp, a, ref in zip(mb_rollouts, replayed, adv, refs[k])]
+                    # Fresh caches under the current parameters (after the previous update); a
+                    # round's minibatch is replayed as it was sampled, its batches together.
+                    policy = self.sampler()
+                    used = [r for r, rnd in enumerate(rounds) if self._learns_from(rnd, k)] or [0]
+                    replays = {r: policy.replay(rounds[r].rollouts[k]) for r in used}
+                batches = self._minibatch(rounds, k, advantages, replays)
                 with self.timers("update"):
                     stats = self.engine.train_step(batches, self.objective)
                 t_learn += time.perf_counter() - t0
+                if epoch == 0 and k == 0:
+                    first_records = len(self.objective.records) if dims.is_loss_rank else 0
+                learned.extend(p.rollout for b in batches for p in b["parts"])
                 step_stats.append(stats)
                 self.state.updates += 1
                 self.state.nonfinite_total += int(stats.skipped)
@@ -156,16 +243,26 @@ class GRPOJob:
                     log.warning("GRPO step %d, update %d: non-finite loss/gradient, skipped", done,
                                 self.state.updates)
 
-        scalars = reduce_step_metrics(dims, rewards, failures, flat, self.objective.records,
-                                      first_records=batches_per_minibatch(self.cfg), epochs=g.epochs,
-                                      t_generate=t_generate, t_learn=t_learn, with_reference=self.reference is not None)
+        scores = [x for rnd in rounds for x in rnd.scores]
+        flat = [ro for rnd in rounds for ro in rnd.flat]
+        src = 1.0 if dims.is_replica_source else 0.0
+        per_row = {}  # replica sums, reported per sampled row
+        if g.overlong_buffer:
+            per_row["reward/overlong_penalty"] = src * sum(x for rnd in rounds for x in rnd.penalties)
+        if g.kl_in_reward:
+            per_row["kl/reward_penalty"] = src * sum(float(rnd.kl_penalties.sum()) for rnd in rounds)
+        totals = {k: src * v for k, v in sampling.items()} if g.dynamic_sampling else {}  # over every replica
+        scalars = reduce_step_metrics(dims, scores, sum(rnd.failures for rnd in rounds), flat, self.objective.records,
+                                      first_records=first_records, epochs=1, t_generate=self._t_generate,
+                                      t_learn=t_learn, with_reference=self.reference is not None and not g.kl_in_reward,
+                                      learned=learned, per_row=per_row, totals=totals)
         scalars.update({
             "train/loss": sum(s.loss for s in step_stats) / len(step_stats),
             "train/grad_norm": max(s.grad_norm for s in step_stats),
             "train/lr": step_stats[-1].lr,
             "train/nonfinite_skipped": float(self.state.nonfinite_total),
         })
-        self.state.completions += len(rows) * dims.dp
+        self.state.completions += sum(len(rnd.rows) for rnd in rounds) * dims.dp
         return scalars
 
     def log_line(self, scalars: dict[str, float], seconds: float) -> dict[str, float]:
@@ -177,23 +274,32 @@ class GRPOJob:
     # ------------------------------------------------------------------ evaluation
     def evaluate(self, step: int) -> dict[str, float]:
         """Held-out greedy accuracy on the first grpo.eval_size records, each replica taking
-        every dp-th of them (at step 0: the accuracy before GRPO)."""
+        every dp-th of them (at step 0: the accuracy before GRPO); with eval.samples = n > 0
+        also pass@k, maj@k and mean@n of n samples per problem (rlt_mega/rollout/evaluation.py)."""
         n = min(self.cfg.grpo.eval_size, len(self.eval_records))
         if n == 0:
             return {}
         dims = self.dims
         with self.timers("eval"):
             sampler = self.sampler()  # on every rank (a collective under ZeRO-3), records or not
-            mine = [self.eval_records[i] for i in range(dims.dp_rank, n, dims.dp)]
-            accuracy = 0.0
+            indices = list(range(dims.dp_rank, n, dims.dp))
+            mine = [self.eval_records[i] for i in indices]
+            accuracy, sampled = 0.0, {}
             if mine:
                 accuracy, _ = greedy_accuracy(sampler, self.tokenizer, mine, self.cfg, self.cfg.train.dtype)
+            if self.cfg.eval.samples:
+                names = metric_names(self.cfg.eval.samples, self.cfg.eval.k)
+                sums = (sampled_scores(sampler, self.tokenizer, mine, indices, self.cfg, self.cfg.train.dtype)
+                        if mine else dict.fromkeys(names, 0.0))
+                sampled = dict(zip(names, dims.sum_over_dp([sums[k] for k in names])))
             correct, total = dims.sum_over_dp([accuracy * len(mine), float(len(mine))])
             accuracy = correct / total
         if step == 0:
             self.state.accuracy_before = accuracy
-        log.info("GRPO step %d: held-out greedy accuracy %.3f (%d problems)", step, accuracy, n)
-        return {"eval/accuracy": accuracy}
+        out = {"eval/accuracy": accuracy, **{k: v / total for k, v in sampled.items()}}
+        shown = "".join(f", {k.removeprefix('eval/')} {v:.3f}" for k, v in out.items() if k != "eval/accuracy")
+        log.info("GRPO step %d: held-out greedy accuracy %.3f%s (%d problems)", step, accuracy, shown, n)
+        return out
 
     def result(self) -> dict:
         return {"eval/accuracy_before": self.state.accuracy_before}
@@ -208,11 +314,23 @@ class GRPOJob:
 
 
 # ---------------------------------------------------------------------- what GRPO derives
-def request_seeds(seed: int, step: int, dp_rank: int, num: int) -> list[int]:
-    """Per-request sampling seeds from (run seed, step, global row): replicas draw independent
-    samples, and a resumed run draws the same ones."""
-    base = (seed * 1_000_003 + step) * 65_536 + dp_rank * num
+def request_seeds(seed: int, step: int, dp_rank: int, num: int, round_: int = 0) -> list[int]:
+    """Per-request sampling seeds from (run seed, step, sampling round, global row): replicas
+    and dynamic sampling's rounds draw independent samples, and a resumed run draws the same ones."""
+    base = (seed * 1_000_003 + step) * 65_536 + dp_rank * num + round_ * 2 ** 40
     return [base + i for i in range(num)]
+
+
+def loss_settings(cfg: Config) -> LossSettings:
+    """The objective's settings from grpo.*: GSPO's own clip range under policy_loss=gspo, the
+    KL as a loss term unless it is folded into the reward, Dr.GRPO's constant length
+    defaulting to the budget of new tokens."""
+    g = cfg.grpo
+    gspo = g.policy_loss == "gspo"
+    return LossSettings(eps_low=g.gspo_eps_low if gspo else g.eps_low, eps_high=g.gspo_eps_high if gspo else g.eps_high,
+                        kl_coef=0.0 if g.kl_in_reward else g.kl_coef, loss=g.policy_loss, clip_ratio_c=g.clip_ratio_c,
+                        kl_estimator=g.kl_estimator, loss_agg=g.loss_agg,
+                        loss_agg_length=g.loss_agg_length or cfg.sampling.max_new_tokens, entropy_coef=g.entropy_coef)
 
 
 def grpo_config(cfg: Config) -> Config:

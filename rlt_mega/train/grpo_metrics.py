@@ -9,7 +9,7 @@ never a mean of means.
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from rlt_mega.rollout import Rollout
 from rlt_mega.parallel.dims import ParallelDims
@@ -19,10 +19,15 @@ INF = float("inf")
 
 def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: int, rollouts: Sequence[Rollout],
                         records: Sequence[dict], first_records: int, epochs: int, t_generate: float, t_learn: float,
-                        with_reference: bool) -> dict[str, float]:
+                        with_reference: bool, learned: Optional[Sequence[Rollout]] = None,
+                        per_row: Optional[dict[str, float]] = None,
+                        totals: Optional[dict[str, float]] = None) -> dict[str, float]:
     """rewards: this replica's, one per row; rollouts: its micro-batches of the step; records:
-    the objective's per-micro-batch metrics on a loss rank (empty elsewhere), the first
-    ``first_records`` of them the on-policy minibatch (epoch 0, minibatch 0)."""
+    the objective's per-part metrics on a loss rank (empty elsewhere), the first
+    ``first_records`` of them the on-policy minibatch (epoch 0, minibatch 0). learned: the
+    rollout batches the learner ran, every epoch (default: rollouts, epochs times); per_row:
+    replica sums (nonzero on the replica source only) reported per sampled row, by name;
+    totals: the same, reported summed over the replicas."""
     src = 1.0 if dims.is_replica_source else 0.0
     sums = {
         "rows": src * len(rewards),
@@ -32,13 +37,18 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
         "completion_tokens": src * sum(ro.num_completion_tokens() for ro in rollouts),
         "stopped": src * sum(f != "length" for ro in rollouts for f in ro.finish_reasons),
         # sequence positions (prompt + completion) the learner ran through replay and dense
-        "learner_positions": src * epochs * sum(ro.batch_size * ro.schedule.num_steps for ro in rollouts),
+        "learner_positions": src * (epochs * sum(ro.batch_size * ro.schedule.num_steps for ro in rollouts)
+                                    if learned is None else
+                                    sum(ro.batch_size * ro.schedule.num_steps for ro in learned)),
+        **(per_row or {}),
+        **(totals or {}),
     }
     mins: dict[str, float] = {"ratio_min": INF, "first_ratio_min": INF}
     maxs: dict[str, float] = {"ratio_max": -INF, "first_ratio_max": -INF, "diff_max": -INF,
                               "t_generate": t_generate, "t_learn": t_learn}
     learner = {k: 0.0 for k in ("tokens", "ratio_sum", "clipped", "support_miss", "kl_sum", "diff_sum",
-                                "miss_dense_sum", "first_tokens", "first_kl_sum")}
+                                "miss_dense_sum", "first_tokens", "first_kl_sum",
+                                "entropy_sum")}
     if dims.is_loss_rank:
         for i, m in enumerate(records):
             n = m["num_tokens"]
@@ -47,6 +57,7 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
             learner["clipped"] += m["clipped"]
             learner["support_miss"] += m["support_miss"]
             learner["kl_sum"] += m["kl_sum"]
+            learner["entropy_sum"] += m.get("entropy_sum", 0.0)
             learner["diff_sum"] += m["logprob_diff_mean"] * n
             learner["miss_dense_sum"] += m["support_miss_dense"] * n
             if n:
@@ -86,6 +97,9 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
         "perf/rollout_tokens_per_s": r["completion_tokens"] / max(r["t_generate"], 1e-9),
         "perf/learner_tokens_per_s": r["learner_positions"] / max(r["t_learn"], 1e-9),
     }
+    out["policy/entropy"] = r["entropy_sum"] / tokens  # the dense policy's, under the rollout's processing
+    out.update({name: r[name] / rows for name in per_row or {}})
+    out.update({name: r[name] for name in totals or {}})
     if with_reference:
         out["kl/reference"] = r["kl_sum"] / tokens
     return out

@@ -21,6 +21,7 @@ import torch
 from rlt_mega.config import Config, from_dict
 from rlt_mega.data.pairs import RecordOrder, prompt_ids
 from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
 from rlt_mega.model.rlt import build_model
@@ -31,7 +32,8 @@ from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate, replay
 from rlt_mega.rollout.rewards import score
 from rlt_mega.train.common import max_new_tokens_for, sampling_params
-from rlt_mega.train.grpo import batches_per_minibatch, build_trainer, engine_config, grpo_config, request_seeds
+from rlt_mega.train.grpo import (batches_per_minibatch, build_trainer, engine_config, grpo_config, loss_settings,
+                                 request_seeds)
 from tests.distributed.scenarios import max_diff
 
 MODEL = dict(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, memory_block=2,
@@ -114,6 +116,7 @@ class OneProcessGRPO:
 
     def step(self, recs: list[dict], lrs: list[float]) -> dict:
         cfg, g = self.cfg, self.cfg.grpo
+        settings = loss_settings(cfg)
         params = sampling_params(cfg, self.tok)
         order = RecordOrder(len(recs), cfg.train.seed, cfg.data.shuffle)
         global_idx = order.take(g.prompts_per_step * self.dp)
@@ -139,13 +142,14 @@ class OneProcessGRPO:
         for k in range(g.minibatches):
             picked = [(ro, a, ref) for rollouts, adv, refs, _ in ranks
                       for ro, a, ref in list(zip(rollouts, adv, refs))[k * per_mb:(k + 1) * per_mb]]
-            count = sum(ro.num_completion_tokens() for ro, _, _ in picked)
+            # The step's normaliser over every replica's batches (grpo.loss_agg).
+            count = sum(loss_count(ro.mask.bool(), g.loss_agg, settings.loss_agg_length) for ro, _, _ in picked)
             self.opt.zero_grad(set_to_none=True)
             total = 0.0
             for ro, a, ref in picked:
                 logp = hybrid_logprobs(dense_logprobs(self.model, ro), replay(self.model, ro))
                 loss = grpo_loss(logp, ro.mu, a, ro.mask, g.eps_low, g.eps_high, ref_logp=ref,
-                                 kl_coef=g.kl_coef if ref is not None else 0.0).loss / count
+                                 kl_coef=g.kl_coef if ref is not None else 0.0, loss_agg=g.loss_agg).loss / count
                 loss.backward()
                 total += float(loss)
             for grp in self.opt.param_groups:
@@ -197,7 +201,7 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
     def spy(batches, loss):
         stats = original(batches, loss)
         captured.setdefault("stats", []).append(stats)
-        captured.setdefault("rollouts", []).extend(b["rollout"] for b in batches)
+        captured.setdefault("rollouts", []).extend(p.rollout for b in batches for p in b["parts"])
         return stats
 
     trainer.engine.train_step = spy
@@ -218,3 +222,28 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
     trainer.engine.close()
     dims.destroy()
     return out
+
+
+def constant_for_most(completion: str, answer) -> float:
+    """Constant (1.0) for two prompts in three, the odd-character fraction for the others."""
+    return odd(completion, answer) if int(answer.split()[-1]) % 3 == 0 else 1.0
+
+
+def dynamic_sampling_step(parallel: dict, grpo: dict | None = None) -> dict:
+    """One GRPO step with dynamic sampling under a reward that makes most groups constant:
+    every replica learns from prompts_per_step informative groups, on-policy ratios exactly 1."""
+    cfg = grpo_config(grpo_cfg(parallel, None, {"dynamic_sampling": True, "max_sampling_rounds": 8, **(grpo or {})}))
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
+    trainer = build_trainer(cfg, dims, load_tokenizer("byte"), constant_for_most, records(48), [])
+    kept_rows = []
+    original = trainer.engine.train_step
+
+    def spy(batches, loss):
+        kept_rows.append(sum(int(p.rows.sum()) for b in batches for p in b["parts"]))
+        return original(batches, loss)
+
+    trainer.engine.train_step = spy
+    scalars = trainer.job.step(0)
+    trainer.engine.close()
+    dims.destroy()
+    return {"scalars": scalars, "kept_rows": kept_rows, "dp": dims.dp}

@@ -1,0 +1,108 @@
+"""verl 0.9.1's own ``verl/trainer/ppo/core_algos.py``, loaded for tests as an independent
+implementation of the GRPO toolbox (agg_loss, compute_policy_loss_vanilla, ..._gspo,
+compute_grpo_outcome_advantage, compute_rloo_outcome_advantage, kl_penalty).
+
+``import verl`` pulls ray (verl/protocol.py) and verl pins transformers<5.11, so verl is NOT
+installed into the venv: ``pip install --no-deps --target`` puts its source in a cache folder
+(RLT_VERL_DIR, default ~/.cache/rlt_mega/verl-0.9.1), and the package and the few modules
+core_algos imports besides torch and numpy are stand-ins made here, stated plainly:
+
+- ``verl``, ``verl.utils``, ``verl.trainer``, ``verl.workers``: empty packages over the real
+  folders (their ``__init__`` files import ray and the trainers), so the real submodules load;
+- ``verl.utils.device``: get_device_name() = "cpu" (verl probes the accelerator);
+- ``verl.trainer.config.AlgoConfig``, ``verl.workers.config.ActorConfig``: empty classes (used
+  as type hints and in one isinstance check);
+- ``omegaconf.DictConfig`` and ``tensordict.TensorDict``: empty classes (type hints only);
+- ``transformers.PreTrainedTokenizer`` is the real one.
+
+Everything core_algos computes (and verl.utils.torch_functional's masked_sum / masked_mean,
+verl.utils.groupwise) is verl's own code. When pip cannot fetch verl the tests that need it
+skip, saying so; the hand-computed cases beside them still run.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+VERSION = "0.9.1"
+
+
+def _source_dir() -> Path:
+    root = Path(os.environ.get("RLT_VERL_DIR", Path.home() / ".cache" / "rlt_mega" / f"verl-{VERSION}"))
+    if not (root / "verl" / "trainer" / "ppo" / "core_algos.py").is_file():
+        root.mkdir(parents=True, exist_ok=True)
+        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(root),
+                               f"verl=={VERSION}"], capture_output=True, text=True)
+        if proc.returncode != 0:
+            pytest.skip(f"verl=={VERSION} could not be fetched into {root} (pip: {proc.stderr.strip()[-300:]})")
+    return root
+
+
+def _package(name: str, path: Path) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__path__ = [str(path)]
+    sys.modules[name] = mod
+    return mod
+
+
+def _module(name: str, **attrs) -> types.ModuleType:
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs)
+    sys.modules[name] = mod
+    return mod
+
+
+_CORE = None
+
+
+def core_algos():
+    """verl's core_algos module (loaded once)."""
+    global _CORE
+    if _CORE is not None:
+        return _CORE
+    root = _source_dir() / "verl"
+    saved = {k: v for k, v in sys.modules.items() if k == "verl" or k.startswith("verl.")
+             or k in ("omegaconf", "tensordict")}
+    if "omegaconf" not in sys.modules:
+        _module("omegaconf", DictConfig=type("DictConfig", (dict,), {}))
+    if "tensordict" not in sys.modules:
+        _module("tensordict", TensorDict=type("TensorDict", (), {}))
+    _package("verl", root)
+    utils = _package("verl.utils", root / "utils")
+    _package("verl.trainer", root / "trainer")
+    _package("verl.workers", root / "workers")
+    import torch
+
+    _module("verl.utils.device", get_device_name=lambda: "cpu", get_torch_device=lambda: torch.cpu,
+            is_cuda_available=False, is_npu_available=False)
+    _module("verl.trainer.config", AlgoConfig=type("AlgoConfig", (), {}))
+    _module("verl.workers.config", ActorConfig=type("ActorConfig", (), {}))
+    groupwise = importlib.import_module("verl.utils.groupwise")
+    utils.as_torch_index, utils.group_mean_std = groupwise.as_torch_index, groupwise.group_mean_std
+    try:
+        _CORE = importlib.import_module("verl.trainer.ppo.core_algos")
+    finally:  # leave no stand-in behind for other tests
+        for k in [k for k in sys.modules if k == "verl" or k.startswith("verl.") or k in ("omegaconf", "tensordict")]:
+            if k not in saved:
+                del sys.modules[k]
+        sys.modules.update(saved)
+    return _CORE
+
+
+def actor_config(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **global_batch_info):
+    """What compute_policy_loss_* read of verl's ActorConfig (attributes, ``get``), as an
+    instance of core_algos' ActorConfig stand-in (GSPO checks the type)."""
+    base = core_algos().ActorConfig
+    cfg = type("ActorSettings", (base, dict), {})()
+    cfg["clip_ratio_c"] = clip_ratio_c
+    cfg.clip_ratio = clip_ratio_low
+    cfg.clip_ratio_low, cfg.clip_ratio_high = clip_ratio_low, clip_ratio_high
+    cfg.global_batch_info = global_batch_info
+    return cfg
