@@ -64,6 +64,29 @@ class StepKV:
         self.k_t[layer].narrow(3, start, n).copy_(k.permute(0, 2, 3, 1))
         self.v[layer].narrow(2, start, n).copy_(v.transpose(1, 2))
 
+    def write_rows(self, layer: int, rows: torch.Tensor, batch_size: int, start: int, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """The row schedule: k, v (n, m, h_kv, Dh) of slots [start, start + m) of rows ``rows``
+        (n,) of a batch of ``batch_size``."""
+        n, m, h_kv, Dh = k.shape
+        if start + m > self.capacity:
+            raise ValueError(f"cache capacity {self.capacity} exceeded by a write ending at {start + m}")
+        if self.k_t[layer] is None:
+            self.k_t[layer] = k.new_zeros(batch_size, h_kv, Dh, self.capacity)
+            self.v[layer] = v.new_zeros(batch_size, h_kv, self.capacity, Dh)
+        self.k_t[layer][rows, :, :, start:start + m] = k.permute(0, 2, 3, 1)
+        self.v[layer][rows, :, start:start + m] = v.transpose(1, 2)
+
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The row schedule: row b's slot positions[b]; k, v (B, h_kv, Dh); positions (B,) long."""
+        B, h_kv, Dh = k.shape
+        if self.k_t[layer] is None:
+            self.k_t[layer] = k.new_zeros(B, h_kv, Dh, self.capacity)
+            self.v[layer] = v.new_zeros(B, h_kv, self.capacity, Dh)
+        rows = torch.arange(B, device=k.device)
+        self.k_t[layer][rows, :, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [0, end): k^T (B h_kv, Dh, end), v (B h_kv, end, Dh), views of the buffers."""
         k_t, v = self.k_t[layer], self.v[layer]
@@ -106,6 +129,39 @@ def _attend(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor) -> torc
     scores = torch.bmm(q, keys_t)  # (B h_kv, g, S)
     probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
     return torch.bmm(probs if probs.dtype == q.dtype else probs.to(q.dtype), values)
+
+
+def _attend_masked(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``_attend`` with a key mask per row (the row schedule: rows at their own positions).
+    hidden (B, 1, 1, S) bool, True where row b must not see key s; q (B h_kv, g, Dh)."""
+    scores = torch.bmm(q, keys_t)  # (B h_kv, g, S)
+    B = hidden.shape[0]
+    scores = scores.view(B, -1, *scores.shape[1:]).masked_fill(hidden, float("-inf")).view_as(scores)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
+    return torch.bmm(probs if probs.dtype == q.dtype else probs.to(q.dtype), values)
+
+
+@dataclass
+class RowPositions:
+    """One decoder step of the row schedule: row b at position pos[b] (B,) long on the device;
+    its keys [0, pos[b]] of the decoder's K/V and its memory slots [0, 1 + vis(pos[b])) visible.
+    ``num_keys``/``num_slots`` (host ints, from the plan) bound them over the batch, and the masks
+    (B, 1, 1, num_keys / num_slots) bool are True where a row must not look."""
+
+    pos: torch.Tensor
+    num_keys: int
+    num_slots: int
+    hide_keys: torch.Tensor
+    hide_slots: torch.Tensor
+
+    @classmethod
+    def build(cls, pos: torch.Tensor, num_keys: int, memory_block: int) -> "RowPositions":
+        C = memory_block
+        num_slots = 1 + C * (num_keys // C)  # the null slot + vis of the furthest row
+        visible = 1 + C * torch.div(pos + 1, C, rounding_mode="floor")  # (B,)
+        hide_keys = torch.arange(num_keys, device=pos.device)[None, :] > pos[:, None]
+        hide_slots = torch.arange(num_slots, device=pos.device)[None, :] >= visible[:, None]
+        return cls(pos, num_keys, num_slots, hide_keys[:, None, None], hide_slots[:, None, None])
 
 
 class DecodeWeights:
@@ -203,6 +259,47 @@ class DecodeWeights:
             for i, w in self.layers.items():
                 x = self._layer(w, i, x, t, dec, mem, visible, cos, sin)
         return x.unsqueeze(1)
+
+    def decoder_layers_rows(self, u: torch.Tensor, rp: "RowPositions", dec: StepKV, mem: StepKV) -> torch.Tensor:
+        """The row schedule's step: u (B, 1, d), row b at position rp.pos[b] -> (B, 1, d); writes
+        the decoder K/V of each row's position. The same arithmetic as ``decoder_layers`` (RoPE
+        rows gathered per row, masked keys contribute exp(-inf) = 0)."""
+        x = u.squeeze(1)  # (B, d)
+        cos, sin = self.cos.index_select(0, rp.pos)[:, None], self.sin_signed.index_select(0, rp.pos)[:, None]
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            for i, w in self.layers.items():
+                x = self._layer_rows(w, i, x, rp, dec, mem, cos, sin)
+        return x.unsqueeze(1)
+
+    def _layer_rows(self, w: _LayerWeights, i: int, x: torch.Tensor, rp: "RowPositions", dec: StepKV, mem: StepKV,
+                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, Dh = x.shape[0], self.head_dim
+        h, h_kv = w.num_heads, w.num_kv_heads
+        g = h // h_kv
+        a = self._norm(x)
+        qkv = torch.mm(a, w.qkv) if w.qkv_bias is None else torch.addmm(w.qkv_bias, a, w.qkv)
+        qk = qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh)
+        qk = torch.addcmul(qk * cos, qk.roll(Dh // 2, dims=-1), sin)  # RoPE at each row's position
+        v = qkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh)
+        dec.write_at(i, rp.pos, qk[:, h:], v)
+        att = _attend_masked(qk[:, :h].reshape(B * h_kv, g, Dh), *dec.view(i, rp.num_keys), rp.hide_keys)
+        x = _residual_mm(x, att.view(B, h * Dh), w.o)
+        cq = torch.mm(self._norm(x), w.cross_q).view(B * h_kv, g, Dh)
+        x = _residual_mm(x, _attend_masked(cq, *mem.view(i, rp.num_slots), rp.hide_slots).view(B, h * Dh), w.cross_o)
+        gu = torch.mm(self._norm(x), w.gate_up)  # (B, 2F)
+        f = gu.shape[1] // 2
+        return _residual_mm(x, F.silu(gu[:, :f]) * gu[:, f:], w.down)
+
+    @torch.no_grad()
+    def append_memory_rows(self, mem: StepKV, rows: torch.Tensor, batch_size: int, m: torch.Tensor,
+                           start: int) -> None:
+        """``append_memory`` into rows ``rows`` (n,) of a batch of ``batch_size``; m (n, C, d)."""
+        n, c, d = m.shape
+        x = m.reshape(n * c, d).to(self.compute_dtype)
+        with torch.autocast(device_type=m.device.type, enabled=False):
+            for i, w in self.layers.items():
+                kv = torch.mm(x, w.cross_kv).view(n, c, 2, w.num_kv_heads, self.head_dim)
+                mem.write_rows(i, rows, batch_size, 1 + start, kv[:, :, 0], kv[:, :, 1])
 
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         """x / rms(x) in the compute dtype (the norm's weight lives in the next GEMM): the
