@@ -98,6 +98,12 @@ def _take(parts: list, sizes: list[int], index: torch.Tensor) -> Optional[torch.
     return torch.cat(full).index_select(0, index)
 
 
+def _layer(cache, n_list: int, layer: int) -> Optional[torch.Tensor]:
+    """A buffer of a cache, None where it has none (a stage's fused snapshot holds its layers only)."""
+    lst = _lists(cache)[n_list]
+    return lst[layer] if layer < len(lst) else None
+
+
 def _one_row(cache, i: int):
     """A copy of row i of a cache (a parked state)."""
     out = type(cache)(len(_lists(cache)[0]), cache.capacity)
@@ -217,7 +223,7 @@ class RowExecutor:
             sources = [run.parked[u][c] for u in parked] + ([fresh_states[c]] if fresh_states[c] is not None else [])
             for n_list, lst in enumerate(_lists(cache)):
                 for layer in range(len(lst)):
-                    parts = [lst[layer] if old else None] + [_lists(s)[n_list][layer] for s in sources]
+                    parts = [lst[layer] if old else None] + [_layer(s, n_list, layer) for s in sources]
                     if fresh_states[c] is None:
                         parts.append(None)
                     lst[layer] = _take(parts, sizes, index)
