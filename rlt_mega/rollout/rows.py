@@ -38,6 +38,7 @@ completes (and lies past its prefill) one call per distinct block start, over th
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
@@ -166,6 +167,7 @@ class RowPlan:
         self.num_steps = 0
         self.row_steps = 0
         self.prev: Optional[StepPlan] = None
+        self.over = False
         self._forks: list[int] = []  # entries that forked at the last planned step
 
     # ------------------------------------------------------------------ queries
@@ -214,6 +216,8 @@ class RowPlan:
         """Applies the events before step k (module docstring) -> the step's plan, or None when
         the call is over."""
         L, R = self.layout, self.layout.num_rows
+        if self.over:
+            return None
         prev_rows = {s: i for i, s in enumerate(self.prev.seqs)} if self.prev is not None else {}
         park: list[tuple[int, int]] = []
         if self.prev is not None and not self.may_run(k):
@@ -339,9 +343,42 @@ class RowPlan:
         return self.cover[R + self.layout.entry_of[s]]
 
     def _finish(self, k: int) -> None:
-        self.prev = None
+        self.prev, self.over = None, True
+        self.log.append(("end", k))
         return None
 
     def record(self) -> RowRecord:
         return RowRecord(self.layout, {k: v for k, v in self.flags.items() if v}, list(self.log), self.num_steps,
                          self.row_steps)
+
+
+def planned_record(layout: RowLayout, finish_step) -> RowRecord:
+    """The record of a call in which row b's finish flag reads true from step finish_step(b) on:
+    the NCCL simulation's stand-in for real draws (tools/nccl_check.py, tests)."""
+    plan = RowPlan(layout)
+    k = 0
+    while True:
+        if k > 0 and k % layout.check_every == 0 and plan.may_run(k):
+            plan.set_flags(k, [finish_step(b) <= k for b in range(layout.num_rows)])
+        if plan.begin(k) is None:
+            return plan.record()
+        k += 1
+
+
+def record_to_json(record: RowRecord) -> dict:
+    return {"layout": dataclasses.asdict(record.layout), "checks": {str(k): v for k, v in record.checks.items()},
+            "log": [list(e) for e in record.log], "num_steps": record.num_steps, "row_steps": record.row_steps}
+
+
+def record_from_json(d: dict) -> RowRecord:
+    lay = dict(d["layout"])
+    for key in ("prompt_lens", "entry_of"):
+        lay[key] = tuple(lay[key])
+    lay["entry_rows"] = tuple(tuple(r) for r in lay["entry_rows"])
+    log = [tuple(_tuples(x) for x in e) for e in d["log"]]
+    return RowRecord(RowLayout(**lay), {int(k): list(v) for k, v in d["checks"].items()}, log, d["num_steps"],
+                     d["row_steps"])
+
+
+def _tuples(x):
+    return list(x) if isinstance(x, list) else x
