@@ -77,7 +77,7 @@ def _draw_class():
                 stop = sampling & torch.isin(tokens, self.stop_ids)
                 reason = torch.where(running & stop, 1, reason)
                 running = reason == 0
-            length = sampling & (num_new == self.params.max_new_tokens)
+            length = sampling & (num_new == self.budget[targets])
             self.reason[targets] = torch.where(running & length, 3, reason)
             self.num_new[targets] = num_new
 

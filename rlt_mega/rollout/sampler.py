@@ -59,10 +59,17 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # needs a ``decode`` function in ``generate``
+    # Per-row budgets (each in [1, max_new_tokens]; empty: max_new_tokens for every row): a row
+    # ends ("length") on the device after its own budget, which the host learns at a check, as
+    # it learns of a stop token (tools/bench/rollout_rows.py stands in for real stopping with it).
+    row_budgets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if any(not 1 <= n <= self.max_new_tokens for n in self.row_budgets):
+            raise ValueError(f"row_budgets {self.row_budgets}: each must be in [1, max_new_tokens="
+                             f"{self.max_new_tokens}]")
 
 
 @dataclass
@@ -162,6 +169,9 @@ class _Draw:
         self.num_new = torch.zeros(B, dtype=torch.long, device=device)  # tokens drawn per row
         self.reason = torch.zeros(B, dtype=torch.long, device=device)  # index into _REASONS
         self.stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
+        budgets = list(params.row_budgets)
+        budgets += [params.max_new_tokens] * (B - len(budgets))  # (the row schedule's entries: unused)
+        self.budget = torch.as_tensor(budgets, dtype=torch.long, device=device)  # (B,)
         self._sampling: Optional[torch.Tensor] = None
         self.checked = [0] * B  # completion tokens already searched for stop strings (host)
         # A stop string of n bytes spans at most n tokens when every token decodes to at least
@@ -183,7 +193,7 @@ class _Draw:
             stop = sampling & torch.isin(tokens, self.stop_ids)
             self.reason = torch.where(running & stop, 1, self.reason)
             running = self.reason == 0
-        length = sampling & (self.num_new == self.params.max_new_tokens)
+        length = sampling & (self.num_new == self.budget)
         self.reason = torch.where(running & length, 3, self.reason)
 
     def finished(self) -> torch.Tensor:
@@ -401,6 +411,8 @@ def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, see
         raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
     if params.stop_strings and decode is None:
         raise ValueError("stop_strings need a decode function (token ids -> text)")
+    if params.row_budgets and len(params.row_budgets) != len(prompts):
+        raise ValueError(f"{len(params.row_budgets)} row_budgets for {len(prompts)} prompts: give one per prompt")
 
 
 def _path(fast: bool) -> str:
