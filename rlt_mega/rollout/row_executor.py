@@ -286,11 +286,18 @@ class RowExecutor:
             u = model.decoder_input(model.embed(x), run.z)  # (B, 1, d)
         else:
             u = ins[0]
-        rp = RowPositions.build(run.pos, max(run.sp.positions) + 1, self.C)
-        if self.fast is not None:
-            y = self.fast.decoder_layers_rows(u, rp, run.dec, run.mem)
+        lo, hi = min(run.sp.positions), max(run.sp.positions)
+        if lo == hi:  # every row at one position (no row waited): the lockstep step, no masks
+            if self.fast is not None:
+                y = self.fast.decoder_layers(u, lo, run.dec, run.mem)
+            else:
+                y = model.decoder_layers(u, lo, run.dec, run.mem, self.layers)
         else:
-            y = model.decoder_layers_rows(u, rp, run.dec, run.mem, self.layers)
+            rp = RowPositions.build(run.pos, hi + 1, self.C)
+            if self.fast is not None:
+                y = self.fast.decoder_layers_rows(u, rp, run.dec, run.mem)
+            else:
+                y = model.decoder_layers_rows(u, rp, run.dec, run.mem, self.layers)
         if not comms.is_last_stage:
             for msg in step.sends:
                 self._send(y, msg.dst, msg.stream)
