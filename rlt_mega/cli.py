@@ -99,10 +99,12 @@ def _inference_model(cfg: Config):
     from rlt_mega.train.builders import check_vocab, inference_model
 
     from rlt_mega.rollout import Sampler
+    from rlt_mega.rollout.row_sampling import row_switches
 
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     check_vocab(cfg, tokenizer)
-    sampler = Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode, check_every=cfg.sampling.check_every)
+    sampler = Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode, check_every=cfg.sampling.check_every,
+                      rows=row_switches(cfg.sampling))
     return cfg, sampler, tokenizer
 
 
