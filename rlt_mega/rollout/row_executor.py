@@ -171,9 +171,7 @@ class RowExecutor:
             return (len(call.rows), call.end - call.start, self.d), self.act_dtype
         if stream == "r_ctl":  # of the last step (k - 1)
             return (CTL_ROWS, len(run.sp.targets) + run.work.plan.layout.num_rows), torch.long
-        if stream == "r_ring":
-            return (run.num_rows, 1, self.d), self.act_dtype
-        return (run.num_rows, 1, self.d), self.act_dtype  # r_dec of this step
+        return (run.num_rows, 1, self.d), self.act_dtype  # r_ring (of step k - 1), r_dec (of this step)
 
     def _send(self, x: torch.Tensor, stage: int, stream: str) -> None:
         if x.is_floating_point() and x.dtype != self.act_dtype:
@@ -199,11 +197,9 @@ class RowExecutor:
             run.seqs = torch.as_tensor(sp.seqs, dtype=torch.long, device=device)
         for u in sp.unpark:
             run.parked.pop(u, None)
-        if sp.expand is None and sp.build is None and (run.sp is None or run.sp.expand is None):
+        if sp.expand is None:  # one target per row: the batch's own sequences and positions
             run.targets, run.target_pos, run.expand = run.seqs, run.pos, None
-        elif sp.expand is None:
-            run.targets, run.target_pos, run.expand = run.seqs, run.pos, None
-        else:
+        else:  # a fork after this step: its G rows' draws come from its one distribution
             run.targets = torch.as_tensor(sp.targets, dtype=torch.long, device=device)
             run.target_pos = torch.as_tensor(sp.target_positions, dtype=torch.long, device=device)
             run.expand = torch.as_tensor(sp.expand, dtype=torch.long, device=device)

@@ -124,7 +124,7 @@ def row_records(M: int, C: int, check_every: int) -> list:
 
 
 @pytest.mark.parametrize("P", PS)
-@pytest.mark.parametrize("M", [1, 2, 4])
+@pytest.mark.parametrize("M", [1, 3])
 def test_the_row_schedule_ring_runs_under_nccl_rules(P, M):
     from rlt_mega.rollout.ring import row_ring_programs
     from rlt_mega.rollout.rows import RowPlan
