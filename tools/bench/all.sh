@@ -38,8 +38,9 @@ want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/
   --new-tokens 16 --repeats 1
 want stability && run stability python tools/bench/stability.py --steps 40 --lr 1e-3
 # The row schedule (issue 12; not in the default list: ~5 minutes on one quiet core): shared prompts,
-# compaction and slots = rows / 4 against lockstep, 64 GSM8K rows per call (needs the GSM8K train split).
-want rollout_rows && run rollout_rows python tools/bench/rollout_rows.py --repeats 1
+# compaction and slots = rows / 4 against lockstep, 64 GSM8K rows per call (GSM8K_DIR: a directory
+# holding GSM8K's train.jsonl, default data/gsm8k).
+want rollout_rows && run rollout_rows python tools/bench/rollout_rows.py --data "${GSM8K_DIR:-data/gsm8k}" --repeats 1
 # Pretraining data (issue 18; not in the default list: ~6 minutes on 200 MB): preprocess MB/s with
 # 1 and 2 workers, start-up time and peak RSS of the indexed against the in-memory path.
 want data && run data python tools/bench/data.py

@@ -20,8 +20,8 @@ work), and the replay time. With slots = rows / 4 the sequential steps grow whil
 stay low: on a bandwidth-bound GPU a step's cost hardly depends on the batch, so the steps are
 what continuous batching trades for memory (fewer K/V caches live at once).
 
-    PYTHONPATH=. python tools/bench/rollout_rows.py             # the figures (about 5 min on one core)
-    PYTHONPATH=. python tools/bench/rollout_rows.py --quick     # 2 prompts x 8, a smoke test
+    PYTHONPATH=. python tools/bench/rollout_rows.py --data DIR             # the figures (~5 min, one core)
+    PYTHONPATH=. python tools/bench/rollout_rows.py --data DIR --quick     # 2 prompts x 8, a smoke test
 """
 
 from __future__ import annotations
@@ -44,14 +44,12 @@ from rlt_mega.model import build_model  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams, replay  # noqa: E402
 from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches  # noqa: E402
 
-GSM8K = "/work/shared/data/gsm8k/train.jsonl"
-
-
-def gsm8k_call(num_prompts: int, group: int, vocab: int, seed: int) -> tuple[list, list, dict]:
-    """(prompts (rows), per-row budgets, stats) from GSM8K's train split."""
-    if not os.path.exists(GSM8K):
-        raise SystemExit(f"{GSM8K} not found: this benchmark needs the GSM8K train split")
-    with open(GSM8K) as f:
+def gsm8k_call(data: str, num_prompts: int, group: int, vocab: int, seed: int) -> tuple[list, list, dict]:
+    """(prompts (rows), per-row budgets, stats) from GSM8K's train split (``data``/train.jsonl)."""
+    path = os.path.join(data, "train.jsonl")
+    if not os.path.exists(path):
+        raise SystemExit(f"{path} not found: pass --data, a directory with GSM8K's train.jsonl")
+    with open(path) as f:
         records = [json.loads(line) for line in f]
     tok = train_bpe((r["question"] + "\n" + r["answer"] for r in records), vocab)
     rng = random.Random(seed)
@@ -74,6 +72,7 @@ def gsm8k_call(num_prompts: int, group: int, vocab: int, seed: int) -> tuple[lis
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/small_cpu.yaml")
+    ap.add_argument("--data", default="data/gsm8k", help="a directory holding GSM8K's train.jsonl")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -85,7 +84,7 @@ def main() -> None:
     if args.quick:
         args.prompts, args.repeats = 2, 1
     clock = harness.setup(args)
-    prompts, budgets, stats = gsm8k_call(args.prompts, args.group, args.vocab, seed=0)
+    prompts, budgets, stats = gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=0)
     cfg = load_config(args.config)
     model_cfg = dataclasses.replace(cfg.model, vocab_size=args.vocab)
     model = build_model(model_cfg, "cpu", seed=0)
