@@ -359,9 +359,21 @@ class SamplingConfig:
     # loop never synchronises with the host otherwise; a batch runs up to check_every - 1 steps
     # past the end of its last row.
     check_every: int = 8
+    # The row schedule (rollout/rows.py); all three off is the lockstep schedule. share_prompts:
+    # a prompt held by several rows (GRPO's group) runs once, then its state forks into its rows.
+    # compact: a finished row leaves the batch at the next check. slots: rows decoded at once
+    # per rollout call (0: one per row, nobody waits); fewer, and a row waits for a freed slot
+    # (continuous batching; needs compact). Replay repeats whatever the rollout did.
+    share_prompts: bool = True
+    compact: bool = True
+    slots: int = 0
 
     def __post_init__(self) -> None:
         _check(self.check_every >= 1, f"sampling.check_every={self.check_every}: must be >= 1")
+        _check(self.slots >= 0, f"sampling.slots={self.slots}: must be >= 0 (0: one slot per row, no waiting)")
+        _check(self.slots == 0 or self.compact,
+               f"sampling.slots={self.slots} needs sampling.compact: true (a finished row must leave for a "
+               "waiting one to enter); set sampling.slots: 0 or sampling.compact: true")
         _check(self.temperature >= 0, f"sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
         _check(self.top_k >= 0, f"sampling.top_k={self.top_k}: must be >= 0 (0 disables top-k)")
         _check(0 < self.top_p <= 1, f"sampling.top_p={self.top_p}: must be in (0, 1] (1 disables top-p)")

@@ -134,3 +134,16 @@ class DecoderSelfAttention(torch.autograd.Function):
         grad_k, grad_v = cache.accumulate(ctx.layer, ctx.t, grad_keys, grad_values)
         kv_dtype = cache.k[ctx.layer].dtype
         return grad_q, grad_k.to(kv_dtype), grad_v.to(kv_dtype), None, None, None
+
+
+def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """The row schedule's single-position attention (no grad), rows at their own positions:
+    q (B, h_kv, g, Dh) grouped, k, v (B, h_kv, S, Dh), hidden (B, 1, 1, S) True where row b
+    must not look -> (B, h_kv, g, Dh). Softmax in fp32 (fp64), autocast off, as the decoder's
+    self-attention."""
+    with torch.autocast(device_type=q.device.type, enabled=False):
+        k, v = k.to(q.dtype), v.to(q.dtype)
+        scale = 1.0 / math.sqrt(q.shape[-1])
+        scores = (torch.matmul(q, k.transpose(-1, -2)) * scale).masked_fill(hidden, float("-inf"))
+        probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+        return torch.matmul(probs, v)

@@ -34,9 +34,51 @@ class KVCache:
             self.k[layer][:, :, start:end] = k
             self.v[layer][:, :, start:end] = v
 
+    def write_rows(self, layer: int, rows: torch.Tensor, batch_size: int, start: int, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """k, v: (n, h_kv, m, Dh) of positions [start, start + m) of rows ``rows`` (n,) of a
+        batch of ``batch_size`` (the row schedule's encoder calls on some rows)."""
+        end = start + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"cache capacity {self.capacity} exceeded by a write ending at position {end}")
+        if self.k[layer] is None:
+            shape = (batch_size, k.shape[1], self.capacity, k.shape[3])
+            self.k[layer], self.v[layer] = k.new_zeros(shape), v.new_zeros(shape)
+        with torch.no_grad():
+            self.k[layer][rows, :, start:end] = k
+            self.v[layer][rows, :, start:end] = v
+
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, end): (B, h_kv, end, Dh) views of the buffers."""
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The row schedule (rollout/rows.py): row b's one position positions[b]; k, v (B, h_kv,
+        1, Dh), positions (B,) long on the device (no host read)."""
+        if self.k[layer] is None:
+            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
+            self.k[layer], self.v[layer] = k.new_zeros(shape), v.new_zeros(shape)
+        rows = torch.arange(k.shape[0], device=k.device)
+        with torch.no_grad():
+            self.k[layer][rows, :, positions] = k[:, :, 0]
+            self.v[layer][rows, :, positions] = v[:, :, 0]
+
+
+class RowsView:
+    """Rows ``rows`` (a (n,) long tensor) of a cache with ``batch_size`` rows, as a cache of n
+    rows for one encoder call of the row schedule: ``write`` goes into those rows (the buffer
+    allocated for the whole batch at the first write), ``view`` gathers them."""
+
+    def __init__(self, cache, rows: torch.Tensor, batch_size: int) -> None:
+        self.cache, self.rows, self.batch_size = cache, rows, batch_size
+        self.capacity = cache.capacity
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write_rows(layer, self.rows, self.batch_size, start, k, v)
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.cache.view(layer, end)
+        return k.index_select(0, self.rows), v.index_select(0, self.rows)
 
 
 class DecoderKV(KVCache):

@@ -26,6 +26,7 @@ megatron-core layers, and the sampler's ring runs their modules.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlt_mega.model.fused import (Gemm, LayerGemms, NormConstants, attend, fuse_layer, head_counts, rms_forward, rope,
-                                  rope_tables, wide)
+                                  rope_tables, stat_dtype, wide)
 from rlt_mega.precision import LOW_PRECISION
 
 
@@ -62,6 +63,29 @@ class StepKV:
         self.k_t[layer].narrow(3, start, n).copy_(k.permute(0, 2, 3, 1))
         self.v[layer].narrow(2, start, n).copy_(v.transpose(1, 2))
 
+    def write_rows(self, layer: int, rows: torch.Tensor, batch_size: int, start: int, k: torch.Tensor,
+                   v: torch.Tensor) -> None:
+        """The row schedule: k, v (n, m, h_kv, Dh) of slots [start, start + m) of rows ``rows``
+        (n,) of a batch of ``batch_size``."""
+        n, m, h_kv, Dh = k.shape
+        if start + m > self.capacity:
+            raise ValueError(f"cache capacity {self.capacity} exceeded by a write ending at {start + m}")
+        if self.k_t[layer] is None:
+            self.k_t[layer] = k.new_zeros(batch_size, h_kv, Dh, self.capacity)
+            self.v[layer] = v.new_zeros(batch_size, h_kv, self.capacity, Dh)
+        self.k_t[layer][rows, :, :, start:start + m] = k.permute(0, 2, 3, 1)
+        self.v[layer][rows, :, start:start + m] = v.transpose(1, 2)
+
+    def write_at(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """The row schedule: row b's slot positions[b]; k, v (B, h_kv, Dh); positions (B,) long."""
+        B, h_kv, Dh = k.shape
+        if self.k_t[layer] is None:
+            self.k_t[layer] = k.new_zeros(B, h_kv, Dh, self.capacity)
+            self.v[layer] = v.new_zeros(B, h_kv, self.capacity, Dh)
+        rows = torch.arange(B, device=k.device)
+        self.k_t[layer][rows, :, :, positions] = k
+        self.v[layer][rows, :, positions] = v
+
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slots [0, end): k^T (B h_kv, Dh, end), v (B h_kv, end, Dh), views of the buffers."""
         k_t, v = self.k_t[layer], self.v[layer]
@@ -71,6 +95,39 @@ class StepKV:
 
 def _plain(*modules: nn.Module) -> bool:
     return all(type(m) is nn.Linear for m in modules)
+
+
+def _attend_masked(q: torch.Tensor, keys_t: torch.Tensor, values: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """``fused.attend`` with a key mask per row (the row schedule: rows at their own positions).
+    hidden (B, 1, 1, S) bool, True where row b must not see key s; q (B h_kv, g, Dh)."""
+    scores = torch.bmm(q, keys_t)  # (B h_kv, g, S)
+    B = hidden.shape[0]
+    scores = scores.view(B, -1, *scores.shape[1:]).masked_fill(hidden, float("-inf")).view_as(scores)
+    probs = torch.softmax(scores, dim=-1, dtype=stat_dtype(scores.dtype))
+    return torch.bmm(probs if probs.dtype == q.dtype else probs.to(q.dtype), values)
+
+
+@dataclass
+class RowPositions:
+    """One decoder step of the row schedule: row b at position pos[b] (B,) long on the device;
+    its keys [0, pos[b]] of the decoder's K/V and its memory slots [0, 1 + vis(pos[b])) visible.
+    ``num_keys``/``num_slots`` (host ints, from the plan) bound them over the batch, and the masks
+    (B, 1, 1, num_keys / num_slots) bool are True where a row must not look."""
+
+    pos: torch.Tensor
+    num_keys: int
+    num_slots: int
+    hide_keys: torch.Tensor
+    hide_slots: torch.Tensor
+
+    @classmethod
+    def build(cls, pos: torch.Tensor, num_keys: int, memory_block: int) -> "RowPositions":
+        C = memory_block
+        num_slots = 1 + C * (num_keys // C)  # the null slot + vis of the furthest row
+        visible = 1 + C * torch.div(pos + 1, C, rounding_mode="floor")  # (B,)
+        hide_keys = torch.arange(num_keys, device=pos.device)[None, :] > pos[:, None]
+        hide_slots = torch.arange(num_slots, device=pos.device)[None, :] >= visible[:, None]
+        return cls(pos, num_keys, num_slots, hide_keys[:, None, None], hide_slots[:, None, None])
 
 
 class DecodeWeights:
@@ -117,6 +174,12 @@ class DecodeWeights:
         return cls(fused, cross_kv, heads, compute_dtype, param_dtype, cfg.head_dim, cfg.norm_eps,
                    cfg.memory_block, cos, sin, cfg.d_model)
 
+    def _cross_kv_products(self, rows: int) -> dict[int, Gemm]:
+        """The memory's k/v products for ``rows`` rows (prepared once per row count and run)."""
+        if rows not in self._cross_kv:
+            self._cross_kv[rows] = {i: Gemm(w, rows) for i, w in self.cross_kv_w.items()}
+        return self._cross_kv[rows]
+
     def gemms(self, rows: int) -> dict[int, LayerGemms]:
         """The products prepared for batches of ``rows`` (once per batch size and run)."""
         if rows not in self._gemms:
@@ -144,7 +207,7 @@ class DecodeWeights:
         """Commits memory m (B, n, d) (memory_norm applied) of positions [start, start + n)."""
         B, n, d = m.shape
         x = m.reshape(B * n, d).to(self.compute_dtype)
-        products = self._cross_kv.setdefault(B * n, {i: Gemm(w, B * n) for i, w in self.cross_kv_w.items()})
+        products = self._cross_kv_products(B * n)
         h_kv = self.heads[1]
         with torch.autocast(device_type=m.device.type, enabled=False):
             for i in self.layer_ids:
@@ -162,6 +225,53 @@ class DecodeWeights:
             for i in self.layer_ids:
                 x = self._layer(gemms[i], i, x, t, dec, mem, visible, cos, sin)
         return x.unsqueeze(1)
+
+    def decoder_layers_rows(self, u: torch.Tensor, rp: RowPositions, dec: StepKV, mem: StepKV) -> torch.Tensor:
+        """The row schedule's step: u (B, 1, d), row b at position rp.pos[b] -> (B, 1, d); writes
+        the decoder K/V of each row's position. The same arithmetic as ``decoder_layers`` (RoPE
+        rows gathered per row, masked keys contribute exp(-inf) = 0)."""
+        x = u.squeeze(1)  # (B, d)
+        cos, sin = self.cos.index_select(0, rp.pos)[:, None], self.sin_fwd.index_select(0, rp.pos)[:, None]
+        gemms = self.gemms(x.shape[0])
+        with torch.autocast(device_type=u.device.type, enabled=False):
+            for i in self.layer_ids:
+                x = self._layer_rows(gemms[i], i, x, rp, dec, mem, cos, sin)
+        return x.unsqueeze(1)
+
+    def _layer_rows(self, w: LayerGemms, i: int, x: torch.Tensor, rp: RowPositions, dec: StepKV, mem: StepKV,
+                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``_layer`` with each row at its own position: K/V written at rp.pos, keys and memory
+        slots masked per row."""
+        B, Dh, cd = x.shape[0], self.head_dim, self.compute_dtype
+        h, h_kv = w.num_heads, w.num_kv_heads
+        g = h // h_kv
+        a, _ = rms_forward(x, self.norm, cd)
+        qkv = w.qkv(a)
+        qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), cos, sin)  # RoPE at each row's position
+        v = qkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh)
+        dec.write_at(i, rp.pos, qk[:, h:], v)
+        att = _attend_masked(qk[:, :h].reshape(B * h_kv, g, Dh), *dec.view(i, rp.num_keys), rp.hide_keys)
+        x = w.o.add(att.view(B, h * Dh), x)
+        a, _ = rms_forward(x, self.norm, cd)
+        cq = w.cross_q(a).view(B * h_kv, g, Dh)
+        x = w.cross_o.add(_attend_masked(cq, *mem.view(i, rp.num_slots), rp.hide_slots).view(B, h * Dh), x)
+        a, _ = rms_forward(x, self.norm, cd)
+        gu = w.gate_up(a)  # (B, 2F)
+        f = gu.shape[1] // 2
+        return w.down.add(F.silu(gu[:, :f]) * gu[:, f:], x)
+
+    @torch.no_grad()
+    def append_memory_rows(self, mem: StepKV, rows: torch.Tensor, batch_size: int, m: torch.Tensor,
+                           start: int) -> None:
+        """``append_memory`` into rows ``rows`` (n,) of a batch of ``batch_size``; m (n, C, d)."""
+        n, c, d = m.shape
+        x = m.reshape(n * c, d).to(self.compute_dtype)
+        products = self._cross_kv_products(n * c)
+        h_kv = self.heads[1]
+        with torch.autocast(device_type=m.device.type, enabled=False):
+            for i in self.layer_ids:
+                kv = products[i](x).view(n, c, 2, h_kv, self.head_dim)
+                mem.write_rows(i, rows, batch_size, 1 + start, kv[:, :, 0], kv[:, :, 1])
 
     def _layer(self, w: LayerGemms, i: int, x: torch.Tensor, t: int, dec: StepKV, mem: StepKV,
                visible: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

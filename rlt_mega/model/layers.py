@@ -72,6 +72,15 @@ class Rotary(nn.Module):
         return x * cos + rotated * sin
 
 
+    def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (B, h, 1, Dh), row b at position positions[b] ((B,) long on the device)."""
+        cos, sin = self.tables(x.device, x.dtype)
+        cos, sin = cos.index_select(0, positions)[:, None, None], sin.index_select(0, positions)[:, None, None]
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
+
 class SelfAttentionProj(nn.Module):
     """The q, k, v, o projections of a shared block's self-attention."""
 

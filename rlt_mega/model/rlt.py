@@ -40,7 +40,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
-from rlt_mega.model.attention import DecoderSelfAttention, encoder_attention, memory_attention
+from rlt_mega.model.attention import DecoderSelfAttention, encoder_attention, masked_attention, memory_attention
 from rlt_mega.model.cache import DecoderKV, KVCache, MemoryGradients, MemoryKV
 from rlt_mega.model.fused_dense import decode_dense_fused
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
@@ -204,6 +204,27 @@ class RLT(nn.Module):
                        layers: Optional[Sequence[int]] = None) -> torch.Tensor:
         for i in self._layers(layers):
             u = self.decoder_layer(i, u, t, dec, mem)
+        return u
+
+    def decoder_layers_rows(self, u: torch.Tensor, rp, dec: KVCache, mem: MemoryKV,
+                            layers: Optional[Sequence[int]] = None) -> torch.Tensor:
+        """The row schedule's no-grad step (rollout/rows.py): u (B, 1, d), row b at position
+        rp.pos[b] (``fast_decode.RowPositions``: positions and key masks on the device) ->
+        (B, 1, d). The function of ``decoder_layers``, each row with its own RoPE position,
+        attention length and vis(t)."""
+        for i in self._layers(layers):
+            blk = self.decoder_block(i)
+            q, k, v = blk.attn.qkv(blk.attn_norm(u))  # q (B, h, 1, Dh); k, v (B, h_kv, 1, Dh)
+            q, k = self.rotary.at(q, rp.pos), self.rotary.at(k, rp.pos)
+            dec.write_at(i, rp.pos, k, v)
+            a = masked_attention(group_query(q, k.shape[1]), *dec.view(i, rp.num_keys), rp.hide_keys)
+            u = u + blk.attn.out(ungroup_query(a, q.shape[1]))
+            cb = self.cross[i]
+            cq = cb.attn.query(cb.cross_norm(u))  # (B, h, 1, Dh)
+            n_kv = mem.k[i].shape[1]
+            c = masked_attention(group_query(cq, n_kv), *mem.view(i, rp.num_slots), rp.hide_slots)
+            u = u + cb.attn.out(ungroup_query(c, cq.shape[1]))
+            u = u + blk.mlp(blk.mlp_norm(u))
         return u
 
     def decoder_step(self, e_t: torch.Tensor, z_prev: torch.Tensor, t: int, dec: KVCache,

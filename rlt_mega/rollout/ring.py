@@ -29,8 +29,13 @@ runs ``num_steps`` = a multiple of check_every (or max_steps) steps. The last st
 messages of step t+1 whenever t + 1 < max_steps (the receivers post them before they know the
 decision), so a stopping micro-batch leaves one ``r_ring`` unused.
 
-Issue 12 (continuous batching: rows leaving and entering, prompts forked) extends ``r_ctl`` by
-rows of per-row control (positions, slot events): its shape stays fixed per micro-batch.
+The row schedule (rollout/rows.py: shared prompts forked into their rows, rows leaving and
+entering slots, rows at their own positions) runs the same ring through ``row_ring_steps``: an
+item (k, j) is decoder step k of micro-batch j, its encoder calls are the plan's (prefills of
+entering sequences, per-row memory blocks, each with its own messages), and ``r_ctl`` carries
+the step's chosen tokens (one per target: a forking entry has its G rows' first tokens) and the
+finish flags of all R rows, (CTL_ROWS, targets + R): every stage applies the same events from
+the same flags at a check, and shapes follow from the plan on both sides.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator, NamedTuple, Optional, Sequence
 
 from rlt_mega.parallel.nccl_sim import Msg
+from rlt_mega.rollout.rows import RowPlan
 
 CTL_ROWS = 2  # r_ctl: (CTL_ROWS, B) long; row 0: x_{t+1}, row 1: the rows' finish flags
 
@@ -148,3 +154,59 @@ def ring_programs(num_stages: int, memory_block: int, check_every: int, metas: S
                              f"every {check_every} steps")
     return [list(ring_steps(s, num_stages, memory_block, check_every, metas, lambda j: num_steps[j]))
             for s in range(num_stages)]
+
+
+def row_ring_steps(stage: int, num_stages: int, check_every: int, plans: Sequence[RowPlan]) -> Iterator[RingStep]:
+    """The steps of ``stage`` for micro-batches run by row plans (rollout/rows.py), in order.
+    The plans are consulted lazily: ``may_run(k)`` decides which messages of step k are posted
+    (before a check's flags are known), then, once the executor has taken item k's control
+    message (stages < last) or chosen step k - 1's tokens (the last stage), ``begin(k)`` says
+    whether the step runs and which encoder calls precede it. The executor sets a check's flags
+    on the plan before ``begin``; a recorded plan (replay, simulation) has them already.
+    ``RingStep.block`` of an encoder step is (start, end, call index)."""
+    s, P = stage, num_stages
+    last = P - 1
+    steps: list = [None] * len(plans)  # the StepPlan of the current item, per micro-batch
+
+    def step(kind: str, j: int, k: int, recvs=(), sends=(), block=None, cost=0.0) -> RingStep:
+        keep = lambda msgs: tuple(m for m in msgs if m.src != m.dst)  # noqa: E731
+        return RingStep(f"{kind}(j={j}, k={k})", keep(recvs), keep(sends), cost, kind, j, k, block)
+
+    alive = [True] * len(plans)
+    k = 0
+    while any(alive):
+        for j, plan in enumerate(plans):
+            if not alive[j]:
+                continue
+            if k > 0 and s < last and plan.may_run(k) and (s == 0 or is_check(k, check_every)):
+                recvs = (Msg(last, s, "r_ctl", j, k - 1),) + ((Msg(last, 0, "r_ring", j, k - 1),) if s == 0 else ())
+                yield step("in", j, k, recvs)
+            sp = plan.begin(k)
+            steps[j] = sp
+            if sp is None:
+                alive[j] = False
+                continue
+            for c, call in enumerate(sp.calls):
+                block = (call.start, call.end, c)
+                yield step("enc", j, k, *_encoder_messages(s, P, j, k), block=block)
+                if s < last:
+                    yield step("mem", j, k, (Msg(last, s, "r_mem", j, k),), block=block)
+            recvs = (Msg(s - 1, s, "r_dec", j, k),) if s > 0 else ()
+            if s < last:
+                sends = (Msg(s, s + 1, "r_dec", j, k),)
+            else:
+                sends = []
+                if plan.may_run(k + 1):
+                    sends.append(Msg(s, 0, "r_ctl", j, k))
+                    if is_check(k + 1, check_every):
+                        sends += [Msg(s, r, "r_ctl", j, k) for r in range(1, P - 1)]
+                    sends.append(Msg(s, 0, "r_ring", j, k))
+                sends = tuple(sends)
+            yield step("dec", j, k, recvs, sends, cost=1.0)
+        k += 1
+
+
+def row_ring_programs(num_stages: int, check_every: int, plans_for_stage) -> list[list[RingStep]]:
+    """Every stage's whole program; ``plans_for_stage(s)``: fresh recorded RowPlans (one per
+    micro-batch) for stage s, which replay the flags their record holds."""
+    return [list(row_ring_steps(s, num_stages, check_every, plans_for_stage(s))) for s in range(num_stages)]

@@ -48,6 +48,10 @@ from rlt_mega.precision import precision
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.executor import DEFAULT_CHECK_EVERY, Executor, Plan, Result
 from rlt_mega.rollout.processing import Processing, draw_uniforms, make_generators, sample
+from rlt_mega.rollout.row_executor import RowExecutor
+from rlt_mega.rollout.rows import RowRecord
+from rlt_mega.rollout import row_sampling
+from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -55,10 +59,17 @@ class SamplingParams:
     max_new_tokens: int = 64
     stop_token_ids: tuple[int, ...] = ()
     stop_strings: tuple[str, ...] = ()  # needs a ``decode`` function in ``generate``
+    # Per-row budgets (each in [1, max_new_tokens]; empty: max_new_tokens for every row): a row
+    # ends ("length") on the device after its own budget, which the host learns at a check, as
+    # it learns of a stop token (tools/bench/rollout_rows.py stands in for real stopping with it).
+    row_budgets: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={self.max_new_tokens}: must be >= 1")
+        if any(not 1 <= n <= self.max_new_tokens for n in self.row_budgets):
+            raise ValueError(f"row_budgets {self.row_budgets}: each must be in [1, max_new_tokens="
+                             f"{self.max_new_tokens}]")
 
 
 @dataclass
@@ -76,6 +87,11 @@ class Schedule:
     # The decoder ran model/fast_decode.py's fused step (it rounds differently from the
     # modules' path, so the replay must take the same one).
     fast_decode: bool = True
+    # The row schedule's record (rollout/rows.py: layout, the flags read at checks, the event
+    # log) when the call ran it; None: the lockstep schedule. Then num_steps is the positions the
+    # dense schedule needs (the longest prompt + completion - 1), encoder_calls the calls' ranges
+    # in order, and rows.num_steps the call's sequential decoder steps.
+    rows: Optional[RowRecord] = None
 
 
 @dataclass
@@ -153,6 +169,9 @@ class _Draw:
         self.num_new = torch.zeros(B, dtype=torch.long, device=device)  # tokens drawn per row
         self.reason = torch.zeros(B, dtype=torch.long, device=device)  # index into _REASONS
         self.stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
+        budgets = list(params.row_budgets)
+        budgets += [params.max_new_tokens] * (B - len(budgets))  # (the row schedule's entries: unused)
+        self.budget = torch.as_tensor(budgets, dtype=torch.long, device=device)  # (B,)
         self._sampling: Optional[torch.Tensor] = None
         self.checked = [0] * B  # completion tokens already searched for stop strings (host)
         # A stop string of n bytes spans at most n tokens when every token decodes to at least
@@ -174,7 +193,7 @@ class _Draw:
             stop = sampling & torch.isin(tokens, self.stop_ids)
             self.reason = torch.where(running & stop, 1, self.reason)
             running = self.reason == 0
-        length = sampling & (self.num_new == self.params.max_new_tokens)
+        length = sampling & (self.num_new == self.budget)
         self.reason = torch.where(running & length, 3, self.reason)
 
     def finished(self) -> torch.Tensor:
@@ -249,17 +268,23 @@ class Sampler:
     grouped never changes a value."""
 
     def __init__(self, model: RLT, comms: Optional[Comms] = None, layers: Optional[range] = None,
-                 fast_decode: bool = True, check_every: int = DEFAULT_CHECK_EVERY) -> None:
+                 fast_decode: bool = True, check_every: int = DEFAULT_CHECK_EVERY,
+                 rows: RowSwitches = LOCKSTEP) -> None:
         """fast_decode: sample with the fused decoder step (model/fast_decode.py) where the
         projections allow it; it holds a copy of the decoder weights during a run (false: the
         modules' path, no copy). A replay always takes the path its rollout recorded.
         check_every: decoder steps between the host's reads of the finish flags (executor.py);
-        a batch runs up to check_every - 1 steps past its last row's end."""
+        a batch runs up to check_every - 1 steps past its last row's end.
+        rows: the row schedule's switches (rollout/rows.py: shared prompts, compaction, slots);
+        all off (the default here; the trainers' config turns them on) is the lockstep schedule.
+        A replay always runs the schedule its rollout recorded."""
         self.model = model
+        self.rows = rows
         self.fast_decode = fast_decode
         self.device = next(model.parameters()).device
         self.comms = comms if comms is not None else Comms.local(self.device)
         self.executor = Executor(model, self.comms, layers, check_every)
+        self.row_executor = RowExecutor(model, self.comms, layers, check_every)
 
     def generate(self, batches: Sequence[Sequence[Sequence[int]]], params: SamplingParams | Sequence[SamplingParams],
                  seeds: Sequence[Sequence[int]], pad_id: int, dtype: str = "fp32",
@@ -273,9 +298,14 @@ class Sampler:
         if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
             raise ValueError(f"{len(batches)} batches, {len(params)} sampling params, {len(seeds)} seed lists: "
                              "give at least one batch and one of each per batch")
-        plans, draws = [], []
         for prompts, p, batch_seeds in zip(batches, params, seeds):
             _check_request(prompts, p, batch_seeds, decode)
+        if len({p.processing for p in params}) != 1:
+            raise ValueError("batches sampled together must share one logits processing")
+        if self.rows.enabled:
+            return self._generate_rows(batches, params, seeds, pad_id, dtype, decode)
+        plans, draws = [], []
+        for prompts, p, batch_seeds in zip(batches, params, seeds):
             prompt_lens = [len(x) for x in prompts]
             capacity = max(prompt_lens) + p.max_new_tokens
             _check_model_fits(self.model, capacity)
@@ -285,8 +315,6 @@ class Sampler:
             draw = _Draw(tokens, prompt_lens, p, make_generators(batch_seeds, self.device), decode, pad_id)
             plans.append(Plan(tokens, prompt_lens, capacity - 1, draw))
             draws.append(draw)
-        if len({p.processing for p in params}) != 1:
-            raise ValueError("batches sampled together must share one logits processing")
         with torch.no_grad(), precision(dtype, self.device):
             results = self.executor.run(plans, params[0].processing, self.fast_decode)
         rollouts = None
@@ -300,6 +328,37 @@ class Sampler:
         rollouts = self.comms.share_results(rollouts)
         return [ro.to(self.device) for ro in rollouts]
 
+    def _generate_rows(self, batches, params, seeds, pad_id: int, dtype: str, decode) -> list[Rollout]:
+        works, choosers = row_sampling.generate_rows(
+            self.row_executor, batches, params, seeds, pad_id, decode, self.rows, self.device,
+            lambda capacity: _check_model_fits(self.model, capacity))
+        with torch.no_grad(), precision(dtype, self.device):
+            results = self.row_executor.run(works, params[0].processing, self.fast_decode)
+        rollouts = None
+        if self.comms.is_last_stage:
+            rollouts = []
+            for res, work, chooser, p in zip(results, works, choosers, params):
+                chooser.check(work.plan.num_steps - 1)  # the tokens drawn after the last check
+                rollouts.append(row_sampling.row_rollout(res, work, chooser, p.processing, dtype, pad_id,
+                                                         self.model.cfg.memory_block, Schedule, Rollout, _REASONS))
+            if self.comms.num_stages > 1:
+                rollouts = [ro.to("cpu") for ro in rollouts]
+        rollouts = self.comms.share_results(rollouts)
+        return [ro.to(self.device) for ro in rollouts]
+
+    def _replay_rows(self, rollouts: Sequence[Rollout]) -> list[Optional[torch.Tensor]]:
+        works = row_sampling.replay_works(rollouts, self.device)
+        s0 = rollouts[0].schedule
+        with torch.no_grad(), precision(s0.dtype, self.device):
+            results = self.row_executor.run(works, s0.processing, s0.fast_decode)
+        out = []
+        for ro, work, res in zip(rollouts, works, results):
+            if res.fast_decode != ro.schedule.fast_decode:
+                raise RuntimeError(f"the rollout ran the {_path(ro.schedule.fast_decode)} but this model runs the "
+                                   f"{_path(res.fast_decode)}: replay on the layout the rollout was sampled with")
+            out.append(row_sampling.replay_values(ro, work, res))
+        return out
+
     def replay(self, rollouts: Sequence[Rollout]) -> list[Optional[torch.Tensor]]:
         """Re-executes each rollout's schedule with the model's current parameters, tokens
         forced, no grad, same batches, padding, cache capacity, processing and dtype -> log-probs
@@ -312,9 +371,11 @@ class Sampler:
             if s.memory_block != self.model.cfg.memory_block:
                 raise ValueError(f"the rollout was sampled with memory_block C={s.memory_block} but the model "
                                  f"has C={self.model.cfg.memory_block}")
-        if len({(s.processing, s.dtype, s.fast_decode) for s in schedules}) != 1:
-            raise ValueError("rollouts replayed together must share one processing, dtype and decoder path "
-                             "(Schedule.fast_decode)")
+        if len({(s.processing, s.dtype, s.fast_decode, s.rows is None) for s in schedules}) != 1:
+            raise ValueError("rollouts replayed together must share one processing, dtype, decoder path "
+                             "(Schedule.fast_decode) and schedule (lockstep or rows)")
+        if schedules[0].rows is not None:
+            return self._replay_rows(rollouts)
         plans = []
         for ro, s in zip(rollouts, schedules):
             tokens = torch.full((ro.batch_size, s.capacity), s.pad_id, dtype=torch.long, device=self.device)
@@ -350,6 +411,8 @@ def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, see
         raise ValueError("every prompt needs at least one token (e.g. a BOS token)")
     if params.stop_strings and decode is None:
         raise ValueError("stop_strings need a decode function (token ids -> text)")
+    if params.row_budgets and len(params.row_budgets) != len(prompts):
+        raise ValueError(f"{len(params.row_budgets)} row_budgets for {len(prompts)} prompts: give one per prompt")
 
 
 def _path(fast: bool) -> str:
@@ -373,11 +436,11 @@ def _rollout(res: Result, plan: Plan, draw: _Draw, processing: Processing, dtype
 def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
              pad_id: int, dtype: str = "fp32", decode: Optional[Callable[[list[int]], str]] = None,
              device: torch.device | str | None = None, fast_decode: bool = True,
-             check_every: int = DEFAULT_CHECK_EVERY) -> Rollout:
+             check_every: int = DEFAULT_CHECK_EVERY, rows: RowSwitches = LOCKSTEP) -> Rollout:
     """One batch on one process (``Sampler`` for several, or under parallelism)."""
     if device is not None and torch.device(device) != next(model.parameters()).device:
         raise ValueError(f"generate on {device}: the model is on {next(model.parameters()).device}")
-    sampler = Sampler(model, fast_decode=fast_decode, check_every=check_every)
+    sampler = Sampler(model, fast_decode=fast_decode, check_every=check_every, rows=rows)
     return sampler.generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
 
 

@@ -52,6 +52,7 @@ from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.engine import Engine, EngineConfig
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
+from rlt_mega.rollout.row_sampling import row_switches
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
@@ -400,13 +401,14 @@ def build_trainer(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_
     train.init_from (e.g. the export of an SFT run), when set, is applied by the builders."""
     engine = build_engine(cfg, dims, engine_config(cfg))
     fast, every, comms = cfg.sampling.fast_decode, cfg.sampling.check_every, Comms.from_dims(dims)
+    rows = row_switches(cfg.sampling)
     reference = None
     if cfg.grpo.kl_coef > 0:  # the initial policy in the same layout, frozen
         reference = Sampler(reference_model(cfg, dims, engine), comms, dims.layers, fast_decode=fast,
-                            check_every=every)
+                            check_every=every, rows=rows)
 
     def policy() -> Sampler:
-        return Sampler(engine.sampling_module(), comms, dims.layers, fast_decode=fast, check_every=every)
+        return Sampler(engine.sampling_module(), comms, dims.layers, fast_decode=fast, check_every=every, rows=rows)
 
     log.info("GRPO: %d train prompts, %d held-out; %d x %d completions per step and replica (%d replicas) in %d "
              "minibatches of %d batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,

@@ -31,6 +31,7 @@ from rlt_mega.parallel.gather import gather_full
 from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate, replay
 from rlt_mega.rollout.rewards import score
+from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches
 from rlt_mega.train.common import max_new_tokens_for, sampling_params
 from rlt_mega.train.grpo import (batches_per_minibatch, build_trainer, engine_config, grpo_config, loss_settings,
                                  request_seeds)
@@ -45,22 +46,31 @@ def _bf16(model, dtype: str):
     return model.to(torch.bfloat16) if dtype == "bf16" else model
 
 
-def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None) -> dict:
+# Groups of G = 4 and 1 (the row schedule forks the first two prompts)
+GROUPED = [[[1, 2, 3]] * 4 + [[6, 7, 8, 9, 10]] + [[3, 5, 7, 9, 11, 13]] * 4,
+           [[8, 9, 10, 11, 12, 13, 14]] * 4 + [[4, 4]] * 4]
+
+
+def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None) -> dict:
     """Two ragged batches in flight (temperature 0.7, top-p 0.9, a stop token); bf16 as DeepSpeed
-    runs it (bf16 parameters)."""
+    runs it (bf16 parameters). rows: the row schedule's switches (rollout/row_sampling.py), with
+    grouped prompts; None: the lockstep schedule on ragged prompts."""
     cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
     full = _bf16(build_model(cfg.model, "cpu", seed=7), dtype)
     mine = _bf16(shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims), dtype)
-    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers)
+    switches = LOCKSTEP if rows is None else RowSwitches(**rows)
+    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, rows=switches, check_every=2 if rows else 8)
     params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=9, stop_token_ids=(0,))
-    seeds = [[11, 12, 13], [14, 15, 16]]
-    rollouts = sampler.generate(RAGGED, params, seeds, pad_id=0, dtype=dtype)
+    batches = RAGGED if rows is None else GROUPED
+    seeds = [[11 + 10 * j + b for b in range(len(batch))] for j, batch in enumerate(batches)]
+    rollouts = sampler.generate(batches, params, seeds, pad_id=0, dtype=dtype)
     replays, again = sampler.replay(rollouts), sampler.replay(rollouts)
     out = {"has_values": replays[0] is not None, "exact": True, "exact_again": True, "tokens_equal_one_process": True,
            "mu_diff_one_process": 0.0, "calls_equal_one_process": True, "num_tokens": 0}
-    for ro, rp, rp2, batch, s in zip(rollouts, replays, again, RAGGED, seeds):
-        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype)
+    out["events"] = sorted({e[0] for ro in rollouts if ro.schedule.rows for e in ro.schedule.rows.log})
+    for ro, rp, rp2, batch, s in zip(rollouts, replays, again, batches, seeds):
+        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=2 if rows else 8)
         out["num_tokens"] += ro.num_completion_tokens()
         if rp is not None:
             out["exact"] &= bool(torch.equal(rp, ro.mu))

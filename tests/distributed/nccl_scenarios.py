@@ -138,3 +138,31 @@ def pipeline_handover_keeps_fp32(parallel: dict) -> dict:
            "params": n, "optimizer": type(engine.ds.optimizer).__name__}
     _close(dims, engine)
     return out
+
+
+def row_ring_messages(parallel: dict, model: dict | None = None, check_every: int = 2, slots: int = 5) -> dict:
+    """The row schedule (shared prompts, compaction, ``slots`` < rows) on the sampler ring: one
+    generate of two grouped micro-batches in flight (a stop token, stop strings) and its replay,
+    with the stage's P2P log on, and the rollouts' records for the pure description."""
+    from rlt_mega.rollout.row_sampling import RowSwitches
+    from rlt_mega.rollout.rows import record_to_json
+    from tests.distributed.grpo_scenarios import GROUPED
+
+    cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
+    mine = shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims)
+    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, check_every=check_every, rows=RowSwitches(slots=slots))
+    params = SamplingParams(Processing(temperature=0.9), max_new_tokens=9, stop_token_ids=(3,),
+                            stop_strings=("ab",))
+    decode = lambda ids: "".join("ab"[i % 2] for i in ids)  # noqa: E731
+    p2p = sampler.comms.p2p
+    p2p.log = []
+    seeds = [[11 + 10 * j + b for b in range(len(batch))] for j, batch in enumerate(GROUPED)]
+    rollouts = sampler.generate(GROUPED, params, seeds, pad_id=0, decode=decode)
+    out = {"stage": dims.pp_rank, "P": dims.pp, "check_every": check_every, "generate": _log(p2p.log),
+           "records": [record_to_json(ro.schedule.rows) for ro in rollouts]}
+    p2p.log = []
+    sampler.replay(rollouts)
+    out["replay"] = _log(p2p.log)
+    dims.destroy()
+    return out

@@ -25,3 +25,25 @@ def check_ring_messages(r: dict) -> None:
     assert r["replay"] == _expected(replay, stage, ahead=False)
     M, T = r["train_shape"]
     assert r["train"] and r["train"] == _expected(training_programs(P, M, T, backward=True), stage, ahead=True)
+
+
+def check_row_ring_messages(r: dict) -> None:
+    """The row schedule: generate and replay post the messages of ``row_ring_steps`` for the
+    recorded plans (the replay repeats the events, so the very same list), and that program
+    passes the NCCL simulation."""
+    from rlt_mega.parallel.nccl_sim import simulate_nccl
+    from rlt_mega.rollout.ring import row_ring_programs
+    from rlt_mega.rollout.rows import RowPlan, record_from_json
+
+    records = [record_from_json(d) for d in r["records"]]
+    assert any(e[0] == "fork" for rec in records for e in rec.log)
+    assert any(e[0] == "enter" and e[1] > 0 for rec in records for e in rec.log)  # a row took a freed slot
+
+    def programs():
+        return row_ring_programs(r["P"], r["check_every"], lambda s: [RowPlan(rec.layout, recorded=rec)
+                                                                      for rec in records])
+
+    expected = _expected(programs(), r["stage"], ahead=False)
+    assert r["generate"] and r["generate"] == expected
+    assert r["replay"] == expected
+    simulate_nccl(programs(), "channels", ahead=False)

@@ -108,3 +108,31 @@ def test_every_channel_a_program_uses_exists(P):
     for programs in (ring_programs(P, 3, 3, backward=True), sampler_programs(P, 2, 4, metas, steps)):
         used = {(m.src, m.dst, lane_of(m.stream)) for prog in programs for step in prog for m in step.sends}
         assert used <= channels
+
+
+def row_records(M: int, C: int, check_every: int) -> list:
+    """M grouped calls of the row schedule (shared prompts, ragged, slots < rows so rows wait and
+    enter freed slots), rows finishing at assorted steps."""
+    from rlt_mega.rollout.rows import planned_record, row_layout
+
+    records = []
+    for j in range(M):
+        prompts = [[1] * (2 + j)] * 4 + [[2] * (5 + j)] + [[3] * (3 + 2 * j)] * 3
+        layout = row_layout(prompts, 9, C, slots=4, share_prompts=True, compact=True, check_every=check_every)
+        records.append(planned_record(layout, lambda b: 3 + (5 * b + j) % 11))
+    return records
+
+
+@pytest.mark.parametrize("P", PS)
+@pytest.mark.parametrize("M", [1, 3])
+def test_the_row_schedule_ring_runs_under_nccl_rules(P, M):
+    from rlt_mega.rollout.ring import row_ring_programs
+    from rlt_mega.rollout.rows import RowPlan
+
+    for C in (1, 3):
+        for every in (1, 4):
+            records = row_records(M, C, every)
+            assert any(e[0] == "enter" and e[1] > 0 for rec in records for e in rec.log)
+            programs = row_ring_programs(P, every, lambda s: [RowPlan(r.layout, recorded=r) for r in records])
+            simulate_nccl(programs, ahead=False)
+            simulate_nccl(programs, ahead=True)

@@ -3,7 +3,7 @@
 # 2-core machine they would time each other), in quick settings that keep the whole run under
 # 10 minutes on this CPU; each prints its own table of ratios measured within its run.
 # Creates or reuses .venv like launch/test.sh. Extra arguments: the benchmarks to run
-# (training pipeline rollout peer rollout_parallel stability; default all; and data).
+# (training pipeline rollout peer rollout_parallel stability; default all; and data, rollout_rows).
 #
 #     bash tools/bench/all.sh                 # everything, ~10 minutes on 2 CPU cores
 #     bash tools/bench/all.sh training        # one of them
@@ -38,6 +38,10 @@ want peer && run peer python tools/bench/peer.py
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
 want stability && run stability python tools/bench/stability.py --steps 40 --lr 1e-3
+# The row schedule (issue 12; not in the default list: ~5 minutes on one quiet core): shared prompts,
+# compaction and slots = rows / 4 against lockstep, 64 GSM8K rows per call (GSM8K_DIR: a directory
+# holding GSM8K's train.jsonl, default data/gsm8k).
+want rollout_rows && run rollout_rows python tools/bench/rollout_rows.py --data "${GSM8K_DIR:-data/gsm8k}" --repeats 1
 # Pretraining data (issue 18; not in the default list: ~6 minutes on 200 MB): preprocess MB/s with
 # 1 and 2 workers, start-up time and peak RSS of the indexed against the in-memory path.
 want data && run data python tools/bench/data.py

@@ -1,0 +1,384 @@
+"""The row schedule of a rollout call (DESIGN sections 2-3: a schedule may change its batch as it
+goes, every change is recorded and the replay repeats it): shared prompts, compaction and
+continuous batching, as a pure host-side plan that every stage of a replica derives alike.
+
+Sequences: the call's R rows are sequences 0 .. R-1; with shared prompts every distinct prompt
+that two or more rows hold is an *entry*, sequence R + u. An entry runs through its prompt once
+(encoder and decoder) and at its last prompt position P - 1 its step's distribution draws the
+first completion token of each of its G rows: the entry then *forks* (its state, i.e. encoder
+K/V, committed memory, decoder K/V and z, becomes the state of each row) and leaves. A row
+whose prompt nobody shares runs its own prompt, as in the lockstep schedule.
+
+The batch is a set of ``slots``; a sequence occupies one from the step it *enters* to the step it
+*leaves*. Each sequence in the batch is at its own position (RoPE position, attention length,
+vis(t) and memory-block encoder calls are its own), advancing by one per step. Events, applied
+before step k in this order:
+
+1. forks of step k - 1: the entry leaves; its rows wait for a slot (a row complete at the fork,
+   max_new_tokens = 1, never enters);
+2. length: a row past its last possible step (P + max_new_tokens - 2) leaves;
+3. a check (k % check_every == 0): the finish flags read there (the one host read of issue 16's
+   design) end rows: with ``compact`` they leave, and finished waiting rows are dropped;
+4. free slots take waiting rows (FIFO), then sequences not started yet (FIFO): a fresh sequence
+   gets its prompt's prefill, a waiting row its entry's forked state (*parked* on the device
+   until the entry's last row has entered).
+
+Everything but the flags of step 3 is known on the host from the prompt lengths, so the plan
+needs no device read between checks; the flags reach every stage in the ring's control
+message. The rollout records the flags it read (``RowRecord.checks``) and the event log; the
+replay derives the same plan from the recorded flags and checks that its log equals the
+recorded one, so it repeats every fork, leave, entry and encoder call with the batch
+composition of the rollout (a row's values depend on its batch-mates only through GEMM shapes,
+and those are repeated).
+
+Encoder calls before step k: the prefill [0, C * floor(min P / C)) of the fresh sequences that
+enter at k, and for every sequence at position t whose memory block [t + 1 - C, t + 1)
+completes (and lies past its prefill) one call per distinct block start, over those rows.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """Who is who in one rollout call; fixed for the call."""
+
+    prompt_lens: tuple[int, ...]  # per row
+    entry_of: tuple[int, ...]  # per row: its entry u (sequence R + u), -1: runs its own prompt
+    entry_rows: tuple[tuple[int, ...], ...]  # per entry: its rows, in order
+    max_new_tokens: int
+    memory_block: int
+    slots: int
+    compact: bool
+    check_every: int
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.prompt_lens)
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_rows + len(self.entry_rows)
+
+    def seq_len(self, seq: int) -> int:
+        """The prompt length of a sequence."""
+        R = self.num_rows
+        return self.prompt_lens[seq if seq < R else self.entry_rows[seq - R][0]]
+
+    def last_position(self, seq: int) -> int:
+        """The position of the sequence's last decoder step: an entry's fork, a row's last draw."""
+        if seq >= self.num_rows:
+            return self.seq_len(seq) - 1
+        return self.prompt_lens[seq] + self.max_new_tokens - 2
+
+    def initial(self) -> list[int]:
+        """The sequences that start fresh (at position 0), in order of their first row."""
+        R, seen, out = self.num_rows, set(), []
+        for b, u in enumerate(self.entry_of):
+            s = b if u < 0 else R + u
+            if s not in seen:
+                seen.add(s)
+                out.append(s)
+        return out
+
+
+def row_layout(prompts: Sequence[Sequence[int]], max_new_tokens: int, memory_block: int, slots: Optional[int],
+               share_prompts: bool, compact: bool, check_every: int) -> RowLayout:
+    """Groups identical prompts (two rows or more) into entries when ``share_prompts``.
+    slots None: one per row and entry (no row ever waits)."""
+    R = len(prompts)
+    groups: dict[tuple, list[int]] = {}
+    for b, p in enumerate(prompts):
+        groups.setdefault(tuple(p), []).append(b)
+    entry_of, entry_rows = [-1] * R, []
+    if share_prompts:
+        for rows in groups.values():
+            if len(rows) > 1:
+                for b in rows:
+                    entry_of[b] = len(entry_rows)
+                entry_rows.append(tuple(rows))
+    if slots is None:
+        slots = R + len(entry_rows)
+    if slots < 1:
+        raise ValueError(f"sampling.slots={slots}: must be >= 1")
+    return RowLayout(tuple(len(p) for p in prompts), tuple(entry_of), tuple(entry_rows), max_new_tokens,
+                     memory_block, slots, compact, check_every)
+
+
+@dataclass
+class EncoderCall:
+    start: int
+    end: int
+    rows: list[int]  # indices into the step's batch
+    seqs: list[int]  # the sequences of those rows
+
+
+@dataclass
+class StepPlan:
+    """The batch of step k and how it is built from step k - 1's (``build`` None: the same rows,
+    one position further)."""
+
+    k: int
+    seqs: list[int]  # the batch, in slot order
+    positions: list[int]  # each sequence's position at this step
+    build: Optional[list[tuple[str, int]]]  # per batch row: ("batch", row at k - 1), ("parked", u), ("fresh", 0)
+    park: list[tuple[int, int]]  # (entry u, its row at k - 1): state kept for rows still waiting
+    unpark: list[int]  # entries whose parked state is no longer needed (after the build)
+    calls: list[EncoderCall]
+    expand: Optional[list[int]]  # batch row of every target (None: one target per row)
+    targets: list[int]  # the sequence whose next token each target chooses (a fork: its G rows)
+    target_positions: list[int]
+
+
+@dataclass
+class RowRecord:
+    """What the replay needs besides the layout: the finish flags read at each check (the rows
+    newly seen finished there) and, to verify it, the event log."""
+
+    layout: RowLayout
+    checks: dict[int, list[int]]
+    log: list[tuple]
+    num_steps: int  # decoder steps of the call (sequential, whatever the batch size)
+    row_steps: int  # sum over steps of the batch size (the decoder's work)
+
+
+class RowPlan:
+    """The plan of one call, advanced step by step: ``may_run(k)`` (host-known, before a check's
+    flags), ``set_flags(k, finished)`` at a check, then ``begin(k)``. With ``recorded`` (a
+    replay, or the NCCL simulation) the flags come from the record instead."""
+
+    def __init__(self, layout: RowLayout, recorded: Optional[RowRecord] = None) -> None:
+        self.layout = layout
+        self.recorded = recorded
+        self.slots: list[Optional[int]] = [None] * layout.slots
+        self.pos: dict[int, int] = {}  # sequence in the batch -> its position at the last planned step
+        self.cover: dict[int, int] = {}  # sequence -> end of its prefill
+        self.pending = deque(layout.initial())
+        self.waiting: deque[int] = deque()
+        self.parked: set[int] = set()
+        self.done: set[int] = set()  # rows known finished
+        self.flags: dict[int, list[int]] = {}  # check step -> rows newly known finished there
+        self.log: list[tuple] = []
+        self.num_steps = 0
+        self.row_steps = 0
+        self.prev: Optional[StepPlan] = None
+        self.over = False
+        self._forks: list[int] = []  # entries that forked at the last planned step
+
+    # ------------------------------------------------------------------ queries
+    def batch(self) -> list[int]:
+        return [s for s in self.slots if s is not None]
+
+    def _after_host_events(self) -> list[int]:
+        """The batch that steps 1-2 (forks, length) leave for the next step."""
+        out = []
+        for s in self.batch():
+            if s in self._forks:
+                continue
+            if s < self.layout.num_rows and self.pos[s] + 1 > self.layout.last_position(s):
+                continue
+            out.append(s)
+        return out
+
+    def may_run(self, k: int) -> bool:
+        """Whether step k can happen as far as the host knows (a check may still stop it)."""
+        if k == 0:
+            return True
+        if self.prev is None or self.prev.k != k - 1:
+            return False
+        forked = [b for u in self._forks for b in self.layout.entry_rows[u - self.layout.num_rows]
+                  if self._starts(b)]
+        return bool(self._after_host_events() or self.waiting or self.pending or forked)
+
+    def _starts(self, row: int) -> bool:
+        """A forked row has work left (it is not complete at the fork)."""
+        return self.layout.prompt_lens[row] <= self.layout.last_position(row)
+
+    # ------------------------------------------------------------------ the flags
+    def set_flags(self, k: int, finished: Sequence[bool]) -> None:
+        """The rows' finish flags (R,) read at check k (host values)."""
+        self.flags[k] = [b for b, f in enumerate(finished) if f and b not in self.done]
+
+    def _check_flags(self, k: int) -> Optional[list[int]]:
+        if self.recorded is not None:
+            return self.recorded.checks.get(k, [])
+        if k not in self.flags:
+            raise RuntimeError(f"row plan: the finish flags of check {k} were never read")
+        return self.flags[k]
+
+    # ------------------------------------------------------------------ one step
+    def begin(self, k: int) -> Optional[StepPlan]:
+        """Applies the events before step k (module docstring) -> the step's plan, or None when
+        the call is over."""
+        L, R = self.layout, self.layout.num_rows
+        if self.over:
+            return None
+        prev_rows = {s: i for i, s in enumerate(self.prev.seqs)} if self.prev is not None else {}
+        park: list[tuple[int, int]] = []
+        if self.prev is not None and not self.may_run(k):
+            return self._finish(k)
+        # 1. forks of step k - 1
+        for u in self._forks:
+            self._leave(u, k, "fork")
+            rows = L.entry_rows[u - R]
+            for b in rows:
+                if self._starts(b):
+                    self.waiting.append(b)
+                else:
+                    self.done.add(b)
+            self.log.append(("fork", k - 1, u, list(rows)))
+        # 2. length
+        for s in self.batch():
+            if s < R and self.pos[s] + 1 > L.last_position(s):
+                self.done.add(s)
+                self._leave(s, k, "length")
+        # 3. a check
+        if k > 0 and k % L.check_every == 0:
+            newly = self._check_flags(k)
+            self.done.update(newly)
+            if newly:
+                self.log.append(("check", k, list(newly)))
+            if L.compact:
+                for s in self.batch():
+                    if s in self.done:
+                        self._leave(s, k, "finished")
+            self.waiting = deque(b for b in self.waiting if b not in self.done)
+            if all(s in self.done for s in self.batch()) and not self.waiting and not self.pending:
+                return self._finish(k)
+        # 4. free slots
+        entering: dict[int, tuple[str, int]] = {}
+        for i in range(L.slots):
+            if self.slots[i] is not None:
+                continue
+            if self.waiting:
+                b = self.waiting.popleft()
+                u = R + L.entry_of[b]
+                src = ("batch", prev_rows[u]) if u in prev_rows and u in self._forks else ("parked", u)
+                entering[b] = src
+            elif self.pending:
+                b = self.pending.popleft()
+                entering[b] = ("fresh", 0)
+            else:
+                break
+            self.slots[i] = b
+            self.log.append(("enter", k, b, i))
+        for u in self._forks:  # rows of this fork still waiting: keep its state
+            if any(L.entry_of[b] == u - R for b in self.waiting):
+                park.append((u, prev_rows[u]))
+                self.parked.add(u)
+        self._forks = []
+        seqs = self.batch()
+        if not seqs:
+            return self._finish(k)
+        # positions
+        for s in seqs:
+            if s in entering:
+                self.pos[s] = 0 if entering[s][0] == "fresh" else L.prompt_lens[s]
+            else:
+                self.pos[s] += 1
+        same = self.prev is not None and not entering and seqs == self.prev.seqs
+        build = None if same else [entering.get(s, ("batch", prev_rows.get(s, -1))) for s in seqs]
+        unpark = [u for u in sorted(self.parked) if not any(L.entry_of[b] == u - R for b in self.waiting)]
+        self.parked.difference_update(unpark)
+        calls = self._calls(k, seqs, [s for s in seqs if entering.get(s, ("",))[0] == "fresh"])
+        # forks after this step, and the targets of its draws
+        expand, targets, target_pos = [], [], []
+        for i, s in enumerate(seqs):
+            p = self.pos[s]
+            if s >= R and p == L.last_position(s):
+                self._forks.append(s)
+                for b in L.entry_rows[s - R]:
+                    expand.append(i)
+                    targets.append(b)
+                    target_pos.append(p)
+            else:
+                expand.append(i)
+                targets.append(s)
+                target_pos.append(p)
+        plan = StepPlan(k, seqs, [self.pos[s] for s in seqs], build, park, unpark, calls,
+                        None if len(expand) == len(seqs) else expand, targets, target_pos)
+        self.prev = plan
+        self.num_steps = k + 1
+        self.row_steps += len(seqs)
+        return plan
+
+    def _leave(self, s: int, k: int, why: str) -> None:
+        i = self.slots.index(s)
+        self.slots[i] = None
+        del self.pos[s]
+        self.log.append(("leave", k, s, why))
+
+    def _calls(self, k: int, seqs: list[int], fresh: list[int]) -> list[EncoderCall]:
+        C = self.layout.memory_block
+        calls = []
+        if fresh:
+            end = C * (min(self.layout.seq_len(s) for s in fresh) // C)
+            for s in fresh:
+                self.cover[s] = end
+            if end > 0:
+                calls.append(EncoderCall(0, end, [seqs.index(s) for s in fresh], list(fresh)))
+        blocks: dict[int, list[int]] = {}
+        for i, s in enumerate(seqs):
+            t = self.pos[s]
+            start = t + 1 - C
+            if (t + 1) % C == 0 and start >= self._cover(s):
+                blocks.setdefault(start, []).append(i)
+        for start in sorted(blocks):
+            rows = blocks[start]
+            calls.append(EncoderCall(start, start + C, rows, [seqs[i] for i in rows]))
+        for c in calls:
+            self.log.append(("enc", k, c.start, c.end, list(c.seqs)))
+        return calls
+
+    def _cover(self, s: int) -> int:
+        """A forked row's prefill is its entry's."""
+        R = self.layout.num_rows
+        if s in self.cover:
+            return self.cover[s]
+        return self.cover[R + self.layout.entry_of[s]]
+
+    def _finish(self, k: int) -> None:
+        self.prev, self.over = None, True
+        self.log.append(("end", k))
+        return None
+
+    def record(self) -> RowRecord:
+        return RowRecord(self.layout, {k: v for k, v in self.flags.items() if v}, list(self.log), self.num_steps,
+                         self.row_steps)
+
+
+def planned_record(layout: RowLayout, finish_step) -> RowRecord:
+    """The record of a call in which row b's finish flag reads true from step finish_step(b) on:
+    the NCCL simulation's stand-in for real draws (tools/nccl_check.py, tests)."""
+    plan = RowPlan(layout)
+    k = 0
+    while True:
+        if k > 0 and k % layout.check_every == 0 and plan.may_run(k):
+            plan.set_flags(k, [finish_step(b) <= k for b in range(layout.num_rows)])
+        if plan.begin(k) is None:
+            return plan.record()
+        k += 1
+
+
+def record_to_json(record: RowRecord) -> dict:
+    return {"layout": dataclasses.asdict(record.layout), "checks": {str(k): v for k, v in record.checks.items()},
+            "log": [list(e) for e in record.log], "num_steps": record.num_steps, "row_steps": record.row_steps}
+
+
+def record_from_json(d: dict) -> RowRecord:
+    lay = dict(d["layout"])
+    for key in ("prompt_lens", "entry_of"):
+        lay[key] = tuple(lay[key])
+    lay["entry_rows"] = tuple(tuple(r) for r in lay["entry_rows"])
+    log = [tuple(_tuples(x) for x in e) for e in d["log"]]
+    return RowRecord(RowLayout(**lay), {int(k): list(v) for k, v in d["checks"].items()}, log, d["num_steps"],
+                     d["row_steps"])
+
+
+def _tuples(x):
+    return list(x) if isinstance(x, list) else x
