@@ -91,8 +91,9 @@ class TokenCrossEntropy(LogitsLoss):
         """Row blocks (fewer than num_pieces when the batch has fewer rows, e.g. the last eval batch)."""
         if num_pieces == 1:
             return [batch]
-        return [{"inputs": x, "targets": y}
-                for x, y in zip(batch["inputs"].chunk(num_pieces), batch["targets"].chunk(num_pieces))]
+        # every per-row tensor (inputs, targets, a packed batch's doc_starts) cut the same way
+        keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:1] == batch["inputs"].shape[:1]]
+        return [dict(zip(keys, rows)) for rows in zip(*(batch[k].chunk(num_pieces) for k in keys))]
 
 
 LM_LOSS = TokenCrossEntropy()

@@ -71,6 +71,15 @@ class Rotary(nn.Module):
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: (B, h, n, Dh) at per-row positions (B, n) (documents packed in a row restart at 0);
+        the same table rows and products as ``forward`` where positions[b] = start + arange(n)."""
+        cos, sin = self.tables(x.device, x.dtype)
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (B, 1, n, Dh)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
 
 class SelfAttentionProj(nn.Module):
     """The q, k, v, o projections of a shared block's self-attention."""

@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.loss import LogitsLoss, Vocab
 from rlt_mega.model.cache import DecoderKV, MemoryKV
+from rlt_mega.model.documents import Documents
 from rlt_mega.model.rlt import RLT
 
 
@@ -91,6 +92,7 @@ class _MicroBatch:
     dec_out: dict = field(default_factory=dict)  # t -> output with graph
     z_cut: dict = field(default_factory=dict)  # last stage: t -> leaf (b, 1, d) for the head
     loss: Optional[torch.Tensor] = None
+    docs: Optional[Documents] = None  # packed rows with document resets (model/documents.py)
 
 
 class RLTStage:
@@ -123,7 +125,8 @@ class RLTStage:
         one T per round); loss_scale multiplies the loss sum before backward (1 / global count
         times the data-parallel size, since DeepSpeed averages over data-parallel ranks)."""
         T = batches[0]["inputs"].shape[1]
-        self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T)) for b in batches]
+        self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T), docs=Documents.of(b))
+                    for b in batches]
         self.loss_scale, self.grad, self.loss = loss_scale, grad, loss
 
     def finish(self) -> None:
@@ -138,7 +141,7 @@ class RLTStage:
             if self.grad:  # the decoder reads the embeddings position by position: one leaf each
                 mb.e_steps = [_leaf(mb.emb[:, t], True) for t in range(mb.emb.shape[1])]
         mb.enc_in = _leaf(x, self.grad)
-        h = model.encode(mb.enc_in, layers=self.layers)
+        h = model.encode(mb.enc_in, layers=self.layers, documents=mb.docs)
         mb.enc_out = model.memory_norm(h) if self.is_last_stage else h
         return mb.enc_out
 
@@ -154,10 +157,10 @@ class RLTStage:
             mb.mem.set(i, _leaf(k, self.grad), _leaf(v, self.grad))
 
     def _dec_step(self, x: torch.Tensor, e_t: Optional[torch.Tensor], t: int, dec: DecoderKV,
-                  mem: MemoryKV) -> torch.Tensor:
-        if self.is_first_stage:
-            x = self.model.decoder_input(e_t, x.squeeze(1))  # (b, 1, d)
-        return self.model.decoder_layers(x, t, dec, mem, layers=self.layers)
+                  mem: MemoryKV, docs: Optional[Documents] = None) -> torch.Tensor:
+        if self.is_first_stage:  # z_{t-1} (reset to z_init where a packed document starts) -> (b, 1, d)
+            x = self.model.decoder_input(e_t, self.model.reset_state(x.squeeze(1), t, docs))
+        return self.model.decoder_layers(x, t, dec, mem, layers=self.layers, documents=docs)
 
     def dec_fwd(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
         mb, model = self.mbs[j], self.model
@@ -172,10 +175,10 @@ class RLTStage:
         if self.grad and model.checkpointing.decoder != "none":
             # One checkpointed segment per step on every stage: the stage's steps are not
             # contiguous in time (the ring interleaves them), so "every_k" degrades to "step".
-            y = checkpoint(self._dec_step, x, e_t, t, mb.dec, mb.mem, use_reentrant=False,
+            y = checkpoint(self._dec_step, x, e_t, t, mb.dec, mb.mem, mb.docs, use_reentrant=False,
                            preserve_rng_state=False)
         else:
-            y = self._dec_step(x, e_t, t, mb.dec, mb.mem)
+            y = self._dec_step(x, e_t, t, mb.dec, mb.mem, mb.docs)
         if self.grad:
             mb.dec_out[t] = y
         if self.is_last_stage:
