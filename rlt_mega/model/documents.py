@@ -20,7 +20,7 @@ starts (``batch["doc_starts"]``, the only thing the data path writes); every mas
 device tensor computed here in a few batched ops, and a decoder step slices its row of
 them, so no step syncs with the host. Padding appended to a row continues its last document
 (causal: no earlier position changes). A fused decoder takes the same object: per-step
-key masks ``self_keys(t)`` / ``memory_keys(t, C)`` and positions ``step_positions(t)``.
+key masks ``self_keys(t)`` / ``memory_keys(t, C)`` and RoPE tables ``step_rope``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ class Documents:
         self.attend = same & (idx[:, None] >= idx[None, :])  # (B, T, T) causal within the document
         self._same = same
         self._memory: dict[int, torch.Tensor] = {}
+        self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
     def of(cls, batch: dict) -> Optional["Documents"]:
@@ -71,10 +72,18 @@ class Documents:
             self._memory[C] = torch.cat([null, mem], dim=2)
         return self._memory[C]
 
+    def rope(self, rotary, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE tables at the documents' positions, (cos, sin) each (B, 1, T, Dh), gathered once
+        per batch and dtype (``rotary``: the model's layers.Rotary); a step slices its column."""
+        if dtype not in self._rope:
+            self._rope[dtype] = rotary.rows(self.positions, dtype)
+        return self._rope[dtype]
+
     # ------------------------------------------------------------------ one decoder step
-    def step_positions(self, t: int) -> torch.Tensor:
-        """(B, 1) RoPE positions of step t."""
-        return self.positions[:, t:t + 1]
+    def step_rope(self, rotary, dtype: torch.dtype, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) of step t, each (B, 1, 1, Dh) (views)."""
+        cos, sin = self.rope(rotary, dtype)
+        return cos[:, :, t:t + 1], sin[:, :, t:t + 1]
 
     def self_keys(self, t: int) -> torch.Tensor:
         """(B, 1, 1, t + 1) bool: the decoder keys [0, t] step t attends to (broadcast over heads

@@ -103,7 +103,8 @@ class RLT(nn.Module):
         blk = self.blocks[i]
         q, k, v = blk.attn.qkv(blk.attn_norm(h))
         if documents is not None:
-            q, k = self.rotary.at(q, documents.positions), self.rotary.at(k, documents.positions)
+            cos, sin = documents.rope(self.rotary, q.dtype)  # (B, 1, n, Dh)
+            q, k = Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
         else:
             q, k = self.rotary(q, start), self.rotary(k, start)
         if cache is not None:
@@ -176,8 +177,8 @@ class RLT(nn.Module):
             q, k = self.rotary(q, t), self.rotary(k, t)
             self_mask, mem_mask, n = None, None, 1 + vis(t, C)
         else:
-            pos = documents.step_positions(t)  # (B, 1)
-            q, k = self.rotary.at(q, pos), self.rotary.at(k, pos)
+            cos, sin = documents.step_rope(self.rotary, q.dtype, t)  # (B, 1, 1, Dh)
+            q, k = Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
             self_mask = documents.self_keys(t)  # (B, 1, 1, t + 1)
             n, mem_mask = documents.memory_keys(t, C)  # (B, 1, 1, n)
         a = DecoderSelfAttention.apply(group_query(q, k.shape[1]), k, v, dec, i, t, self_mask)
