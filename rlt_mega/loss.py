@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100  # target id that carries no loss (padding, prompt tokens in SFT)
+# A packed batch's (B, T) bool document starts (data.reset_at_document): written by the data
+# path, read by the model (model/documents.py), padded and cut with the rows by the engines.
+DOC_STARTS = "doc_starts"
 
 
 def shift(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

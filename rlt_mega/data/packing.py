@@ -20,8 +20,7 @@ from typing import Sequence
 
 import torch
 
-from rlt_mega.loss import IGNORE
-from rlt_mega.model.documents import DOC_STARTS
+from rlt_mega.loss import DOC_STARTS, IGNORE
 
 
 def pack_rows(lengths: Sequence[int], capacity: int, order: Sequence[int]) -> list[list[int]]:

@@ -33,8 +33,7 @@ from rlt_mega.data.streaming import StreamingBatches, heldout_windows
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.data.windows import TokenWindows
 from rlt_mega.log import get_logger
-from rlt_mega.loss import shift
-from rlt_mega.model.documents import DOC_STARTS
+from rlt_mega.loss import DOC_STARTS, shift
 
 log = get_logger(__name__)
 

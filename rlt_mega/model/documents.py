@@ -29,7 +29,8 @@ from typing import Optional
 
 import torch
 
-DOC_STARTS = "doc_starts"  # the batch key: (B, T) bool, True at each document's first position
+from rlt_mega.loss import DOC_STARTS
+
 
 
 class Documents:

@@ -153,3 +153,11 @@ def test_pretraining_documents_start_at_each_end_of_text():
     assert batch[DOC_STARTS].tolist() == [[False, False, True, False, False, False, True, False]]
     assert Documents.of(batch).positions.tolist() == [[0, 1, 0, 1, 2, 3, 0, 1]]
     assert DOC_STARTS not in window_batch(window)
+
+
+def test_grpo_refuses_data_pack():
+    from rlt_mega.config import ConfigError, from_dict
+    from rlt_mega.train.grpo import grpo_config
+
+    with pytest.raises(ConfigError, match="data.pack=true packs SFT pairs"):
+        grpo_config(from_dict({"data": {"pack": True}}))
