@@ -1,6 +1,7 @@
 """Packed SFT through the CLI (data.pack, data.reset_at_document): a run trains and checkpoints;
 and with the weights held still (lr 1e-12) the packed run's eval loss over every eval pair
-equals the unpacked run's, the per-token loss of the same answers."""
+equals the unpacked run's, the per-token loss of the same answers. Pretraining runs with
+document resets; data.pack is refused where it means nothing."""
 
 import json
 import random
@@ -68,3 +69,15 @@ def test_packed_eval_loss_equals_the_unpacked_one(pairs, trained, tmp_path, capl
 def test_pack_is_for_sft(tmp_path, capsys):
     assert main(["pretrain", *TINY, "data.pack=true", "train.steps=1", f"checkpoint.dir={tmp_path}"]) != 0
     assert "data.pack=true packs SFT pairs" in capsys.readouterr().err
+
+
+def test_pretraining_with_document_resets(pairs, tmp_path, caplog):
+    caplog.set_level("INFO", logger="rlt_mega")
+    args = ["pretrain", *TINY, f"data.train={pairs / 'train.jsonl'}", f"data.eval={pairs / 'eval.jsonl'}",
+            "data.reset_at_document=true", "train.steps=3", "train.log_every=1", "train.eval_every=3",
+            f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}"]
+    assert main(args) == 0
+    assert "documents reset the recurrent state at each end-of-text" in caplog.text
+    records = read_metrics(tmp_path / "tb")
+    assert [r["train/loss"] for r in records if "train/loss" in r][-1] < 6 and \
+        any("eval/loss" in r for r in records)
