@@ -32,14 +32,13 @@ import torch
 from rlt_mega.loss import DOC_STARTS
 
 
-
 class Documents:
     """Per-row documents of a (B, T) batch; ``starts[:, 0]`` is always a start."""
 
     def __init__(self, starts: torch.Tensor) -> None:
         if starts.dim() != 2:
             raise ValueError(f"document starts must be (B, T) bool, got shape {tuple(starts.shape)}")
-        B, T = starts.shape
+        T = starts.shape[1]
         starts = starts.to(torch.bool).clone()
         starts[:, 0] = True  # a row always begins a document (or the tail of one, cut by the window)
         idx = torch.arange(T, device=starts.device)
@@ -48,7 +47,8 @@ class Documents:
         self.positions = idx - first  # (B, T) position within the document
         self.ids = starts.long().cumsum(dim=1)  # (B, T) document index within the row, from 1
         same = self.ids[:, :, None] == self.ids[:, None, :]  # (B, T query, T key)
-        self.attend = same & (idx[:, None] >= idx[None, :])  # (B, T, T) causal within the document
+        # (B, T, T) causal within the document; with memory(C) O(B T^2) bools, as the encoder's mask is
+        self.attend = same & (idx[:, None] >= idx[None, :])
         self._same = same
         self._memory: dict[int, torch.Tensor] = {}
         self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
