@@ -16,9 +16,11 @@ full step (forward, backward, AdamW) in two ways, in interleaved rounds:
 
 Reported per mode: time for one pass over the pairs (best of rounds), pair tokens/s (the
 positions that hold pairs; padding excluded, the same count in both modes), answer tokens/s,
-rows and the fraction of the computed positions that are pairs; then packed / unpacked. The
-decoder is sequential in the row length, so the gain is the padding (and the batches) saved:
-a row of several short pairs costs what one long pair costs.
+rows, the fraction of the computed positions that are pairs, and the decoder's sequential
+steps (batches x row length); then packed / unpacked. The decoder is sequential in the row
+length, so a pass costs about its steps: packing saves the padding of each batch to its
+longest pair (more the shorter the pairs against data.seq_len and the larger the batch), and a
+batch of rows of data.seq_len costs what one of pairs that long costs.
 """
 
 from __future__ import annotations
@@ -107,11 +109,13 @@ def main() -> None:
           f"({answer_tokens} answer tokens), mean {pair_tokens / n:.0f} a pair")
     print(f"# model d={args.d_model} L={args.layers} C={args.memory_block}, batch {args.batch}, "
           f"seq_len {args.seq_len}; {describe(args)}; best of {args.repeats} rounds")
-    print(f"{'mode':>9} {'rows':>5} {'positions':>9} {'fill':>6} {'s/pass':>8} {'pair tok/s':>11} {'answer tok/s':>13}")
+    print(f"{'mode':>9} {'rows':>5} {'positions':>9} {'fill':>6} {'steps':>6} {'s/pass':>8} {'pair tok/s':>11} "
+          f"{'answer tok/s':>13}")
     for k, batches in modes.items():
         positions = sum(b["inputs"].numel() for b in batches)
         num_rows = sum(b["inputs"].shape[0] for b in batches)
-        print(f"{k:>9} {num_rows:>5} {positions:>9} {pair_tokens / positions:>6.1%} {best[k]:>8.2f} "
+        steps = sum(b["inputs"].shape[1] for b in batches)  # sequential decoder steps of the pass
+        print(f"{k:>9} {num_rows:>5} {positions:>9} {pair_tokens / positions:>6.1%} {steps:>6} {best[k]:>8.2f} "
               f"{pair_tokens / best[k]:>11.1f} {answer_tokens / best[k]:>13.1f}")
     print(f"packed / unpacked tokens/s: {best['unpacked'] / best['packed']:.2f}x")
 
