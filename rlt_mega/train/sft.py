@@ -100,7 +100,8 @@ def _packed(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, train, evald)
                             shuffle=False)
     log.info("data: packed %d train pairs into %d rows of %d positions (%.1f%% filled), %d eval rows%s", len(train),
              len(rows), data.seq_len, 100 * rows.fill, len(eval_rows),
-             ", documents reset the state" if data.reset_at_document else ", pairs attend across (no data.reset_at_document)")
+             ", documents reset the state" if data.reset_at_document
+             else ", pairs attend across (no data.reset_at_document)")
     batches = SFTBatches(len(rows), rows.batch, size, cfg.train.grad_accum, cfg.train.seed, data.shuffle,
                          rank=dims.dp_rank, world=dims.dp)
     num_eval = min(len(eval_rows), cfg.train.eval_batches * size)
