@@ -163,6 +163,13 @@ class DataConfig:
     # Streaming only: windows held in a seeded shuffle buffer (saved with the checkpoints, so a
     # resumed run sees the same order); 0 keeps the stream's order.
     shuffle_buffer: int = 0
+    # SFT: several prompt/answer pairs packed (best-fit) into each row of data.seq_len positions,
+    # instead of one pair a row padded to the longest (data/packing.py)
+    pack: bool = False
+    # Pretraining and packed SFT: a document boundary (pretraining: each end-of-text token; SFT:
+    # each packed pair) resets the recurrent state to z_init, and attention and memory stay
+    # within the document (model/documents.py)
+    reset_at_document: bool = False
     generated: GeneratedDataConfig = field(default_factory=GeneratedDataConfig)
 
     def __post_init__(self) -> None:

@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 IGNORE = -100  # target id that carries no loss (padding, prompt tokens in SFT)
+# A packed batch's (B, T) bool document starts (data.reset_at_document): written by the data
+# path, read by the model (model/documents.py), padded and cut with the rows by the engines.
+DOC_STARTS = "doc_starts"
 
 
 def shift(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,8 +94,9 @@ class TokenCrossEntropy(LogitsLoss):
         """Row blocks (fewer than num_pieces when the batch has fewer rows, e.g. the last eval batch)."""
         if num_pieces == 1:
             return [batch]
-        return [{"inputs": x, "targets": y}
-                for x, y in zip(batch["inputs"].chunk(num_pieces), batch["targets"].chunk(num_pieces))]
+        # every per-row tensor (inputs, targets, a packed batch's doc_starts) cut the same way
+        keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.shape[:1] == batch["inputs"].shape[:1]]
+        return [dict(zip(keys, rows)) for rows in zip(*(batch[k].chunk(num_pieces) for k in keys))]
 
 
 LM_LOSS = TokenCrossEntropy()

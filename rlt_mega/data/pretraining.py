@@ -33,7 +33,7 @@ from rlt_mega.data.streaming import StreamingBatches, heldout_windows
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.data.windows import TokenWindows
 from rlt_mega.log import get_logger
-from rlt_mega.loss import shift
+from rlt_mega.loss import DOC_STARTS, shift
 
 log = get_logger(__name__)
 
@@ -42,18 +42,29 @@ HELD_OUT = 50  # without data.eval, the last 1/HELD_OUT of an indexed dataset's 
 Windows = Union[BatchIterator, BlendedBatches, StreamingBatches]
 
 
+def window_batch(windows: torch.Tensor, doc_start_token: Optional[int] = None) -> dict:
+    """Packed windows (B, T + 1) -> {'inputs', 'targets'} (B, T); with ``doc_start_token``
+    (data.reset_at_document: the end-of-text id) also 'doc_starts' (B, T): a document begins at
+    each end-of-text input, the separator the stream puts between documents, so a document's
+    last position still predicts its end-of-text and the separator predicts the next
+    document's first token from nothing but itself, as a prompt's leading end-of-text does."""
+    inputs, targets = shift(windows)
+    out = {"inputs": inputs, "targets": targets}
+    if doc_start_token is not None:
+        out[DOC_STARTS] = inputs == doc_start_token
+    return out
+
+
 class PackedBatches:
-    """grad_accum batches of packed windows per step, as {'inputs', 'targets'}."""
+    """grad_accum batches of packed windows per step, as {'inputs', 'targets'} (and 'doc_starts'
+    with ``doc_start_token``, see window_batch)."""
 
     def __init__(self, iterator: Windows, grad_accum: int) -> None:
         self.iterator, self.grad_accum = iterator, grad_accum
+        self.doc_start_token: Optional[int] = None  # set by pretraining_data under data.reset_at_document
 
     def next_batches(self) -> list[dict]:
-        out = []
-        for _ in range(self.grad_accum):
-            inputs, targets = shift(next(self.iterator))  # (B, T + 1) -> (B, T), (B, T)
-            out.append({"inputs": inputs, "targets": targets})
-        return out
+        return [window_batch(next(self.iterator), self.doc_start_token) for _ in range(self.grad_accum)]
 
     def state_dict(self) -> dict:
         return self.iterator.state_dict()
@@ -70,18 +81,27 @@ class PretrainingData:
     path: str  # "in memory", "indexed", "blend" or "streaming"
 
     def eval_batches(self, micro_batch_size: int) -> list[dict]:
-        out = []
-        for start in range(0, len(self.eval_windows), micro_batch_size):
-            inputs, targets = shift(self.eval_windows[start:start + micro_batch_size])
-            out.append({"inputs": inputs, "targets": targets})
-        return out
+        return [window_batch(self.eval_windows[start:start + micro_batch_size], self.batches.doc_start_token)
+                for start in range(0, len(self.eval_windows), micro_batch_size)]
 
 
 def pretraining_data(cfg: Config, tokenizer: Tokenizer, dims, stats: Optional[DataStats] = None) -> PretrainingData:
     """The batch source and evaluation windows of ``cfg.data`` for this rank. ``dims`` is the
     run's layout (parallel/dims.py's ParallelDims): data-parallel replicas read disjoint
     samples, the tensor- and pipeline-parallel ranks of a replica the same ones. ``stats``
-    counts the records skipped (a new one when not given)."""
+    counts the records skipped (a new one when not given). With data.reset_at_document the
+    batches carry each window's documents (window_batch)."""
+    if cfg.data.pack:
+        raise DataError("data.pack=true packs SFT pairs; pretraining windows are always packed documents: "
+                        "remove data.pack (data.reset_at_document=true keeps the documents apart)")
+    out = _pretraining_data(cfg, tokenizer, dims, stats)
+    if cfg.data.reset_at_document:
+        out.batches.doc_start_token = tokenizer.eos_id
+        log.info("data: documents reset the recurrent state at each end-of-text (data.reset_at_document)")
+    return out
+
+
+def _pretraining_data(cfg: Config, tokenizer: Tokenizer, dims, stats: Optional[DataStats]) -> PretrainingData:
     data, train = cfg.data, cfg.train
     rank, world = dims.dp_rank, dims.dp
     num_eval = train.eval_batches * train.micro_batch_size

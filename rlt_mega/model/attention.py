@@ -6,6 +6,7 @@ K/V, and single-position cross-attention into the visible memory.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -13,13 +14,18 @@ import torch.nn.functional as F
 from rlt_mega.model.cache import DecoderKV, KVCache, MemoryKV
 
 
-def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int) -> torch.Tensor:
+def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int,
+                      mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention of queries at positions [start, start + n) to keys [0, start + n).
 
-    q: (B, h, n, Dh); k, v: (B, h_kv, start + n, Dh) -> (B, h, n, Dh).
+    q: (B, h, n, Dh); k, v: (B, h_kv, start + n, Dh) -> (B, h, n, Dh). ``mask`` (B, n, start + n)
+    bool, packed documents (model/documents.py): query i sees key j where True (causal within
+    its document).
     """
     n, S = q.shape[2], k.shape[2]
     gqa = q.shape[1] != k.shape[1]
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=gqa)
     if start == 0 and S == n:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     # A chunk after a cached prefix: query i (position start + i) sees keys j <= start + i.
@@ -29,21 +35,25 @@ def encoder_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
-def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+def cross_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """q: (B, h_kv, g, Dh) grouped queries of one position; k, v: (B, h_kv, 1 + vis, Dh), all
-    visible (the null slot and the committed memory) -> (B, h_kv, g, Dh)."""
-    return F.scaled_dot_product_attention(q, k, v)
+    visible (the null slot and the committed memory) -> (B, h_kv, g, Dh). ``mask`` (B, 1, 1,
+    1 + vis) bool: packed documents, the slots of the query's own document (the null slot
+    always)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
-def memory_attention(q: torch.Tensor, mem: MemoryKV, layer: int, n: int) -> torch.Tensor:
+def memory_attention(q: torch.Tensor, mem: MemoryKV, layer: int, n: int,
+                     mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Cross-attention of one position into memory slots [0, n) of ``layer``: q (B, h_kv, g,
     Dh) grouped -> (B, h_kv, g, Dh). The forward is ``cross_attention`` in every schedule
     (sampling, replay, training), so values are identical; with autograd the prefix's
     gradient goes to ``mem.accumulate`` instead of through a slice (see MemoryKV)."""
     k, v = mem.k[layer], mem.v[layer]
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return MemoryAttention.apply(q, k, v, mem, layer, n)
-    return cross_attention(q, k[:, :, :n], v[:, :, :n])
+        return MemoryAttention.apply(q, k, v, mem, layer, n, mask)
+    return cross_attention(q, k[:, :, :n], v[:, :, :n], mask)
 
 
 class MemoryAttention(torch.autograd.Function):
@@ -57,11 +67,11 @@ class MemoryAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mem: MemoryKV, layer: int,
-                n: int) -> torch.Tensor:
+                n: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         ctx.save_for_backward(q)
-        ctx.mem, ctx.layer, ctx.n = mem, layer, n
+        ctx.mem, ctx.layer, ctx.n, ctx.mask = mem, layer, n, mask
         ctx.autocast = (torch.is_autocast_enabled(q.device.type), torch.get_autocast_dtype(q.device.type))
-        return cross_attention(q, k[:, :, :n], v[:, :, :n])
+        return cross_attention(q, k[:, :, :n], v[:, :, :n], mask)
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
@@ -73,20 +83,26 @@ class MemoryAttention(torch.autograd.Function):
             q_, k_, v_ = (x.detach().requires_grad_(r) for x, r in zip((q, k, v), needs[:3]))
             enabled, dtype = ctx.autocast
             with torch.autocast(device_type=q.device.type, dtype=dtype, enabled=enabled):
-                out = cross_attention(q_, k_, v_)
+                out = cross_attention(q_, k_, v_, ctx.mask)
             wrt = [x for x in (q_, k_, v_) if x.requires_grad]
             grads = iter(torch.autograd.grad(out, wrt, grad_out))
         grad_q, grad_k, grad_v = (next(grads) if r else None for r in needs[:3])
         if grad_k is not None:
             mem.accumulate(ctx.layer, grad_k, grad_v)
-        return grad_q, None, None, None, None, None
+        return grad_q, None, None, None, None, None, None
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax attention with the probabilities returned; softmax in fp32 (or fp64)."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax attention with the probabilities returned; softmax in fp32 (or fp64). ``mask``
+    (B, 1, 1, S) bool: the keys of the query's own document (packed rows); masked keys get
+    probability exactly 0, so neither they nor their gradients depend on other documents."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # (B, h_kv, g, S)
-    probs = torch.softmax(scores.to(torch.promote_types(scores.dtype, torch.float32)), dim=-1).to(q.dtype)
+    scores = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)
     return torch.matmul(probs, v), probs
 
 
@@ -104,14 +120,14 @@ class DecoderSelfAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: KVCache,
-                layer: int, t: int) -> torch.Tensor:
-        # q: (B, h_kv, g, Dh) grouped; k, v: (B, h_kv, 1, Dh)
+                layer: int, t: int, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        # q: (B, h_kv, g, Dh) grouped; k, v: (B, h_kv, 1, Dh); mask (B, 1, 1, t + 1) or None
         cache.write(layer, t, k, v)
         keys, values = cache.view(layer, t + 1)
         with torch.autocast(device_type=q.device.type, enabled=False):
-            out, _ = _attend(q, keys.to(q.dtype), values.to(q.dtype))
+            out, _ = _attend(q, keys.to(q.dtype), values.to(q.dtype), mask)
         ctx.save_for_backward(q)
-        ctx.cache, ctx.layer, ctx.t = cache, layer, t
+        ctx.cache, ctx.layer, ctx.t, ctx.mask = cache, layer, t, mask
         return out
 
     @staticmethod
@@ -124,7 +140,7 @@ class DecoderSelfAttention(torch.autograd.Function):
         keys, values = keys.to(q.dtype), values.to(q.dtype)
         scale = 1.0 / math.sqrt(q.shape[-1])
         with torch.autocast(device_type=q.device.type, enabled=False):
-            _, probs = _attend(q, keys, values)  # (B, h_kv, g, t + 1)
+            _, probs = _attend(q, keys, values, ctx.mask)  # (B, h_kv, g, t + 1)
             grad_out = grad_out.to(q.dtype)
             grad_values = torch.matmul(probs.transpose(-1, -2), grad_out)  # (B, h_kv, t + 1, Dh)
             grad_probs = torch.matmul(grad_out, values.transpose(-1, -2))  # (B, h_kv, g, t + 1)
@@ -133,7 +149,7 @@ class DecoderSelfAttention(torch.autograd.Function):
             grad_keys = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
         grad_k, grad_v = cache.accumulate(ctx.layer, ctx.t, grad_keys, grad_values)
         kv_dtype = cache.k[ctx.layer].dtype
-        return grad_q, grad_k.to(kv_dtype), grad_v.to(kv_dtype), None, None, None
+        return grad_q, grad_k.to(kv_dtype), grad_v.to(kv_dtype), None, None, None, None
 
 
 def masked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:

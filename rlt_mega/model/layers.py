@@ -71,6 +71,20 @@ class Rotary(nn.Module):
         rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
         return x * cos + rotated * sin
 
+    def rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables at per-row positions (B, n) (documents packed in a row restart at 0): (cos,
+        sin), each (B, 1, n, Dh), for ``rotate``."""
+        cos, sin = self.tables(positions.device, dtype)
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x: (B, h, n, Dh) with table rows (B, 1, n, Dh) from ``rows``: the same products as
+        ``forward`` where the positions are start + arange(n)."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin
+
 
     def at(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: (B, h, 1, Dh), row b at position positions[b] ((B,) long on the device)."""

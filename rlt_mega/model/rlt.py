@@ -43,6 +43,7 @@ from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.model.attention import DecoderSelfAttention, encoder_attention, masked_attention, memory_attention
 from rlt_mega.model.cache import DecoderKV, KVCache, MemoryGradients, MemoryKV
 from rlt_mega.model.fused_dense import decode_dense_fused
+from rlt_mega.model.documents import Documents
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
 
 
@@ -122,42 +123,62 @@ class RLT(nn.Module):
         return range(self.cfg.n_layers) if layers is None else layers
 
     # ------------------------------------------------------------------ encoder
-    def encoder_layer(self, i: int, h: torch.Tensor, start: int, cache: Optional[KVCache]) -> torch.Tensor:
+    def encoder_layer(self, i: int, h: torch.Tensor, start: int, cache: Optional[KVCache],
+                      documents: Optional[Documents] = None) -> torch.Tensor:
         """h: (B, n, d) at positions [start, start + n). With a cache, attends to the cached
-        prefix as well (sampling / replay; no autograd through the cache)."""
+        prefix as well (sampling / replay; no autograd through the cache). With documents
+        (packed rows, the whole row: start 0, no cache), RoPE positions and attention are the
+        documents' own."""
         blk = self.blocks[i]
         q, k, v = blk.attn.qkv(blk.attn_norm(h))
-        q, k = self.rotary(q, start), self.rotary(k, start)
+        if documents is not None:
+            cos, sin = documents.rope(self.rotary, q.dtype)  # (B, 1, n, Dh)
+            q, k = Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
+        else:
+            q, k = self.rotary(q, start), self.rotary(k, start)
         if cache is not None:
             cache.write(i, start, k, v)
             k, v = cache.view(i, start + h.shape[1])
-        h = h + blk.attn.out(encoder_attention(q, k, v, start))
+        mask = None if documents is None else documents.attend
+        h = h + blk.attn.out(encoder_attention(q, k, v, start, mask))
         return h + blk.mlp(blk.mlp_norm(h))
 
     def encode(self, h: torch.Tensor, start: int = 0, cache: Optional[KVCache] = None,
-               layers: Optional[Sequence[int]] = None) -> torch.Tensor:
+               layers: Optional[Sequence[int]] = None, documents: Optional[Documents] = None) -> torch.Tensor:
         """Runs encoder layers over h (B, n, d) (the embeddings at the first stage)."""
         if cache is not None and torch.is_grad_enabled() and h.requires_grad:
             raise RuntimeError("encoder caches are for the no-grad schedules (rollout, replay); "
                                "the dense schedule encodes the whole sequence in one batch")
+        if documents is not None and (cache is not None or start != 0 or documents.shape != tuple(h.shape[:2])):
+            raise ValueError(f"packed documents {documents.shape} are for the dense schedule over whole rows "
+                             f"(start 0, no cache), got h {tuple(h.shape[:2])} at start {start}")
         for i in self._layers(layers):
             if self.checkpointing.encoder and torch.is_grad_enabled():
-                h = checkpoint(self.encoder_layer, i, h, start, cache, use_reentrant=False,
+                h = checkpoint(self.encoder_layer, i, h, start, cache, documents, use_reentrant=False,
                                preserve_rng_state=False)  # the model draws no random numbers
             else:
-                h = self.encoder_layer(i, h, start, cache)
+                h = self.encoder_layer(i, h, start, cache, documents)
         return h
 
     # ------------------------------------------------------------------ memory
-    def memory_kv(self, m: torch.Tensor, layers: Optional[Sequence[int]] = None) -> MemoryKV:
-        """Dense schedule: cross K/V of {null} + m (B, T, d) for every layer, with autograd."""
+    def uses_fused(self, documents: Optional[Documents] = None) -> bool:
+        """Whether the dense schedule runs the fused decoder (``model.fused_decoder``): packed rows
+        with document resets run the module path, whose steps take per-row positions and masks
+        (model/documents.py); the fused step has one position per batch."""
+        return self.cfg.fused_decoder and documents is None
+
+    def memory_kv(self, m: torch.Tensor, layers: Optional[Sequence[int]] = None,
+                  fused: Optional[bool] = None) -> MemoryKV:
+        """Dense schedule: cross K/V of {null} + m (B, T, d) for every layer, with autograd.
+        fused: whether the fused decoder reads it (default: ``uses_fused()``)."""
+        fused = self.uses_fused() if fused is None else fused
         mem = MemoryKV(self.cfg.n_layers, capacity=1 + m.shape[1])
         slots = torch.cat([self.null_memory.to(m.dtype).expand(m.shape[0], 1, -1), m], dim=1)
         for i in self._layers(layers):
             k, v = self.cross[i].attn.kv(slots)
             # The module path's steps accumulate their gradients in ``mem``; the fused decoder
             # takes k, v as inputs of its autograd Function and returns theirs.
-            if torch.is_grad_enabled() and k.requires_grad and not self.cfg.fused_decoder:
+            if torch.is_grad_enabled() and k.requires_grad and not fused:
                 k, v = MemoryGradients.apply(k, v, mem, i)
             mem.set(i, k, v)
         return mem
@@ -185,25 +206,36 @@ class RLT(nn.Module):
         """e_t: (B, d) embedding of x_t; z_prev: (B, d) -> u (B, 1, d)."""
         return (e_t + self.recur_proj(self.recur_norm(z_prev))).unsqueeze(1)
 
-    def decoder_layer(self, i: int, u: torch.Tensor, t: int, dec: KVCache, mem: MemoryKV) -> torch.Tensor:
-        """One decoder layer at position t; u: (B, 1, d)."""
+    def decoder_layer(self, i: int, u: torch.Tensor, t: int, dec: KVCache, mem: MemoryKV,
+                      documents: Optional[Documents] = None) -> torch.Tensor:
+        """One decoder layer at position t; u: (B, 1, d). With documents (packed rows), RoPE
+        positions, self-attention keys and visible memory are those of each row's document."""
         blk = self.decoder_block(i)
         q, k, v = blk.attn.qkv(blk.attn_norm(u))  # q (B, h, 1, Dh); k, v (B, h_kv, 1, Dh)
-        q, k = self.rotary(q, t), self.rotary(k, t)
-        a = DecoderSelfAttention.apply(group_query(q, k.shape[1]), k, v, dec, i, t)
+        C = self.cfg.memory_block
+        if documents is None:
+            q, k = self.rotary(q, t), self.rotary(k, t)
+            self_mask, mem_mask, n = None, None, 1 + vis(t, C)
+        else:
+            cos, sin = documents.step_rope(self.rotary, q.dtype, t)  # (B, 1, 1, Dh)
+            q, k = Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
+            self_mask = documents.self_keys(t)  # (B, 1, 1, t + 1)
+            n, mem_mask = documents.memory_keys(t, C)  # (B, 1, 1, n)
+        a = DecoderSelfAttention.apply(group_query(q, k.shape[1]), k, v, dec, i, t, self_mask)
         u = u + blk.attn.out(ungroup_query(a, q.shape[1]))
 
         cb = self.cross[i]
         cq = cb.attn.query(cb.cross_norm(u))  # (B, h, 1, Dh)
         n_kv = mem.k[i].shape[1]
-        c = memory_attention(group_query(cq, n_kv), mem, i, 1 + vis(t, self.cfg.memory_block))
+        c = memory_attention(group_query(cq, n_kv), mem, i, n, mem_mask)
         u = u + cb.attn.out(ungroup_query(c, cq.shape[1]))
         return u + blk.mlp(blk.mlp_norm(u))
 
     def decoder_layers(self, u: torch.Tensor, t: int, dec: KVCache, mem: MemoryKV,
-                       layers: Optional[Sequence[int]] = None) -> torch.Tensor:
+                       layers: Optional[Sequence[int]] = None, documents: Optional[Documents] = None
+                       ) -> torch.Tensor:
         for i in self._layers(layers):
-            u = self.decoder_layer(i, u, t, dec, mem)
+            u = self.decoder_layer(i, u, t, dec, mem, documents)
         return u
 
     def decoder_layers_rows(self, u: torch.Tensor, rp, dec: KVCache, mem: MemoryKV,
@@ -227,10 +259,15 @@ class RLT(nn.Module):
             u = u + blk.mlp(blk.mlp_norm(u))
         return u
 
+    def reset_state(self, z_prev: torch.Tensor, t: int, documents: Optional[Documents]) -> torch.Tensor:
+        """z_{t-1} (B, d), reset to z_init in the rows where a document starts at t (packed rows)."""
+        return z_prev if documents is None or t == 0 else documents.reset(z_prev, self.z_init, t)
+
     def decoder_step(self, e_t: torch.Tensor, z_prev: torch.Tensor, t: int, dec: KVCache,
-                     mem: MemoryKV) -> torch.Tensor:
+                     mem: MemoryKV, documents: Optional[Documents] = None) -> torch.Tensor:
         """One recurrent step through all layers: (B, d), (B, d) -> z_t (B, d)."""
-        return self.decoder_layers(self.decoder_input(e_t, z_prev), t, dec, mem).squeeze(1)
+        z_prev = self.reset_state(z_prev, t, documents)
+        return self.decoder_layers(self.decoder_input(e_t, z_prev), t, dec, mem, documents=documents).squeeze(1)
 
     def initial_state(self, batch_size: int) -> torch.Tensor:
         return self.z_init.expand(batch_size, -1)
@@ -241,8 +278,8 @@ class RLT(nn.Module):
         return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     # ------------------------------------------------------------------ dense schedule
-    def decode_dense(self, emb: torch.Tensor, mem: MemoryKV, z0: Optional[torch.Tensor] = None
-                     ) -> torch.Tensor:
+    def decode_dense(self, emb: torch.Tensor, mem: MemoryKV, z0: Optional[torch.Tensor] = None,
+                     documents: Optional[Documents] = None) -> torch.Tensor:
         """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d).
 
         ``model.fused_decoder``: the fused step (model/fused_dense.py). The module path:
@@ -251,7 +288,7 @@ class RLT(nn.Module):
         in every mode (each step reads its own embedding row, every z_t is stacked once at
         the end), so gradients are bit-identical across checkpointing modes.
         """
-        if self.cfg.fused_decoder:
+        if self.uses_fused(documents):
             return decode_dense_fused(self, emb, mem, z0)
         B, T, _ = emb.shape
         dec = DecoderKV(self.cfg.n_layers, capacity=T)
@@ -266,30 +303,31 @@ class RLT(nn.Module):
         for t0 in range(0, T, seg):
             t1 = min(T, t0 + seg)
             if use_ckpt:
-                out = checkpoint(self._decode_segment, steps[t0:t1], z, t0, dec, mem,
+                out = checkpoint(self._decode_segment, steps[t0:t1], z, t0, dec, mem, documents,
                                  use_reentrant=False, preserve_rng_state=False)  # no randomness inside
             else:
-                out = self._decode_segment(steps[t0:t1], z, t0, dec, mem)
+                out = self._decode_segment(steps[t0:t1], z, t0, dec, mem, documents)
             zs.extend(out)
             z = out[-1]
         return torch.stack(zs, dim=1)
 
     def _decode_segment(self, embs: tuple[torch.Tensor, ...], z: torch.Tensor, t0: int, dec: KVCache,
-                        mem: MemoryKV) -> tuple[torch.Tensor, ...]:
+                        mem: MemoryKV, documents: Optional[Documents] = None) -> tuple[torch.Tensor, ...]:
         """Steps t0 .. t0 + len(embs) - 1 from z_{t0 - 1}; embs[j]: (B, d) embedding of x_{t0+j}.
         Returns z_{t0} ..., each (B, d)."""
         zs = []
         for j, e in enumerate(embs):
-            z = self.decoder_step(e, z, t0 + j, dec, mem)
+            z = self.decoder_step(e, z, t0 + j, dec, mem, documents)
             zs.append(z)
         return tuple(zs)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
         """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the
-        distribution of x_{t+1}."""
+        distribution of x_{t+1}. ``documents``: the rows are packed documents, each computed
+        as if alone in its row (model/documents.py)."""
         emb = self.embed(tokens)
-        m = self.memory_norm(self.encode(emb))
-        z = self.decode_dense(emb, self.memory_kv(m))
+        m = self.memory_norm(self.encode(emb, documents=documents))
+        z = self.decode_dense(emb, self.memory_kv(m, fused=self.uses_fused(documents)), documents=documents)
         return self.head(z)
 
 

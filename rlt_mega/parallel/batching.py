@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.loss import IGNORE, LogitsLoss
+from rlt_mega.model.documents import DOC_STARTS, pad_starts
 from rlt_mega.parallel.dims import ParallelDims
 
 
@@ -29,11 +30,13 @@ def pad_to(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
 
 
 def pad_batch(batch: dict, length: int) -> dict:
-    """The batch with ``inputs`` (and ``targets``, where it has them) right-padded to ``length``
-    positions: pad token 0, target IGNORE. A new dict; the caller's is unchanged."""
+    """The batch with ``inputs`` (and ``targets`` and ``doc_starts``, where it has them)
+    right-padded to ``length`` positions: pad token 0, target IGNORE. A new dict; the caller's is unchanged."""
     out = {**batch, "inputs": pad_to(batch["inputs"], length, 0)}
     if torch.is_tensor(batch.get("targets")):
         out["targets"] = pad_to(batch["targets"], length, IGNORE)
+    if torch.is_tensor(batch.get(DOC_STARTS)):  # packed documents: the padding continues each row's last
+        out[DOC_STARTS] = pad_starts(batch[DOC_STARTS], length)
     return out
 
 

@@ -36,6 +36,7 @@ from torch import nn
 
 from rlt_mega.config import CheckpointConfig, OptimConfig, ParallelConfig
 from rlt_mega.loss import LM_LOSS, LogitsLoss
+from rlt_mega.model.documents import forward_kwargs
 from rlt_mega.model.rlt import RLT
 from rlt_mega.parallel import batching
 from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
@@ -129,7 +130,7 @@ class DistributedEngine:
         return float(total) / max(count, 1.0)  # the normalisation: the global sum over the global count
 
     def _dense_loss(self, batch: dict, loss: LogitsLoss) -> torch.Tensor:
-        return loss.logits_loss(self.ds(batch["inputs"]), batch, self.vocab)  # logits (b, T, V / tp) fp32
+        return loss.logits_loss(self.ds(batch["inputs"], **forward_kwargs(batch)), batch, self.vocab)  # logits (b, T, V / tp) fp32
 
     def _all_finite(self, grads: dict) -> bool:
         """Every rank's accumulated gradients finite: one flag per tensor on the device, one

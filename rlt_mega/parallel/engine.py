@@ -35,6 +35,7 @@ from safetensors.torch import load_model, save_model
 from rlt_mega.checkpoint import CheckpointError, check_weights, load_torch
 from rlt_mega.config import CheckpointingConfig, OptimConfig, TrainConfig
 from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
+from rlt_mega.model.documents import forward_kwargs
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.precision import precision
 
@@ -167,7 +168,7 @@ class LocalEngine:
         for b in batches:
             with precision(self.dtype, self.device):
                 # The normalisation: each batch's loss SUM over the step's count.
-                part = loss.logits_loss(self.model(b["inputs"]), b, WHOLE_VOCAB) / max(total, 1)
+                part = loss.logits_loss(self.model(b["inputs"], **forward_kwargs(b)), b, WHOLE_VOCAB) / max(total, 1)
             part.backward()
             loss_sum += float(part.detach())
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -188,7 +189,7 @@ class LocalEngine:
         for b in batches:
             b = self._to_device(b)
             with precision(self.dtype, self.device):
-                loss_sum += float(loss.logits_loss(self.model(b["inputs"]), b, WHOLE_VOCAB))
+                loss_sum += float(loss.logits_loss(self.model(b["inputs"], **forward_kwargs(b)), b, WHOLE_VOCAB))
             total += loss.count(b)
         return loss_sum / max(total, 1)  # the normalisation: the summed loss over the summed count
 

@@ -51,6 +51,7 @@ from rlt_mega.loss import LogitsLoss, Vocab
 from rlt_mega.model.cache import DecoderKV, MemoryKV
 from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator
 from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
+from rlt_mega.model.documents import Documents
 from rlt_mega.model.rlt import RLT
 
 
@@ -105,6 +106,7 @@ class _MicroBatch:
     run: Optional[FusedRun] = None  # the fused decoder's state for this micro-batch
     e: Optional[torch.Tensor] = None  # stage 0, fused: the embeddings (T, b, d), contiguous rows
     z0: Optional[torch.Tensor] = None  # stage 0, fused: z_{-1} (b, d) with its graph into z_init
+    docs: Optional[Documents] = None  # packed rows with document resets (model/documents.py)
 
 
 class RLTStage:
@@ -141,8 +143,10 @@ class RLTStage:
         one T per round); loss_scale multiplies the loss sum before backward (1 / global count
         times the data-parallel size, since DeepSpeed averages over data-parallel ranks)."""
         T = batches[0]["inputs"].shape[1]
-        self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T)) for b in batches]
+        self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T), docs=Documents.of(b))
+                    for b in batches]
         self.loss_scale, self.grad, self.loss = loss_scale, grad, loss
+        self.fused = all(self.model.uses_fused(mb.docs) for mb in self.mbs)  # packed documents: the module path
         if self.fused:
             self._start_fused(batches[0]["inputs"].shape[0])
 
@@ -173,14 +177,14 @@ class RLTStage:
             elif self.grad:  # the decoder reads the embeddings position by position: one leaf each
                 mb.e_steps = [_leaf(mb.emb[:, t], True) for t in range(mb.emb.shape[1])]
         mb.enc_in = _leaf(x, self.grad)
-        h = model.encode(mb.enc_in, layers=self.layers)
+        h = model.encode(mb.enc_in, layers=self.layers, documents=mb.docs)
         mb.enc_out = model.memory_norm(h) if self.is_last_stage else h
         return mb.enc_out
 
     def mem_fwd(self, j: int, m: Optional[torch.Tensor]) -> None:
         mb = self.mbs[j]
         mb.m_in = _leaf(mb.enc_out if self.is_last_stage else m, self.grad)
-        dense = self.model.memory_kv(mb.m_in, layers=self.layers)
+        dense = self.model.memory_kv(mb.m_in, layers=self.layers, fused=self.fused)
         mb.mem = MemoryKV(self.model.cfg.n_layers, capacity=dense.capacity)
         mb.mem_out = []
         for i in self.layers:
@@ -196,10 +200,10 @@ class RLTStage:
                               grads=self.weight_grads, slots=slots if self.grad else 1)
 
     def _dec_step(self, x: torch.Tensor, e_t: Optional[torch.Tensor], t: int, dec: DecoderKV,
-                  mem: MemoryKV) -> torch.Tensor:
-        if self.is_first_stage:
-            x = self.model.decoder_input(e_t, x.squeeze(1))  # (b, 1, d)
-        return self.model.decoder_layers(x, t, dec, mem, layers=self.layers)
+                  mem: MemoryKV, docs: Optional[Documents] = None) -> torch.Tensor:
+        if self.is_first_stage:  # z_{t-1} (reset to z_init where a packed document starts) -> (b, 1, d)
+            x = self.model.decoder_input(e_t, self.model.reset_state(x.squeeze(1), t, docs))
+        return self.model.decoder_layers(x, t, dec, mem, layers=self.layers, documents=docs)
 
     def dec_fwd(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
         if self.fused:
@@ -216,10 +220,10 @@ class RLTStage:
         if self.grad and model.checkpointing.decoder != "none":
             # One checkpointed segment per step on every stage: the stage's steps are not
             # contiguous in time (the ring interleaves them), so "every_k" degrades to "step".
-            y = checkpoint(self._dec_step, x, e_t, t, mb.dec, mb.mem, use_reentrant=False,
+            y = checkpoint(self._dec_step, x, e_t, t, mb.dec, mb.mem, mb.docs, use_reentrant=False,
                            preserve_rng_state=False)
         else:
-            y = self._dec_step(x, e_t, t, mb.dec, mb.mem)
+            y = self._dec_step(x, e_t, t, mb.dec, mb.mem, mb.docs)
         if self.grad:
             mb.dec_out[t] = y
         if self.is_last_stage:

@@ -339,6 +339,9 @@ def grpo_config(cfg: Config) -> Config:
     (prompts_per_step x group_size / minibatches) / train.grad_accum. A value the user set
     otherwise is an error that names it, not a silent overwrite."""
     g, accum, M = cfg.grpo, cfg.train.grad_accum, cfg.parallel.micro_batches
+    if cfg.data.pack:
+        raise ConfigError("data.pack=true packs SFT pairs; a GRPO row is one rollout (prompt and completion): "
+                          "remove data.pack")
     rows = g.prompts_per_step * g.group_size // g.minibatches
     if rows % accum:
         raise ConfigError(f"train.grad_accum={accum} does not divide a GRPO minibatch of {rows} rows "

@@ -5,13 +5,13 @@ or on any tensor/pipeline/ZeRO layout (launched as pretraining is)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
-import datasets
 import torch
 
 from rlt_mega.config import Config
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
+from rlt_mega.data.packing import PackedPairs
 from rlt_mega.data.pairs import RecordOrder, tokenize_pairs
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
@@ -38,17 +38,19 @@ def sft_batch(rows: dict, pad_id: int, length: Optional[int] = None) -> dict:
 
 
 class SFTBatches:
-    """grad_accum batches of pairs per step (supervised.BatchSource)."""
+    """grad_accum batches per step (supervised.BatchSource) of ``batch_size`` records each, drawn
+    by a seeded, resumable RecordOrder: ``batch_of(indices)`` builds one (a record is a pair, or
+    with data.pack a packed row of pairs)."""
 
-    def __init__(self, data: datasets.Dataset, batch_size: int, grad_accum: int, seed: int, pad_id: int,
-                 shuffle: bool = True, rank: int = 0, world: int = 1, length: Optional[int] = None) -> None:
-        self.data, self.batch_size, self.grad_accum, self.pad_id = data, batch_size, grad_accum, pad_id
-        self.rank, self.world, self.length = rank, world, length
-        self.order = RecordOrder(len(data), seed, shuffle)
+    def __init__(self, num_records: int, batch_of: Callable[[list[int]], dict], batch_size: int, grad_accum: int,
+                 seed: int, shuffle: bool = True, rank: int = 0, world: int = 1) -> None:
+        self.batch_of, self.batch_size, self.grad_accum = batch_of, batch_size, grad_accum
+        self.rank, self.world = rank, world
+        self.order = RecordOrder(num_records, seed, shuffle)
 
     def next_batches(self) -> list[dict]:
-        return [sft_batch(self.data[self.order.take(self.batch_size, self.rank, self.world)], self.pad_id,
-                          self.length) for _ in range(self.grad_accum)]
+        return [self.batch_of(self.order.take(self.batch_size, self.rank, self.world))
+                for _ in range(self.grad_accum)]
 
     def state_dict(self) -> dict:
         return self.order.state_dict()
@@ -69,17 +71,42 @@ def pair_data(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, stats: Data
     evald = tokenize_pairs(eval_recs, tokenizer, cfg.data.seq_len, stats, "eval")
     log.info("data: %d train pairs, %d eval pairs (answers truncated to data.seq_len=%d); %s", len(train),
              len(evald), cfg.data.seq_len, stats.summary())
+    if cfg.data.pack:
+        return _packed(cfg, dims, tokenizer, train, evald)
     # Data-parallel replicas read disjoint rows; the TP and PP ranks of a replica read the same.
     # The pipeline ring keeps micro-batches of one length in flight: pad to data.seq_len there.
     length = cfg.data.seq_len if dims.pp > 1 else None
-    batches = SFTBatches(train, cfg.train.micro_batch_size, cfg.train.grad_accum, cfg.train.seed,
-                         tokenizer.pad_id, cfg.data.shuffle, rank=dims.dp_rank, world=dims.dp, length=length)
+    pad_id = tokenizer.pad_id
+    batches = SFTBatches(len(train), lambda idx: sft_batch(train[idx], pad_id, length), cfg.train.micro_batch_size,
+                         cfg.train.grad_accum, cfg.train.seed, cfg.data.shuffle, rank=dims.dp_rank, world=dims.dp)
     # The loss is pretraining's token cross-entropy: the prompt's targets are IGNORE, so only
     # answers count. train.init_from, when set, is applied by the builders.
     size = cfg.train.micro_batch_size
     num_eval = min(len(evald), cfg.train.eval_batches * size)
 
     def eval_batches() -> list[dict]:
-        return [sft_batch(evald[start:start + size], tokenizer.pad_id, length) for start in range(0, num_eval, size)]
+        return [sft_batch(evald[start:start + size], pad_id, length) for start in range(0, num_eval, size)]
+
+    return batches, eval_batches
+
+
+def _packed(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, train, evald):
+    """data.pack: the pairs best-fit into rows of data.seq_len positions (data/packing.py); with
+    data.reset_at_document each pair is its own document. The eval pairs are packed the same
+    way, in their order, and the first train.eval_batches batches of rows evaluated."""
+    data, size = cfg.data, cfg.train.micro_batch_size
+    rows = PackedPairs(train, data.seq_len, tokenizer.pad_id, data.reset_at_document, cfg.train.seed, data.shuffle)
+    eval_rows = PackedPairs(evald, data.seq_len, tokenizer.pad_id, data.reset_at_document, cfg.train.seed,
+                            shuffle=False)
+    log.info("data: packed %d train pairs into %d rows of %d positions (%.1f%% filled), %d eval rows%s", len(train),
+             len(rows), data.seq_len, 100 * rows.fill, len(eval_rows),
+             ", documents reset the state" if data.reset_at_document
+             else ", pairs attend across (no data.reset_at_document)")
+    batches = SFTBatches(len(rows), rows.batch, size, cfg.train.grad_accum, cfg.train.seed, data.shuffle,
+                         rank=dims.dp_rank, world=dims.dp)
+    num_eval = min(len(eval_rows), cfg.train.eval_batches * size)
+
+    def eval_batches() -> list[dict]:
+        return [eval_rows.batch(list(range(start, min(start + size, num_eval)))) for start in range(0, num_eval, size)]
 
     return batches, eval_batches

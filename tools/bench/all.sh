@@ -3,7 +3,7 @@
 # 2-core machine they would time each other), in quick settings that keep the whole run under
 # 10 minutes on this CPU; each prints its own table of ratios measured within its run.
 # Creates or reuses .venv like launch/test.sh. Extra arguments: the benchmarks to run
-# (training pipeline rollout peer rollout_parallel stability; default all; and data, rollout_rows).
+# (training pipeline rollout peer rollout_parallel stability; default all; and data, rollout_rows, sft_packing).
 #
 #     bash tools/bench/all.sh                 # everything, ~10 minutes on 2 CPU cores
 #     bash tools/bench/all.sh training        # one of them
@@ -45,4 +45,7 @@ want rollout_rows && run rollout_rows python tools/bench/rollout_rows.py --data 
 # Pretraining data (issue 18; not in the default list: ~6 minutes on 200 MB): preprocess MB/s with
 # 1 and 2 workers, start-up time and peak RSS of the indexed against the in-memory path.
 want data && run data python tools/bench/data.py
+# Packed SFT (issue 14; not in the default list: ~3 minutes): tokens/s of 32 GSM8K pairs packed into rows of 1024
+# against one pair a row.
+want sft_packing && run sft_packing python tools/bench/sft_packing.py --pairs 32 --seq-len 1024 --repeats 2
 echo; echo "==== all: $SECONDS s"
