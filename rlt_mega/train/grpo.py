@@ -30,7 +30,8 @@ steps, each epochs x minibatches optimizer steps).
 Metrics (TensorBoard + metrics.jsonl, from rank 0, reduced over every rank): reward, accuracy,
 ratio min/mean/max, clip fraction, support misses, max/mean |dense - replay|, KL(mu || dense),
 rollout and learner tokens/s, phase times, held-out greedy accuracy. ``ratio/onpolicy_max_dev``
-is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract.
+is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract
+(by construction when that replay is skipped: grpo.verify_onpolicy checks the contract itself).
 """
 
 from __future__ import annotations
