@@ -439,6 +439,12 @@ class GRPOConfig:
     reward: str = "gsm8k"  # "gsm8k" or "module:function" taking (completion text, answer record)
     eval_every: int = 10  # GRPO steps between held-out greedy accuracy checks; 0: first and last only
     eval_size: int = 200  # held-out prompts in each check
+    # The first minibatch of a step learns with the rollout's own parameters, so its replay is
+    # mu bit for bit: skip_onpolicy_replay uses mu as the hybrid's value and skips that replay
+    # (false: replay it anyway); verify_onpolicy replays it all the same and fails the run if it
+    # is not torch.equal to mu (train/grpo.py, ``onpolicy_values``).
+    skip_onpolicy_replay: bool = True
+    verify_onpolicy: bool = False
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1")

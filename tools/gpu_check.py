@@ -209,7 +209,8 @@ def part_grpo_onpolicy(smoke: bool) -> dict:
             "optim": {"lr": 1e-5, "min_lr": 1e-5, "warmup_steps": 0, "schedule": "constant"},
             "train": {"seed": 3, "steps": 1, "dtype": dtype, "device": str(_device())},
             "sampling": {"temperature": 1.0, "max_new_tokens": 8 if smoke else 32},
-            "grpo": {"prompts_per_step": 2, "group_size": 4, "minibatches": 2, "eval_size": 0},
+            # verify_onpolicy: the skipped first-minibatch replay runs anyway and must be torch.equal to mu
+            "grpo": {"prompts_per_step": 2, "group_size": 4, "minibatches": 2, "eval_size": 0, "verify_onpolicy": True},
             "logging": {"progress": False, "dir": os.environ.get("GPU_CHECK_TMP", "/tmp") + "/gpu_check_tb"},
             "checkpoint": {"dir": os.environ.get("GPU_CHECK_TMP", "/tmp") + "/gpu_check_ckpt"}}))
         records = [{"question": f"what is {i} plus {i}?", "answer": f"#### {2 * i}"} for i in range(16)]

@@ -12,7 +12,9 @@ One step, as named phases (each timed into the metrics):
     score       rewards, once per replica (a reward function that raises scores 0, counted)
     advantages  group advantages (grpo / dr_grpo)
     reference   frozen-reference log-probs (only with grpo.kl_coef > 0), by replay
-    replay      per minibatch: the rollouts' own schedule with the current parameters
+    replay      per minibatch: the rollouts' own schedule with the current parameters (skipped on
+                the first minibatch, whose value is mu bit for bit: grpo.skip_onpolicy_replay,
+                grpo.verify_onpolicy, ``GRPOJob._onpolicy_values``)
     update      per minibatch: hybrid log-probs (value = replay, gradient = dense), the clipped
                 surrogate over the global completion-token count, one optimizer step;
                 epochs x minibatches in all
@@ -28,7 +30,8 @@ steps, each epochs x minibatches optimizer steps).
 Metrics (TensorBoard + metrics.jsonl, from rank 0, reduced over every rank): reward, accuracy,
 ratio min/mean/max, clip fraction, support misses, max/mean |dense - replay|, KL(mu || dense),
 rollout and learner tokens/s, phase times, held-out greedy accuracy. ``ratio/onpolicy_max_dev``
-is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract.
+is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract
+(by construction when that replay is skipped: grpo.verify_onpolicy checks the contract itself).
 """
 
 from __future__ import annotations
@@ -205,6 +208,41 @@ class GRPOJob:
             batches.append(grpo_batch(parts))
         return batches
 
+    def _onpolicy_values(self, rounds: list[Round], used: list[int], done: int) -> dict[int, list]:
+        """The hybrid's values on the step's first minibatch (epoch 0, minibatch 0): mu itself.
+
+        Why it is exact: every round of the step was sampled before the step's first optimizer
+        step, and the first minibatch is learned before it, so the replay would run the
+        rollout's own schedule with the rollout's own parameters, torch.equal to mu by the
+        exactness contract (Sampler.replay). That holds on every layout: under data
+        parallelism each replica learns its own rollouts; under grad_accum (and the pipeline's
+        pieces) the minibatch's batches accumulate into one step, taken after all of them;
+        dynamic sampling's rounds all come before it; only minibatches k > 0 and epochs > 0
+        follow an update, and they are replayed. As the replay, the value is on the last
+        pipeline stage only (None on the others, which compute no loss).
+
+        grpo.verify_onpolicy replays all the same and fails, on every rank together, if the
+        replay is not torch.equal to mu."""
+        last = self.dims.is_last_stage
+        values = {r: [ro.mu if last else None for ro in rounds[r].rollouts[0]] for r in used}
+        if self.cfg.grpo.verify_onpolicy:
+            policy = self.sampler()
+            worst = 0.0
+            for r in used:
+                for ro, rep in zip(rounds[r].rollouts[0], policy.replay(rounds[r].rollouts[0])):
+                    if rep is not None:
+                        worst = max(worst, onpolicy_deviation(rep, ro.mu))
+            # Every rank learns whether one failed, so that none is left waiting in a collective.
+            worst = float(self.dims.all_reduce(torch.tensor([worst], dtype=torch.float64, device=self.dims.device),
+                                               op="max").item())
+            if worst != 0.0:
+                raise RuntimeError(
+                    f"GRPO step {done}: grpo.verify_onpolicy: the replay of the first minibatch (the rollout's own "
+                    f"parameters) is not torch.equal to mu, max |replay - mu| = {worst:.3e}: the replay does not "
+                    "repeat the sampler's schedule bit for bit, so the on-policy ratios are not exactly 1 and "
+                    "skipping the replay (grpo.skip_onpolicy_replay) would hide it; report it with the config")
+        return values
+
     def step(self, done: int) -> dict[str, float]:
         g, dims = self.cfg.grpo, self.dims
         self._t_generate = 0.0
@@ -225,11 +263,14 @@ class GRPOJob:
             for k in range(g.minibatches):
                 t0 = time.perf_counter()
                 with self.timers("replay"):
-                    # Fresh caches under the current parameters (after the previous update); a
-                    # round's minibatch is replayed as it was sampled, its batches together.
-                    policy = self.sampler()
                     used = [r for r, rnd in enumerate(rounds) if self._learns_from(rnd, k)] or [0]
-                    replays = {r: policy.replay(rounds[r].rollouts[k]) for r in used}
+                    if epoch == 0 and k == 0 and g.skip_onpolicy_replay:
+                        replays = self._onpolicy_values(rounds, used, done)
+                    else:
+                        # Fresh caches under the current parameters (after the previous update); a
+                        # round's minibatch is replayed as it was sampled, its batches together.
+                        policy = self.sampler()
+                        replays = {r: policy.replay(rounds[r].rollouts[k]) for r in used}
                 batches = self._minibatch(rounds, k, advantages, replays)
                 with self.timers("update"):
                     stats = self.engine.train_step(batches, self.objective)
@@ -315,6 +356,17 @@ class GRPOJob:
 
 
 # ---------------------------------------------------------------------- what GRPO derives
+def onpolicy_deviation(replay: torch.Tensor, mu: torch.Tensor) -> float:
+    """max |replay - mu| over (B, N), 0.0 exactly when torch.equal; inf where one side is
+    non-finite and the other is not (or both are but differ), so a NaN is never a 0."""
+    if torch.equal(replay, mu):
+        return 0.0
+    replay, mu = replay.double(), mu.to(device=replay.device, dtype=torch.float64)
+    same = (replay == mu) | (torch.isnan(replay) & torch.isnan(mu))
+    diff = torch.where(same, torch.zeros_like(replay), (replay - mu).abs())
+    return float(torch.nan_to_num(diff, nan=float("inf"), posinf=float("inf")).max())
+
+
 def request_seeds(seed: int, step: int, dp_rank: int, num: int, round_: int = 0) -> list[int]:
     """Per-request sampling seeds from (run seed, step, sampling round, global row): replicas
     and dynamic sampling's rounds draw independent samples, and a resumed run draws the same ones."""

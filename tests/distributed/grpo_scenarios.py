@@ -102,8 +102,9 @@ def grpo_cfg(parallel: dict, train: dict | None = None, grpo: dict | None = None
         "train": {"seed": 3, "steps": 1, "checkpointing": {"decoder": "none", "encoder": False}, **(train or {})},
         "parallel": parallel,
         "sampling": {"temperature": 1.0, "max_new_tokens": 6},
+        # verify_onpolicy: the skipped first-minibatch replay is run all the same and must be torch.equal to mu
         "grpo": {"prompts_per_step": 2, "group_size": 4, "minibatches": 2, "eval_size": 0, "eps_high": 0.28,
-                 **(grpo or {})},
+                 "verify_onpolicy": True, **(grpo or {})},
         "logging": {"progress": False},
     })
 

@@ -31,6 +31,7 @@ def grpo_args(tmp_path, prompts, run, *extra):
             "optim.lr=0.01", "optim.warmup_steps=0", "optim.schedule=constant", "logging.progress=false",
             f"checkpoint.dir={tmp_path / run / 'ckpt'}", f"logging.dir={tmp_path / run / 'tb'}",
             "grpo.prompts_per_step=4", "grpo.group_size=8", "grpo.minibatches=2", "grpo.eval_size=0",
+            "grpo.verify_onpolicy=true",
             "grpo.reward=helpers:emit_seven", "sampling.max_new_tokens=8", *extra]
 
 
@@ -86,6 +87,7 @@ def test_grpo_on_real_gsm8k_records(tmp_path):
             "model.ffn_hidden=64", "model.max_seq_len=1024", "train.dtype=fp32", "train.device=cpu", "train.steps=1",
             "train.checkpointing.decoder=none", "train.checkpointing.encoder=false", "grpo.prompts_per_step=2",
             "grpo.group_size=2", "grpo.minibatches=2", "grpo.eval_size=2", "sampling.max_new_tokens=4",
+            "grpo.verify_onpolicy=true",
             "logging.progress=false", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}"]
     assert main(args) == 0
     records = read_metrics(tmp_path / "tb")

@@ -29,6 +29,7 @@ def grpo(tmp_path, name, *overrides):
             "optim.schedule=constant", "logging.progress=false", f"checkpoint.dir={tmp_path / name / 'ckpt'}",
             f"logging.dir={tmp_path / name / 'tb'}", "checkpoint.every=0", "grpo.prompts_per_step=2",
             "grpo.group_size=4", "grpo.minibatches=2", "grpo.eval_size=4", "grpo.eval_every=0", "grpo.kl_coef=0.05",
+            "grpo.verify_onpolicy=true",
             "grpo.reward=tests.distributed.grpo_scenarios:odd", "sampling.max_new_tokens=6", "train.steps=2",
             "train.grad_accum=2", "parallel.pp=2", "parallel.micro_batches=2", "parallel.zero_stage=1", *overrides]
     return launched(2, args)

@@ -3,7 +3,7 @@
 # 2-core machine they would time each other), in quick settings that keep the whole run under
 # 10 minutes on this CPU; each prints its own table of ratios measured within its run.
 # Creates or reuses .venv like launch/test.sh. Extra arguments: the benchmarks to run
-# (training pipeline rollout peer rollout_parallel stability; default all; and data, rollout_rows, sft_packing).
+# (training pipeline rollout peer rollout_parallel stability; default all; and data, rollout_rows, sft_packing, grpo).
 #
 #     bash tools/bench/all.sh                 # everything, ~10 minutes on 2 CPU cores
 #     bash tools/bench/all.sh training        # one of them
@@ -42,6 +42,9 @@ want stability && run stability python tools/bench/stability.py --steps 40 --lr 
 # compaction and slots = rows / 4 against lockstep, 64 GSM8K rows per call (GSM8K_DIR: a directory
 # holding GSM8K's train.jsonl, default data/gsm8k).
 want rollout_rows && run rollout_rows python tools/bench/rollout_rows.py --data "${GSM8K_DIR:-data/gsm8k}" --repeats 1
+# A whole GRPO step (generate, replay, update), every issue-12 switch on against off (not in the default
+# list: ~10 minutes of CPU time at 2 x 64 rows; the same GSM8K directory).
+want grpo && run grpo python tools/bench/grpo.py --data "${GSM8K_DIR:-data/gsm8k}" --repeats 1
 # Pretraining data (issue 18; not in the default list: ~6 minutes on 200 MB): preprocess MB/s with
 # 1 and 2 workers, start-up time and peak RSS of the indexed against the in-memory path.
 want data && run data python tools/bench/data.py

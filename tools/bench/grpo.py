@@ -1,0 +1,150 @@
+"""Whole-GRPO-step benchmark (issue 12): generate, replay, update with every issue-12 switch on
+against every switch off, side by side in one run (prints figures; asserts nothing but
+exactness: every replay of an unchanged model torch.equal to its rollout's mu).
+
+A step is --minibatches calls of 64 rows (8 GSM8K train questions x G = 8, tokenised by a
+byte-level BPE trained on the train split, rlt_mega/data/tokenizer_train.py, as
+tools/bench/rollout_rows.py does; each row's completion length is its gold solution's token
+length x U(0.6, 2), ``sampling.row_budgets``: the model is random, so stopping would not give
+realistic lengths). small_cpu (d=256, L=4, C=8), random weights, fp32. Per minibatch: the
+replay (the hybrid's value) with the current parameters, the dense schedule with autograd,
+the clipped surrogate on random advantages (a random model's rewards are all 0: the compute is
+the same), AdamW. Variants, each from the same initial weights, timed in interleaved rounds
+(best of --repeats per phase, one thread, process CPU time by default, tools/bench/harness.py):
+
+- off: every switch off: the lockstep rollout (sampling.share_prompts/compact false, slots 0)
+  and the first minibatch replayed (grpo.skip_onpolicy_replay false);
+- on: every switch on (the defaults): shared prompts, compaction, the first minibatch's replay
+  skipped (its value is mu);
+- slots: on, with sampling.slots = rows / 4 (continuous batching): its sequential decoder
+  steps per call against lockstep's with the same rows (what it trades on a bandwidth-bound GPU).
+
+The learner's dense schedule is the same in every variant (its sharing/compaction, issue 12
+deliverable 5, is not built yet), so the learner's gain is the skipped replay and the replays'
+own row schedule. Learner tokens/s: the rows' prompt + completion tokens per second of replay +
+update (the same numerator in every variant).
+
+    PYTHONPATH=. python tools/bench/grpo.py --data DIR             # the figures (one core)
+    PYTHONPATH=. python tools/bench/grpo.py --data DIR --quick     # 2 prompts x 8, a smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import dataclasses
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from rollout_rows import gsm8k_call  # noqa: E402
+
+from rlt_mega.config import load_config  # noqa: E402
+from rlt_mega.learner.grpo import grpo_loss  # noqa: E402
+from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs  # noqa: E402
+from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.rollout import Processing, Sampler, SamplingParams  # noqa: E402
+from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    rows: RowSwitches
+    skip_onpolicy_replay: bool
+
+
+def grpo_step(model, variant: Variant, calls: list[tuple[list, SamplingParams, list]], check_every: int,
+              clock, seed: int) -> tuple[dict[str, float], list]:
+    """One GRPO step on ``model`` (updated in place) -> (phase times, the rollouts)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=False)
+    sampler = Sampler(model, check_every=check_every, rows=variant.rows)
+    times = {"generate": 0.0, "replay": 0.0, "update": 0.0}
+    t0 = clock()
+    with torch.no_grad():
+        rollouts = [sampler.generate([p], params, [s], pad_id=0)[0] for p, params, s in calls]
+    times["generate"] = clock() - t0
+    gen = torch.Generator().manual_seed(seed)
+    for k, ro in enumerate(rollouts):
+        t0 = clock()
+        if k == 0 and variant.skip_onpolicy_replay:
+            value = ro.mu  # the rollout's own parameters: the replay would be mu bit for bit
+        else:
+            value = Sampler(model, check_every=check_every, rows=variant.rows).replay([ro])[0]
+            if k == 0 and not torch.equal(value, ro.mu):
+                raise SystemExit("the on-policy replay differs from mu")
+        times["replay"] += clock() - t0
+        t0 = clock()
+        adv = torch.randn(ro.batch_size, generator=gen)
+        logp = hybrid_logprobs(dense_logprobs(model, ro), value)
+        grpo_loss(logp, ro.mu, adv, ro.mask, 0.2, 0.28).loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        times["update"] += clock() - t0
+    return times, rollouts
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/small_cpu.yaml")
+    ap.add_argument("--data", default="data/gsm8k", help="a directory holding GSM8K's train.jsonl")
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per call (x --group rows)")
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--minibatches", type=int, default=2, help="calls (= learner minibatches) per GRPO step")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--check-every", type=int, default=8)
+    ap.add_argument("--quick", action="store_true")
+    harness.add_common_args(ap)
+    args = ap.parse_args()
+    if args.quick:
+        args.prompts, args.repeats = 2, 1
+    clock = harness.setup(args)
+    prompts, budgets, stats = gsm8k_call(args.data, args.prompts * args.minibatches, args.group, args.vocab, seed=0)
+    rows = args.prompts * args.group
+    calls = []
+    for k in range(args.minibatches):
+        p, b = prompts[k * rows:(k + 1) * rows], budgets[k * rows:(k + 1) * rows]
+        params = SamplingParams(Processing(temperature=1.0), max_new_tokens=max(b), row_budgets=tuple(b))
+        calls.append((p, params, list(range(k * rows, (k + 1) * rows))))
+    cfg = load_config(args.config)
+    base = build_model(dataclasses.replace(cfg.model, vocab_size=args.vocab), "cpu", seed=0)
+    variants = {"off": Variant(LOCKSTEP, False), "on": Variant(RowSwitches(), True),
+                "slots": Variant(RowSwitches(slots=rows // 4), True)}
+    best = {k: {} for k in variants}
+    outs = {}
+    for _ in range(args.repeats):
+        for k, v in variants.items():
+            times, outs[k] = grpo_step(copy.deepcopy(base), v, calls, args.check_every, clock, seed=1)
+            times["step"] = sum(times.values())
+            best[k] = {p: min(t, best[k].get(p, float("inf"))) for p, t in times.items()}
+    for k, ros in outs.items():
+        assert [n for ro in ros for n in ro.completion_lens] == budgets, k  # no stop token: every row its budget
+    completion = sum(budgets)
+    data_tokens = completion + sum(map(len, prompts))
+    print(f"# grpo: {args.config} (vocab {args.vocab}), {args.minibatches} minibatches x {args.prompts} GSM8K "
+          f"prompts x G={args.group} = {rows} rows per call, check_every {args.check_every}; {harness.describe(args)}")
+    print(f"# BPE {stats['bytes_per_token']:.2f} bytes/token; prompt tokens mean {stats['prompt_len_mean']:.1f} "
+          f"max {stats['prompt_len_max']}; completion tokens mean {stats['completion_mean']:.1f} "
+          f"max {stats['completion_max']}")
+    print("| variant | step s | step x off | generate s | completion tokens/s | x off | replay s | update s | "
+          "learner tokens/s | x off | sequential steps/call | steps x lockstep |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    ref = best["off"]
+    lockstep_steps = sum(ro.schedule.num_steps for ro in outs["off"]) / len(outs["off"])
+    for k, t in best.items():
+        ros = outs[k]
+        steps = sum(ro.schedule.num_steps if ro.schedule.rows is None else ro.schedule.rows.num_steps
+                    for ro in ros) / len(ros)
+        learn, learn_ref = t["replay"] + t["update"], ref["replay"] + ref["update"]
+        print(f"| {k} | {t['step']:.2f} | {ref['step'] / t['step']:.2f} | {t['generate']:.2f} | "
+              f"{completion / t['generate']:.1f} | {ref['generate'] / t['generate']:.2f} | {t['replay']:.2f} | "
+              f"{t['update']:.2f} | {data_tokens / learn:.1f} | {learn_ref / learn:.2f} | {steps:.0f} | "
+              f"{steps / lockstep_steps:.2f} |")
+
+
+if __name__ == "__main__":
+    main()
