@@ -202,17 +202,22 @@ class DecodeWeights:
         self.append_memory(mem, null, -1)
         return mem
 
+    def _memory_kv(self, m: torch.Tensor):
+        """Per layer i: (i, k, v) of memory m (N, n, d) (memory_norm applied), k and v
+        (N, n, h_kv, Dh) each: the cross-attention's k/v products, autocast off."""
+        N, n, d = m.shape
+        x = m.reshape(N * n, d).to(self.compute_dtype)
+        products = self._cross_kv_products(N * n)
+        with torch.autocast(device_type=m.device.type, enabled=False):
+            for i in self.layer_ids:
+                kv = products[i](x).view(N, n, 2, self.heads[1], self.head_dim)
+                yield i, kv[:, :, 0], kv[:, :, 1]
+
     @torch.no_grad()
     def append_memory(self, mem: StepKV, m: torch.Tensor, start: int) -> None:
         """Commits memory m (B, n, d) (memory_norm applied) of positions [start, start + n)."""
-        B, n, d = m.shape
-        x = m.reshape(B * n, d).to(self.compute_dtype)
-        products = self._cross_kv_products(B * n)
-        h_kv = self.heads[1]
-        with torch.autocast(device_type=m.device.type, enabled=False):
-            for i in self.layer_ids:
-                kv = products[i](x).view(B, n, 2, h_kv, self.head_dim)
-                mem.write(i, 1 + start, kv[:, :, 0], kv[:, :, 1])
+        for i, k, v in self._memory_kv(m):
+            mem.write(i, 1 + start, k, v)
 
     # ------------------------------------------------------------------ the step
     def decoder_layers(self, u: torch.Tensor, t: int, dec: StepKV, mem: StepKV) -> torch.Tensor:
@@ -264,14 +269,8 @@ class DecodeWeights:
     def append_memory_rows(self, mem: StepKV, rows: torch.Tensor, batch_size: int, m: torch.Tensor,
                            start: int) -> None:
         """``append_memory`` into rows ``rows`` (n,) of a batch of ``batch_size``; m (n, C, d)."""
-        n, c, d = m.shape
-        x = m.reshape(n * c, d).to(self.compute_dtype)
-        products = self._cross_kv_products(n * c)
-        h_kv = self.heads[1]
-        with torch.autocast(device_type=m.device.type, enabled=False):
-            for i in self.layer_ids:
-                kv = products[i](x).view(n, c, 2, h_kv, self.head_dim)
-                mem.write_rows(i, rows, batch_size, 1 + start, kv[:, :, 0], kv[:, :, 1])
+        for i, k, v in self._memory_kv(m):
+            mem.write_rows(i, rows, batch_size, 1 + start, k, v)
 
     def _layer(self, w: LayerGemms, i: int, x: torch.Tensor, t: int, dec: StepKV, mem: StepKV,
                visible: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
