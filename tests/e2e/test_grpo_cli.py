@@ -64,13 +64,25 @@ def test_grpo_bf16_with_reference_kl(tmp_path, prompts, fast_decode):
         assert "kl/reference" in r and r["kl/reference"] >= 0.0
 
 
-def test_grpo_resume_continues_exactly(tmp_path, prompts):
-    assert main(grpo_args(tmp_path, prompts, "full", "train.steps=4")) == 0
-    assert main(grpo_args(tmp_path, prompts, "split", "train.steps=2")) == 0
-    assert main(grpo_args(tmp_path, prompts, "split", "train.steps=4", "train.resume=auto")) == 0
+# Dynamic sampling draws a step's extra prompts from the same record order, so a resumed run must
+# continue that order where the interrupted one left it (emit_seven leaves most groups of a fresh
+# model at reward 0, so rounds are dropped and redrawn).
+@pytest.mark.parametrize("options", [(), ("grpo.dynamic_sampling=true", "grpo.max_sampling_rounds=3")],
+                         ids=["plain", "dynamic_sampling"])
+def test_grpo_resume_continues_exactly(tmp_path, prompts, options):
+    assert main(grpo_args(tmp_path, prompts, "full", "train.steps=4", *options)) == 0
+    assert main(grpo_args(tmp_path, prompts, "split", "train.steps=2", *options)) == 0
+    assert main(grpo_args(tmp_path, prompts, "split", "train.steps=4", "train.resume=auto", *options)) == 0
     full = load_file(tmp_path / "full" / "ckpt" / "step_00000004" / "model.safetensors")
     split = load_file(tmp_path / "split" / "ckpt" / "step_00000004" / "model.safetensors")
     assert full.keys() == split.keys() and all((full[k] == split[k]).all() for k in full)
+    records = {run: [r for r in read_metrics(tmp_path / run / "tb") if "reward/mean" in r] for run in ("full", "split")}
+    tail = {run: {r["step"]: r for r in rows} for run, rows in records.items()}
+    for step in (3, 4):
+        assert tail["split"][step]["reward/mean"] == tail["full"][step]["reward/mean"]
+    if options:
+        drawn = [r for r in records["full"] if r.get("sampling/rounds", 1) > 1]
+        assert drawn, "emit_seven should leave some groups constant, so dynamic sampling redraws"
 
 
 def test_grpo_refuses_a_bad_reward(tmp_path, prompts, capsys):
