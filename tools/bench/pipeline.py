@@ -79,8 +79,8 @@ class SleepStage:
 
     dtype = torch.float32
 
-    def start(self, micro_batches, loss_scale, grad, objective=None):
-        self.shapes = [x.shape for x, _ in micro_batches]
+    def start(self, batches, loss_scale, grad, loss=None):
+        self.shapes = [b["inputs"].shape for b in batches]
 
     def finish(self):
         pass
@@ -163,26 +163,27 @@ def _bubble_worker(rank, P, Ms, real):
     dims = ParallelDims.build(ParallelConfig(pp=P), cfg.model, "cpu")
     p2p = P2P.for_pipeline(dims)
     out = {"latency": _latency(dims, cfg.model.d_model)}
-    batches = {M: [(torch.randint(0, 32, (2, T_BUBBLE)), torch.randint(0, 32, (2, T_BUBBLE))) for _ in range(M)]
-               for M in Ms}
+    batches = {M: [{"inputs": torch.randint(0, 32, (2, T_BUBBLE)), "targets": torch.randint(0, 32, (2, T_BUBBLE))}
+                   for _ in range(M)] for M in Ms}
     if real:
         from rlt_mega.model.rlt import build_model
         from rlt_mega.parallel.grads import ShadowGrads
+        from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB
         from rlt_mega.parallel.stage import RLTStage, prune_to_stage
 
         model = prune_to_stage(build_model(cfg.model, "cpu", seed=0), dims.layers, dims.is_first_stage,
                                dims.is_last_stage)
-        ring = RingSchedule(RLTStage(model, dims.layers, dims.is_first_stage, dims.is_last_stage, 1), p2p,
-                            dims.pp_rank, P)
+        ring = RingSchedule(RLTStage(model, dims.layers, dims.is_first_stage, dims.is_last_stage, WHOLE_VOCAB),
+                            p2p, dims.pp_rank, P)
 
         def run_real(M):
             with ShadowGrads(model).active():
-                ring.run(batches[M], 1.0, backward=True)
+                ring.run(batches[M], 1.0, backward=True, loss=LM_LOSS)
 
         out["rlt"] = {M: _round_bubble(ring, lambda: run_real(M), P) for M in Ms}
     for cost in COSTS_S:
         ring = RingSchedule(SleepStage(cfg.model.d_model, cost), p2p, dims.pp_rank, P)
-        out[cost] = {M: _round_bubble(ring, lambda: ring.run(batches[M], 1.0, backward=True), P) for M in Ms}
+        out[cost] = {M: _round_bubble(ring, lambda: ring.run(batches[M], 1.0, backward=True, loss=None), P) for M in Ms}
     dims.destroy()
     return out
 
