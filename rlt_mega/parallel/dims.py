@@ -367,6 +367,13 @@ class ParallelDims:
             return
         from megatron.core import parallel_state as ps
 
+        # megatron-core's destroy_model_parallel only forgets its groups: each gloo group keeps
+        # its threads and sockets (17 groups, ~50 threads per layout at world 2), so a process
+        # that builds many layouts (the distributed tests' workers) grows to thousands of
+        # threads. Its create_group records every group this rank belongs to (None: the world).
+        for group in ps._global_process_group_list or []:
+            if group is not None:
+                dist.destroy_process_group(group)
         ps.destroy_model_parallel()
         for group in self.p2p_groups.values():
             dist.destroy_process_group(group)
