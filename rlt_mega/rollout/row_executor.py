@@ -82,6 +82,8 @@ class _Run:
     targets: Optional[torch.Tensor] = None  # (B',)
     target_pos: Optional[torch.Tensor] = None  # (B',)
     expand: Optional[torch.Tensor] = None
+    high: int = -1  # the furthest position a step of the run reached so far
+    bases: dict = field(default_factory=dict)  # (cache, list, layer) -> the buffer's rows for all slots
     calls: list = field(default_factory=list)
 
 
@@ -96,6 +98,62 @@ def _take(parts: list, sizes: list[int], index: torch.Tensor) -> Optional[torch.
         return None
     full = [p if p is not None else like.new_zeros((n,) + tuple(like.shape[1:])) for p, n in zip(parts, sizes)]
     return torch.cat(full).index_select(0, index)
+
+
+def _position_dim(cache, n_list: int) -> int:
+    """The positions' dimension of a cache buffer: StepKV keys (B, h_kv, Dh, S), every other
+    buffer (B, h_kv, S, Dh)."""
+    return 3 if isinstance(cache, StepKV) and n_list == 0 else 2
+
+
+def _rebuild_buffer(buf: Optional[torch.Tensor], base: Optional[torch.Tensor], stay: list[int], enter: list,
+                    dim: int, used: int, max_rows: int) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """One buffer of a rebuilt batch, in place -> (the new batch's buffer: rows [0, n) of its
+    base, the base). Row j of the new batch is old row stay[j] (a row that stays, -1: an
+    entering row) or, for (j, src) in ``enter``: old row src (an int: a fork's row), the
+    one-row buffer src (a parked or fresh state), or zeros (None).
+
+    The base holds ``max_rows`` rows (the call's slots) for the whole call, so leaves and
+    entries move rows inside it instead of allocating and filling new buffers (on CPU a fresh
+    buffer pays a page fault per 4 KiB, more than the copy). Only positions [0, used) were ever
+    written (every step so far ran at positions < used - 1), so rows are copied over that
+    prefix only and every row's tail keeps the zeros it was allocated with; rows past the
+    batch are never read. The rows that stay keep their order (their slots), so moving the
+    ones that go down in ascending order and the ones that go up in descending order never
+    overwrites a row before it is read; a fork's row is copied out first."""
+    n = len(stay)
+    if base is None or buf is None or buf.data_ptr() != base.data_ptr():
+        base = buf
+    like = base if base is not None else next((x for _, x in enter if isinstance(x, torch.Tensor)), None)
+    if like is None:
+        return None, None
+    p = min(used, like.shape[dim])
+
+    def row(x: torch.Tensor, j: int) -> torch.Tensor:
+        return x[j].narrow(dim - 1, 0, p)
+
+    forked = {} if base is None else {i: row(base, i).clone() for _, i in enter if isinstance(i, int)}
+    if base is None or base.shape[0] < n:
+        grown = like.new_zeros((max(max_rows, n),) + tuple(like.shape[1:]))
+        if base is not None:
+            kept = min(base.shape[0], n)
+            grown[:kept].narrow(dim, 0, p).copy_(base[:kept].narrow(dim, 0, p))
+        else:
+            stay = [-1] * n  # the batch never wrote this buffer: its rows are zeros already
+        base = grown
+    moves = [(j, i) for j, i in enumerate(stay) if i >= 0 and i != j]
+    for j, i in [m for m in moves if m[1] > m[0]] + [m for m in reversed(moves) if m[1] < m[0]]:
+        row(base, j).copy_(row(base, i))
+    for j, src in enter:
+        if isinstance(src, int):
+            src = forked.get(src)  # None: the batch never wrote this buffer
+        elif src is not None:
+            src = row(src, 0)
+        if src is None:
+            row(base, j).zero_()
+        else:
+            row(base, j).copy_(src)
+    return base[:n], base
 
 
 def _layer(cache, n_list: int, layer: int) -> Optional[torch.Tensor]:
@@ -204,29 +262,37 @@ class RowExecutor:
             run.target_pos = torch.as_tensor(sp.target_positions, dtype=torch.long, device=device)
             run.expand = torch.as_tensor(sp.expand, dtype=torch.long, device=device)
         run.sp, run.num_rows = sp, len(sp.seqs)
+        run.high = max(run.high, max(sp.positions))
 
     def _rebuild(self, run: _Run, sp: StepPlan) -> None:
-        """The batch of step k from the old batch, parked states and fresh rows (StepPlan.build)."""
+        """The batch of step k from the old batch, parked states and fresh rows (StepPlan.build).
+        Every buffer is rebuilt in place, over the positions written so far (``_rebuild_buffer``)."""
         old = run.num_rows
-        parked = sorted({u for kind, u in sp.build if kind == "parked"})
-        offset = {u: old + n for n, u in enumerate(parked)}
-        fresh = old + len(parked)
-        index = torch.as_tensor([i if kind == "batch" else offset[i] if kind == "parked" else fresh
-                                 for kind, i in sp.build], dtype=torch.long, device=run.work.tokens.device)
-        sizes = [old] + [1] * len(parked) + [1]
+        device = run.work.tokens.device
+        prev_seqs = run.sp.seqs if old else []
+        stay = [i if kind == "batch" and prev_seqs[i] == s else -1 for (kind, i), s in zip(sp.build, sp.seqs)]
+        entering = [(j, kind, i) for j, (kind, i) in enumerate(sp.build) if stay[j] < 0]
+        used = run.high + 2  # decoder K/V, encoder K/V and memory slots (null + 1) never written past it
         fresh_states = (None, None, run.fresh_mem)
         for c, cache in enumerate((run.enc, run.dec, run.mem)):
-            sources = [run.parked[u][c] for u in parked] + ([fresh_states[c]] if fresh_states[c] is not None else [])
             for n_list, lst in enumerate(_lists(cache)):
                 for layer in range(len(lst)):
-                    parts = [lst[layer] if old else None] + [_layer(s, n_list, layer) for s in sources]
-                    if fresh_states[c] is None:
-                        parts.append(None)
-                    lst[layer] = _take(parts, sizes, index)
+                    enter = []
+                    for j, kind, i in entering:
+                        src = i if kind == "batch" else run.parked[i][c] if kind == "parked" else fresh_states[c]
+                        enter.append((j, src if src is None or isinstance(src, int) else _layer(src, n_list, layer)))
+                    key = (c, n_list, layer)
+                    lst[layer], run.bases[key] = _rebuild_buffer(
+                        lst[layer], run.bases.get(key), stay, enter, _position_dim(cache, n_list), used,
+                        run.work.plan.layout.slots)
         if self.comms.is_first_stage:
+            parked = sorted({u for kind, u in sp.build if kind == "parked"})
+            offset = {u: old + n for n, u in enumerate(parked)}
+            index = torch.as_tensor([i if kind == "batch" else offset[i] if kind == "parked" else old + len(parked)
+                                     for kind, i in sp.build], dtype=torch.long, device=device)
             z_init = self.model.initial_state(1)
             parts = [run.z if old else None] + [run.parked[u][3] for u in parked] + [z_init]
-            run.z = _take(parts, sizes, index)
+            run.z = _take(parts, [old] + [1] * len(parked) + [1], index)
 
     # ------------------------------------------------------------------ steps
     def _rows_of(self, run: _Run, call) -> Optional[torch.Tensor]:
