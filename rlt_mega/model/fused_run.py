@@ -88,6 +88,7 @@ import torch.nn.functional as F
 from rlt_mega.model.fused import (LAYER_WEIGHTS, Gemm, LayerGemms, NormConstants, attend, attention_grads,
                                   fuse_layer, fuse_recurrence, head_counts, rms_backward, rms_forward, rope,
                                   rope_tables, stat_dtype)
+from rlt_mega.model.fused_rows import RowPlan
 from rlt_mega.model.fused_state import EagerPosition, Slab, StaticPosition
 
 # Rows per weight-gradient GEMM: enough to run it at this CPU's matmul peak (measured: 96 GFLOP/s
@@ -205,13 +206,20 @@ class FusedRun:
     memory: per layer of the stack, the memory K/V (B, h_kv, S, Dh) (slot 0 the null memory),
     any dtype, read only. grads: the accumulators of the deferred weight gradients (None: no
     backward). slots: activation slots (None: every position saved; a checkpointed run:
-    :func:`checkpoint_slots`). static: the capture-ready form."""
+    :func:`checkpoint_slots`). static: the capture-ready form. rows: which rows each position
+    runs on (model/fused_rows.py; None: all of them); x, e, y and their gradients stay (B, d) in
+    the caller's order, dead rows 0."""
 
     def __init__(self, stack: FusedStack, batch: int, capacity: int,
                  memory: Sequence[tuple[torch.Tensor, torch.Tensor]], grads: Optional[WeightGrads] = None,
-                 slots: Optional[int] = None, static: bool = False) -> None:
+                 slots: Optional[int] = None, static: bool = False, rows: Optional[RowPlan] = None) -> None:
         spec = stack.spec
+        if rows is not None and (static or rows.B != batch or rows.T < capacity):
+            raise ValueError(f"a row plan of {rows.B} rows x {rows.T} positions for a {'static ' if static else ''}"
+                             f"run of {batch} x {capacity}: the capture-ready form runs every row, and the plan "
+                             "must be the run's")
         self.stack, self.B, self.capacity, self.grads, self.static = stack, batch, capacity, grads, static
+        self.row_plan = rows
         B, d, Dh, ffn = batch, stack.d, spec.head_dim, stack.ffn
         h, h_kv = spec.num_heads, spec.num_kv_heads
         self.h, self.h_kv, self.g = h, h_kv, (h // h_kv if h_kv else 0)
@@ -231,8 +239,10 @@ class FusedRun:
         self._purpose: dict[str, str] = {}
 
         def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
+            # under a row plan the rows a position does not run stay 0 (their output gradients are
+            # the zeros the weight-gradient GEMMs multiply, their inputs must be finite)
             self._purpose[name] = purpose
-            slab.add(name, shape, dtype, zero)
+            slab.add(name, shape, dtype, zero or rows is not None)
 
         for i in spec.layers:
             for n in _SAVED:
@@ -287,6 +297,7 @@ class FusedRun:
         if static:
             self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
                                            stack.sin_bwd, cd, stack.device)
+            self.position.n = batch
 
     def buffer_bytes(self) -> dict[str, int]:
         """This run's buffers by purpose, in bytes: what the backward keeps ("saved": the
@@ -304,6 +315,8 @@ class FusedRun:
         for i, (k, v) in zip(self.stack.spec.layers, memory):
             B, h_kv, S, Dh = k.shape
             self.mem_meta[i] = (k.shape, k.dtype)
+            if self.row_plan is not None:  # the physical row order
+                k, v = self.row_plan.to_physical(k.detach()), self.row_plan.to_physical(v.detach())
             self.mkt[i].view(B, h_kv, Dh, S).copy_(k.detach().transpose(-1, -2))
             self.mv[i].view(B, h_kv, S, Dh).copy_(v.detach())
 
@@ -315,7 +328,11 @@ class FusedRun:
             self.position.update()
             return self.position
         s = self.stack
-        return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd)
+        step = None if self.row_plan is None else self.row_plan.step(t)
+        if step is None:
+            return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd, batch=self.B)
+        return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd,
+                             rows=step.n, batch=self.B, idx=step.idx)
 
     def reset_grads(self) -> None:
         """Zeroes the K/V gradient accumulators: each backward pass starts from zero (a second
@@ -333,7 +350,22 @@ class FusedRun:
         tensors only), "recompute" (after "checkpoint", just before this position's backward:
         the rest from what was kept; x and e unused, returns None) or "none" (no backward:
         keep the K/V only)."""
-        return self.step_forward(self.at(t), x, e, mode)
+        step = None if self.row_plan is None else self.row_plan.step(t)
+        if step is None:
+            return self.step_forward(self.at(t), x, e, mode)
+        pos = self.at(t)
+        if mode == "recompute":
+            if step.n:
+                self.step_forward(pos, None, None, mode)
+            return None
+        for fork in step.forks:  # the representative's K/V history into the group's other rows
+            for i in self.stack.spec.layers:
+                self.kt4[i][fork.others, :, :, :fork.p] = self.kt4[i][fork.rep, :, :, :fork.p]
+                self.v4[i][fork.others, :, :fork.p] = self.v4[i][fork.rep, :, :fork.p]
+        if step.n == 0:
+            return x.new_zeros(self.B, x.shape[-1])
+        y = self.step_forward(pos, step.gather(x), None if e is None else step.gather(e), mode)
+        return step.outputs(y)
 
     def step_forward(self, pos, x: Optional[torch.Tensor], e: Optional[torch.Tensor], mode: str) -> Optional[torch.Tensor]:
         stack = self.stack
@@ -369,7 +401,7 @@ class FusedRun:
         return x + y
 
     def _layer_forward(self, i: int, pos, x: torch.Tensor, mode: str) -> torch.Tensor:
-        w, B, Dh = self.stack.layers[i], self.B, self.stack.spec.head_dim
+        w, B, Dh = self.stack.layers[i], pos.n, self.stack.spec.head_dim
         h, h_kv, g = self.h, self.h_kv, self.g
         keep = mode != "none"  # the per-position tensors
         b = self.buf[i] if keep else dict.fromkeys(_POSITIONAL)
@@ -390,7 +422,7 @@ class FusedRun:
     def _qk(self, w: LayerGemms, pos, a1: torch.Tensor, buf: Optional[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> q and k at the position, RoPE'd (q scaled) (B, h + h_kv, Dh), and v (B, h_kv, Dh)."""
-        B, Dh, h, h_kv = self.B, self.stack.spec.head_dim, self.h, self.h_kv
+        B, Dh, h, h_kv = pos.n, self.stack.spec.head_dim, self.h, self.h_kv
         qkv = w.qkv(a1)  # (B, (h + 2 h_kv) Dh)
         out = pos.out(buf)
         qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), pos.cos, pos.sin_fwd,
@@ -421,7 +453,7 @@ class FusedRun:
         keys_t, values = pos.self_keys(self.kt[i], self.v[i]) if kind == "s" else pos.mem_keys(self.mkt[i], self.mv[i])
         out = None if buf is None else pos.out_t(buf)
         y = attend(q, keys_t, values, pos.self_mask if kind == "s" else pos.mem_mask,
-                   out=None if out is None else out.view(q.shape)).view(self.B, -1)
+                   out=None if out is None else out.view(q.shape)).view(pos.n, -1)
         return y if buf is None else pos.keep_t(buf, y)
 
     # ------------------------------------------------------------------ backward
@@ -431,12 +463,38 @@ class FusedRun:
         save=True since its chunk was last flushed). Flushes the deferred gradients when t is
         the first position of a chunk."""
         pos = self.at(t)
-        gx = self.step_backward(pos, gy)
+        step = None if self.row_plan is None else self.row_plan.step(t)
+        if step is None:
+            gx = self.step_backward(pos, gy)
+        else:
+            if step.n:
+                gx = step.input_grads(self.step_backward(pos, step.output_grads(gy)))
+            else:
+                gx = torch.zeros_like(gy, dtype=self.stack.stream_dtype)
+            if step.n < self.B:  # the ring slots' other rows: zero output gradients in the flushes
+                for i in self.stack.spec.layers:
+                    for name in _RING:
+                        self.buf[i][name][pos.ring, step.n:].zero_()
         if not self.static and t % self.kv_chunk == 0:
             self.flush_kv(t, min(t + self.kv_chunk, self.capacity))
+        if step is not None and step.forks:
+            self._join_forks(t, step)
         if t % self.chunk == 0:
             self.flush(t, min(t + self.chunk, self.capacity))
         return gx
+
+    def _join_forks(self, t: int, step) -> None:
+        """Backward of the forks at t: the group rows' gradients of the shared K/V history
+        [0, t) sum into the representative's (this K/V chunk's deferred ones flushed first; the
+        gradient of z_{t-1} sums through the outputs' readers, fused_rows.RowStep)."""
+        if t % self.kv_chunk:
+            c0 = t - t % self.kv_chunk
+            self.flush_kv(c0, min(c0 + self.kv_chunk, self.capacity))
+        for fork in step.forks:
+            for i in self.stack.spec.layers:
+                gk, gv = self.gkt4[i], self.gv4[i]
+                gk[fork.rep, :, :, :fork.p] += gk[fork.others, :, :, :fork.p].sum(0)
+                gv[fork.rep, :, :fork.p] += gv[fork.others, :, :fork.p].sum(0)
 
     def step_backward(self, pos, gy: torch.Tensor) -> torch.Tensor:
         stack = self.stack
@@ -445,7 +503,7 @@ class FusedRun:
             g = gy
             if layers:  # the top layer's output gradient is the down product's dY: kept in its ring
                 top = self.buf[layers[-1]]["g4"]
-                g = pos.keep_ring(top, gy) if pos.static else top[pos.ring].copy_(gy)
+                g = pos.keep_ring(top, gy) if pos.static else pos.rows(top[pos.ring]).copy_(gy)
             for n in range(len(layers) - 1, -1, -1):
                 into = None
                 if n > 0:
@@ -468,7 +526,7 @@ class FusedRun:
         """g4: the gradient of layer i's output (in its ring slot) -> the gradient of its input,
         computed into ``into``'s ring slot when given (the layer below's g4)."""
         stack, w, b = self.stack, self.stack.layers[i], self.buf[i]
-        B, Dh, h, h_kv, g = self.B, stack.spec.head_dim, self.h, self.h_kv, self.g
+        B, Dh, h, h_kv, g = pos.n, stack.spec.head_dim, self.h, self.h_kv, self.g
         BH, cd, nc = B * h_kv, stack.compute_dtype, stack.norm
         # MLP: x4 = x3 + down(silu(gate) * up), gate/up = gate_up(a3)
         df = w.down.grad_input(g4.to(cd))  # (B, F)
@@ -533,15 +591,17 @@ class FusedRun:
         n, g = keys_t.shape[-1], self.g
         c0 = pos.t - pos.t % self.kv_chunk  # the K/V chunk's first position
         lo = c0 if kind == "s" else n  # keys added directly: [c0, n) for self, none for the memory
+        if pos.idx is not None:  # rows by index (fused_rows.py): every key added directly
+            lo = 0
         if n > lo:
-            gk[:, :, lo:n].add_(torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
-            gv[:, lo:n].add_(torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
+            pos.add_rows(gk[:, :, lo:n], torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
+            pos.add_rows(gv[:, lo:n], torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
         if lo > 0:  # the rest: this position's rows, for the chunk's GEMM
-            r = (pos.t - c0) * g
-            self.tensors[f"q{kind}{i}"][:, r:r + g].copy_(qa)
-            self.tensors[f"do{kind}{i}"][:, r:r + g].copy_(ga)
-            self.tensors[f"p{kind}{i}"][:, r:r + g, :lo].copy_(probs[:, :, :lo])
-            self.tensors[f"ds{kind}{i}"][:, r:r + g, :lo].copy_(grad_s[:, :, :lo])
+            r, rows = (pos.t - c0) * g, q.shape[0]  # rows: the active rows' B h_kv (a prefix)
+            self.tensors[f"q{kind}{i}"][:rows, r:r + g].copy_(qa)
+            self.tensors[f"do{kind}{i}"][:rows, r:r + g].copy_(ga)
+            self.tensors[f"p{kind}{i}"][:rows, r:r + g, :lo].copy_(probs[:, :, :lo])
+            self.tensors[f"ds{kind}{i}"][:rows, r:r + g, :lo].copy_(grad_s[:, :, :lo])
         return grad_q
 
     # ------------------------------------------------------------------ deferred gradients
@@ -599,10 +659,22 @@ class FusedRun:
         for i in self.stack.spec.layers:
             (B, h_kv, S, Dh), dtype = self.mem_meta[i]
             gk = self.gmkt[i].view(B, h_kv, Dh, S).transpose(-1, -2).to(dtype, copy=True)
-            out.append((gk, self.gmv[i].view(B, h_kv, S, Dh).to(dtype, copy=True)))
+            gv = self.gmv[i].view(B, h_kv, S, Dh).to(dtype, copy=True)
+            if self.row_plan is not None:
+                gk, gv = self.row_plan.to_caller(gk), self.row_plan.to_caller(gv)
+            out.append((gk, gv))
         return out
 
     def input_grads(self) -> torch.Tensor:
         """With the input layer: the gradient of every position's embedding, (B, capacity, d)
         (a new tensor)."""
-        return self.du.transpose(0, 1).clone()
+        if self.row_plan is None:
+            return self.du.transpose(0, 1).clone()
+        out = torch.zeros(self.B, self.capacity, self.du.shape[-1], dtype=self.du.dtype, device=self.du.device)
+        for t in range(self.capacity):  # position t's rows [:n] are its active rows, in their order
+            step = self.row_plan.step(t)
+            if step is None:
+                out[:, t].copy_(self.du[t])
+            elif step.n:
+                out[:, t].index_copy_(0, step.caller, self.du[t, :step.n])
+        return out
