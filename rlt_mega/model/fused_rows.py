@@ -39,6 +39,8 @@ from typing import Optional, Sequence
 
 import torch
 
+DENSE_ROWS = "dense_rows"  # the batch dict's key of a DenseRows
+
 
 @dataclass(frozen=True)
 class DenseRows:
