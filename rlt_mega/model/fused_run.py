@@ -239,10 +239,9 @@ class FusedRun:
         self._purpose: dict[str, str] = {}
 
         def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
-            # under a row plan the rows a position does not run stay 0 (their output gradients are
-            # the zeros the weight-gradient GEMMs multiply, their inputs must be finite)
+            # under a row plan the deferred K/V rows of the rows a position does not run stay 0
             self._purpose[name] = purpose
-            slab.add(name, shape, dtype, zero or rows is not None)
+            slab.add(name, shape, dtype, zero or (rows is not None and purpose == "kv_rows"))
 
         for i in spec.layers:
             for n in _SAVED:
@@ -354,6 +353,8 @@ class FusedRun:
         if step is None:
             return self.step_forward(self.at(t), x, e, mode)
         pos = self.at(t)
+        if self.grads is not None and step.n < self.B:
+            self._zero_idle_inputs(pos, step.n, mode)
         if mode == "recompute":
             if step.n:
                 self.step_forward(pos, None, None, mode)
@@ -366,6 +367,20 @@ class FusedRun:
             return x.new_zeros(self.B, x.shape[-1])
         y = self.step_forward(pos, step.gather(x), None if e is None else step.gather(e), mode)
         return step.outputs(y)
+
+    def _zero_idle_inputs(self, pos, n: int, mode: str) -> None:
+        """Under a row plan: rows [n:] of the products' inputs that the weight-gradient flush
+        reads at this position are zeros (their output gradients are zero too, and 0 x whatever
+        a reused buffer held could be NaN)."""
+        for i in self.stack.spec.layers:
+            b = self.buf[i]
+            if mode != "recompute":
+                for name in ("a1", "o1", "a2", "c", "a3"):
+                    b[name][pos.t, n:].zero_()
+            if mode != "checkpoint":
+                b["f"][pos.slot, n:].zero_()
+        if self.stack.spec.with_input and mode != "recompute":
+            self.a0[pos.t, n:].zero_()
 
     def step_forward(self, pos, x: Optional[torch.Tensor], e: Optional[torch.Tensor], mode: str) -> Optional[torch.Tensor]:
         stack = self.stack
@@ -471,10 +486,12 @@ class FusedRun:
                 gx = step.input_grads(self.step_backward(pos, step.output_grads(gy)))
             else:
                 gx = torch.zeros_like(gy, dtype=self.stack.stream_dtype)
-            if step.n < self.B:  # the ring slots' other rows: zero output gradients in the flushes
+            if step.n < self.B:  # the other rows' output gradients are zeros in the flushes
                 for i in self.stack.spec.layers:
                     for name in _RING:
                         self.buf[i][name][pos.ring, step.n:].zero_()
+                if self.stack.spec.with_input:
+                    self.du[t, step.n:].zero_()
         if not self.static and t % self.kv_chunk == 0:
             self.flush_kv(t, min(t + self.kv_chunk, self.capacity))
         if step is not None and step.forks:

@@ -176,3 +176,20 @@ def test_the_switches_are_on_by_default_and_refused_with_cuda_graphs():
         grpo_config(cfg)
     with pytest.raises(ConfigError, match="grpo.dense_compact"):
         load_config(None, ["grpo.dense_compact=maybe"])
+
+
+def test_rows_a_position_skips_never_read_stale_buffers():
+    """The run's buffers come from a reused workspace: fill every free slab with NaN bytes
+    before the run; rows a position does not run must still contribute exactly nothing."""
+    from rlt_mega.model.fused_state import WORKSPACE
+
+    x, lengths, plens, groups = grouped_batch([3, 5, 6], 4, seed=4)
+    cfg = cfg_of(memory_block=3)
+    rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), True)
+    for decoder in ("none", "step"):
+        ref = logits_and_grads(cfg, x, lengths, rows, torch.float32, decoder=decoder)[1]
+        for free in WORKSPACE._free.values():
+            for slab in free:
+                slab.fill_(255)
+        grads = logits_and_grads(cfg, x, lengths, rows, torch.float32, decoder=decoder)[1]
+        assert all(torch.equal(grads[n], ref[n]) for n in ref), decoder
