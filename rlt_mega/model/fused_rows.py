@@ -182,7 +182,6 @@ class RowPlan:
         self.perm = torch.tensor(order, device=device)
         self.inverse = torch.tensor([phys[b] for b in range(B)], device=device)
         self.identity = order == list(range(B))
-        self.max_length = max(L, default=0)
         self.steps: list[Optional[RowStep]] = []
         self.active = 0  # row-positions the plan runs (B * T without it)
         for t in range(T):
@@ -196,15 +195,15 @@ class RowPlan:
                 continue
             compact = {order[j]: k for k, j in enumerate(active)}
             out_src = [compact.get(b, compact.get(rep_of[b], n) if t < reader_until[b] else n) for b in range(B)]
+            src = torch.tensor(out_src)
             reader_matrix = None
-            if readers:
-                reader_matrix = torch.zeros(n, B, device=device)
-                for b, k in enumerate(out_src):
-                    if k < n:
-                        reader_matrix[k, b] = 1.0
+            if readers:  # (n, B): reader_matrix[k, b] = 1 where caller row b's output is compact row k
+                reader_matrix = torch.zeros(n + 1, B)
+                reader_matrix[src, torch.arange(B)] = 1.0
+                reader_matrix = reader_matrix[:n].to(device)
             self.steps.append(RowStep(n, None if prefix else torch.tensor(active, device=device, dtype=torch.long),
                                       torch.tensor([order[j] for j in active], device=device, dtype=torch.long),
-                                      torch.tensor(out_src, device=device), reader_matrix, forks.get(t, [])))
+                                      src.to(device), reader_matrix, forks.get(t, [])))
 
     def step(self, t: int) -> Optional[RowStep]:
         return self.steps[t] if t < len(self.steps) else None
