@@ -43,12 +43,13 @@ def grouped_batch(prompt_lens, G, seed=0):
     return x, lengths, plens, groups
 
 
-def logits_and_grads(cfg, x, lengths, rows, dtype, decoder="none", static=False):
+def logits_and_grads(cfg, x, lengths, rows, dtype, decoder="none", static=False, autocast=False):
     """A loss of the logits of the positions each row needs (the loss never reads the others)."""
     model = build_model(cfg, seed=0).to(dtype)
     model.set_checkpointing(CheckpointingConfig(decoder=decoder))
     model.static_decoder = static
-    logits = model(x, rows=rows)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        logits = model(x, rows=rows)
     w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
     needed = (torch.arange(x.shape[1])[None, :] < torch.tensor(lengths)[:, None])[..., None]
     (logits * w * needed).sum().backward()
@@ -82,6 +83,16 @@ def test_fp32_gradients_within_1e5_and_the_checkpointed_run_is_the_same(decoder)
     if decoder == "step":  # every checkpointing mode gives the same gradients, bit for bit
         _, saved = logits_and_grads(cfg, x, lengths, rows, torch.float32, decoder="none")
         assert all(torch.equal(saved[n], grads[n]) for n in grads)
+
+
+def test_bf16_autocast_gradients_within_bf16_rounding():
+    x, lengths, plens, groups = grouped_batch([4, 6], 4, seed=6)
+    cfg = cfg_of(memory_block=3)
+    _, ref = logits_and_grads(cfg, x, lengths, None, torch.float32, autocast=True)
+    _, grads = logits_and_grads(cfg, x, lengths, DenseRows(tuple(lengths), tuple(plens), tuple(groups)),
+                                torch.float32, autocast=True)
+    for n, g in ref.items():
+        assert rel(grads[n], g) <= 2e-2, n
 
 
 def test_the_plan_runs_only_the_row_steps_the_data_needs():
