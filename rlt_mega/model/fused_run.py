@@ -624,30 +624,44 @@ class FusedRun:
     # ------------------------------------------------------------------ deferred gradients
     def flush_kv(self, t0: int, t1: int) -> None:
         """The deferred K/V gradients of the chunk [t0, t1): for each layer, the self keys
-        before t0 and the memory's keys, one batched GEMM each from the stored rows."""
-        rows = (t1 - t0) * self.g
+        before t0 and the memory's keys, one batched GEMM each from the stored rows (of the
+        chunk's active rows, a prefix of the physical order under a row plan)."""
+        rows, bh = (t1 - t0) * self.g, self.chunk_rows(t0, t1) * self.h_kv
         for i in self.stack.spec.layers:
             for kind, gk, gv, n in (("s", self.gkt[i], self.gv[i], t0),
                                     ("m", self.gmkt[i], self.gmv[i], 1 + self.stack.C * (t1 // self.stack.C))):
                 n = min(n, gk.shape[-1])
-                if n == 0:
+                if n == 0 or bh == 0:
                     continue
-                q, do = self.tensors[f"q{kind}{i}"][:, :rows], self.tensors[f"do{kind}{i}"][:, :rows]
-                p, ds = self.tensors[f"p{kind}{i}"][:, :rows, :n], self.tensors[f"ds{kind}{i}"][:, :rows, :n]
-                gk[:, :, :n].add_(torch.bmm(q.transpose(1, 2), ds))  # (B h_kv, Dh, n)
-                gv[:, :n].add_(torch.bmm(p.transpose(1, 2), do))  # (B h_kv, n, Dh)
+                q, do = self.tensors[f"q{kind}{i}"][:bh, :rows], self.tensors[f"do{kind}{i}"][:bh, :rows]
+                p, ds = self.tensors[f"p{kind}{i}"][:bh, :rows, :n], self.tensors[f"ds{kind}{i}"][:bh, :rows, :n]
+                gk[:bh, :, :n].add_(torch.bmm(q.transpose(1, 2), ds))  # (B h_kv, Dh, n)
+                gv[:bh, :n].add_(torch.bmm(p.transpose(1, 2), do))  # (B h_kv, n, Dh)
                 p.zero_()  # rows of a later chunk (fewer visible memory slots) must not see these
                 ds.zero_()
 
+    def chunk_rows(self, t0: int, t1: int) -> int:
+        """The most rows any position of [t0, t1) runs on (B without a row plan): the flushes'
+        GEMMs cover rows [:m] of each position (the rest of them never ran there)."""
+        if self.row_plan is None:
+            return self.B
+        return max(self.B if s is None else s.n for s in map(self.row_plan.step, range(t0, t1)))
+
     def flush(self, t0: int, t1: int) -> None:
         """Adds the weight gradients of positions [t0, t1) (one chunk) to the accumulators: one
-        GEMM per weight over their (t1 - t0) x B rows."""
+        GEMM per weight over their (t1 - t0) x m rows (m = ``chunk_rows``: B without a row plan;
+        under one, rows [n_t:m] of position t hold zero output gradients)."""
         acc = self.grads.acc
-        n, rows = t1 - t0, (t1 - t0) * self.B
+        n, m = t1 - t0, self.chunk_rows(t0, t1)
+        rows = n * m
         s0 = t0 % self.slots  # a chunk is contiguous in the slots (a multiple of it, or all) and starts the ring
+        if rows == 0:
+            return
 
         def add(key, dy: torch.Tensor, x: torch.Tensor) -> None:
             a = acc[key]
+            if m < self.B:  # (n, m, .) of (n, B, .): a copy, far cheaper than the GEMM's rows it saves
+                dy, x = dy[:, :m], x[:, :m]
             dy, x = dy.reshape(rows, -1), x.reshape(rows, -1)
             a.addmm_(dy.t().to(a.dtype), x.to(a.dtype))  # (out, in) += dY^T X
 
@@ -659,7 +673,7 @@ class FusedRun:
             add((i, "qkv"), ring["dqkv"], saved["a1"])
             if (i, "qkv_bias") in acc:
                 bias = acc[(i, "qkv_bias")]
-                bias.add_(ring["dqkv"].reshape(rows, -1).sum(0, dtype=bias.dtype))
+                bias.add_(ring["dqkv"][:, :m].reshape(rows, -1).sum(0, dtype=bias.dtype))
             add((i, "o"), ring["g2"], saved["o1"])
             add((i, "cross_q"), ring["dcq"], saved["a2"])
             add((i, "cross_o"), ring["g3"], saved["c"])
