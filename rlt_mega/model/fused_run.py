@@ -70,10 +70,12 @@ Extension points (not implemented here). Per-row positions (B,) replace the scal
 :class:`StaticPosition` (RoPE rows by ``index_select`` of a (B,) index, K/V written per row,
 masks per row: in the static form every piece already is a tensor). A per-row key mask
 (documents in packed SFT) multiplies into the same additive masks, and a document start resets
-x to z_init for that row before the input layer. A variable set of live rows (finished GRPO
-rows leaving, a prompt forked into G rows) runs the step on ``index_select``-ed rows with the
-K/V buffers gathered alike, or keeps every row and masks the finished ones; the step itself
-does not change.
+x to z_init for that row before the input layer.
+
+Rows (implemented, eager form only: model/fused_rows.py). A :class:`RowPlan` (the GRPO learner's
+compaction and shared prompts) says which rows each position runs on; the step itself does not
+change: the per-position tensors are rows [:n] of their buffers, the batch-major K/V a prefix of
+the physical row order or gathered by index, and the run maps the caller's rows in and out.
 """
 
 from __future__ import annotations
@@ -296,7 +298,7 @@ class FusedRun:
         if static:
             self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
                                            stack.sin_bwd, cd, stack.device)
-            self.position.n = batch
+            self.position.n = batch  # the rows a position runs on: every row in the static form
 
     def buffer_bytes(self) -> dict[str, int]:
         """This run's buffers by purpose, in bytes: what the backward keeps ("saved": the
