@@ -445,6 +445,12 @@ class GRPOConfig:
     # is not torch.equal to mu (train/grpo.py, ``onpolicy_values``).
     skip_onpolicy_replay: bool = True
     verify_onpolicy: bool = False
+    # The learner's dense schedule follows the data (model/fused_rows.py; the fused decoder
+    # only, the module path runs every row): dense_compact runs each position only on the rows
+    # still inside their sequence; dense_share_prompts runs the positions of a prompt its group
+    # shares once and forks the state into the group's rows. Same gradient, fewer row-steps.
+    dense_compact: bool = True
+    dense_share_prompts: bool = True
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1")

@@ -19,22 +19,33 @@ from typing import Callable, Optional
 
 import torch
 
+from rlt_mega.model.fused_rows import DenseRows, rollout_rows
 from rlt_mega.model.rlt import RLT
 from rlt_mega.precision import precision
 from rlt_mega.rollout.processing import process_logits
 from rlt_mega.rollout.sampler import Rollout, completion_positions, replay
 
 
-def dense_logprobs(model: RLT, rollout: Rollout) -> torch.Tensor:
+def dense_logprobs(model: RLT, rollout: Rollout, compact: bool = False, share_prompts: bool = False) -> torch.Tensor:
     """The dense schedule's processed log-probs of the completion tokens, with autograd.
 
     Runs ``model.forward`` on the inputs of the rollout's steps, tokens (B, num_steps):
     right padding does not reach earlier positions (everything is causal), and positions are
-    the rollout's own (prompts are left-aligned). -> (B, N) fp32.
+    the rollout's own (prompts are left-aligned). -> (B, N) fp32. compact / share_prompts
+    (grpo.dense_compact, grpo.dense_share_prompts): the decoder runs only the rows and
+    positions the completion tokens need (``dense_rows``).
     """
+    rows = dense_rows(rollout, compact, share_prompts)
     with precision(rollout.schedule.dtype, rollout.tokens.device):
-        logits = model(dense_inputs(rollout))  # (B, T, V) fp32
+        logits = model(dense_inputs(rollout), **({} if rows is None else {"rows": rows}))  # (B, T, V) fp32
     return dense_logprobs_from_logits(logits, rollout)
+
+
+def dense_rows(rollout: Rollout, compact: bool, share_prompts: bool) -> Optional[DenseRows]:
+    """What the dense decoder needs of each row of the rollout (model/fused_rows.py): row b's
+    positions [0, P_b + n_b - 1) (the last one's logits score the last completion token), and
+    with share_prompts its group, the rows whose prompts are the same tokens. None: both off."""
+    return rollout_rows(rollout.tokens, rollout.schedule.prompt_lens, rollout.completion_lens, compact, share_prompts)
 
 
 def dense_inputs(rollout: Rollout) -> torch.Tensor:

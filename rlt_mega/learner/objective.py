@@ -8,6 +8,8 @@ attached to each, their dense inputs stacked row-wise into one dense call:
 
     inputs      (sum_i B_i, max_i T_i) the parts' dense schedule tokens (``dense_inputs``),
                 right-padded (everything is causal: no earlier position changes)
+    dense_rows  with grpo.dense_compact / dense_share_prompts: each row's length, prompt and
+                group (model/fused_rows.DenseRows), the rows the dense decoder runs
     parts       [GRPOPart]: the Rollout (tokens, mu, mask, schedule); its replay (B, N) under
                 the current parameters (the hybrid's value; under pipeline parallelism only
                 the last stage has it, and only it computes the loss); advantages (B,); the
@@ -34,8 +36,10 @@ import torch.nn.functional as F
 
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import grpo_loss
-from rlt_mega.learner.logprob import dense_inputs, dense_logprobs_and_entropy, hybrid_logprobs, mismatch_metrics
+from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_rows, hybrid_logprobs,
+                                     mismatch_metrics)
 from rlt_mega.loss import LogitsLoss, Vocab
+from rlt_mega.model.fused_rows import DENSE_ROWS, stack_rows
 from rlt_mega.rollout.sampler import Rollout
 
 
@@ -53,7 +57,9 @@ class GRPOPart:
         return mask if self.rows is None else mask & self.rows.to(mask.device)[:, None]
 
 
-def grpo_batch(parts: list[GRPOPart]) -> dict:
+def grpo_batch(parts: list[GRPOPart], compact: bool = False, share_prompts: bool = False) -> dict:
+    """compact / share_prompts (grpo.dense_compact, grpo.dense_share_prompts): the batch's
+    ``dense_rows`` (model/fused_rows.py), which the fused dense decoder follows."""
     if not parts:
         raise ValueError("a GRPO batch needs at least one rollout batch")
     inputs = [dense_inputs(p.rollout) for p in parts]  # each (B_i, T_i)
@@ -61,7 +67,11 @@ def grpo_batch(parts: list[GRPOPart]) -> dict:
     stacked = torch.cat([F.pad(x, (0, longest - x.shape[1]), value=0) for x in inputs])  # (sum B_i, T)
     for p in parts:
         p.advantages = p.advantages.to(p.rollout.mu.device)
-    return {"inputs": stacked, "parts": parts}
+    batch = {"inputs": stacked, "parts": parts}
+    rows = stack_rows([dense_rows(p.rollout, compact, share_prompts) for p in parts])
+    if rows is not None:
+        batch[DENSE_ROWS] = rows
+    return batch
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from rlt_mega.loss import DOC_STARTS
+from rlt_mega.model.fused_rows import DENSE_ROWS
 
 
 class Documents:
@@ -104,9 +105,13 @@ class Documents:
 
 def forward_kwargs(batch: dict) -> dict:
     """The model's keyword arguments for a batch: ``documents`` where the batch is packed with
-    resets, nothing otherwise (so a batch without documents calls any model as before)."""
+    resets, ``rows`` where a GRPO batch says which rows the dense decoder runs
+    (model/fused_rows.py), nothing otherwise (so a plain batch calls any model as before)."""
     documents = Documents.of(batch)
-    return {} if documents is None else {"documents": documents}
+    kwargs = {} if documents is None else {"documents": documents}
+    if batch.get(DENSE_ROWS) is not None:
+        kwargs["rows"] = batch[DENSE_ROWS]
+    return kwargs
 
 
 def pad_starts(starts: torch.Tensor, length: int) -> torch.Tensor:

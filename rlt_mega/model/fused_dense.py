@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 
 from rlt_mega.model.cuda_graphs import CapturedRun, GraphCache, GraphedDecode
+from rlt_mega.model.fused_rows import DenseRows, RowPlan
 from rlt_mega.model.fused_run import FusedRun, FusedStack, StackSpec, WeightGrads, checkpoint_slots, fused_weights
 
 
@@ -78,6 +79,7 @@ class _Plan:
     checkpointed: bool  # keep the per-position tensors only, recompute the rest before each backward
     compute_dtype: torch.dtype
     static: bool
+    rows: Optional[RowPlan] = None  # which rows each position runs on (None: all)
 
 
 class FusedDecode(torch.autograd.Function):
@@ -88,7 +90,8 @@ class FusedDecode(torch.autograd.Function):
         memory = list(zip(mem_flat[0::2], mem_flat[1::2]))
         stack = build_stack(plan.model, plan.spec, weights, B, True, emb.dtype, plan.compute_dtype)
         slots = checkpoint_slots(B, T) if plan.checkpointed else None
-        run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights), slots=slots, static=plan.static)
+        run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights), slots=slots, static=plan.static,
+                       rows=plan.rows)
         e = emb.detach().transpose(0, 1).contiguous()  # (T, B, d): one contiguous row block per position
         zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if plan.checkpointed else "save")
         ctx.plan, ctx.run, ctx.T = plan, run, T
@@ -121,9 +124,15 @@ def _run_forward(run: FusedRun, e: torch.Tensor, z: torch.Tensor, mode: str) -> 
     return zs
 
 
-def decode_dense_fused(model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor] = None) -> torch.Tensor:
+def decode_dense_fused(model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor] = None,
+                       rows: Optional[DenseRows] = None) -> torch.Tensor:
     """``RLT.decode_dense`` on the fused step: emb (B, T, d), mem a MemoryKV whose K/V come
-    from ``RLT.memory_kv`` -> z (B, T, d), with full BPTT when anything requires grad."""
+    from ``RLT.memory_kv`` -> z (B, T, d), with full BPTT when anything requires grad.
+
+    rows (the GRPO learner, model/fused_rows.py): each position runs only on the rows still
+    inside their sequence (z is 0 past row b's ``rows.lengths[b]`` positions) and a shared
+    prompt's positions once per group; the same function where it is defined, and the same
+    gradient. The capture-ready form (CUDA graphs, static shapes) runs every row."""
     B, T, _ = emb.shape
     cfg = model.cfg
     if T > cfg.max_seq_len:
@@ -133,6 +142,7 @@ def decode_dense_fused(model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor]
     all_reduce = getattr(model, "tp_all_reduce", None)
     compute = compute_dtype_of(emb.dtype, emb.device)
     static = bool(getattr(model, "static_decoder", False))
+    plan_rows = row_plan(rows, B, T, emb.device, static)
     memory = [(mem.k[i], mem.v[i]) for i in layers]
     spec, weights = fused_weights(model, layers, True, replicator(all_reduce))
     needs_grad = torch.is_grad_enabled() and (emb.requires_grad or z0.requires_grad or
@@ -141,15 +151,26 @@ def decode_dense_fused(model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor]
     if not needs_grad:
         with torch.no_grad():
             stack = build_stack(model, spec, weights, B, False, emb.dtype, compute)
-            run = FusedRun(stack, B, T, memory, grads=None, slots=1, static=static)
+            run = FusedRun(stack, B, T, memory, grads=None, slots=1, static=static, rows=plan_rows)
             return _run_forward(run, emb.transpose(0, 1).contiguous(), z0, mode="none").transpose(0, 1)
     checkpointed = model.checkpointing.decoder != "none"
     flat_memory = [t for pair in memory for t in pair]
     if getattr(model, "cuda_graphs", False):
         captured = _captured_run(model, spec, weights, emb, memory, checkpointed, compute)
         return GraphedDecode.apply(captured, len(flat_memory), emb, z0, *flat_memory, *weights)
-    plan = _Plan(model, spec, 2 * len(memory), checkpointed, compute, static)
+    plan = _Plan(model, spec, 2 * len(memory), checkpointed, compute, static, plan_rows)
     return FusedDecode.apply(plan, emb, z0, *flat_memory, *weights)
+
+
+def row_plan(rows: Optional[DenseRows], B: int, T: int, device: torch.device, static: bool) -> Optional[RowPlan]:
+    """The RowPlan of ``rows`` for a run of B x T (None: every row at every position, also for
+    the capture-ready form, whose shapes are fixed)."""
+    if rows is None or static:
+        return None
+    if rows.batch_size != B:
+        raise ValueError(f"dense rows describe {rows.batch_size} rows, the batch has {B}: build them from the "
+                         "batch's own rollouts (learner/objective.py, grpo_batch)")
+    return RowPlan(rows, T, device)
 
 
 def _captured_run(model, spec: StackSpec, weights, emb: torch.Tensor, memory, checkpointed: bool,

@@ -70,10 +70,12 @@ Extension points (not implemented here). Per-row positions (B,) replace the scal
 :class:`StaticPosition` (RoPE rows by ``index_select`` of a (B,) index, K/V written per row,
 masks per row: in the static form every piece already is a tensor). A per-row key mask
 (documents in packed SFT) multiplies into the same additive masks, and a document start resets
-x to z_init for that row before the input layer. A variable set of live rows (finished GRPO
-rows leaving, a prompt forked into G rows) runs the step on ``index_select``-ed rows with the
-K/V buffers gathered alike, or keeps every row and masks the finished ones; the step itself
-does not change.
+x to z_init for that row before the input layer.
+
+Rows (implemented, eager form only: model/fused_rows.py). A :class:`RowPlan` (the GRPO learner's
+compaction and shared prompts) says which rows each position runs on; the step itself does not
+change: the per-position tensors are rows [:n] of their buffers, the batch-major K/V a prefix of
+the physical row order or gathered by index, and the run maps the caller's rows in and out.
 """
 
 from __future__ import annotations
@@ -88,6 +90,7 @@ import torch.nn.functional as F
 from rlt_mega.model.fused import (LAYER_WEIGHTS, Gemm, LayerGemms, NormConstants, attend, attention_grads,
                                   fuse_layer, fuse_recurrence, head_counts, rms_backward, rms_forward, rope,
                                   rope_tables, stat_dtype)
+from rlt_mega.model.fused_rows import RowPlan
 from rlt_mega.model.fused_state import EagerPosition, Slab, StaticPosition
 
 # Rows per weight-gradient GEMM: enough to run it at this CPU's matmul peak (measured: 96 GFLOP/s
@@ -205,13 +208,20 @@ class FusedRun:
     memory: per layer of the stack, the memory K/V (B, h_kv, S, Dh) (slot 0 the null memory),
     any dtype, read only. grads: the accumulators of the deferred weight gradients (None: no
     backward). slots: activation slots (None: every position saved; a checkpointed run:
-    :func:`checkpoint_slots`). static: the capture-ready form."""
+    :func:`checkpoint_slots`). static: the capture-ready form. rows: which rows each position
+    runs on (model/fused_rows.py; None: all of them); x, e, y and their gradients stay (B, d) in
+    the caller's order, dead rows 0."""
 
     def __init__(self, stack: FusedStack, batch: int, capacity: int,
                  memory: Sequence[tuple[torch.Tensor, torch.Tensor]], grads: Optional[WeightGrads] = None,
-                 slots: Optional[int] = None, static: bool = False) -> None:
+                 slots: Optional[int] = None, static: bool = False, rows: Optional[RowPlan] = None) -> None:
         spec = stack.spec
+        if rows is not None and (static or rows.B != batch or rows.T < capacity):
+            raise ValueError(f"a row plan of {rows.B} rows x {rows.T} positions for a {'static ' if static else ''}"
+                             f"run of {batch} x {capacity}: the capture-ready form runs every row, and the plan "
+                             "must be the run's")
         self.stack, self.B, self.capacity, self.grads, self.static = stack, batch, capacity, grads, static
+        self.row_plan = rows
         B, d, Dh, ffn = batch, stack.d, spec.head_dim, stack.ffn
         h, h_kv = spec.num_heads, spec.num_kv_heads
         self.h, self.h_kv, self.g = h, h_kv, (h // h_kv if h_kv else 0)
@@ -231,8 +241,9 @@ class FusedRun:
         self._purpose: dict[str, str] = {}
 
         def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
+            # under a row plan the deferred K/V rows of the rows a position does not run stay 0
             self._purpose[name] = purpose
-            slab.add(name, shape, dtype, zero)
+            slab.add(name, shape, dtype, zero or (rows is not None and purpose == "kv_rows"))
 
         for i in spec.layers:
             for n in _SAVED:
@@ -287,6 +298,7 @@ class FusedRun:
         if static:
             self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
                                            stack.sin_bwd, cd, stack.device)
+            self.position.n = batch  # the rows a position runs on: every row in the static form
 
     def buffer_bytes(self) -> dict[str, int]:
         """This run's buffers by purpose, in bytes: what the backward keeps ("saved": the
@@ -304,6 +316,8 @@ class FusedRun:
         for i, (k, v) in zip(self.stack.spec.layers, memory):
             B, h_kv, S, Dh = k.shape
             self.mem_meta[i] = (k.shape, k.dtype)
+            if self.row_plan is not None:  # the physical row order
+                k, v = self.row_plan.to_physical(k.detach()), self.row_plan.to_physical(v.detach())
             self.mkt[i].view(B, h_kv, Dh, S).copy_(k.detach().transpose(-1, -2))
             self.mv[i].view(B, h_kv, S, Dh).copy_(v.detach())
 
@@ -315,7 +329,11 @@ class FusedRun:
             self.position.update()
             return self.position
         s = self.stack
-        return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd)
+        step = None if self.row_plan is None else self.row_plan.step(t)
+        if step is None:
+            return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd, batch=self.B)
+        return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd,
+                             rows=step.n, batch=self.B, idx=step.idx)
 
     def reset_grads(self) -> None:
         """Zeroes the K/V gradient accumulators: each backward pass starts from zero (a second
@@ -333,7 +351,38 @@ class FusedRun:
         tensors only), "recompute" (after "checkpoint", just before this position's backward:
         the rest from what was kept; x and e unused, returns None) or "none" (no backward:
         keep the K/V only)."""
-        return self.step_forward(self.at(t), x, e, mode)
+        step = None if self.row_plan is None else self.row_plan.step(t)
+        if step is None:
+            return self.step_forward(self.at(t), x, e, mode)
+        pos = self.at(t)
+        if self.grads is not None and step.n < self.B:
+            self._zero_idle_inputs(pos, step.n, mode)
+        if mode == "recompute":
+            if step.n:
+                self.step_forward(pos, None, None, mode)
+            return None
+        for fork in step.forks:  # the representative's K/V history into the group's other rows
+            for i in self.stack.spec.layers:
+                self.kt4[i][fork.others, :, :, :fork.p] = self.kt4[i][fork.rep, :, :, :fork.p]
+                self.v4[i][fork.others, :, :fork.p] = self.v4[i][fork.rep, :, :fork.p]
+        if step.n == 0:
+            return x.new_zeros(self.B, x.shape[-1])
+        y = self.step_forward(pos, step.gather(x), None if e is None else step.gather(e), mode)
+        return step.outputs(y)
+
+    def _zero_idle_inputs(self, pos, n: int, mode: str) -> None:
+        """Under a row plan: rows [n:] of the products' inputs that the weight-gradient flush
+        reads at this position are zeros (their output gradients are zero too, and 0 x whatever
+        a reused buffer held could be NaN)."""
+        for i in self.stack.spec.layers:
+            b = self.buf[i]
+            if mode != "recompute":
+                for name in ("a1", "o1", "a2", "c", "a3"):
+                    b[name][pos.t, n:].zero_()
+            if mode != "checkpoint":
+                b["f"][pos.slot, n:].zero_()
+        if self.stack.spec.with_input and mode != "recompute":
+            self.a0[pos.t, n:].zero_()
 
     def step_forward(self, pos, x: Optional[torch.Tensor], e: Optional[torch.Tensor], mode: str) -> Optional[torch.Tensor]:
         stack = self.stack
@@ -369,7 +418,7 @@ class FusedRun:
         return x + y
 
     def _layer_forward(self, i: int, pos, x: torch.Tensor, mode: str) -> torch.Tensor:
-        w, B, Dh = self.stack.layers[i], self.B, self.stack.spec.head_dim
+        w, B, Dh = self.stack.layers[i], pos.n, self.stack.spec.head_dim
         h, h_kv, g = self.h, self.h_kv, self.g
         keep = mode != "none"  # the per-position tensors
         b = self.buf[i] if keep else dict.fromkeys(_POSITIONAL)
@@ -390,7 +439,7 @@ class FusedRun:
     def _qk(self, w: LayerGemms, pos, a1: torch.Tensor, buf: Optional[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> q and k at the position, RoPE'd (q scaled) (B, h + h_kv, Dh), and v (B, h_kv, Dh)."""
-        B, Dh, h, h_kv = self.B, self.stack.spec.head_dim, self.h, self.h_kv
+        B, Dh, h, h_kv = pos.n, self.stack.spec.head_dim, self.h, self.h_kv
         qkv = w.qkv(a1)  # (B, (h + 2 h_kv) Dh)
         out = pos.out(buf)
         qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), pos.cos, pos.sin_fwd,
@@ -421,7 +470,7 @@ class FusedRun:
         keys_t, values = pos.self_keys(self.kt[i], self.v[i]) if kind == "s" else pos.mem_keys(self.mkt[i], self.mv[i])
         out = None if buf is None else pos.out_t(buf)
         y = attend(q, keys_t, values, pos.self_mask if kind == "s" else pos.mem_mask,
-                   out=None if out is None else out.view(q.shape)).view(self.B, -1)
+                   out=None if out is None else out.view(q.shape)).view(pos.n, -1)
         return y if buf is None else pos.keep_t(buf, y)
 
     # ------------------------------------------------------------------ backward
@@ -431,12 +480,40 @@ class FusedRun:
         save=True since its chunk was last flushed). Flushes the deferred gradients when t is
         the first position of a chunk."""
         pos = self.at(t)
-        gx = self.step_backward(pos, gy)
+        step = None if self.row_plan is None else self.row_plan.step(t)
+        if step is None:
+            gx = self.step_backward(pos, gy)
+        else:
+            if step.n:
+                gx = step.input_grads(self.step_backward(pos, step.output_grads(gy)))
+            else:
+                gx = torch.zeros_like(gy, dtype=self.stack.stream_dtype)
+            if step.n < self.B:  # the other rows' output gradients are zeros in the flushes
+                for i in self.stack.spec.layers:
+                    for name in _RING:
+                        self.buf[i][name][pos.ring, step.n:].zero_()
+                if self.stack.spec.with_input:
+                    self.du[t, step.n:].zero_()
         if not self.static and t % self.kv_chunk == 0:
             self.flush_kv(t, min(t + self.kv_chunk, self.capacity))
+        if step is not None and step.forks:
+            self._join_forks(t, step)
         if t % self.chunk == 0:
             self.flush(t, min(t + self.chunk, self.capacity))
         return gx
+
+    def _join_forks(self, t: int, step) -> None:
+        """Backward of the forks at t: the group rows' gradients of the shared K/V history
+        [0, t) sum into the representative's (this K/V chunk's deferred ones flushed first; the
+        gradient of z_{t-1} sums through the outputs' readers, fused_rows.RowStep)."""
+        if t % self.kv_chunk:
+            c0 = t - t % self.kv_chunk
+            self.flush_kv(c0, min(c0 + self.kv_chunk, self.capacity))
+        for fork in step.forks:
+            for i in self.stack.spec.layers:
+                gk, gv = self.gkt4[i], self.gv4[i]
+                gk[fork.rep, :, :, :fork.p] += gk[fork.others, :, :, :fork.p].sum(0)
+                gv[fork.rep, :, :fork.p] += gv[fork.others, :, :fork.p].sum(0)
 
     def step_backward(self, pos, gy: torch.Tensor) -> torch.Tensor:
         stack = self.stack
@@ -445,7 +522,7 @@ class FusedRun:
             g = gy
             if layers:  # the top layer's output gradient is the down product's dY: kept in its ring
                 top = self.buf[layers[-1]]["g4"]
-                g = pos.keep_ring(top, gy) if pos.static else top[pos.ring].copy_(gy)
+                g = pos.keep_ring(top, gy) if pos.static else pos.rows(top[pos.ring]).copy_(gy)
             for n in range(len(layers) - 1, -1, -1):
                 into = None
                 if n > 0:
@@ -468,7 +545,7 @@ class FusedRun:
         """g4: the gradient of layer i's output (in its ring slot) -> the gradient of its input,
         computed into ``into``'s ring slot when given (the layer below's g4)."""
         stack, w, b = self.stack, self.stack.layers[i], self.buf[i]
-        B, Dh, h, h_kv, g = self.B, stack.spec.head_dim, self.h, self.h_kv, self.g
+        B, Dh, h, h_kv, g = pos.n, stack.spec.head_dim, self.h, self.h_kv, self.g
         BH, cd, nc = B * h_kv, stack.compute_dtype, stack.norm
         # MLP: x4 = x3 + down(silu(gate) * up), gate/up = gate_up(a3)
         df = w.down.grad_input(g4.to(cd))  # (B, F)
@@ -533,44 +610,60 @@ class FusedRun:
         n, g = keys_t.shape[-1], self.g
         c0 = pos.t - pos.t % self.kv_chunk  # the K/V chunk's first position
         lo = c0 if kind == "s" else n  # keys added directly: [c0, n) for self, none for the memory
+        if pos.idx is not None:  # rows by index (fused_rows.py): every key added directly
+            lo = 0
         if n > lo:
-            gk[:, :, lo:n].add_(torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
-            gv[:, lo:n].add_(torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
+            pos.add_rows(gk[:, :, lo:n], torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
+            pos.add_rows(gv[:, lo:n], torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
         if lo > 0:  # the rest: this position's rows, for the chunk's GEMM
-            r = (pos.t - c0) * g
-            self.tensors[f"q{kind}{i}"][:, r:r + g].copy_(qa)
-            self.tensors[f"do{kind}{i}"][:, r:r + g].copy_(ga)
-            self.tensors[f"p{kind}{i}"][:, r:r + g, :lo].copy_(probs[:, :, :lo])
-            self.tensors[f"ds{kind}{i}"][:, r:r + g, :lo].copy_(grad_s[:, :, :lo])
+            r, rows = (pos.t - c0) * g, q.shape[0]  # rows: the active rows' B h_kv (a prefix)
+            self.tensors[f"q{kind}{i}"][:rows, r:r + g].copy_(qa)
+            self.tensors[f"do{kind}{i}"][:rows, r:r + g].copy_(ga)
+            self.tensors[f"p{kind}{i}"][:rows, r:r + g, :lo].copy_(probs[:, :, :lo])
+            self.tensors[f"ds{kind}{i}"][:rows, r:r + g, :lo].copy_(grad_s[:, :, :lo])
         return grad_q
 
     # ------------------------------------------------------------------ deferred gradients
     def flush_kv(self, t0: int, t1: int) -> None:
         """The deferred K/V gradients of the chunk [t0, t1): for each layer, the self keys
-        before t0 and the memory's keys, one batched GEMM each from the stored rows."""
-        rows = (t1 - t0) * self.g
+        before t0 and the memory's keys, one batched GEMM each from the stored rows (of the
+        chunk's active rows, a prefix of the physical order under a row plan)."""
+        rows, bh = (t1 - t0) * self.g, self.chunk_rows(t0, t1) * self.h_kv
         for i in self.stack.spec.layers:
             for kind, gk, gv, n in (("s", self.gkt[i], self.gv[i], t0),
                                     ("m", self.gmkt[i], self.gmv[i], 1 + self.stack.C * (t1 // self.stack.C))):
                 n = min(n, gk.shape[-1])
-                if n == 0:
+                if n == 0 or bh == 0:
                     continue
-                q, do = self.tensors[f"q{kind}{i}"][:, :rows], self.tensors[f"do{kind}{i}"][:, :rows]
-                p, ds = self.tensors[f"p{kind}{i}"][:, :rows, :n], self.tensors[f"ds{kind}{i}"][:, :rows, :n]
-                gk[:, :, :n].add_(torch.bmm(q.transpose(1, 2), ds))  # (B h_kv, Dh, n)
-                gv[:, :n].add_(torch.bmm(p.transpose(1, 2), do))  # (B h_kv, n, Dh)
+                q, do = self.tensors[f"q{kind}{i}"][:bh, :rows], self.tensors[f"do{kind}{i}"][:bh, :rows]
+                p, ds = self.tensors[f"p{kind}{i}"][:bh, :rows, :n], self.tensors[f"ds{kind}{i}"][:bh, :rows, :n]
+                gk[:bh, :, :n].add_(torch.bmm(q.transpose(1, 2), ds))  # (B h_kv, Dh, n)
+                gv[:bh, :n].add_(torch.bmm(p.transpose(1, 2), do))  # (B h_kv, n, Dh)
                 p.zero_()  # rows of a later chunk (fewer visible memory slots) must not see these
                 ds.zero_()
 
+    def chunk_rows(self, t0: int, t1: int) -> int:
+        """The most rows any position of [t0, t1) runs on (B without a row plan): the flushes'
+        GEMMs cover rows [:m] of each position (the rest of them never ran there)."""
+        if self.row_plan is None:
+            return self.B
+        return max(self.B if s is None else s.n for s in map(self.row_plan.step, range(t0, t1)))
+
     def flush(self, t0: int, t1: int) -> None:
         """Adds the weight gradients of positions [t0, t1) (one chunk) to the accumulators: one
-        GEMM per weight over their (t1 - t0) x B rows."""
+        GEMM per weight over their (t1 - t0) x m rows (m = ``chunk_rows``: B without a row plan;
+        under one, rows [n_t:m] of position t hold zero output gradients)."""
         acc = self.grads.acc
-        n, rows = t1 - t0, (t1 - t0) * self.B
+        n, m = t1 - t0, self.chunk_rows(t0, t1)
+        rows = n * m
         s0 = t0 % self.slots  # a chunk is contiguous in the slots (a multiple of it, or all) and starts the ring
+        if rows == 0:
+            return
 
         def add(key, dy: torch.Tensor, x: torch.Tensor) -> None:
             a = acc[key]
+            if m < self.B:  # (n, m, .) of (n, B, .): a copy, far cheaper than the GEMM's rows it saves
+                dy, x = dy[:, :m], x[:, :m]
             dy, x = dy.reshape(rows, -1), x.reshape(rows, -1)
             a.addmm_(dy.t().to(a.dtype), x.to(a.dtype))  # (out, in) += dY^T X
 
@@ -582,7 +675,7 @@ class FusedRun:
             add((i, "qkv"), ring["dqkv"], saved["a1"])
             if (i, "qkv_bias") in acc:
                 bias = acc[(i, "qkv_bias")]
-                bias.add_(ring["dqkv"].reshape(rows, -1).sum(0, dtype=bias.dtype))
+                bias.add_(ring["dqkv"][:, :m].reshape(rows, -1).sum(0, dtype=bias.dtype))
             add((i, "o"), ring["g2"], saved["o1"])
             add((i, "cross_q"), ring["dcq"], saved["a2"])
             add((i, "cross_o"), ring["g3"], saved["c"])
@@ -599,10 +692,22 @@ class FusedRun:
         for i in self.stack.spec.layers:
             (B, h_kv, S, Dh), dtype = self.mem_meta[i]
             gk = self.gmkt[i].view(B, h_kv, Dh, S).transpose(-1, -2).to(dtype, copy=True)
-            out.append((gk, self.gmv[i].view(B, h_kv, S, Dh).to(dtype, copy=True)))
+            gv = self.gmv[i].view(B, h_kv, S, Dh).to(dtype, copy=True)
+            if self.row_plan is not None:
+                gk, gv = self.row_plan.to_caller(gk), self.row_plan.to_caller(gv)
+            out.append((gk, gv))
         return out
 
     def input_grads(self) -> torch.Tensor:
         """With the input layer: the gradient of every position's embedding, (B, capacity, d)
         (a new tensor)."""
-        return self.du.transpose(0, 1).clone()
+        if self.row_plan is None:
+            return self.du.transpose(0, 1).clone()
+        out = torch.zeros(self.B, self.capacity, self.du.shape[-1], dtype=self.du.dtype, device=self.du.device)
+        for t in range(self.capacity):  # position t's rows [:n] are its active rows, in their order
+            step = self.row_plan.step(t)
+            if step is None:
+                out[:, t].copy_(self.du[t])
+            elif step.n:
+                out[:, t].index_copy_(0, step.caller, self.du[t, :step.n])
+        return out

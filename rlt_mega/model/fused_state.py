@@ -105,70 +105,107 @@ def _slot_ptr(buf: torch.Tensor, i: int) -> int:
 
 class EagerPosition:
     """Position t with Python integers: saved tensors are views of their slot, keys are
-    sliced to exactly t + 1 (self) and 1 + vis(t) (memory)."""
+    sliced to exactly t + 1 (self) and 1 + vis(t) (memory).
+
+    Rows (model/fused_rows.py): the position runs on ``n`` of the run's ``batch`` rows. The
+    per-position tensors are rows [:n] of their (B, .) buffers; the batch-major ones (K/V and
+    their gradients, (B, ...) or (B h_kv, ...)) are indexed by physical row: rows [:n] when
+    ``idx`` is None, else the rows ``idx`` (n,), gathered to read and index_add_-ed to write."""
 
     static = False
 
-    def __init__(self, t: int, slot: int, ring: int, memory_block: int, cos, sin_fwd, sin_bwd) -> None:
+    def __init__(self, t: int, slot: int, ring: int, memory_block: int, cos, sin_fwd, sin_bwd,
+                 rows: Optional[int] = None, batch: Optional[int] = None, idx: Optional[torch.Tensor] = None) -> None:
         self.t, self.slot, self.ring = t, slot, ring
         self.n_self = t + 1
         self.n_mem = 1 + memory_block * ((t + 1) // memory_block)  # the null slot + vis(t)
         self.cos, self.sin_fwd, self.sin_bwd = cos[t], sin_fwd[t], sin_bwd[t]
         self.self_mask = self.mem_mask = None
+        self.batch = batch
+        self.n = batch if rows is None else rows
+        self.full = rows is None or rows == batch  # (then idx is None)
+        self.idx = idx
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A (B, ...) per-position tensor -> its active rows [:n]."""
+        return x if self.full else x[:self.n]
+
+    def _batch_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """A batch-major (B, ...) or (B h_kv, ...) tensor -> the active rows' (a view when they
+        are a prefix, a gathered copy otherwise)."""
+        if self.full:
+            return x
+        per = x.shape[0] // self.batch
+        if self.idx is None:
+            return x[:self.n * per]
+        y = x.view(self.batch, per, *x.shape[1:]).index_select(0, self.idx)
+        return y.view(self.n * per, *x.shape[1:])
+
+    def add_rows(self, acc: torch.Tensor, value: torch.Tensor) -> None:
+        """acc (B [h_kv], ...) batch-major (a view) += value over the active rows."""
+        if self.idx is None:
+            (acc if self.full else acc[:self.n * (acc.shape[0] // self.batch)]).add_(value)
+            return
+        per = acc.shape[0] // self.batch
+        acc.view(self.batch, per, *acc.shape[1:]).index_add_(0, self.idx, value.view(self.n, per, *value.shape[1:]))
 
     def out(self, buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Where to compute a saved tensor: its slot (None: not saved)."""
-        return None if buf is None else buf[self.slot]
+        return None if buf is None else self.rows(buf[self.slot])
 
     def out_ring(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf[self.ring]
+        return self.rows(buf[self.ring])
 
     def keep(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
         """value, kept in its slot of ``buf`` (a no-op when computed there or not saved)."""
         if buf is not None and value.data_ptr() != _slot_ptr(buf, self.slot):
-            buf[self.slot].copy_(value)
+            self.rows(buf[self.slot]).copy_(value)
         return value
 
     def keep_ring(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if value.data_ptr() != _slot_ptr(buf, self.ring):
-            buf[self.ring].copy_(value)
+            self.rows(buf[self.ring]).copy_(value)
         return value
 
     def load(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf[self.slot]
+        return self.rows(buf[self.slot])
 
     def out_t(self, buf: torch.Tensor) -> torch.Tensor:  # the position-indexed buffers
-        return buf[self.t]
+        return self.rows(buf[self.t])
 
     def keep_t(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         if value.data_ptr() != _slot_ptr(buf, self.t):
-            buf[self.t].copy_(value)
+            self.rows(buf[self.t]).copy_(value)
         return value
 
     def load_t(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf[self.t]
+        return self.rows(buf[self.t])
 
     def write_kv(self, kt: torch.Tensor, v: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """kt (B, h_kv, Dh, cap), v (B, h_kv, cap, Dh) <- this position's k, v (B, h_kv, Dh)."""
-        kt.select(3, self.t).copy_(k_new)
-        v.select(2, self.t).copy_(v_new)
+        """kt (B, h_kv, Dh, cap), v (B, h_kv, cap, Dh) <- this position's k, v (n, h_kv, Dh)."""
+        if self.idx is None:
+            self.rows(kt.select(3, self.t)).copy_(k_new)
+            self.rows(v.select(2, self.t)).copy_(v_new)
+        else:
+            kt.select(3, self.t).index_copy_(0, self.idx, k_new)
+            v.select(2, self.t).index_copy_(0, self.idx, v_new)
 
     def self_keys(self, kt: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kt (B h_kv, Dh, cap), v (B h_kv, cap, Dh) -> the keys and values attended to."""
-        return kt[:, :, :self.n_self], v[:, :self.n_self]
+        return self._batch_rows(kt[:, :, :self.n_self]), self._batch_rows(v[:, :self.n_self])
 
     def mem_keys(self, kt: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return kt[:, :, :self.n_mem], v[:, :self.n_mem]
+        return self._batch_rows(kt[:, :, :self.n_mem]), self._batch_rows(v[:, :self.n_mem])
 
     def kv_grad(self, gkt: torch.Tensor, gv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This position's (complete) K/V gradients from the (B, h_kv, Dh, cap) and
-        (B, h_kv, cap, Dh) accumulators: (B, h_kv, Dh) each."""
-        return gkt.select(3, self.t), gv.select(2, self.t)
+        (B, h_kv, cap, Dh) accumulators: (n, h_kv, Dh) each."""
+        return self._batch_rows(gkt.select(3, self.t)), self._batch_rows(gv.select(2, self.t))
 
     def put(self, buf: torch.Tensor, index: int, value: torch.Tensor) -> None:
         """buf[index] <- value (the input gradient of the stack: a position-indexed buffer)."""
         if value.data_ptr() != _slot_ptr(buf, index):
-            buf[index].copy_(value)
+            self.rows(buf[index]).copy_(value)
 
 
 class StaticPosition:

@@ -43,6 +43,7 @@ from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.model.attention import DecoderSelfAttention, encoder_attention, masked_attention, memory_attention
 from rlt_mega.model.cache import DecoderKV, KVCache, MemoryGradients, MemoryKV
 from rlt_mega.model.fused_dense import decode_dense_fused
+from rlt_mega.model.fused_rows import DenseRows
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
 
@@ -279,7 +280,7 @@ class RLT(nn.Module):
 
     # ------------------------------------------------------------------ dense schedule
     def decode_dense(self, emb: torch.Tensor, mem: MemoryKV, z0: Optional[torch.Tensor] = None,
-                     documents: Optional[Documents] = None) -> torch.Tensor:
+                     documents: Optional[Documents] = None, rows: Optional[DenseRows] = None) -> torch.Tensor:
         """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d).
 
         ``model.fused_decoder``: the fused step (model/fused_dense.py). The module path:
@@ -287,9 +288,13 @@ class RLT(nn.Module):
         recomputation repeats the forward exactly, and the autograd graph has the same shape
         in every mode (each step reads its own embedding row, every z_t is stacked once at
         the end), so gradients are bit-identical across checkpointing modes.
+
+        rows (model/fused_rows.py): the fused step runs each position on the rows that need it
+        (GRPO's compaction and shared prompts); the module path runs every row (the same
+        function on the positions the rows need, the padded reference).
         """
         if self.uses_fused(documents):
-            return decode_dense_fused(self, emb, mem, z0)
+            return decode_dense_fused(self, emb, mem, z0, rows)
         B, T, _ = emb.shape
         dec = DecoderKV(self.cfg.n_layers, capacity=T)
         z = self.initial_state(B) if z0 is None else z0
@@ -321,13 +326,16 @@ class RLT(nn.Module):
             zs.append(z)
         return tuple(zs)
 
-    def forward(self, tokens: torch.Tensor, documents: Optional[Documents] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, documents: Optional[Documents] = None,
+                rows: Optional[DenseRows] = None) -> torch.Tensor:
         """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the
         distribution of x_{t+1}. ``documents``: the rows are packed documents, each computed
-        as if alone in its row (model/documents.py)."""
+        as if alone in its row (model/documents.py). ``rows`` (the GRPO learner): row b's
+        logits are those of positions [0, rows.lengths[b]) (the rest is not computed)."""
         emb = self.embed(tokens)
         m = self.memory_norm(self.encode(emb, documents=documents))
-        z = self.decode_dense(emb, self.memory_kv(m, fused=self.uses_fused(documents)), documents=documents)
+        z = self.decode_dense(emb, self.memory_kv(m, fused=self.uses_fused(documents)), documents=documents,
+                              rows=rows)
         return self.head(z)
 
 

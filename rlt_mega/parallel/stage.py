@@ -49,7 +49,8 @@ from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.loss import LogitsLoss, Vocab
 from rlt_mega.model.cache import DecoderKV, MemoryKV
-from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator
+from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator, row_plan
+from rlt_mega.model.fused_rows import DENSE_ROWS
 from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.rlt import RLT
@@ -196,8 +197,9 @@ class RLTStage:
             slots = None
             if self.grad and self.model.checkpointing.decoder != "none":
                 slots = checkpoint_slots(b, T)
+            rows = row_plan(mb.batch.get(DENSE_ROWS), b, T, mb.inputs.device, static=False)  # GRPO: fused_rows.py
             mb.run = FusedRun(self.stack, b, T, [(dense.k[i], dense.v[i]) for i in self.layers],
-                              grads=self.weight_grads, slots=slots if self.grad else 1)
+                              grads=self.weight_grads, slots=slots if self.grad else 1, rows=rows)
 
     def _dec_step(self, x: torch.Tensor, e_t: Optional[torch.Tensor], t: int, dec: DecoderKV,
                   mem: MemoryKV, docs: Optional[Documents] = None) -> torch.Tensor:

@@ -205,7 +205,7 @@ class GRPOJob:
                 ro = rounds[r].rollouts[k][j]
                 parts.append(GRPOPart(ro, replays[r][j], torch.zeros(ro.batch_size), None,
                                       torch.zeros(ro.batch_size, dtype=torch.bool)))
-            batches.append(grpo_batch(parts))
+            batches.append(grpo_batch(parts, compact=g.dense_compact, share_prompts=g.dense_share_prompts))
         return batches
 
     def _onpolicy_values(self, rounds: list[Round], used: list[int], done: int) -> dict[int, list]:
@@ -400,6 +400,13 @@ def grpo_config(cfg: Config) -> Config:
                           f"(grpo.prompts_per_step x grpo.group_size / grpo.minibatches): choose among "
                           f"{[a for a in range(1, rows + 1) if rows % a == 0]}")
     micro = rows // accum
+    if cfg.train.cuda_graphs and (g.dense_compact or g.dense_share_prompts):
+        raise ConfigError("train.cuda_graphs=true captures the dense decoder with fixed shapes (every row at every "
+                          "position), so the learner cannot follow the data: set grpo.dense_compact=false and "
+                          "grpo.dense_share_prompts=false, or train.cuda_graphs=false")
+    if not cfg.model.fused_decoder and (g.dense_compact or g.dense_share_prompts):
+        log.info("model.fused_decoder=false: the module path runs every row at every position "
+                 "(grpo.dense_compact and grpo.dense_share_prompts apply to the fused decoder)")
     if "train.micro_batch_size" in given(cfg) and cfg.train.micro_batch_size != micro:
         raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size}: GRPO derives it, a minibatch's "
                           f"{rows} rows (grpo.prompts_per_step x grpo.group_size / grpo.minibatches) / "

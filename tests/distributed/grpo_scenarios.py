@@ -6,7 +6,8 @@
   the second is off-policy after the first update) against a single-process GRPO step written
   from the library's one-device pieces: every data-parallel rank's prompts and seeds sampled by
   ``generate`` on the full model, the combined minibatch's loss over the global token count,
-  torch clipping and AdamW.
+  torch clipping and AdamW. The trainer's learner follows the data (grpo.dense_compact and
+  dense_share_prompts, on by default), the reference runs the padded dense schedule.
 
 Scenarios return numbers; the tests assert.
 """
@@ -24,6 +25,7 @@ from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
+from rlt_mega.model.fused_rows import DENSE_ROWS, RowPlan
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import param_groups
@@ -213,6 +215,10 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
         stats = original(batches, loss)
         captured.setdefault("stats", []).append(stats)
         captured.setdefault("rollouts", []).extend(p.rollout for b in batches for p in b["parts"])
+        for b in batches:  # the decoder's row-steps (grpo.dense_compact / dense_share_prompts) and the padded ones
+            rows = b.get(DENSE_ROWS)
+            steps = b["inputs"].numel() if rows is None else RowPlan(rows, b["inputs"].shape[1], torch.device("cpu")).active
+            captured.setdefault("row_steps", []).append((steps, b["inputs"].numel()))
         return stats
 
     trainer.engine.train_step = spy
@@ -229,7 +235,8 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
     out = {"param_moved": ref["moved"], "same_tokens": same_tokens, "mu_diff": mu_diff,
            "loss": [s.loss for s in stats], "ref_loss": ref["loss"],
            "norm": [s.grad_norm for s in stats], "ref_norm": ref["norm"], "param_diff": param_diff,
-           "param_worst": worst, "scalars": scalars, "ref_reward_mean": sum(ref["rewards"]) / len(ref["rewards"])}
+           "param_worst": worst, "scalars": scalars, "ref_reward_mean": sum(ref["rewards"]) / len(ref["rewards"]),
+           "row_steps": [sum(s for s, _ in captured["row_steps"]), sum(p for _, p in captured["row_steps"])]}
     trainer.engine.close()
     dims.destroy()
     return out

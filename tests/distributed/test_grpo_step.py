@@ -4,7 +4,8 @@ first update) against a one-process GRPO step on the combined batch
 (clipping acts), parameters after the step, on-policy ratios exactly 1. On two ranks: DP=2
 ZeRO-1, TP=2 (with the k3 KL to a reference built in the same layout), PP=2 (grad_accum 2,
 the KL) and DP=2 ZeRO-3 with every parameter partitioned; on four: TP=2 x PP=2 (the KL) and
-PP=2 x DP=2 ZeRO-2."""
+PP=2 x DP=2 ZeRO-2. The trainer's learner runs compaction and shared prompts (the defaults),
+the reference the padded dense schedule; PP=2 once more with both off."""
 
 import pytest
 
@@ -12,7 +13,10 @@ TWO = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 1}}
        ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "zero_stage": 1}, "grpo": {"kl_coef": 0.1}}),
        ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
                                                   "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
-       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 3}, "persistence_threshold": 0})]
+       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 3}, "persistence_threshold": 0}),
+       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
+                                                  "train": {"grad_accum": 2},
+                                                  "grpo": {"dense_compact": False, "dense_share_prompts": False}})]
 FOUR = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "pp": 2, "zero_stage": 1, "micro_batches": 2},
                                                    "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
         ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 2, "micro_batches": 2},
@@ -37,6 +41,11 @@ def check_grpo_step(r: dict, args: dict) -> None:
     assert r["param_diff"] < 5e-5, r["param_worst"]
     if args.get("grpo", {}).get("kl_coef"):
         assert r["scalars"]["kl/reference"] > 0.0
+    steps, padded = r["row_steps"]  # the learner ran fewer decoder row-steps than the padded schedule
+    if args.get("grpo", {}).get("dense_compact", True):
+        assert steps < 0.8 * padded, r["row_steps"]
+    else:
+        assert steps == padded
 
 
 @pytest.mark.parametrize("name,args", TWO)

@@ -12,17 +12,18 @@ the clipped surrogate on random advantages (a random model's rewards are all 0: 
 the same), AdamW. Variants, each from the same initial weights, timed in interleaved rounds
 (best of --repeats per phase, one thread, process CPU time by default, tools/bench/harness.py):
 
-- off: every switch off: the lockstep rollout (sampling.share_prompts/compact false, slots 0)
-  and the first minibatch replayed (grpo.skip_onpolicy_replay false);
-- on: every switch on (the defaults): shared prompts, compaction, the first minibatch's replay
-  skipped (its value is mu);
+- off: every switch off: the lockstep rollout (sampling.share_prompts/compact false, slots 0),
+  the first minibatch replayed (grpo.skip_onpolicy_replay false) and the learner's padded dense
+  schedule (grpo.dense_compact/dense_share_prompts false);
+- on: every switch on (the defaults): shared prompts and compaction in the rollout, the replay
+  and the learner's dense schedule (model/fused_rows.py), the first minibatch's replay skipped
+  (its value is mu);
 - slots: on, with sampling.slots = rows / 4 (continuous batching): its sequential decoder
   steps per call against lockstep's with the same rows (what it trades on a bandwidth-bound GPU).
 
-The learner's dense schedule is the same in every variant (its sharing/compaction, issue 12
-deliverable 5, is not built yet), so the learner's gain is the skipped replay and the replays'
-own row schedule. Learner tokens/s: the rows' prompt + completion tokens per second of replay +
-update (the same numerator in every variant).
+Learner tokens/s: the rows' prompt + completion tokens per second of replay + update (the same
+numerator in every variant); learner row-steps: the decoder row-positions the dense schedule ran
+per call (B x T padded).
 
     PYTHONPATH=. python tools/bench/grpo.py --data DIR             # the figures (one core)
     PYTHONPATH=. python tools/bench/grpo.py --data DIR --quick     # 2 prompts x 8, a smoke test
@@ -44,8 +45,9 @@ from rollout_rows import gsm8k_call  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.learner.grpo import grpo_loss  # noqa: E402
-from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs  # noqa: E402
+from rlt_mega.learner.logprob import dense_logprobs, dense_rows, hybrid_logprobs  # noqa: E402
 from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.model.fused_rows import RowPlan  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams  # noqa: E402
 from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches  # noqa: E402
 
@@ -54,6 +56,8 @@ from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches  # noqa: E402
 class Variant:
     rows: RowSwitches
     skip_onpolicy_replay: bool
+    dense_compact: bool = True  # grpo.dense_compact
+    dense_share_prompts: bool = True  # grpo.dense_share_prompts
 
 
 def grpo_step(model, variant: Variant, calls: list[tuple[list, SamplingParams, list]], check_every: int,
@@ -78,13 +82,23 @@ def grpo_step(model, variant: Variant, calls: list[tuple[list, SamplingParams, l
         times["replay"] += clock() - t0
         t0 = clock()
         adv = torch.randn(ro.batch_size, generator=gen)
-        logp = hybrid_logprobs(dense_logprobs(model, ro), value)
+        logp = hybrid_logprobs(dense_logprobs(model, ro, variant.dense_compact, variant.dense_share_prompts), value)
         grpo_loss(logp, ro.mu, adv, ro.mask, 0.2, 0.28).loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         times["update"] += clock() - t0
     return times, rollouts
+
+
+def learner_row_steps(rollouts: list, variant: Variant) -> float:
+    """Decoder row-positions the learner's dense schedule runs per call."""
+    total = 0
+    for ro in rollouts:
+        rows = dense_rows(ro, variant.dense_compact, variant.dense_share_prompts)
+        T = ro.schedule.num_steps
+        total += ro.batch_size * T if rows is None else RowPlan(rows, T, torch.device("cpu")).active
+    return total / len(rollouts)
 
 
 def main() -> None:
@@ -112,7 +126,7 @@ def main() -> None:
         calls.append((p, params, list(range(k * rows, (k + 1) * rows))))
     cfg = load_config(args.config)
     base = build_model(dataclasses.replace(cfg.model, vocab_size=args.vocab), "cpu", seed=0)
-    variants = {"off": Variant(LOCKSTEP, False), "on": Variant(RowSwitches(), True),
+    variants = {"off": Variant(LOCKSTEP, False, False, False), "on": Variant(RowSwitches(), True),
                 "slots": Variant(RowSwitches(slots=rows // 4), True)}
     best = {k: {} for k in variants}
     outs = {}
@@ -131,10 +145,11 @@ def main() -> None:
           f"max {stats['prompt_len_max']}; completion tokens mean {stats['completion_mean']:.1f} "
           f"max {stats['completion_max']}")
     print("| variant | step s | step x off | generate s | completion tokens/s | x off | replay s | update s | "
-          "learner tokens/s | x off | sequential steps/call | steps x lockstep |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "learner tokens/s | x off | learner row-steps/call | x off | sequential steps/call | steps x lockstep |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     ref = best["off"]
     lockstep_steps = sum(ro.schedule.num_steps for ro in outs["off"]) / len(outs["off"])
+    variant_rows = {k: learner_row_steps(outs[k], v) for k, v in variants.items()}
     for k, t in best.items():
         ros = outs[k]
         steps = sum(ro.schedule.num_steps if ro.schedule.rows is None else ro.schedule.rows.num_steps
@@ -142,7 +157,8 @@ def main() -> None:
         learn, learn_ref = t["replay"] + t["update"], ref["replay"] + ref["update"]
         print(f"| {k} | {t['step']:.2f} | {ref['step'] / t['step']:.2f} | {t['generate']:.2f} | "
               f"{completion / t['generate']:.1f} | {ref['generate'] / t['generate']:.2f} | {t['replay']:.2f} | "
-              f"{t['update']:.2f} | {data_tokens / learn:.1f} | {learn_ref / learn:.2f} | {steps:.0f} | "
+              f"{t['update']:.2f} | {data_tokens / learn:.1f} | {learn_ref / learn:.2f} | {variant_rows[k]:.0f} | "
+              f"{variant_rows['off'] / variant_rows[k]:.2f} | {steps:.0f} | "
               f"{steps / lockstep_steps:.2f} |")
 
 

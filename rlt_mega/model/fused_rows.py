@@ -1,0 +1,217 @@
+"""Which rows each position of the fused dense decoder runs on (GRPO learner: compaction and
+shared prompts; docs/design.md, "The learner follows the data").
+
+A GRPO batch is B sequences of different lengths, and the G rows of a group share their prompt.
+The padded dense schedule runs every position on all B rows; a :class:`RowPlan` tells a
+model/fused_run.FusedRun, position by position, which rows are *active*:
+
+- compaction: row b needs positions [0, L_b) only (``L_b = P_b + n_b - 1``: the last position
+  whose logits the loss reads); past it the row is dead.
+- shared prompts: the rows of a group see the same tokens at positions [0, p) (p their prompt
+  length), so they have the same state there. One row of the group (its representative, the
+  longest) runs those positions alone; at t = p the group forks: the other rows' decoder K/V of
+  [0, p) are copied from the representative's (``Fork``) and their z_{p-1} is the
+  representative's (the representative's output at t < p is every group row's output, so the
+  input of position p is already the right one). Backward, the G rows' gradients of that K/V
+  history and of those outputs sum into the representative's.
+
+Row order. The run keeps its per-row (batch-major) buffers in a *physical* order: the rows sorted
+by L descending (ties in caller order). With compaction alone the active rows at t are then a
+prefix ``[:n_t]`` of it, and the step runs on contiguous views of its buffers. With shared
+prompts the active set at t is {the representative of each group with t < p} U {the live rows
+of forked groups}: rows join at their fork and leave at their end, so no fixed order keeps every
+such set a prefix (it would need nested intervals). Those positions (only before the last fork)
+run on the active rows given by index (``RowStep.idx``): the K/V they attend to are gathered
+(index_select) and their K/V gradients added by index_add_; every position at and after the
+last fork is a prefix again. The per-position tensors (inputs, saved activations, output
+gradients) are always compact: rows [:n_t] of each (B, .) buffer in the order of the active
+rows, so the deferred weight-gradient GEMMs stay one GEMM over all B rows per chunk (rows past
+n_t hold zero output gradients and contribute exactly nothing).
+
+The caller (the dense Function, a pipeline stage) keeps its own row order: a run maps x, e and
+the output gradient in (``RowStep.caller``) and y and the input gradient out, dead rows 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import torch
+
+DENSE_ROWS = "dense_rows"  # the batch dict's key of a DenseRows
+
+
+@dataclass(frozen=True)
+class DenseRows:
+    """What the learner knows of a batch's rows (host lists, B each): ``lengths[b]`` positions
+    row b needs (0: none), ``prompt_lens[b]``, and ``groups[b]`` the id of the rows sharing
+    row b's prompt (None: no sharing). ``compact`` False: every row runs every position (then
+    only the sharing, if any, removes rows). Rides in the batch dict as ``dense_rows``."""
+
+    lengths: tuple[int, ...]
+    prompt_lens: tuple[int, ...]
+    groups: Optional[tuple[int, ...]] = None
+    compact: bool = True
+
+    def __post_init__(self) -> None:
+        B = len(self.lengths)
+        if len(self.prompt_lens) != B or (self.groups is not None and len(self.groups) != B):
+            raise ValueError(f"dense rows: lengths ({B}), prompt_lens ({len(self.prompt_lens)}) and groups "
+                             f"({None if self.groups is None else len(self.groups)}) must have one entry a row")
+        if self.groups is not None:
+            seen: dict[int, int] = {}
+            for b, g in enumerate(self.groups):
+                if seen.setdefault(g, self.prompt_lens[b]) != self.prompt_lens[b]:
+                    raise ValueError(f"dense rows: group {g} has prompts of lengths {seen[g]} and "
+                                     f"{self.prompt_lens[b]}: rows share a prompt only if it is the same")
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+
+def rollout_rows(tokens: torch.Tensor, prompt_lens: Sequence[int], completion_lens: Sequence[int],
+                 compact: bool, share_prompts: bool) -> Optional[DenseRows]:
+    """The DenseRows of a rollout batch: tokens (B, >= max P) with each row's prompt at
+    [0, P_b) (left-aligned); groups are the rows whose prompts are token for token the same.
+    None when both switches are off (the plain padded schedule)."""
+    if not (compact or share_prompts):
+        return None
+    lengths = tuple(p + n - 1 if n > 0 else 0 for p, n in zip(prompt_lens, completion_lens))
+    groups = None
+    if share_prompts:
+        ids: dict[tuple, int] = {}
+        host = tokens.detach().cpu()
+        groups = tuple(ids.setdefault((p, tuple(host[b, :p].tolist())), len(ids)) for b, p in enumerate(prompt_lens))
+    return DenseRows(lengths, tuple(prompt_lens), groups, compact)
+
+
+def stack_rows(parts: Sequence[Optional[DenseRows]]) -> Optional[DenseRows]:
+    """The DenseRows of row-stacked batches (group ids kept apart per part)."""
+    if not parts or any(p is None for p in parts):
+        return None
+    lengths, prompts, groups, offset = [], [], [], 0
+    share = all(p.groups is not None for p in parts)
+    for p in parts:
+        lengths += p.lengths
+        prompts += p.prompt_lens
+        if share:
+            groups += [offset + g for g in p.groups]
+            offset += max(p.groups, default=-1) + 1
+    return DenseRows(tuple(lengths), tuple(prompts), tuple(groups) if share else None,
+                     all(p.compact for p in parts))
+
+
+@dataclass
+class Fork:
+    """At t = p: the representative's decoder K/V of [0, p) into the other rows (physical)."""
+
+    p: int
+    rep: int
+    others: torch.Tensor  # (k,) long, physical rows
+
+
+@dataclass
+class RowStep:
+    """Position t's rows. n active rows: physical rows [:n] (idx None) or idx (n,) long;
+    caller (n,): their rows in the caller's order; out_src (B,): for each caller row, which
+    compact row its output is (n: none, the row is dead at t); readers (n, B) 0/1, where some
+    compact row is the output of several caller rows (a group's representative before its
+    fork): the output gradient of the compact rows is readers @ gy."""
+
+    n: int
+    idx: Optional[torch.Tensor]
+    caller: torch.Tensor
+    out_src: torch.Tensor
+    readers: Optional[torch.Tensor] = None
+    forks: list[Fork] = field(default_factory=list)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """x (B, d) in the caller's order -> the active rows (n, d)."""
+        return x.index_select(0, self.caller)
+
+    def outputs(self, y: torch.Tensor) -> torch.Tensor:
+        """y (n, d) of the active rows -> (B, d) in the caller's order (dead rows 0)."""
+        padded = torch.cat([y, y.new_zeros(1, y.shape[1])])
+        return padded.index_select(0, self.out_src)
+
+    def output_grads(self, gy: torch.Tensor) -> torch.Tensor:
+        """gy (B, d), the gradient of ``outputs`` -> that of y (n, d)."""
+        if self.readers is None:
+            return gy.index_select(0, self.caller)
+        return torch.mm(self.readers.to(gy.dtype), gy)
+
+    def input_grads(self, gx: torch.Tensor) -> torch.Tensor:
+        """gx (n, d), the gradient of ``gather(x)`` -> that of x (B, d)."""
+        return gx.new_zeros(self.out_src.shape[0], gx.shape[1]).index_copy_(0, self.caller, gx)
+
+
+class RowPlan:
+    """The rows of every position [0, T) of a run of B rows (see the module docstring).
+
+    ``perm`` (B,): the caller row at each physical row; ``step(t)`` None where position t runs
+    on all B rows in the caller's order (nothing to map)."""
+
+    def __init__(self, rows: DenseRows, T: int, device: torch.device) -> None:
+        B = rows.batch_size
+        # without compaction every row runs every position (the sharing may still remove rows)
+        L = [min(int(x), T) for x in rows.lengths] if rows.compact else [T] * B
+        order = sorted(range(B), key=lambda b: (-L[b], b))
+        phys = {b: j for j, b in enumerate(order)}
+        start, reader_until, rep_of = [0] * B, [0] * B, list(range(B))
+        forks: dict[int, list[Fork]] = {}
+        if rows.groups is not None:
+            members: dict[int, list[int]] = {}
+            for b in order:
+                members.setdefault(rows.groups[b], []).append(b)
+            for group in members.values():
+                rep, p = group[0], rows.prompt_lens[group[0]]
+                if len(group) < 2 or L[rep] <= 0:
+                    continue
+                others = []
+                for b in group[1:]:
+                    start[b] = min(p, L[b])  # active [p, L_b); outputs [0, p) are the representative's
+                    reader_until[b] = min(p, L[b])
+                    rep_of[b] = rep
+                    if L[b] > p:
+                        others.append(phys[b])
+                if others and p < T:
+                    forks.setdefault(p, []).append(Fork(p, phys[rep], torch.tensor(others, device=device)))
+        self.B, self.T, self.device = B, T, device
+        self.perm = torch.tensor(order, device=device)
+        self.inverse = torch.tensor([phys[b] for b in range(B)], device=device)
+        self.identity = order == list(range(B))
+        self.steps: list[Optional[RowStep]] = []
+        self.active = 0  # row-positions the plan runs (B * T without it)
+        for t in range(T):
+            active = [j for j, b in enumerate(order) if start[b] <= t < L[b]]
+            n = len(active)
+            self.active += n
+            prefix = active == list(range(n))
+            readers = [b for b in range(B) if t < reader_until[b]]
+            if n == B and self.identity and not readers and t not in forks:
+                self.steps.append(None)
+                continue
+            compact = {order[j]: k for k, j in enumerate(active)}
+            out_src = [compact.get(b, compact.get(rep_of[b], n) if t < reader_until[b] else n) for b in range(B)]
+            src = torch.tensor(out_src)
+            reader_matrix = None
+            if readers:  # (n, B): reader_matrix[k, b] = 1 where caller row b's output is compact row k
+                reader_matrix = torch.zeros(n + 1, B)
+                reader_matrix[src, torch.arange(B)] = 1.0
+                reader_matrix = reader_matrix[:n].to(device)
+            self.steps.append(RowStep(n, None if prefix else torch.tensor(active, device=device, dtype=torch.long),
+                                      torch.tensor([order[j] for j in active], device=device, dtype=torch.long),
+                                      src.to(device), reader_matrix, forks.get(t, [])))
+
+    def step(self, t: int) -> Optional[RowStep]:
+        return self.steps[t] if t < len(self.steps) else None
+
+    def to_physical(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, ...) in the caller's order -> in the physical order."""
+        return x if self.identity else x.index_select(0, self.perm)
+
+    def to_caller(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, ...) in the physical order -> in the caller's order."""
+        return x if self.identity else x.index_select(0, self.inverse)
