@@ -100,6 +100,11 @@ KV_CHUNK = 16
 AllReduce = Callable[[torch.Tensor], None]
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in ``dtype``; without a dispatch when it already is (the per-position loop's common case)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def wgrad_positions(batch: int, capacity: int) -> int:
     """W: positions per weight-gradient flush, a function of the batch size alone (capped at
     the capacity)."""
@@ -178,11 +183,16 @@ class FusedStack:
 
 class WeightGrads:
     """Accumulators of the fused weights' gradients (each tensor's shape and dtype, fp32 at
-    least), shared by every run of one backward (a pipeline round: all its micro-batches)."""
+    least), shared by every run of one backward (a pipeline round: all its micro-batches).
 
-    def __init__(self, spec: StackSpec, tensors: Sequence[torch.Tensor]) -> None:
+    allocate=False: none yet (a forward that only needs to know a backward will come: the
+    accumulators, a copy of the decoder's weights, are not kept alive through the rest of the
+    forward and are not zeroed twice)."""
+
+    def __init__(self, spec: StackSpec, tensors: Sequence[torch.Tensor], allocate: bool = True) -> None:
         self.spec = spec
-        self.acc = {key: torch.zeros(w.shape, dtype=w.dtype, device=w.device) for key, w in zip(spec.keys, tensors)}
+        self.acc = {key: torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+                    for key, w in zip(spec.keys, tensors)} if allocate else {}
 
     def grads(self) -> list[torch.Tensor]:
         return [self.acc[key] for key in self.spec.keys]
@@ -197,6 +207,7 @@ _SAVED = ("qk", "cq", "gu", "f")  # per layer and activation slot: recomputed wh
 # three norms with their 1/rms, and the two attention outputs
 _POSITIONAL = ("a1", "r1", "a2", "r2", "a3", "r3", "o1", "c")
 _RING = ("dqkv", "g2", "dcq", "g3", "dgu", "g4")  # per layer and ring slot: the products' dY
+_NOT_KEPT = dict.fromkeys((*_SAVED, *_POSITIONAL))  # (read only) a forward that keeps nothing of these
 
 
 class FusedRun:
@@ -283,6 +294,9 @@ class FusedRun:
             self.gv = {i: self.gv4[i].view(BH, capacity, Dh) for i in spec.layers}
             self.gmkt = {i: self.tensors[f"gmkt{i}"] for i in spec.layers}
             self.gmv = {i: self.tensors[f"gmv{i}"] for i in spec.layers}
+            if not static:  # (kind, layer) -> the stored rows q, do, p, ds of the deferred K/V gradients
+                self.kv_rows = {(kind, i): tuple(self.tensors[f"{n}{kind}{i}"] for n in ("q", "do", "p", "ds"))
+                                for kind in "sm" for i in spec.layers}
         self.position = None
         if static:
             self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
@@ -372,8 +386,8 @@ class FusedRun:
         w, B, Dh = self.stack.layers[i], self.B, self.stack.spec.head_dim
         h, h_kv, g = self.h, self.h_kv, self.g
         keep = mode != "none"  # the per-position tensors
-        b = self.buf[i] if keep else dict.fromkeys(_POSITIONAL)
-        s = b if mode == "save" else dict.fromkeys(_SAVED)  # the slot tensors
+        b = self.buf[i] if keep else _NOT_KEPT
+        s = b if mode == "save" else _NOT_KEPT  # the slot tensors
         # self-attention over the decoder's K/V of positions [0, t]
         a1 = self._norm(x, pos, b["a1"], b["r1"])
         qk, v = self._qk(w, pos, a1, s["qk"])
@@ -455,7 +469,7 @@ class FusedRun:
                 return g if g.dtype == stack.stream_dtype else g.to(stack.stream_dtype)
             # the recurrence input: u = e + recur(a0), a0 = z_{t-1} / rms; du is e's gradient too
             pos.put(self.du, pos.t, g)
-            da0 = stack.recur.grad_input(g.to(stack.compute_dtype))
+            da0 = stack.recur.grad_input(_as(g, stack.compute_dtype))
             return rms_backward(da0, pos.load_t(self.a0), pos.load_t(self.r0), stack.norm, None).to(stack.stream_dtype)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -471,7 +485,7 @@ class FusedRun:
         B, Dh, h, h_kv, g = self.B, stack.spec.head_dim, self.h, self.h_kv, self.g
         BH, cd, nc = B * h_kv, stack.compute_dtype, stack.norm
         # MLP: x4 = x3 + down(silu(gate) * up), gate/up = gate_up(a3)
-        df = w.down.grad_input(g4.to(cd))  # (B, F)
+        df = w.down.grad_input(_as(g4, cd))  # (B, F)
         gu = pos.load(b["gu"])
         ffn = gu.shape[1] // 2
         gate, up = gu[:, :ffn], gu[:, ffn:]
@@ -485,7 +499,7 @@ class FusedRun:
         g3 = pos.keep_ring(b["g3"], rms_backward(da3, pos.load_t(b["a3"]), pos.load_t(b["r3"]), nc, g4,
                                                  out=pos.out_ring(b["g3"])))
         # cross-attention: x3 = x2 + cross_o(attend(cross_q(a2), memory))
-        dc = w.cross_o.grad_input(g3.to(cd)).view(BH, g, Dh)
+        dc = w.cross_o.grad_input(_as(g3, cd)).view(BH, g, Dh)
         cq = pos.load(b["cq"]).view(BH, g, Dh)
         dcq = self._attention_backward(i, "m", pos, cq, dc, pos.out_ring(b["dcq"]))
         dcq = pos.keep_ring(b["dcq"], dcq.view(B, h * Dh))
@@ -493,15 +507,15 @@ class FusedRun:
         g2 = pos.keep_ring(b["g2"], rms_backward(da2, pos.load_t(b["a2"]), pos.load_t(b["r2"]), nc, g3,
                                                  out=pos.out_ring(b["g2"])))
         # self-attention: x2 = x1 + o(attend(q, K/V of [0, t]))
-        do1 = w.o.grad_input(g2.to(cd)).view(BH, g, Dh)
+        do1 = w.o.grad_input(_as(g2, cd)).view(BH, g, Dh)
         qk = pos.load(b["qk"]).view(B, h + h_kv, Dh)
         dq = self._attention_backward(i, "s", pos, qk[:, :h].reshape(BH, g, Dh), do1, None)
         dk_t, dv_t = pos.kv_grad(self.gkt4[i], self.gv4[i])  # complete: every later position has added its part
-        dqk = torch.cat([dq.view(B, h, Dh), dk_t.to(cd)], dim=1)  # (B, h + h_kv, Dh)
+        dqk = torch.cat([dq.view(B, h, Dh), _as(dk_t, cd)], dim=1)  # (B, h + h_kv, Dh)
         dqkv = pos.out_ring(b["dqkv"])
         if dqkv is None:
             dqkv = pos.keep_ring(b["dqkv"], torch.cat([rope(dqk, pos.cos, pos.sin_bwd).view(B, -1),
-                                                       dv_t.to(cd).reshape(B, -1)], dim=1))
+                                                       _as(dv_t, cd).reshape(B, -1)], dim=1))
         else:
             rope(dqk, pos.cos, pos.sin_bwd, out=dqkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh))
             dqkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh).copy_(dv_t)
@@ -525,7 +539,7 @@ class FusedRun:
         probs, grad_s, grad_q = attention_grads(q, keys_t, values, grad_out, mask,
                                                 out=None if out is None else out.view(q.shape))
         acc = gk.dtype
-        qa, ga = q.to(acc), grad_out.to(acc)
+        qa, ga = _as(q, acc), _as(grad_out, acc)
         if pos.static:  # every key, masked ones with zero probability and score gradient
             gk.baddbmm_(qa.transpose(1, 2), grad_s)
             gv.baddbmm_(probs.transpose(1, 2), ga)
@@ -534,14 +548,19 @@ class FusedRun:
         c0 = pos.t - pos.t % self.kv_chunk  # the K/V chunk's first position
         lo = c0 if kind == "s" else n  # keys added directly: [c0, n) for self, none for the memory
         if n > lo:
-            gk[:, :, lo:n].add_(torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
-            gv[:, lo:n].add_(torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
+            if g == 1:  # one query row per key/value head: a rank-1 update, one kernel (no GEMM + add)
+                gk[:, :, lo:n].addcmul_(qa.transpose(1, 2), grad_s[:, :, lo:n])  # (B h_kv, Dh, 1) x (B h_kv, 1, n)
+                gv[:, lo:n].addcmul_(probs[:, :, lo:n].transpose(1, 2), ga)  # (B h_kv, n, 1) x (B h_kv, 1, Dh)
+            else:
+                gk[:, :, lo:n].add_(torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
+                gv[:, lo:n].add_(torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
         if lo > 0:  # the rest: this position's rows, for the chunk's GEMM
             r = (pos.t - c0) * g
-            self.tensors[f"q{kind}{i}"][:, r:r + g].copy_(qa)
-            self.tensors[f"do{kind}{i}"][:, r:r + g].copy_(ga)
-            self.tensors[f"p{kind}{i}"][:, r:r + g, :lo].copy_(probs[:, :, :lo])
-            self.tensors[f"ds{kind}{i}"][:, r:r + g, :lo].copy_(grad_s[:, :, :lo])
+            rq, rdo, rp, rds = self.kv_rows[kind, i]
+            rq[:, r:r + g].copy_(qa)
+            rdo[:, r:r + g].copy_(ga)
+            rp[:, r:r + g, :lo].copy_(probs[:, :, :lo])
+            rds[:, r:r + g, :lo].copy_(grad_s[:, :, :lo])
         return grad_q
 
     # ------------------------------------------------------------------ deferred gradients
@@ -555,8 +574,8 @@ class FusedRun:
                 n = min(n, gk.shape[-1])
                 if n == 0:
                     continue
-                q, do = self.tensors[f"q{kind}{i}"][:, :rows], self.tensors[f"do{kind}{i}"][:, :rows]
-                p, ds = self.tensors[f"p{kind}{i}"][:, :rows, :n], self.tensors[f"ds{kind}{i}"][:, :rows, :n]
+                rq, rdo, rp, rds = self.kv_rows[kind, i]
+                q, do, p, ds = rq[:, :rows], rdo[:, :rows], rp[:, :rows, :n], rds[:, :rows, :n]
                 gk[:, :, :n].add_(torch.bmm(q.transpose(1, 2), ds))  # (B h_kv, Dh, n)
                 gv[:, :n].add_(torch.bmm(p.transpose(1, 2), do))  # (B h_kv, n, Dh)
                 p.zero_()  # rows of a later chunk (fewer visible memory slots) must not see these

@@ -133,23 +133,24 @@ def fused_buffers(model, B: int, T: int) -> dict[str, int]:
     """The buffers of the fused run one training step of ``model`` builds (captured by a spy)."""
     from rlt_mega.model import fused_run
 
-    seen = {}
+    seen = []
     original = fused_run.FusedRun.__init__
 
     def spy(self, *a, **kw):
         original(self, *a, **kw)
         if self.grads is not None:
-            seen["run"] = {**self.buffer_bytes(),
-                           "accumulators": sum(a.numel() * a.element_size() for a in self.grads.acc.values())}
+            seen.append(self)
 
     fused_run.FusedRun.__init__ = spy
     try:
         x = torch.randint(0, model.cfg.vocab_size, (B, T))
         model(x).sum().backward()
+        run = seen[-1]  # its accumulators exist once the backward has run
+        sizes = {**run.buffer_bytes(), "accumulators": sum(a.numel() * a.element_size() for a in run.grads.acc.values())}
         model.zero_grad(set_to_none=True)
     finally:
         fused_run.FusedRun.__init__ = original
-    return seen["run"]
+    return sizes
 
 
 def matmul_peak(clock, n: int = 2048, repeats: int = 5) -> float:
