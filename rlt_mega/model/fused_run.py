@@ -45,7 +45,8 @@ Checkpointing. The forward always keeps, per layer and position, the normalised 
 three norms with their 1/rms and the two attention outputs (3d + 2 h Dh + 3 values per row); the
 rest of what the backward reads (RoPE'd q/k, the cross query, gate/up, the SwiGLU product: the
 "slot tensors") is kept too in mode "save" (slots = capacity), and in a checkpointed run (mode
-"checkpoint", ``checkpoint_slots`` slots) recomputed from the kept tensors just before each
+"checkpoint": one slot each, but the SwiGLU product's ``checkpoint_slots``, since its chunk's
+weight-gradient flush reads it) recomputed from the kept tensors just before each
 position's backward (mode "recompute"): three products, RoPE and SwiGLU, with no norm, no
 attention and no residual product, and nothing from any other position, so no segment of
 positions has to be replayed (in this path "step" and "every_k" are one mode). The choice:
@@ -114,7 +115,8 @@ def wgrad_positions(batch: int, capacity: int) -> int:
 def checkpoint_slots(batch: int, capacity: int) -> int:
     """Activation slots of a checkpointed run: each position's slot tensors are recomputed just
     before its backward, and the one read later (the down product's input, at its chunk's
-    weight-gradient flush) must live until then: one chunk."""
+    weight-gradient flush) must live until then: one chunk. The others (RoPE'd q/k, the cross
+    query, gate/up: ``_ONE_SLOT``) are read by the position's own backward only: one slot."""
     return wgrad_positions(batch, capacity)
 
 
@@ -203,6 +205,7 @@ class WeightGrads:
 # ------------------------------------------------------------------------------------------
 
 _SAVED = ("qk", "cq", "gu", "f")  # per layer and activation slot: recomputed when checkpointed
+_ONE_SLOT = ("qk", "cq", "gu")  # (checkpointed) read by the position's own backward only
 # per layer and position, kept in every mode (see "Checkpointing"): the normalised inputs of the
 # three norms with their 1/rms, and the two attention outputs
 _POSITIONAL = ("a1", "r1", "a2", "r2", "a3", "r3", "o1", "c")
@@ -247,7 +250,8 @@ class FusedRun:
 
         for i in spec.layers:
             for n in _SAVED:
-                add(f"{n}{i}", "saved", (self.slots, B, widths[n]), dtypes.get(n, cd))
+                rows = 1 if (slots is not None and n in _ONE_SLOT) else self.slots
+                add(f"{n}{i}", "saved", (rows, B, widths[n]), dtypes.get(n, cd))
             for n in _POSITIONAL:  # (a run without backward keeps none)
                 add(f"{n}{i}", "saved", (capacity if grad else 1, B, widths[n]), dtypes.get(n, cd))
             # decoder K/V, keys transposed as in the sampler: (B, h_kv, Dh, cap), (B, h_kv, cap, Dh)

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-_ALIGN = 64  # bytes: every buffer of a slab starts on a cache line
+SLAB_ALIGN = 64  # bytes: every buffer of a slab starts on a cache line
 
 
 class Workspace:
@@ -78,8 +78,8 @@ class Slab:
             for s in shape:
                 n *= s
             offsets.append(total)
-            total += (n * torch.empty((), dtype=dtype).element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-        slab = WORKSPACE.take(max(total, _ALIGN), self.device)
+            total += (n * torch.empty((), dtype=dtype).element_size() + SLAB_ALIGN - 1) // SLAB_ALIGN * SLAB_ALIGN
+        slab = WORKSPACE.take(max(total, SLAB_ALIGN), self.device)
         weakref.finalize(owner, WORKSPACE.give, slab)
         for (name, shape, dtype, zero), off in zip(self._specs, offsets):
             size = torch.empty((), dtype=dtype).element_size()
@@ -116,17 +116,24 @@ class EagerPosition:
         self.cos, self.sin_fwd, self.sin_bwd = cos[t], sin_fwd[t], sin_bwd[t]
         self.self_mask = self.mem_mask = None
 
+    def _slot(self, buf: torch.Tensor) -> int:
+        """This position's slot of a slot buffer: a buffer of one slot (a tensor read only by
+        this position's own backward, in a checkpointed run) has slot 0."""
+        return self.slot if buf.shape[0] > 1 else 0
+
     def out(self, buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Where to compute a saved tensor: its slot (None: not saved)."""
-        return None if buf is None else buf[self.slot]
+        return None if buf is None else buf[self._slot(buf)]
 
     def out_ring(self, buf: torch.Tensor) -> torch.Tensor:
         return buf[self.ring]
 
     def keep(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
         """value, kept in its slot of ``buf`` (a no-op when computed there or not saved)."""
-        if buf is not None and value.data_ptr() != _slot_ptr(buf, self.slot):
-            buf[self.slot].copy_(value)
+        if buf is not None:
+            slot = self._slot(buf)
+            if value.data_ptr() != _slot_ptr(buf, slot):
+                buf[slot].copy_(value)
         return value
 
     def keep_ring(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -135,7 +142,7 @@ class EagerPosition:
         return value
 
     def load(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf[self.slot]
+        return buf[self._slot(buf)]
 
     def out_t(self, buf: torch.Tensor) -> torch.Tensor:  # the position-indexed buffers
         return buf[self.t]
@@ -194,6 +201,7 @@ class StaticPosition:
         t = self.t
         self.t1 = t.view(1)
         self.slot = torch.remainder(t, self.slots_n).view(1)
+        self.slot0 = torch.zeros(1, dtype=torch.long, device=t.device)  # the slot of a one-slot buffer
         self.ring = torch.remainder(t, self.ring_n).view(1)
         cos, sin_fwd, sin_bwd = self.tables
         self.cos = cos.index_select(0, self.t1)  # (1, Dh)
@@ -209,9 +217,12 @@ class StaticPosition:
     def out_ring(self, buf: torch.Tensor) -> None:
         return None
 
+    def _slot(self, buf: torch.Tensor) -> torch.Tensor:
+        return self.slot if buf.shape[0] > 1 else self.slot0
+
     def keep(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
         if buf is not None:
-            buf.index_copy_(0, self.slot, value.unsqueeze(0))
+            buf.index_copy_(0, self._slot(buf), value.unsqueeze(0))
         return value
 
     def keep_ring(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -219,7 +230,7 @@ class StaticPosition:
         return value
 
     def load(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf.index_select(0, self.slot).squeeze(0)
+        return buf.index_select(0, self._slot(buf)).squeeze(0)
 
     def out_t(self, buf: torch.Tensor) -> None:
         return None
