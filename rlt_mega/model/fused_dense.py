@@ -110,12 +110,14 @@ class FusedDecode(torch.autograd.Function):
             gy = gz[t] if carry is None else gz[t] + carry
             carry = run.backward(t, gy)
         mem_grads = [g for pair in run.memory_grads() for g in pair]
+        input_grads = run.input_grads()
+        run.release_scratch()  # the rings and K/V gradients: not through the encoder's backward
         weight_grads = run.grads.grads()
         # The run lives as long as the graph (until the loss is dropped: after the encoder's
         # backward and the optimizer step); the accumulators (a copy of the decoder's weights)
         # need not: from here on only autograd holds them, and frees each once it is consumed.
         run.grads = WeightGrads(plan.spec, ctx.weights, allocate=False)
-        return (None, run.input_grads(), carry, *mem_grads, *weight_grads)
+        return (None, input_grads, carry, *mem_grads, *weight_grads)
 
 
 def _run_forward(run: FusedRun, e: torch.Tensor, z: torch.Tensor, mode: str) -> torch.Tensor:

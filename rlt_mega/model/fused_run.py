@@ -241,12 +241,15 @@ class FusedRun:
                   "c": h * Dh, "a3": d, "r3": 1, "gu": 2 * ffn, "f": ffn,
                   "dqkv": (h + 2 * h_kv) * Dh, "g2": d, "dcq": h * Dh, "g3": d, "dgu": 2 * ffn, "g4": d}
         dtypes = {"r1": st, "r2": st, "r3": st, "g2": sd, "g3": sd, "g4": sd}
-        slab = Slab(stack.device)
+        # the forward's buffers (what the backward reads), and the backward's own scratch (the
+        # rings, K/V gradients and rows, the embeddings' gradient): see "Memory"
+        slab, scratch = Slab(stack.device), Slab(stack.device)
         self._purpose: dict[str, str] = {}
 
-        def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
+        def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False,
+                backward: bool = False) -> None:
             self._purpose[name] = purpose
-            slab.add(name, shape, dtype, zero)
+            (scratch if backward else slab).add(name, shape, dtype, zero)
 
         for i in spec.layers:
             for n in _SAVED:
@@ -261,26 +264,27 @@ class FusedRun:
             add(f"mv{i}", "kv", (BH, S, Dh), cd)
             if grad:
                 for n in _RING:
-                    add(f"{n}{i}", "wgrad_ring", (self.chunk, B, widths[n]), dtypes.get(n, cd))
-                add(f"gkt{i}", "kv", (B, h_kv, Dh, capacity), st, zero=True)
-                add(f"gv{i}", "kv", (B, h_kv, capacity, Dh), st, zero=True)
-                add(f"gmkt{i}", "kv", (BH, Dh, S), st, zero=True)
-                add(f"gmv{i}", "kv", (BH, S, Dh), st, zero=True)
+                    add(f"{n}{i}", "wgrad_ring", (self.chunk, B, widths[n]), dtypes.get(n, cd), backward=True)
+                add(f"gkt{i}", "kv", (B, h_kv, Dh, capacity), st, zero=True, backward=True)
+                add(f"gv{i}", "kv", (B, h_kv, capacity, Dh), st, zero=True, backward=True)
+                add(f"gmkt{i}", "kv", (BH, Dh, S), st, zero=True, backward=True)
+                add(f"gmv{i}", "kv", (BH, S, Dh), st, zero=True, backward=True)
                 if not static:  # the chunk's stored rows for the deferred K/V gradients (batch-major)
                     W = self.kv_chunk
                     for kind, n_keys in (("s", capacity), ("m", S)):
-                        add(f"q{kind}{i}", "kv_rows", (BH, W * g, Dh), st)
-                        add(f"do{kind}{i}", "kv_rows", (BH, W * g, Dh), st)
-                        add(f"p{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True)
-                        add(f"ds{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True)
+                        add(f"q{kind}{i}", "kv_rows", (BH, W * g, Dh), st, backward=True)
+                        add(f"do{kind}{i}", "kv_rows", (BH, W * g, Dh), st, backward=True)
+                        add(f"p{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True, backward=True)
+                        add(f"ds{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True, backward=True)
         if spec.with_input:
             add("a0", "saved", (capacity if grad else 1, B, d), cd)
             add("r0", "saved", (capacity if grad else 1, B, 1), st)
             if grad:  # the gradient of u_t: recur's dY and the embedding's gradient
-                add("du", "input_grads", (capacity, B, d), sd)
+                add("du", "input_grads", (capacity, B, d), sd, backward=True)
+        self._sizes = {**slab.sizes(), **scratch.sizes()}
+        self._scratch_sizes = scratch.sizes()
         self.tensors = slab.allocate(self)
-        self.buf = {i: {n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL, *(_RING if grad else ()))}
-                    for i in spec.layers}
+        self.buf = {i: {n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL)} for i in spec.layers}
         self.kt4 = {i: self.tensors[f"kt{i}"] for i in spec.layers}
         self.v4 = {i: self.tensors[f"v{i}"] for i in spec.layers}
         self.kt = {i: self.kt4[i].view(BH, Dh, capacity) for i in spec.layers}
@@ -290,31 +294,64 @@ class FusedRun:
         self.load_memory(memory)
         if spec.with_input:
             self.a0, self.r0 = self.tensors["a0"], self.tensors["r0"]
-            self.du = self.tensors["du"] if grad else None
-        if grad:
-            self.gkt4 = {i: self.tensors[f"gkt{i}"] for i in spec.layers}
-            self.gv4 = {i: self.tensors[f"gv{i}"] for i in spec.layers}
-            self.gkt = {i: self.gkt4[i].view(BH, Dh, capacity) for i in spec.layers}
-            self.gv = {i: self.gv4[i].view(BH, capacity, Dh) for i in spec.layers}
-            self.gmkt = {i: self.tensors[f"gmkt{i}"] for i in spec.layers}
-            self.gmv = {i: self.tensors[f"gmv{i}"] for i in spec.layers}
-            if not static:  # (kind, layer) -> the stored rows q, do, p, ds of the deferred K/V gradients
-                self.kv_rows = {(kind, i): tuple(self.tensors[f"{n}{kind}{i}"] for n in ("q", "do", "p", "ds"))
-                                for kind in "sm" for i in spec.layers}
+        self._scratch = scratch if grad else None
+        self._scratch_names: tuple[str, ...] = ()
+        if grad and static:  # a captured step reads fixed addresses: the scratch lives as long as the run
+            self._bind_scratch()
         self.position = None
         if static:
             self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
                                            stack.sin_bwd, cd, stack.device)
 
     def buffer_bytes(self) -> dict[str, int]:
-        """This run's buffers by purpose, in bytes: what the backward keeps ("saved": the
-        activation slots and the attention outputs), what deferring costs ("wgrad_ring": the
-        products' output gradients; "kv_rows": the rows of the deferred K/V gradients), the K/V
-        with their gradients ("kv"), and the embeddings' gradient ("input_grads")."""
+        """This run's buffers by purpose, in bytes (the backward's scratch included, allocated
+        or not): what the backward keeps ("saved": the activation slots and the attention
+        outputs), what deferring costs ("wgrad_ring": the products' output gradients; "kv_rows":
+        the rows of the deferred K/V gradients), the K/V with their gradients ("kv"), and the
+        embeddings' gradient ("input_grads")."""
         out = dict.fromkeys(("saved", "wgrad_ring", "kv_rows", "kv", "input_grads"), 0)
-        for name, t in self.tensors.items():
-            out[self._purpose[name]] += t.numel() * t.element_size()
+        for name, nbytes in self._sizes.items():
+            out[self._purpose[name]] += nbytes
         return out
+
+    def scratch_bytes(self) -> int:
+        """Bytes of the backward's scratch (part of :meth:`buffer_bytes`): allocated by the first
+        backward, freed by :meth:`release_scratch`."""
+        return sum(self._scratch_sizes.values())
+
+    def _bind_scratch(self) -> None:
+        """Allocates the backward's scratch (zeroed where it accumulates) and binds its views."""
+        spec, B, Dh, cap = self.stack.spec, self.B, self.stack.spec.head_dim, self.capacity
+        BH = B * self.h_kv
+        tensors = self._scratch.allocate(self, pooled=False)
+        self._scratch_names = tuple(tensors)
+        self.tensors.update(tensors)
+        for i in spec.layers:
+            self.buf[i].update({n: tensors[f"{n}{i}"] for n in _RING})
+        self.du = tensors["du"] if spec.with_input else None
+        self.gkt4 = {i: tensors[f"gkt{i}"] for i in spec.layers}
+        self.gv4 = {i: tensors[f"gv{i}"] for i in spec.layers}
+        self.gkt = {i: self.gkt4[i].view(BH, Dh, cap) for i in spec.layers}
+        self.gv = {i: self.gv4[i].view(BH, cap, Dh) for i in spec.layers}
+        self.gmkt = {i: tensors[f"gmkt{i}"] for i in spec.layers}
+        self.gmv = {i: tensors[f"gmv{i}"] for i in spec.layers}
+        if not self.static:  # (kind, layer) -> the stored rows q, do, p, ds of the deferred K/V gradients
+            self.kv_rows = {(kind, i): tuple(tensors[f"{n}{kind}{i}"] for n in ("q", "do", "p", "ds"))
+                            for kind in "sm" for i in spec.layers}
+
+    def release_scratch(self) -> None:
+        """Frees the backward's scratch (after :meth:`memory_grads` and :meth:`input_grads`):
+        the rest of the step (the encoder's backward, the optimizer) runs without it. A later
+        backward through the same forward allocates it again."""
+        if not self._scratch_names or self.static:
+            return
+        for name in self._scratch_names:
+            del self.tensors[name]
+        for i in self.stack.spec.layers:
+            for n in _RING:
+                del self.buf[i][n]
+        self.du = self.gkt4 = self.gv4 = self.gkt = self.gv = self.gmkt = self.gmv = self.kv_rows = None
+        self._scratch_names = ()
 
     def load_memory(self, memory: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The memory K/V (B, h_kv, S, Dh) per layer, copied into the step's layout (once per batch)."""
@@ -338,6 +375,9 @@ class FusedRun:
     def reset_grads(self) -> None:
         """Zeroes the K/V gradient accumulators: each backward pass starts from zero (a second
         backward through the same forward gives the same gradients)."""
+        if not self._scratch_names:
+            self._bind_scratch()  # fresh: zeroed
+            return
         for i in self.stack.spec.layers:
             for buf in (self.gkt4[i], self.gv4[i], self.gmkt[i], self.gmv[i]):
                 buf.zero_()
@@ -448,6 +488,8 @@ class FusedRun:
         of x (B, d) in the stream dtype. Reads position t's saved tensors (a forward with
         save=True since its chunk was last flushed). Flushes the deferred gradients when t is
         the first position of a chunk."""
+        if not self._scratch_names:
+            self._bind_scratch()
         pos = self.at(t)
         gx = self.step_backward(pos, gy)
         if not self.static and t % self.kv_chunk == 0:

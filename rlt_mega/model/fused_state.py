@@ -71,7 +71,9 @@ class Slab:
     def add(self, name: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
         self._specs.append((name, tuple(shape), dtype, zero))
 
-    def allocate(self, owner: object) -> dict[str, torch.Tensor]:
+    def allocate(self, owner: object, pooled: bool = True) -> dict[str, torch.Tensor]:
+        """pooled=False: a fresh allocation, freed with the tensors (a slab that lives only part
+        of a step: held by the pool, its memory would stay taken for the rest of the step)."""
         offsets, total = [], 0
         for name, shape, dtype, _ in self._specs:
             n = 1
@@ -79,8 +81,11 @@ class Slab:
                 n *= s
             offsets.append(total)
             total += (n * torch.empty((), dtype=dtype).element_size() + SLAB_ALIGN - 1) // SLAB_ALIGN * SLAB_ALIGN
-        slab = WORKSPACE.take(max(total, SLAB_ALIGN), self.device)
-        weakref.finalize(owner, WORKSPACE.give, slab)
+        if pooled:
+            slab = WORKSPACE.take(max(total, SLAB_ALIGN), self.device)
+            weakref.finalize(owner, WORKSPACE.give, slab)
+        else:
+            slab = torch.empty(max(total, SLAB_ALIGN), dtype=torch.uint8, device=self.device)
         for (name, shape, dtype, zero), off in zip(self._specs, offsets):
             size = torch.empty((), dtype=dtype).element_size()
             n = 1
@@ -91,7 +96,18 @@ class Slab:
                 t.zero_()
             self.tensors[name] = t
         self.nbytes = total
-        return self.tensors
+        tensors, self.tensors = self.tensors, {}  # the caller's (a released slab must not stay referenced here)
+        return tensors
+
+    def sizes(self) -> dict[str, int]:
+        """Each declared buffer's bytes in the slab (aligned), allocated or not."""
+        out = {}
+        for name, shape, dtype, _ in self._specs:
+            n = torch.empty((), dtype=dtype).element_size()
+            for s in shape:
+                n *= s
+            out[name] = (n + SLAB_ALIGN - 1) // SLAB_ALIGN * SLAB_ALIGN
+        return out
 
 
 # ------------------------------------------------------------------------------------------

@@ -25,7 +25,9 @@ is the same arithmetic), and the stage holds a few copies of its decoder weights
 
 The slab and the fused weights belong to the graph: they live until the loss is dropped, through
 the encoder's backward and the optimizer step (the slab then goes back to the workspace pool,
-which keeps it for the next step: in a long run it is resident). tests/unit/test_costmodel.py
+which keeps it for the next step: in a long run it is resident). The part only the backward
+uses (rings, K/V gradients and rows, the embeddings' gradient: :func:`run_scratch_bytes`) is
+allocated at the decoder's backward and, in the dense schedule, freed at its end. tests/unit/test_costmodel.py
 checks the slab against FusedRun.buffer_bytes() exactly and the step's peak against MemTracker.
 """
 
@@ -55,7 +57,8 @@ def _checkpointed(layout: Layout) -> bool:
     return layout.checkpointing.decoder != "none"
 
 
-def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = True) -> dict[str, int]:
+def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = True,
+                     scratch: bool = False) -> dict[str, int]:
     """One micro-batch's slab by purpose, in bytes: FusedRun.buffer_bytes() of the run the dense
     schedule (or a pipeline stage) builds for B = micro_batch_size rows of T = seq_len positions."""
     B, T, a = layout.micro_batch_size, layout.seq_len, layout.act_bytes
@@ -66,7 +69,7 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
     W, Wkv = wgrad_positions(B, T), min(KV_CHUNK, T)
     slots = checkpoint_slots(B, T) if (grad and _checkpointed(layout)) else (T if grad else 1)
     per = T if grad else 1  # the per-position tensors (a run without backward keeps one)
-    out = dict.fromkeys(PURPOSES, 0)
+    out = dict.fromkeys((*PURPOSES, "kv_grads"), 0)
     for _ in range(n):
         one = 1 if (grad and _checkpointed(layout)) else slots  # qk, cq, gu: one slot when checkpointed
         for width, rows in (((h + h_kv) * Dh, one), (h * Dh, one), (2 * F, one), (F, slots)):  # qk cq gu f
@@ -77,14 +80,23 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
         if grad:
             for width in ((h + 2 * h_kv) * Dh, d, h * Dh, d, 2 * F, d):  # dqkv g2 dcq g3 dgu g4
                 out["wgrad_ring"] += _aligned(W * B * width * a)
-            out["kv"] += 2 * _aligned(B * h_kv * Dh * T * st) + 2 * _aligned(BH * Dh * S * st)
+            out["kv_grads"] += 2 * _aligned(B * h_kv * Dh * T * st) + 2 * _aligned(BH * Dh * S * st)
             for keys in (T, S):  # self, memory: q and do rows, p and ds rows
                 out["kv_rows"] += 2 * _aligned(BH * Wkv * g * Dh * st) + 2 * _aligned(BH * Wkv * g * keys * st)
     if stage == 0:  # the recurrence input: a0 and r0, and u's gradient
         out["saved"] += _aligned(per * B * d * a) + _aligned(per * B * st)
         if grad:
             out["input_grads"] += _aligned(T * B * d * a)
-    return out
+    kv_grads = out.pop("kv_grads")
+    out["kv"] += kv_grads
+    return out if not scratch else {"scratch": out["wgrad_ring"] + out["kv_rows"] + out["input_grads"] + kv_grads}
+
+
+def run_scratch_bytes(cfg: ModelConfig, layout: Layout, stage: int) -> int:
+    """The part of :func:`run_buffer_bytes` that only the backward uses (FusedRun.scratch_bytes():
+    the rings, the K/V gradients and rows, the embeddings' gradient). The dense schedule allocates
+    it at the decoder's backward and frees it at the end; a pipeline stage keeps it with the run."""
+    return run_buffer_bytes(cfg, layout, stage, scratch=True)["scratch"]
 
 
 def fused_weight_numels(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, int]:

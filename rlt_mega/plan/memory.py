@@ -49,7 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
-from rlt_mega.plan.fused_memory import fused_weight_bytes, fused_weight_numels, run_buffer_bytes
+from rlt_mega.plan.fused_memory import fused_weight_bytes, fused_weight_numels, run_buffer_bytes, run_scratch_bytes
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.params import rank_param_counts, rank_tensor_numels, stage_layers
 
@@ -121,7 +121,9 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
     seg = {"none": T, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
     if cfg.arch == "rlt" and cfg.fused_decoder:
         # the fused run's slab (K/V, memory K/V and their gradients included), per position
-        slab = sum(run_buffer_bytes(cfg, layout.replace(checkpointing=ck), stage).values())
+        # (its backward's scratch comes with the backward: estimate_memory)
+        here = layout.replace(checkpointing=ck)
+        slab = sum(run_buffer_bytes(cfg, here, stage).values()) - run_scratch_bytes(cfg, here, stage)
         return {
             "encoder": n * (a * d if ck.encoder else enc_block),
             "decoder": slab / (layout.micro_batch_size * T),
@@ -224,9 +226,12 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     retained = act["decoder_kv"] + dkv_grad  # live until the loss is dropped
     # The fused decoder: its slab (act["decoder"]) and its weight copies live until the loss is
     # dropped; the accumulators through the decoder's backward (plan/fused_memory.py).
-    held, accumulators = 0.0, 0.0
+    held, accumulators, scratch = 0.0, 0.0, 0.0
     if fused:
-        retained = act["decoder"]
+        # the backward's scratch, per position: freed at the end of the dense schedule's decoder
+        # backward; a pipeline stage's runs keep theirs
+        scratch = run_scratch_bytes(cfg, layout, stage) / tok
+        retained = act["decoder"] + (scratch if pp > 1 else 0.0)
         copies = fused_weight_bytes(cfg, layout, stage)
         held, accumulators = copies["weights"], copies["accumulators"]
     embed_grad_params = counts["embed"] if not cfg.tie_embeddings else 0
@@ -237,7 +242,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     phases = {}
     if last:  # log-softmax backward: its output, its gradient and the logits' gradient
         phases["head_backward"] = after_decoder + in_flight * tok * saved + tok * 2 * 4 * V
-    dec_extra = (dkv_grad + n * 2 * a * kv * (T + 1) / T + a * d * (first + last))
+    dec_extra = (dkv_grad + n * 2 * a * kv * (T + 1) / T + a * d * (first + last) + scratch)
     dec_transient = 4 * a * kv * (T + 1) / T  # one layer's K/V gradients + a full-size slice grad
     if fused:
         # At the end of the fused Function's backward: no decoder parameter has a gradient yet

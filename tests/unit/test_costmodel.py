@@ -18,7 +18,7 @@ from rlt_mega.model.fused_dense import build_stack
 from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
 from rlt_mega.model.fused_state import WORKSPACE
 from rlt_mega.model.rlt import build_model
-from rlt_mega.plan.fused_memory import fused_weight_bytes, run_buffer_bytes
+from rlt_mega.plan.fused_memory import fused_weight_bytes, run_buffer_bytes, run_scratch_bytes
 from rlt_mega.plan.comm import bubble_fraction, comm_per_step, ring_ticks
 from rlt_mega.plan.costmodel import estimate, format_report
 from rlt_mega.plan.flops import flop_rows, sdpa_rows, summarize
@@ -341,6 +341,7 @@ def test_fused_run_buffers_equal_the_model(name, dtype, mode, pp, stage, monkeyp
     layout = Layout(seq_len=T, micro_batch_size=B, pp=pp, dtype=dtype, onednn_weights=True,
                     checkpointing=CheckpointingConfig(decoder=mode, decoder_k=3), **CPU)
     assert run_buffer_bytes(cfg, layout, stage) == run.buffer_bytes()
+    assert run_scratch_bytes(cfg, layout, stage) == run.scratch_bytes()
     copies = fused_weight_bytes(cfg, layout, stage)
     assert copies["accumulators"] == sum(a.numel() * a.element_size() for a in grads.acc.values())
     gemms = [getattr(g, n) for g in stack.layers.values() for n in ("qkv", "o", "cross_q", "cross_o", "gate_up",
