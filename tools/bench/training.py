@@ -121,7 +121,9 @@ def section_memory(args, clock) -> None:
               f"{times[path, label] / times[ref]:8.2f}")
     print("fused step's buffers (MiB) by checkpointing mode: saved = activation slots + attention outputs; "
           "wgrad_ring = the deferred weight gradients' output-gradient ring; kv_rows = the deferred K/V gradients' "
-          "rows; kv = decoder and memory K/V with their gradients; plus the fp32 weight-gradient accumulators")
+          "rows; kv = decoder and memory K/V with their gradients; backward scratch = the rings, K/V gradients and "
+          "rows, allocated by the decoder's backward and freed at its end; plus fp32 weight-gradient accumulators "
+          "(a copy of the decoder's weights) during the decoder's backward")
     model = runs["fused"][0]
     for label in args.modes:
         model.set_checkpointing(CheckpointingConfig(**MODES[label]))
@@ -145,8 +147,8 @@ def fused_buffers(model, B: int, T: int) -> dict[str, int]:
     try:
         x = torch.randint(0, model.cfg.vocab_size, (B, T))
         model(x).sum().backward()
-        run = seen[-1]  # its accumulators exist once the backward has run
-        sizes = {**run.buffer_bytes(), "accumulators": sum(a.numel() * a.element_size() for a in run.grads.acc.values())}
+        run = seen[-1]  # the training run (an evaluation forward builds none with grads)
+        sizes = {**run.buffer_bytes(), "of which backward scratch": run.scratch_bytes()}
         model.zero_grad(set_to_none=True)
     finally:
         fused_run.FusedRun.__init__ = original
