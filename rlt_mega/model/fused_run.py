@@ -58,6 +58,16 @@ a third of what "save" keeps at small_cpu's sizes (d=256, F=704: 1283 of 4035 va
 layer), next to the K/V and their gradients that every mode holds. The recomputation repeats the
 forward's operations on the same values, so the gradients are the same in every mode, bit for bit.
 
+Memory. A run's buffers come in two slabs: the forward's (what the backward reads: the kept
+tensors above and the K/V), taken from the workspace pool (model/fused_state.py) and alive as
+long as the graph, and the backward's scratch (the weight-gradient rings, the K/V gradients and
+the deferred K/V rows, the embeddings' gradient: ``scratch_bytes()``), allocated by the first
+backward and freed by ``release_scratch()``, which the dense schedule calls once its backward has
+returned everything: the encoder's backward and the optimizer step run without it (a second
+backward through the same graph allocates it again). The weight-gradient accumulators are the
+backward's too; it hands them to autograd and keeps no reference. plan/fused_memory.py models
+all of it for ``rlt-mega plan``.
+
 The capture-ready step (``static=True``). Nothing in a position's computation depends on t
 through a shape or a Python value: t is a device tensor, K/V and saved tensors are written with
 ``index_copy_`` and read with ``index_select``, RoPE rows are looked up by index, both attentions
@@ -242,7 +252,7 @@ class FusedRun:
                   "dqkv": (h + 2 * h_kv) * Dh, "g2": d, "dcq": h * Dh, "g3": d, "dgu": 2 * ffn, "g4": d}
         dtypes = {"r1": st, "r2": st, "r3": st, "g2": sd, "g3": sd, "g4": sd}
         # the forward's buffers (what the backward reads), and the backward's own scratch (the
-        # rings, K/V gradients and rows, the embeddings' gradient): see "Memory"
+        # rings, K/V gradients and rows, the embeddings' gradient): see "Memory" above
         slab, scratch = Slab(stack.device), Slab(stack.device)
         self._purpose: dict[str, str] = {}
 
