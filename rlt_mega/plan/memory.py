@@ -238,10 +238,13 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     grads_in_backward = (psi - embed_grad_params) * w  # shared weights: full, see docstring
     static = weights + master + moments + zero_buffers + rope_tables
     after_decoder = static + held  # every phase below comes after the decoder's forward
+    # a pipeline stage makes its round's accumulators at the round's start and hands them to the
+    # parameters at its end (parallel/stage.py): alive in every backward phase
+    round_acc = accumulators if pp > 1 else 0.0
 
     phases = {}
     if last:  # log-softmax backward: its output, its gradient and the logits' gradient
-        phases["head_backward"] = after_decoder + in_flight * tok * saved + tok * 2 * 4 * V
+        phases["head_backward"] = after_decoder + round_acc + in_flight * tok * saved + tok * 2 * 4 * V
     dec_extra = (dkv_grad + n * 2 * a * kv * (T + 1) / T + a * d * (first + last) + scratch)
     dec_transient = 4 * a * kv * (T + 1) / T  # one layer's K/V gradients + a full-size slice grad
     if fused:
@@ -262,7 +265,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     # By now the memory's backward has run: its saved tensors are gone; the gradients of the
     # embeddings and of the encoder output are alive.
     phases["encoder_backward"] = (
-        after_decoder + psi * w
+        after_decoder + round_acc + psi * w
         + in_flight * tok * (act["encoder"] + act["tokens"] + logits_kept + retained + 2 * a * d)
         + tok * (rec["encoder"] + enc_transient))
     # The optimizer step. ZeRO-0: the full gradients and foreach Adam's sqrt(v) temporary.
