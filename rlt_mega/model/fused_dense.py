@@ -90,8 +90,14 @@ class FusedDecode(torch.autograd.Function):
         memory = list(zip(mem_flat[0::2], mem_flat[1::2]))
         stack = build_stack(plan.model, plan.spec, weights, B, True, emb.dtype, plan.compute_dtype)
         slots = checkpoint_slots(B, T) if plan.checkpointed else None
+<<<<<<< HEAD
         run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights), slots=slots, static=plan.static,
                        rows=plan.rows)
+=======
+        # the accumulators are made by the backward (allocate=False: not alive until then)
+        run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights, allocate=False), slots=slots,
+                       static=plan.static)
+>>>>>>> issue11p
         e = emb.detach().transpose(0, 1).contiguous()  # (T, B, d): one contiguous row block per position
         zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if plan.checkpointed else "save")
         ctx.plan, ctx.run, ctx.T = plan, run, T
@@ -111,7 +117,14 @@ class FusedDecode(torch.autograd.Function):
             gy = gz[t] if carry is None else gz[t] + carry
             carry = run.backward(t, gy)
         mem_grads = [g for pair in run.memory_grads() for g in pair]
-        return (None, run.input_grads(), carry, *mem_grads, *run.grads.grads())
+        input_grads = run.input_grads()
+        run.release_scratch()  # the rings and K/V gradients: not through the encoder's backward
+        weight_grads = run.grads.grads()
+        # The run lives as long as the graph (until the loss is dropped: after the encoder's
+        # backward and the optimizer step); the accumulators (a copy of the decoder's weights)
+        # need not: from here on only autograd holds them, and frees each once it is consumed.
+        run.grads = WeightGrads(plan.spec, ctx.weights, allocate=False)
+        return (None, input_grads, carry, *mem_grads, *weight_grads)
 
 
 def _run_forward(run: FusedRun, e: torch.Tensor, z: torch.Tensor, mode: str) -> torch.Tensor:

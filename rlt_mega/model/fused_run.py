@@ -45,7 +45,8 @@ Checkpointing. The forward always keeps, per layer and position, the normalised 
 three norms with their 1/rms and the two attention outputs (3d + 2 h Dh + 3 values per row); the
 rest of what the backward reads (RoPE'd q/k, the cross query, gate/up, the SwiGLU product: the
 "slot tensors") is kept too in mode "save" (slots = capacity), and in a checkpointed run (mode
-"checkpoint", ``checkpoint_slots`` slots) recomputed from the kept tensors just before each
+"checkpoint": one slot each, but the SwiGLU product's ``checkpoint_slots``, since its chunk's
+weight-gradient flush reads it) recomputed from the kept tensors just before each
 position's backward (mode "recompute"): three products, RoPE and SwiGLU, with no norm, no
 attention and no residual product, and nothing from any other position, so no segment of
 positions has to be replayed (in this path "step" and "every_k" are one mode). The choice:
@@ -56,6 +57,16 @@ keeping the normalised inputs makes positions independent. What a checkpointed r
 a third of what "save" keeps at small_cpu's sizes (d=256, F=704: 1283 of 4035 values per row and
 layer), next to the K/V and their gradients that every mode holds. The recomputation repeats the
 forward's operations on the same values, so the gradients are the same in every mode, bit for bit.
+
+Memory. A run's buffers come in two slabs: the forward's (what the backward reads: the kept
+tensors above and the K/V), taken from the workspace pool (model/fused_state.py) and alive as
+long as the graph, and the backward's scratch (the weight-gradient rings, the K/V gradients and
+the deferred K/V rows, the embeddings' gradient: ``scratch_bytes()``), allocated by the first
+backward and freed by ``release_scratch()``, which the dense schedule calls once its backward has
+returned everything: the encoder's backward and the optimizer step run without it (a second
+backward through the same graph allocates it again). The weight-gradient accumulators are the
+backward's too; it hands them to autograd and keeps no reference. plan/fused_memory.py models
+all of it for ``rlt-mega plan``.
 
 The capture-ready step (``static=True``). Nothing in a position's computation depends on t
 through a shape or a Python value: t is a device tensor, K/V and saved tensors are written with
@@ -103,6 +114,11 @@ KV_CHUNK = 16
 AllReduce = Callable[[torch.Tensor], None]
 
 
+def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x in ``dtype``; without a dispatch when it already is (the per-position loop's common case)."""
+    return x if x.dtype == dtype else x.to(dtype)
+
+
 def wgrad_positions(batch: int, capacity: int) -> int:
     """W: positions per weight-gradient flush, a function of the batch size alone (capped at
     the capacity)."""
@@ -112,7 +128,8 @@ def wgrad_positions(batch: int, capacity: int) -> int:
 def checkpoint_slots(batch: int, capacity: int) -> int:
     """Activation slots of a checkpointed run: each position's slot tensors are recomputed just
     before its backward, and the one read later (the down product's input, at its chunk's
-    weight-gradient flush) must live until then: one chunk."""
+    weight-gradient flush) must live until then: one chunk. The others (RoPE'd q/k, the cross
+    query, gate/up: ``_ONE_SLOT``) are read by the position's own backward only: one slot."""
     return wgrad_positions(batch, capacity)
 
 
@@ -181,11 +198,16 @@ class FusedStack:
 
 class WeightGrads:
     """Accumulators of the fused weights' gradients (each tensor's shape and dtype, fp32 at
-    least), shared by every run of one backward (a pipeline round: all its micro-batches)."""
+    least), shared by every run of one backward (a pipeline round: all its micro-batches).
 
-    def __init__(self, spec: StackSpec, tensors: Sequence[torch.Tensor]) -> None:
+    allocate=False: none yet (a forward that only needs to know a backward will come: the
+    accumulators, a copy of the decoder's weights, are not kept alive through the rest of the
+    forward and are not zeroed twice)."""
+
+    def __init__(self, spec: StackSpec, tensors: Sequence[torch.Tensor], allocate: bool = True) -> None:
         self.spec = spec
-        self.acc = {key: torch.zeros(w.shape, dtype=w.dtype, device=w.device) for key, w in zip(spec.keys, tensors)}
+        self.acc = {key: torch.zeros(w.shape, dtype=w.dtype, device=w.device)
+                    for key, w in zip(spec.keys, tensors)} if allocate else {}
 
     def grads(self) -> list[torch.Tensor]:
         return [self.acc[key] for key in self.spec.keys]
@@ -196,10 +218,12 @@ class WeightGrads:
 # ------------------------------------------------------------------------------------------
 
 _SAVED = ("qk", "cq", "gu", "f")  # per layer and activation slot: recomputed when checkpointed
+_ONE_SLOT = ("qk", "cq", "gu")  # (checkpointed) read by the position's own backward only
 # per layer and position, kept in every mode (see "Checkpointing"): the normalised inputs of the
 # three norms with their 1/rms, and the two attention outputs
 _POSITIONAL = ("a1", "r1", "a2", "r2", "a3", "r3", "o1", "c")
 _RING = ("dqkv", "g2", "dcq", "g3", "dgu", "g4")  # per layer and ring slot: the products' dY
+_NOT_KEPT = dict.fromkeys((*_SAVED, *_POSITIONAL))  # (read only) a forward that keeps nothing of these
 
 
 class FusedRun:
@@ -237,17 +261,21 @@ class FusedRun:
                   "c": h * Dh, "a3": d, "r3": 1, "gu": 2 * ffn, "f": ffn,
                   "dqkv": (h + 2 * h_kv) * Dh, "g2": d, "dcq": h * Dh, "g3": d, "dgu": 2 * ffn, "g4": d}
         dtypes = {"r1": st, "r2": st, "r3": st, "g2": sd, "g3": sd, "g4": sd}
-        slab = Slab(stack.device)
+        # the forward's buffers (what the backward reads), and the backward's own scratch (the
+        # rings, K/V gradients and rows, the embeddings' gradient): see "Memory" above
+        slab, scratch = Slab(stack.device), Slab(stack.device)
         self._purpose: dict[str, str] = {}
 
-        def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
+        def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False,
+                backward: bool = False) -> None:
             # under a row plan the deferred K/V rows of the rows a position does not run stay 0
             self._purpose[name] = purpose
-            slab.add(name, shape, dtype, zero or (rows is not None and purpose == "kv_rows"))
+            (scratch if backward else slab).add(name, shape, dtype, zero or (rows is not None and purpose == "kv_rows"))
 
         for i in spec.layers:
             for n in _SAVED:
-                add(f"{n}{i}", "saved", (self.slots, B, widths[n]), dtypes.get(n, cd))
+                rows = 1 if (slots is not None and n in _ONE_SLOT) else self.slots
+                add(f"{n}{i}", "saved", (rows, B, widths[n]), dtypes.get(n, cd))
             for n in _POSITIONAL:  # (a run without backward keeps none)
                 add(f"{n}{i}", "saved", (capacity if grad else 1, B, widths[n]), dtypes.get(n, cd))
             # decoder K/V, keys transposed as in the sampler: (B, h_kv, Dh, cap), (B, h_kv, cap, Dh)
@@ -257,26 +285,27 @@ class FusedRun:
             add(f"mv{i}", "kv", (BH, S, Dh), cd)
             if grad:
                 for n in _RING:
-                    add(f"{n}{i}", "wgrad_ring", (self.chunk, B, widths[n]), dtypes.get(n, cd))
-                add(f"gkt{i}", "kv", (B, h_kv, Dh, capacity), st, zero=True)
-                add(f"gv{i}", "kv", (B, h_kv, capacity, Dh), st, zero=True)
-                add(f"gmkt{i}", "kv", (BH, Dh, S), st, zero=True)
-                add(f"gmv{i}", "kv", (BH, S, Dh), st, zero=True)
+                    add(f"{n}{i}", "wgrad_ring", (self.chunk, B, widths[n]), dtypes.get(n, cd), backward=True)
+                add(f"gkt{i}", "kv", (B, h_kv, Dh, capacity), st, zero=True, backward=True)
+                add(f"gv{i}", "kv", (B, h_kv, capacity, Dh), st, zero=True, backward=True)
+                add(f"gmkt{i}", "kv", (BH, Dh, S), st, zero=True, backward=True)
+                add(f"gmv{i}", "kv", (BH, S, Dh), st, zero=True, backward=True)
                 if not static:  # the chunk's stored rows for the deferred K/V gradients (batch-major)
                     W = self.kv_chunk
                     for kind, n_keys in (("s", capacity), ("m", S)):
-                        add(f"q{kind}{i}", "kv_rows", (BH, W * g, Dh), st)
-                        add(f"do{kind}{i}", "kv_rows", (BH, W * g, Dh), st)
-                        add(f"p{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True)
-                        add(f"ds{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True)
+                        add(f"q{kind}{i}", "kv_rows", (BH, W * g, Dh), st, backward=True)
+                        add(f"do{kind}{i}", "kv_rows", (BH, W * g, Dh), st, backward=True)
+                        add(f"p{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True, backward=True)
+                        add(f"ds{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True, backward=True)
         if spec.with_input:
             add("a0", "saved", (capacity if grad else 1, B, d), cd)
             add("r0", "saved", (capacity if grad else 1, B, 1), st)
             if grad:  # the gradient of u_t: recur's dY and the embedding's gradient
-                add("du", "input_grads", (capacity, B, d), sd)
+                add("du", "input_grads", (capacity, B, d), sd, backward=True)
+        self._sizes = {**slab.sizes(), **scratch.sizes()}
+        self._scratch_sizes = scratch.sizes()
         self.tensors = slab.allocate(self)
-        self.buf = {i: {n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL, *(_RING if grad else ()))}
-                    for i in spec.layers}
+        self.buf = {i: {n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL)} for i in spec.layers}
         self.kt4 = {i: self.tensors[f"kt{i}"] for i in spec.layers}
         self.v4 = {i: self.tensors[f"v{i}"] for i in spec.layers}
         self.kt = {i: self.kt4[i].view(BH, Dh, capacity) for i in spec.layers}
@@ -286,14 +315,10 @@ class FusedRun:
         self.load_memory(memory)
         if spec.with_input:
             self.a0, self.r0 = self.tensors["a0"], self.tensors["r0"]
-            self.du = self.tensors["du"] if grad else None
-        if grad:
-            self.gkt4 = {i: self.tensors[f"gkt{i}"] for i in spec.layers}
-            self.gv4 = {i: self.tensors[f"gv{i}"] for i in spec.layers}
-            self.gkt = {i: self.gkt4[i].view(BH, Dh, capacity) for i in spec.layers}
-            self.gv = {i: self.gv4[i].view(BH, capacity, Dh) for i in spec.layers}
-            self.gmkt = {i: self.tensors[f"gmkt{i}"] for i in spec.layers}
-            self.gmv = {i: self.tensors[f"gmv{i}"] for i in spec.layers}
+        self._scratch = scratch if grad else None
+        self._scratch_names: tuple[str, ...] = ()
+        if grad and static:  # a captured step reads fixed addresses: the scratch lives as long as the run
+            self._bind_scratch()
         self.position = None
         if static:
             self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
@@ -301,14 +326,54 @@ class FusedRun:
             self.position.n = batch  # the rows a position runs on: every row in the static form
 
     def buffer_bytes(self) -> dict[str, int]:
-        """This run's buffers by purpose, in bytes: what the backward keeps ("saved": the
-        activation slots and the attention outputs), what deferring costs ("wgrad_ring": the
-        products' output gradients; "kv_rows": the rows of the deferred K/V gradients), the K/V
-        with their gradients ("kv"), and the embeddings' gradient ("input_grads")."""
+        """This run's buffers by purpose, in bytes (the backward's scratch included, allocated
+        or not): what the backward keeps ("saved": the activation slots and the attention
+        outputs), what deferring costs ("wgrad_ring": the products' output gradients; "kv_rows":
+        the rows of the deferred K/V gradients), the K/V with their gradients ("kv"), and the
+        embeddings' gradient ("input_grads")."""
         out = dict.fromkeys(("saved", "wgrad_ring", "kv_rows", "kv", "input_grads"), 0)
-        for name, t in self.tensors.items():
-            out[self._purpose[name]] += t.numel() * t.element_size()
+        for name, nbytes in self._sizes.items():
+            out[self._purpose[name]] += nbytes
         return out
+
+    def scratch_bytes(self) -> int:
+        """Bytes of the backward's scratch (part of :meth:`buffer_bytes`): allocated by the first
+        backward, freed by :meth:`release_scratch`."""
+        return sum(self._scratch_sizes.values())
+
+    def _bind_scratch(self) -> None:
+        """Allocates the backward's scratch (zeroed where it accumulates) and binds its views."""
+        spec, B, Dh, cap = self.stack.spec, self.B, self.stack.spec.head_dim, self.capacity
+        BH = B * self.h_kv
+        tensors = self._scratch.allocate(self, pooled=False)
+        self._scratch_names = tuple(tensors)
+        self.tensors.update(tensors)
+        for i in spec.layers:
+            self.buf[i].update({n: tensors[f"{n}{i}"] for n in _RING})
+        self.du = tensors["du"] if spec.with_input else None
+        self.gkt4 = {i: tensors[f"gkt{i}"] for i in spec.layers}
+        self.gv4 = {i: tensors[f"gv{i}"] for i in spec.layers}
+        self.gkt = {i: self.gkt4[i].view(BH, Dh, cap) for i in spec.layers}
+        self.gv = {i: self.gv4[i].view(BH, cap, Dh) for i in spec.layers}
+        self.gmkt = {i: tensors[f"gmkt{i}"] for i in spec.layers}
+        self.gmv = {i: tensors[f"gmv{i}"] for i in spec.layers}
+        if not self.static:  # (kind, layer) -> the stored rows q, do, p, ds of the deferred K/V gradients
+            self.kv_rows = {(kind, i): tuple(tensors[f"{n}{kind}{i}"] for n in ("q", "do", "p", "ds"))
+                            for kind in "sm" for i in spec.layers}
+
+    def release_scratch(self) -> None:
+        """Frees the backward's scratch (after :meth:`memory_grads` and :meth:`input_grads`):
+        the rest of the step (the encoder's backward, the optimizer) runs without it. A later
+        backward through the same forward allocates it again."""
+        if not self._scratch_names or self.static:
+            return
+        for name in self._scratch_names:
+            del self.tensors[name]
+        for i in self.stack.spec.layers:
+            for n in _RING:
+                del self.buf[i][n]
+        self.du = self.gkt4 = self.gv4 = self.gkt = self.gv = self.gmkt = self.gmv = self.kv_rows = None
+        self._scratch_names = ()
 
     def load_memory(self, memory: Sequence[tuple[torch.Tensor, torch.Tensor]]) -> None:
         """The memory K/V (B, h_kv, S, Dh) per layer, copied into the step's layout (once per batch)."""
@@ -338,6 +403,9 @@ class FusedRun:
     def reset_grads(self) -> None:
         """Zeroes the K/V gradient accumulators: each backward pass starts from zero (a second
         backward through the same forward gives the same gradients)."""
+        if not self._scratch_names:
+            self._bind_scratch()  # fresh: zeroed
+            return
         for i in self.stack.spec.layers:
             for buf in (self.gkt4[i], self.gv4[i], self.gmkt[i], self.gmv[i]):
                 buf.zero_()
@@ -421,8 +489,8 @@ class FusedRun:
         w, B, Dh = self.stack.layers[i], pos.n, self.stack.spec.head_dim
         h, h_kv, g = self.h, self.h_kv, self.g
         keep = mode != "none"  # the per-position tensors
-        b = self.buf[i] if keep else dict.fromkeys(_POSITIONAL)
-        s = b if mode == "save" else dict.fromkeys(_SAVED)  # the slot tensors
+        b = self.buf[i] if keep else _NOT_KEPT
+        s = b if mode == "save" else _NOT_KEPT  # the slot tensors
         # self-attention over the decoder's K/V of positions [0, t]
         a1 = self._norm(x, pos, b["a1"], b["r1"])
         qk, v = self._qk(w, pos, a1, s["qk"])
@@ -479,6 +547,8 @@ class FusedRun:
         of x (B, d) in the stream dtype. Reads position t's saved tensors (a forward with
         save=True since its chunk was last flushed). Flushes the deferred gradients when t is
         the first position of a chunk."""
+        if not self._scratch_names:
+            self._bind_scratch()
         pos = self.at(t)
         step = None if self.row_plan is None else self.row_plan.step(t)
         if step is None:
@@ -532,7 +602,7 @@ class FusedRun:
                 return g if g.dtype == stack.stream_dtype else g.to(stack.stream_dtype)
             # the recurrence input: u = e + recur(a0), a0 = z_{t-1} / rms; du is e's gradient too
             pos.put(self.du, pos.t, g)
-            da0 = stack.recur.grad_input(g.to(stack.compute_dtype))
+            da0 = stack.recur.grad_input(_as(g, stack.compute_dtype))
             return rms_backward(da0, pos.load_t(self.a0), pos.load_t(self.r0), stack.norm, None).to(stack.stream_dtype)
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
@@ -548,7 +618,7 @@ class FusedRun:
         B, Dh, h, h_kv, g = pos.n, stack.spec.head_dim, self.h, self.h_kv, self.g
         BH, cd, nc = B * h_kv, stack.compute_dtype, stack.norm
         # MLP: x4 = x3 + down(silu(gate) * up), gate/up = gate_up(a3)
-        df = w.down.grad_input(g4.to(cd))  # (B, F)
+        df = w.down.grad_input(_as(g4, cd))  # (B, F)
         gu = pos.load(b["gu"])
         ffn = gu.shape[1] // 2
         gate, up = gu[:, :ffn], gu[:, ffn:]
@@ -562,7 +632,7 @@ class FusedRun:
         g3 = pos.keep_ring(b["g3"], rms_backward(da3, pos.load_t(b["a3"]), pos.load_t(b["r3"]), nc, g4,
                                                  out=pos.out_ring(b["g3"])))
         # cross-attention: x3 = x2 + cross_o(attend(cross_q(a2), memory))
-        dc = w.cross_o.grad_input(g3.to(cd)).view(BH, g, Dh)
+        dc = w.cross_o.grad_input(_as(g3, cd)).view(BH, g, Dh)
         cq = pos.load(b["cq"]).view(BH, g, Dh)
         dcq = self._attention_backward(i, "m", pos, cq, dc, pos.out_ring(b["dcq"]))
         dcq = pos.keep_ring(b["dcq"], dcq.view(B, h * Dh))
@@ -570,15 +640,15 @@ class FusedRun:
         g2 = pos.keep_ring(b["g2"], rms_backward(da2, pos.load_t(b["a2"]), pos.load_t(b["r2"]), nc, g3,
                                                  out=pos.out_ring(b["g2"])))
         # self-attention: x2 = x1 + o(attend(q, K/V of [0, t]))
-        do1 = w.o.grad_input(g2.to(cd)).view(BH, g, Dh)
+        do1 = w.o.grad_input(_as(g2, cd)).view(BH, g, Dh)
         qk = pos.load(b["qk"]).view(B, h + h_kv, Dh)
         dq = self._attention_backward(i, "s", pos, qk[:, :h].reshape(BH, g, Dh), do1, None)
         dk_t, dv_t = pos.kv_grad(self.gkt4[i], self.gv4[i])  # complete: every later position has added its part
-        dqk = torch.cat([dq.view(B, h, Dh), dk_t.to(cd)], dim=1)  # (B, h + h_kv, Dh)
+        dqk = torch.cat([dq.view(B, h, Dh), _as(dk_t, cd)], dim=1)  # (B, h + h_kv, Dh)
         dqkv = pos.out_ring(b["dqkv"])
         if dqkv is None:
             dqkv = pos.keep_ring(b["dqkv"], torch.cat([rope(dqk, pos.cos, pos.sin_bwd).view(B, -1),
-                                                       dv_t.to(cd).reshape(B, -1)], dim=1))
+                                                       _as(dv_t, cd).reshape(B, -1)], dim=1))
         else:
             rope(dqk, pos.cos, pos.sin_bwd, out=dqkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh))
             dqkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh).copy_(dv_t)
@@ -602,7 +672,7 @@ class FusedRun:
         probs, grad_s, grad_q = attention_grads(q, keys_t, values, grad_out, mask,
                                                 out=None if out is None else out.view(q.shape))
         acc = gk.dtype
-        qa, ga = q.to(acc), grad_out.to(acc)
+        qa, ga = _as(q, acc), _as(grad_out, acc)
         if pos.static:  # every key, masked ones with zero probability and score gradient
             gk.baddbmm_(qa.transpose(1, 2), grad_s)
             gv.baddbmm_(probs.transpose(1, 2), ga)
@@ -613,14 +683,19 @@ class FusedRun:
         if pos.idx is not None:  # rows by index (fused_rows.py): every key added directly
             lo = 0
         if n > lo:
-            pos.add_rows(gk[:, :, lo:n], torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
-            pos.add_rows(gv[:, lo:n], torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
+            if g == 1 and pos.idx is None:  # one query row per key/value head: a rank-1 update, one kernel
+                pos.batch_rows(gk)[:, :, lo:n].addcmul_(qa.transpose(1, 2), grad_s[:, :, lo:n])  # (B h_kv, Dh, 1) x (B h_kv, 1, n)
+                pos.batch_rows(gv)[:, lo:n].addcmul_(probs[:, :, lo:n].transpose(1, 2), ga)  # (B h_kv, n, 1) x (B h_kv, 1, Dh)
+            else:
+                pos.add_rows(gk[:, :, lo:n], torch.bmm(qa.transpose(1, 2), grad_s[:, :, lo:n]))
+                pos.add_rows(gv[:, lo:n], torch.bmm(probs[:, :, lo:n].transpose(1, 2), ga))
         if lo > 0:  # the rest: this position's rows, for the chunk's GEMM
             r, rows = (pos.t - c0) * g, q.shape[0]  # rows: the active rows' B h_kv (a prefix)
-            self.tensors[f"q{kind}{i}"][:rows, r:r + g].copy_(qa)
-            self.tensors[f"do{kind}{i}"][:rows, r:r + g].copy_(ga)
-            self.tensors[f"p{kind}{i}"][:rows, r:r + g, :lo].copy_(probs[:, :, :lo])
-            self.tensors[f"ds{kind}{i}"][:rows, r:r + g, :lo].copy_(grad_s[:, :, :lo])
+            rq, rdo, rp, rds = self.kv_rows[kind, i]
+            rq[:rows, r:r + g].copy_(qa)
+            rdo[:rows, r:r + g].copy_(ga)
+            rp[:rows, r:r + g, :lo].copy_(probs[:, :, :lo])
+            rds[:rows, r:r + g, :lo].copy_(grad_s[:, :, :lo])
         return grad_q
 
     # ------------------------------------------------------------------ deferred gradients
@@ -635,8 +710,8 @@ class FusedRun:
                 n = min(n, gk.shape[-1])
                 if n == 0 or bh == 0:
                     continue
-                q, do = self.tensors[f"q{kind}{i}"][:bh, :rows], self.tensors[f"do{kind}{i}"][:bh, :rows]
-                p, ds = self.tensors[f"p{kind}{i}"][:bh, :rows, :n], self.tensors[f"ds{kind}{i}"][:bh, :rows, :n]
+                rq, rdo, rp, rds = self.kv_rows[kind, i]
+                q, do, p, ds = rq[:bh, :rows], rdo[:bh, :rows], rp[:bh, :rows, :n], rds[:bh, :rows, :n]
                 gk[:bh, :, :n].add_(torch.bmm(q.transpose(1, 2), ds))  # (B h_kv, Dh, n)
                 gv[:bh, :n].add_(torch.bmm(p.transpose(1, 2), do))  # (B h_kv, n, Dh)
                 p.zero_()  # rows of a later chunk (fewer visible memory slots) must not see these

@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-_ALIGN = 64  # bytes: every buffer of a slab starts on a cache line
+SLAB_ALIGN = 64  # bytes: every buffer of a slab starts on a cache line
 
 
 class Workspace:
@@ -71,16 +71,21 @@ class Slab:
     def add(self, name: str, shape: tuple, dtype: torch.dtype, zero: bool = False) -> None:
         self._specs.append((name, tuple(shape), dtype, zero))
 
-    def allocate(self, owner: object) -> dict[str, torch.Tensor]:
+    def allocate(self, owner: object, pooled: bool = True) -> dict[str, torch.Tensor]:
+        """pooled=False: a fresh allocation, freed with the tensors (a slab that lives only part
+        of a step: held by the pool, its memory would stay taken for the rest of the step)."""
         offsets, total = [], 0
         for name, shape, dtype, _ in self._specs:
             n = 1
             for s in shape:
                 n *= s
             offsets.append(total)
-            total += (n * torch.empty((), dtype=dtype).element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-        slab = WORKSPACE.take(max(total, _ALIGN), self.device)
-        weakref.finalize(owner, WORKSPACE.give, slab)
+            total += (n * torch.empty((), dtype=dtype).element_size() + SLAB_ALIGN - 1) // SLAB_ALIGN * SLAB_ALIGN
+        if pooled:
+            slab = WORKSPACE.take(max(total, SLAB_ALIGN), self.device)
+            weakref.finalize(owner, WORKSPACE.give, slab)
+        else:
+            slab = torch.empty(max(total, SLAB_ALIGN), dtype=torch.uint8, device=self.device)
         for (name, shape, dtype, zero), off in zip(self._specs, offsets):
             size = torch.empty((), dtype=dtype).element_size()
             n = 1
@@ -91,7 +96,18 @@ class Slab:
                 t.zero_()
             self.tensors[name] = t
         self.nbytes = total
-        return self.tensors
+        tensors, self.tensors = self.tensors, {}  # the caller's (a released slab must not stay referenced here)
+        return tensors
+
+    def sizes(self) -> dict[str, int]:
+        """Each declared buffer's bytes in the slab (aligned), allocated or not."""
+        out = {}
+        for name, shape, dtype, _ in self._specs:
+            n = torch.empty((), dtype=dtype).element_size()
+            for s in shape:
+                n *= s
+            out[name] = (n + SLAB_ALIGN - 1) // SLAB_ALIGN * SLAB_ALIGN
+        return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -130,7 +146,7 @@ class EagerPosition:
         """A (B, ...) per-position tensor -> its active rows [:n]."""
         return x if self.full else x[:self.n]
 
-    def _batch_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def batch_rows(self, x: torch.Tensor) -> torch.Tensor:
         """A batch-major (B, ...) or (B h_kv, ...) tensor -> the active rows' (a view when they
         are a prefix, a gathered copy otherwise)."""
         if self.full:
@@ -149,17 +165,24 @@ class EagerPosition:
         per = acc.shape[0] // self.batch
         acc.view(self.batch, per, *acc.shape[1:]).index_add_(0, self.idx, value.view(self.n, per, *value.shape[1:]))
 
+    def _slot(self, buf: torch.Tensor) -> int:
+        """This position's slot of a slot buffer: a buffer of one slot (a tensor read only by
+        this position's own backward, in a checkpointed run) has slot 0."""
+        return self.slot if buf.shape[0] > 1 else 0
+
     def out(self, buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         """Where to compute a saved tensor: its slot (None: not saved)."""
-        return None if buf is None else self.rows(buf[self.slot])
+        return None if buf is None else self.rows(buf[self._slot(buf)])
 
     def out_ring(self, buf: torch.Tensor) -> torch.Tensor:
         return self.rows(buf[self.ring])
 
     def keep(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
         """value, kept in its slot of ``buf`` (a no-op when computed there or not saved)."""
-        if buf is not None and value.data_ptr() != _slot_ptr(buf, self.slot):
-            self.rows(buf[self.slot]).copy_(value)
+        if buf is not None:
+            slot = self._slot(buf)
+            if value.data_ptr() != _slot_ptr(buf, slot):
+                self.rows(buf[slot]).copy_(value)
         return value
 
     def keep_ring(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -168,7 +191,7 @@ class EagerPosition:
         return value
 
     def load(self, buf: torch.Tensor) -> torch.Tensor:
-        return self.rows(buf[self.slot])
+        return self.rows(buf[self._slot(buf)])
 
     def out_t(self, buf: torch.Tensor) -> torch.Tensor:  # the position-indexed buffers
         return self.rows(buf[self.t])
@@ -192,15 +215,15 @@ class EagerPosition:
 
     def self_keys(self, kt: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """kt (B h_kv, Dh, cap), v (B h_kv, cap, Dh) -> the keys and values attended to."""
-        return self._batch_rows(kt[:, :, :self.n_self]), self._batch_rows(v[:, :self.n_self])
+        return self.batch_rows(kt[:, :, :self.n_self]), self.batch_rows(v[:, :self.n_self])
 
     def mem_keys(self, kt: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._batch_rows(kt[:, :, :self.n_mem]), self._batch_rows(v[:, :self.n_mem])
+        return self.batch_rows(kt[:, :, :self.n_mem]), self.batch_rows(v[:, :self.n_mem])
 
     def kv_grad(self, gkt: torch.Tensor, gv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """This position's (complete) K/V gradients from the (B, h_kv, Dh, cap) and
         (B, h_kv, cap, Dh) accumulators: (n, h_kv, Dh) each."""
-        return self._batch_rows(gkt.select(3, self.t)), self._batch_rows(gv.select(2, self.t))
+        return self.batch_rows(gkt.select(3, self.t)), self.batch_rows(gv.select(2, self.t))
 
     def put(self, buf: torch.Tensor, index: int, value: torch.Tensor) -> None:
         """buf[index] <- value (the input gradient of the stack: a position-indexed buffer)."""
@@ -231,6 +254,7 @@ class StaticPosition:
         t = self.t
         self.t1 = t.view(1)
         self.slot = torch.remainder(t, self.slots_n).view(1)
+        self.slot0 = torch.zeros(1, dtype=torch.long, device=t.device)  # the slot of a one-slot buffer
         self.ring = torch.remainder(t, self.ring_n).view(1)
         cos, sin_fwd, sin_bwd = self.tables
         self.cos = cos.index_select(0, self.t1)  # (1, Dh)
@@ -246,9 +270,12 @@ class StaticPosition:
     def out_ring(self, buf: torch.Tensor) -> None:
         return None
 
+    def _slot(self, buf: torch.Tensor) -> torch.Tensor:
+        return self.slot if buf.shape[0] > 1 else self.slot0
+
     def keep(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
         if buf is not None:
-            buf.index_copy_(0, self.slot, value.unsqueeze(0))
+            buf.index_copy_(0, self._slot(buf), value.unsqueeze(0))
         return value
 
     def keep_ring(self, buf: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -256,7 +283,7 @@ class StaticPosition:
         return value
 
     def load(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf.index_select(0, self.slot).squeeze(0)
+        return buf.index_select(0, self._slot(buf)).squeeze(0)
 
     def out_t(self, buf: torch.Tensor) -> None:
         return None

@@ -37,6 +37,11 @@ each block application's input. The sampling caches are R * L self-attention K/V
 
 Checkpointing: the encoder keeps each block's input; the decoder keeps z at each segment
 boundary; the backward recomputes one encoder block or one decoder segment at a time.
+
+All of the above is the module path's decoder (``model.fused_decoder=false``). The fused
+decoder (the default) keeps none of its per-position tensors in autograd: its run's slab, its
+weight copies and its gradient accumulators replace the decoder, DecoderKV and memory K/V items
+(plan/fused_memory.py says what they hold and how long they live).
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
+from rlt_mega.plan.fused_memory import fused_weight_bytes, fused_weight_numels, run_buffer_bytes, run_scratch_bytes
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.params import rank_param_counts, rank_tensor_numels, stage_layers
 
@@ -113,6 +119,21 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
     dec_block = 3 * norm + 4 * a * q + 4 * h + 4 * a * f
     dec_input = norm if first else 0.0
     seg = {"none": T, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
+    if cfg.arch == "rlt" and cfg.fused_decoder:
+        # the fused run's slab (K/V, memory K/V and their gradients included), per position
+        # (its backward's scratch comes with the backward: estimate_memory)
+        here = layout.replace(checkpointing=ck)
+        slab = sum(run_buffer_bytes(cfg, here, stage).values()) - run_scratch_bytes(cfg, here, stage)
+        return {
+            "encoder": n * (a * d if ck.encoder else enc_block),
+            "decoder": slab / (layout.micro_batch_size * T),
+            # memory_norm (last stage) and the slots {null} + m that the K/V products save
+            "memory": (_norm(d, a, fused, output_saved=False) if last else 0.0) + a * d * (T + 1) / T,
+            "decoder_kv": 0.0,
+            "head": norm if last else 0.0,
+            "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
+            "tokens": 8 * (first + last),
+        }
     if cfg.arch != "rlt":
         apps = cfg.loops * n  # block applications per token
         ckpt = ck.encoder or ck.decoder != "none"
@@ -150,6 +171,8 @@ def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[st
     if cfg.arch != "rlt":
         ckpt = ck.encoder or ck.decoder != "none"
         return {"decoder": 0.0, "encoder": full["encoder"] / max(cfg.loops * n, 1) if ckpt else 0.0}
+    if cfg.fused_decoder:  # the fused decoder recomputes into its preallocated slab
+        seg = 0
     return {"decoder": full["decoder"] * seg / T,
             "encoder": full["encoder"] / max(n, 1) if ck.encoder else 0.0}
 
@@ -198,20 +221,42 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     act = {"decoder_kv": 0.0, **act}  # a baseline keeps no DecoderKV
     logits_kept = 4 * V if (last and layout.keep_logits) else 0.0
     logsoftmax = 4 * V if last else 0.0
-    dkv_grad = 0.0 if baseline else n * 2 * 4 * kv
+    fused = not baseline and cfg.fused_decoder
+    dkv_grad = 0.0 if (baseline or fused) else n * 2 * 4 * kv  # (the fused run's are in its slab)
     retained = act["decoder_kv"] + dkv_grad  # live until the loss is dropped
+    # The fused decoder: its slab (act["decoder"]) and its weight copies live until the loss is
+    # dropped; the accumulators through the decoder's backward (plan/fused_memory.py).
+    held, accumulators, scratch = 0.0, 0.0, 0.0
+    if fused:
+        # the backward's scratch, per position: freed at the end of the dense schedule's decoder
+        # backward; a pipeline stage's runs keep theirs
+        scratch = run_scratch_bytes(cfg, layout, stage) / tok
+        retained = act["decoder"] + (scratch if pp > 1 else 0.0)
+        copies = fused_weight_bytes(cfg, layout, stage)
+        held, accumulators = copies["weights"], copies["accumulators"]
     embed_grad_params = counts["embed"] if not cfg.tie_embeddings else 0
     grads_in_backward = (psi - embed_grad_params) * w  # shared weights: full, see docstring
     static = weights + master + moments + zero_buffers + rope_tables
+    after_decoder = static + held  # every phase below comes after the decoder's forward
+    # a pipeline stage makes its round's accumulators at the round's start and hands them to the
+    # parameters at its end (parallel/stage.py): alive in every backward phase
+    round_acc = accumulators if pp > 1 else 0.0
 
     phases = {}
     if last:  # log-softmax backward: its output, its gradient and the logits' gradient
-        phases["head_backward"] = static + in_flight * tok * saved + tok * 2 * 4 * V
-    dec_extra = (dkv_grad + n * 2 * a * kv * (T + 1) / T + a * d * (first + last))
+        phases["head_backward"] = after_decoder + round_acc + in_flight * tok * saved + tok * 2 * 4 * V
+    dec_extra = (dkv_grad + n * 2 * a * kv * (T + 1) / T + a * d * (first + last) + scratch)
     dec_transient = 4 * a * kv * (T + 1) / T  # one layer's K/V gradients + a full-size slice grad
+    if fused:
+        # At the end of the fused Function's backward: no decoder parameter has a gradient yet
+        # (the accumulators stand in for them); the head's have. Its own working buffers are in
+        # the slab; the fold's backward then forms one weight-sized product at a time.
+        tied = counts["embed"] if cfg.tie_embeddings else 0
+        grads_in_backward = (counts["lm_head"] + counts["final_norm"] + tied) * w
+        dec_transient = 4 * max(fused_weight_numels(cfg, layout, stage).values()) / tok
     if not baseline:  # the baselines have no decoder
         phases["decoder_backward"] = (
-            static + grads_in_backward
+            after_decoder + accumulators + grads_in_backward
             + in_flight * tok * (saved - act["head"] - logsoftmax + dec_extra)
             + tok * (rec["decoder"] + dec_transient))
     # One block's backward working set: the incoming gradient and, in the SwiGLU backward,
@@ -220,7 +265,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     # By now the memory's backward has run: its saved tensors are gone; the gradients of the
     # embeddings and of the encoder output are alive.
     phases["encoder_backward"] = (
-        static + psi * w
+        after_decoder + round_acc + psi * w
         + in_flight * tok * (act["encoder"] + act["tokens"] + logits_kept + retained + 2 * a * d)
         + tok * (rec["encoder"] + enc_transient))
     # The optimizer step. ZeRO-0: the full gradients and foreach Adam's sqrt(v) temporary.
@@ -234,7 +279,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
         step_extra = psi * w + part * w
     else:
         step_extra = part * w + 8 * part
-    phases["optimizer_step"] = static + step_extra + in_flight * tok * (retained + logits_kept)
+    phases["optimizer_step"] = after_decoder + step_extra + in_flight * tok * (retained + logits_kept)
 
     rollout = rollout_memory(cfg, layout, stage)
     rollout["total"] = static + rollout["kv_caches"]  # GRPO is colocated: training state stays

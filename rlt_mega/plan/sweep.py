@@ -335,7 +335,7 @@ def flops_per_token(cfg: Config) -> float:
 
 def predicted_peak_bytes(cfg: Config, device: str = "cpu") -> float:
     on_cpu = device == "cpu"
-    layout = Layout.from_config(cfg, fused_rms_norm=not on_cpu, foreach_optimizer=not on_cpu)
+    layout = Layout.from_config(cfg, fused_rms_norm=not on_cpu, foreach_optimizer=not on_cpu, onednn_weights=on_cpu)
     return max(estimate_memory(cfg.model, layout, s).peak for s in range(layout.pp))
 
 

@@ -13,7 +13,12 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
+from rlt_mega.model import fused as fused_kernels
+from rlt_mega.model.fused_dense import build_stack
+from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
+from rlt_mega.model.fused_state import WORKSPACE
 from rlt_mega.model.rlt import build_model
+from rlt_mega.plan.fused_memory import fused_weight_bytes, run_buffer_bytes, run_scratch_bytes
 from rlt_mega.plan.comm import bubble_fraction, comm_per_step, ring_ticks
 from rlt_mega.plan.costmodel import estimate, format_report
 from rlt_mega.plan.flops import flop_rows, sdpa_rows, summarize
@@ -217,6 +222,15 @@ def _batch(cfg, B, T):
             torch.randint(0, cfg.vocab_size, (B, T), generator=gen))
 
 
+def _fresh_workspace(step):
+    """step, with the fused decoder's workspace pool emptied first: a run's slab then counts as
+    this step's memory (from the pool it would be an allocation MemTracker never saw)."""
+    def run():
+        WORKSPACE.clear()
+        return step()
+    return run
+
+
 def _measure_engine_step(cfg, B, T, ck):
     """The trainer's own step (LocalEngine.train_step: loss, backward, clipping, AdamW)."""
     from rlt_mega.config import OptimConfig
@@ -228,7 +242,8 @@ def _measure_engine_step(cfg, B, T, ck):
                          EngineConfig(total_steps=10, micro_batch_size=B, grad_accum=1, dtype="fp32", checkpointing=ck))
     inputs, targets = _batch(cfg, B, T)
     mb = {"inputs": inputs, "targets": targets}
-    return peak_step_memory(lambda: engine.train_step([mb]), model, engine.optimizer, inputs, targets)["Total"]
+    step = _fresh_workspace(lambda: engine.train_step([mb]))
+    return peak_step_memory(step, model, engine.optimizer, inputs, targets)["Total"]
 
 
 def _measure_forward_backward_bf16(cfg, B, T, ck):
@@ -240,7 +255,7 @@ def _measure_forward_backward_bf16(cfg, B, T, ck):
         F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
         for p in model.parameters():
             p.grad = None
-    return peak_step_memory(step, model, inputs, targets)["Total"]
+    return peak_step_memory(_fresh_workspace(step), model, inputs, targets)["Total"]
 
 
 # On CPU: RMSNorm decomposed (not the fused CUDA kernel) and the for-loop AdamW.
@@ -274,6 +289,80 @@ def test_peak_forward_backward_memory_bf16(mode, enc):
     backward = max(rep.phases[k] for k in ("head_backward", "decoder_backward", "encoder_backward"))
     predicted = backward - rep.master_weights - rep.optimizer_states
     assert predicted == pytest.approx(measured, rel=0.15), rep.phases
+
+
+# The fused decoder (the default): its slab, weight copies and accumulators (plan/fused_memory.py).
+FUSED_CASES = [("tiny", "none", False, 8, 16), ("gqa_bias", "step", False, 8, 16),
+               ("tied_unshared", "every_k", True, 8, 16),
+               ("small", "step", False, 16, 48)]  # T > W = 32: the checkpointed slots shrink
+
+
+@pytest.mark.parametrize("name,mode,enc,B,T", FUSED_CASES)
+def test_peak_training_memory_fp32_fused(name, mode, enc, B, T):
+    cfg = ModelConfig(**{**CONFIGS[name], "max_seq_len": max(64, T)}, fused_decoder=True)
+    ck = CheckpointingConfig(decoder=mode, decoder_k=3, encoder=enc)
+    measured = _measure_engine_step(cfg, B, T, ck)
+    layout = Layout(seq_len=T, micro_batch_size=B, checkpointing=ck, onednn_weights=True, **CPU)
+    predicted = estimate_memory(cfg, layout, 0)
+    assert predicted.peak == pytest.approx(measured, rel=0.15), predicted.phases
+
+
+@pytest.mark.parametrize("mode,enc", [("none", False), ("step", True)])
+def test_peak_forward_backward_memory_bf16_fused(mode, enc):
+    cfg = ModelConfig(**CONFIGS["tiny"], fused_decoder=True)
+    ck = CheckpointingConfig(decoder=mode, decoder_k=3, encoder=enc)
+    B, T = 8, 16
+    measured = _measure_forward_backward_bf16(cfg, B, T, ck)
+    rep = estimate_memory(cfg, Layout(seq_len=T, micro_batch_size=B, checkpointing=ck, dtype="bf16",
+                                      onednn_weights=True, **CPU), 0)
+    backward = max(rep.phases[k] for k in ("head_backward", "decoder_backward", "encoder_backward"))
+    assert backward - rep.master_weights - rep.optimizer_states == pytest.approx(measured, rel=0.15), rep.phases
+
+
+@pytest.mark.parametrize("name,dtype,mode,pp,stage", [
+    ("tiny", "fp32", "none", 1, 0), ("gqa_bias", "bf16", "step", 1, 0), ("small", "fp32", "step", 2, 1),
+    ("tied_unshared", "fp32", "every_k", 2, 0)])
+def test_fused_run_buffers_equal_the_model(name, dtype, mode, pp, stage, monkeypatch):
+    """The slab of the run a stage builds, purpose by purpose, and the accumulators and oneDNN
+    forms of its stack, exactly (T > W: the checkpointed slots differ from the positions)."""
+    monkeypatch.setattr(fused_kernels, "MKLDNN_MIN_ELEMENTS", 5000)  # (tiny: some weights reordered, some not)
+    cfg = ModelConfig(**{**CONFIGS[name], "max_seq_len": 96}, fused_decoder=True)
+    B, T = 16, 40
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = build_model(cfg, seed=0).to(torch_dtype)
+    layers = stage_layers(cfg.n_layers, pp)[stage]
+    spec, weights = fused_weights(model, layers, stage == 0, lambda x: x)
+    stack = build_stack(model, spec, weights, B, True, torch_dtype, torch_dtype)
+    h_kv, Dh = cfg.n_kv_heads, cfg.head_dim
+    memory = [(torch.zeros(B, h_kv, 1 + T, Dh, dtype=torch_dtype),) * 2 for _ in layers]
+    slots = checkpoint_slots(B, T) if mode != "none" else None
+    grads = WeightGrads(spec, weights)
+    run = FusedRun(stack, B, T, memory, grads=grads, slots=slots)
+    layout = Layout(seq_len=T, micro_batch_size=B, pp=pp, dtype=dtype, onednn_weights=True,
+                    checkpointing=CheckpointingConfig(decoder=mode, decoder_k=3), **CPU)
+    assert run_buffer_bytes(cfg, layout, stage) == run.buffer_bytes()
+    assert run_scratch_bytes(cfg, layout, stage) == run.scratch_bytes()
+    copies = fused_weight_bytes(cfg, layout, stage)
+    assert copies["accumulators"] == sum(a.numel() * a.element_size() for a in grads.acc.values())
+    gemms = [getattr(g, n) for g in stack.layers.values() for n in ("qkv", "o", "cross_q", "cross_o", "gate_up",
+                                                                     "down")] + [stack.recur] * (stage == 0)
+    reordered = sum(2 * g.w.numel() * g.w.element_size() for g in gemms if g.mkldnn)
+    assert reordered > 0
+    fused = sum(4 * w.numel() for w in weights)  # the fused weights, fp32 at least
+    assert copies["weights"] - fused - reordered == pytest.approx(_fold_and_cast_bytes(weights, spec, torch_dtype))
+
+
+def _fold_and_cast_bytes(weights, spec, dtype) -> float:
+    """What the fold's mul saves besides the parameters (the concatenated qkv and gate_up, the
+    scaled cross query; every wide copy in bf16) and the products' bf16 copies, read off the
+    autograd graph of the fused weights."""
+    total = 0
+    for (layer, name), w in zip(spec.keys, weights):
+        if name in ("qkv", "cross_q", "gate_up") or (name == "recur" and dtype != torch.float32):
+            total += 4 * w.numel()
+        if dtype != torch.float32:
+            total += w.numel() * torch.empty((), dtype=dtype).element_size()
+    return total
 
 
 def test_memory_shrinks_with_checkpointing_and_sharding():

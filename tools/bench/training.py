@@ -121,7 +121,9 @@ def section_memory(args, clock) -> None:
               f"{times[path, label] / times[ref]:8.2f}")
     print("fused step's buffers (MiB) by checkpointing mode: saved = activation slots + attention outputs; "
           "wgrad_ring = the deferred weight gradients' output-gradient ring; kv_rows = the deferred K/V gradients' "
-          "rows; kv = decoder and memory K/V with their gradients; plus the fp32 weight-gradient accumulators")
+          "rows; kv = decoder and memory K/V with their gradients; backward scratch = the rings, K/V gradients and "
+          "rows, allocated by the decoder's backward and freed at its end; plus fp32 weight-gradient accumulators "
+          "(a copy of the decoder's weights) during the decoder's backward")
     model = runs["fused"][0]
     for label in args.modes:
         model.set_checkpointing(CheckpointingConfig(**MODES[label]))
@@ -133,23 +135,24 @@ def fused_buffers(model, B: int, T: int) -> dict[str, int]:
     """The buffers of the fused run one training step of ``model`` builds (captured by a spy)."""
     from rlt_mega.model import fused_run
 
-    seen = {}
+    seen = []
     original = fused_run.FusedRun.__init__
 
     def spy(self, *a, **kw):
         original(self, *a, **kw)
         if self.grads is not None:
-            seen["run"] = {**self.buffer_bytes(),
-                           "accumulators": sum(a.numel() * a.element_size() for a in self.grads.acc.values())}
+            seen.append(self)
 
     fused_run.FusedRun.__init__ = spy
     try:
         x = torch.randint(0, model.cfg.vocab_size, (B, T))
         model(x).sum().backward()
+        run = seen[-1]  # the training run (an evaluation forward builds none with grads)
+        sizes = {**run.buffer_bytes(), "of which backward scratch": run.scratch_bytes()}
         model.zero_grad(set_to_none=True)
     finally:
         fused_run.FusedRun.__init__ = original
-    return seen["run"]
+    return sizes
 
 
 def matmul_peak(clock, n: int = 2048, repeats: int = 5) -> float:
