@@ -90,14 +90,9 @@ class FusedDecode(torch.autograd.Function):
         memory = list(zip(mem_flat[0::2], mem_flat[1::2]))
         stack = build_stack(plan.model, plan.spec, weights, B, True, emb.dtype, plan.compute_dtype)
         slots = checkpoint_slots(B, T) if plan.checkpointed else None
-<<<<<<< HEAD
-        run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights), slots=slots, static=plan.static,
-                       rows=plan.rows)
-=======
         # the accumulators are made by the backward (allocate=False: not alive until then)
         run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights, allocate=False), slots=slots,
-                       static=plan.static)
->>>>>>> issue11p
+                       static=plan.static, rows=plan.rows)
         e = emb.detach().transpose(0, 1).contiguous()  # (T, B, d): one contiguous row block per position
         zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if plan.checkpointed else "save")
         ctx.plan, ctx.run, ctx.T = plan, run, T
