@@ -31,7 +31,6 @@ per call (B x T padded).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import dataclasses
 import os
@@ -41,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
-from rollout_rows import gsm8k_call  # noqa: E402
+from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.learner.grpo import grpo_loss  # noqa: E402
@@ -102,20 +101,10 @@ def learner_row_steps(rollouts: list, variant: Variant) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/small_cpu.yaml")
-    ap.add_argument("--data", default="data/gsm8k", help="a directory holding GSM8K's train.jsonl")
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per call (x --group rows)")
-    ap.add_argument("--group", type=int, default=8)
+    ap = gsm8k_args(__doc__, repeats=1)
     ap.add_argument("--minibatches", type=int, default=2, help="calls (= learner minibatches) per GRPO step")
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--check-every", type=int, default=8)
-    ap.add_argument("--quick", action="store_true")
-    harness.add_common_args(ap)
-    args = ap.parse_args()
-    if args.quick:
-        args.prompts, args.repeats = 2, 1
+    args = parse_gsm8k_args(ap)
     clock = harness.setup(args)
     prompts, budgets, stats = gsm8k_call(args.data, args.prompts * args.minibatches, args.group, args.vocab, seed=0)
     rows = args.prompts * args.group

@@ -19,7 +19,6 @@ tools/bench/harness.py):
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import sys
@@ -28,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
-from rollout_rows import gsm8k_call  # noqa: E402
+from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.model import build_model  # noqa: E402
@@ -52,18 +51,7 @@ def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default="configs/small_cpu.yaml")
-    ap.add_argument("--data", default="data/gsm8k", help="a directory holding GSM8K's train.jsonl")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--group", type=int, default=8)
-    ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    harness.add_common_args(ap)
-    args = ap.parse_args()
-    if args.quick:
-        args.prompts, args.repeats = 2, 1
+    args = parse_gsm8k_args(gsm8k_args(__doc__, repeats=2))
     clock = harness.setup(args)
     prompts, budgets, stats = gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=0)
     g = torch.Generator().manual_seed(0)

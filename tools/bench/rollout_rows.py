@@ -69,20 +69,31 @@ def gsm8k_call(data: str, num_prompts: int, group: int, vocab: int, seed: int) -
     return prompts, budgets, stats
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def gsm8k_args(doc: str, repeats: int) -> argparse.ArgumentParser:
+    """The arguments every GSM8K-shaped row benchmark takes (this one, learner_rows.py, grpo.py)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--config", default="configs/small_cpu.yaml")
     ap.add_argument("--data", default="data/gsm8k", help="a directory holding GSM8K's train.jsonl")
-    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per call (x --group rows)")
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--check-every", type=int, default=8)
-    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--repeats", type=int, default=repeats)
+    ap.add_argument("--quick", action="store_true", help="2 prompts per call, one repeat")
     harness.add_common_args(ap)
+    return ap
+
+
+def parse_gsm8k_args(ap: argparse.ArgumentParser) -> argparse.Namespace:
     args = ap.parse_args()
     if args.quick:
         args.prompts, args.repeats = 2, 1
+    return args
+
+
+def main() -> None:
+    ap = gsm8k_args(__doc__, repeats=2)
+    ap.add_argument("--check-every", type=int, default=8)
+    args = parse_gsm8k_args(ap)
     clock = harness.setup(args)
     prompts, budgets, stats = gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=0)
     cfg = load_config(args.config)
