@@ -70,6 +70,27 @@ class DenseRows:
     def batch_size(self) -> int:
         return len(self.lengths)
 
+    def read_index(self, T: int, device: torch.device) -> torch.Tensor:
+        """The positions whose logits the loss reads, flat (b * T + t), in row-major order: row
+        b's [P_b - 1, lengths_b) (the logits at P_b - 1 score the first completion token, those
+        at lengths_b - 1 the last)."""
+        spans = [torch.arange(b * T + max(p - 1, 0), b * T + min(n, T)) for b, (p, n) in
+                 enumerate(zip(self.prompt_lens, self.lengths)) if n > 0]
+        return (torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)).to(device)
+
+
+def head_rows(head, z: torch.Tensor, rows: Optional[DenseRows]) -> torch.Tensor:
+    """``head(z)`` (z (B, T, d) -> logits (B, T, V)) computed at the positions the GRPO loss
+    reads only (``rows.read_index``; 0 elsewhere) when ``rows.compact``: the prompt and padding
+    positions are most of a GRPO batch, and the head (a d x V GEMM and its gradients) is the
+    learner's largest product after the decoder. Without rows (or compaction) every position."""
+    if rows is None or not rows.compact:
+        return head(z)
+    B, T, d = z.shape
+    idx = rows.read_index(T, z.device)
+    picked = head(z.reshape(B * T, d).index_select(0, idx))  # (M, V)
+    return picked.new_zeros(B * T, picked.shape[-1]).index_copy(0, idx, picked).view(B, T, -1)
+
 
 def rollout_rows(tokens: torch.Tensor, prompt_lens: Sequence[int], completion_lens: Sequence[int],
                  compact: bool, share_prompts: bool) -> Optional[DenseRows]:

@@ -43,7 +43,7 @@ from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.model.attention import DecoderSelfAttention, encoder_attention, masked_attention, memory_attention
 from rlt_mega.model.cache import DecoderKV, KVCache, MemoryGradients, MemoryKV
 from rlt_mega.model.fused_dense import decode_dense_fused
-from rlt_mega.model.fused_rows import DenseRows
+from rlt_mega.model.fused_rows import DenseRows, head_rows
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
 
@@ -331,12 +331,13 @@ class RLT(nn.Module):
         """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the
         distribution of x_{t+1}. ``documents``: the rows are packed documents, each computed
         as if alone in its row (model/documents.py). ``rows`` (the GRPO learner): row b's
-        logits are those of positions [0, rows.lengths[b]) (the rest is not computed)."""
+        logits are those of its completion positions [P_b - 1, rows.lengths[b]) when
+        ``rows.compact`` (0 elsewhere: not computed), of [0, rows.lengths[b]) otherwise."""
         emb = self.embed(tokens)
         m = self.memory_norm(self.encode(emb, documents=documents))
         z = self.decode_dense(emb, self.memory_kv(m, fused=self.uses_fused(documents)), documents=documents,
                               rows=rows)
-        return self.head(z)
+        return head_rows(self.head, z, rows)
 
 
 def block_param_count(cfg: ModelConfig) -> int:

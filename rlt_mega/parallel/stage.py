@@ -50,7 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from rlt_mega.loss import LogitsLoss, Vocab
 from rlt_mega.model.cache import DecoderKV, MemoryKV
 from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator, row_plan
-from rlt_mega.model.fused_rows import DENSE_ROWS
+from rlt_mega.model.fused_rows import DENSE_ROWS, head_rows
 from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.rlt import RLT
@@ -266,11 +266,12 @@ class RLTStage:
         return gx.unsqueeze(1)
 
     def loss_fwd(self, j: int) -> torch.Tensor:
-        """Head over all positions at once (one GEMM shape, as the dense model does) -> the
+        """Head over all positions at once (one GEMM shape, as the dense model does; a GRPO batch with
+        compaction: over the positions its loss reads, model/fused_rows.head_rows) -> the
         micro-batch's loss sum (fp32, no graph)."""
         mb = self.mbs[j]
         z = torch.cat([mb.z_cut[t] for t in range(len(mb.z_cut))], dim=1)  # (b, T, d)
-        logits = self.model.head(z)  # (b, T, V / tp) fp32
+        logits = head_rows(self.model.head, z, mb.batch.get(DENSE_ROWS))  # (b, T, V / tp) fp32
         total = self.loss.logits_loss(logits, mb.batch, self.vocab)
         if self.grad:
             mb.loss = total * self.loss_scale

@@ -43,15 +43,18 @@ def grouped_batch(prompt_lens, G, seed=0):
     return x, lengths, plens, groups
 
 
-def logits_and_grads(cfg, x, lengths, rows, dtype, decoder="none", static=False, autocast=False):
-    """A loss of the logits of the positions each row needs (the loss never reads the others)."""
+def logits_and_grads(cfg, x, reads, rows, dtype, decoder="none", static=False, autocast=False):
+    """A loss of the logits of the positions the GRPO loss reads, row b's [P_b - 1, L_b) with
+    reads = (L, P) (with compaction the others are not computed)."""
+    lengths, plens = reads
     model = build_model(cfg, seed=0).to(dtype)
     model.set_checkpointing(CheckpointingConfig(decoder=decoder))
     model.static_decoder = static
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = model(x, rows=rows)
     w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
-    needed = (torch.arange(x.shape[1])[None, :] < torch.tensor(lengths)[:, None])[..., None]
+    t = torch.arange(x.shape[1])[None, :]
+    needed = ((t < torch.tensor(lengths)[:, None]) & (t >= torch.tensor(plens)[:, None] - 1))[..., None]
     (logits * w * needed).sum().backward()
     return (logits * needed).detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters()}
 
@@ -62,10 +65,10 @@ def test_logits_and_gradients_equal_the_padded_schedule_in_float64(C, G):
     # prompts of 3 and 6 tokens end on a memory-block boundary (C = 3), 5 and 2 do not
     x, lengths, plens, groups = grouped_batch([3, 5, 6, 2], G, seed=C + G)
     cfg = cfg_of(memory_block=C)
-    ref_logits, ref_grads = logits_and_grads(cfg, x, lengths, None, torch.float64)
+    ref_logits, ref_grads = logits_and_grads(cfg, x, (lengths, plens), None, torch.float64)
     for compact, share in SWITCHES:
         rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups) if share else None, compact)
-        logits, grads = logits_and_grads(cfg, x, lengths, rows, torch.float64)
+        logits, grads = logits_and_grads(cfg, x, (lengths, plens), rows, torch.float64)
         assert rel(logits, ref_logits) <= 1e-12, (compact, share)
         for n, g in ref_grads.items():
             assert rel(grads[n], g) <= 1e-12, (compact, share, n)
@@ -75,21 +78,21 @@ def test_logits_and_gradients_equal_the_padded_schedule_in_float64(C, G):
 def test_fp32_gradients_within_1e5_and_the_checkpointed_run_is_the_same(decoder):
     x, lengths, plens, groups = grouped_batch([4, 7, 3], 4, seed=5)
     cfg = cfg_of(memory_block=3, qkv_bias=True)
-    _, ref = logits_and_grads(cfg, x, lengths, None, torch.float32)
+    _, ref = logits_and_grads(cfg, x, (lengths, plens), None, torch.float32)
     rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), True)
-    _, grads = logits_and_grads(cfg, x, lengths, rows, torch.float32, decoder=decoder)
+    _, grads = logits_and_grads(cfg, x, (lengths, plens), rows, torch.float32, decoder=decoder)
     for n, g in ref.items():
         assert rel(grads[n], g) <= 1e-5, n
     if decoder == "step":  # every checkpointing mode gives the same gradients, bit for bit
-        _, saved = logits_and_grads(cfg, x, lengths, rows, torch.float32, decoder="none")
+        _, saved = logits_and_grads(cfg, x, (lengths, plens), rows, torch.float32, decoder="none")
         assert all(torch.equal(saved[n], grads[n]) for n in grads)
 
 
 def test_bf16_autocast_gradients_within_bf16_rounding():
     x, lengths, plens, groups = grouped_batch([4, 6], 4, seed=6)
     cfg = cfg_of(memory_block=3)
-    _, ref = logits_and_grads(cfg, x, lengths, None, torch.float32, autocast=True)
-    _, grads = logits_and_grads(cfg, x, lengths, DenseRows(tuple(lengths), tuple(plens), tuple(groups)),
+    _, ref = logits_and_grads(cfg, x, (lengths, plens), None, torch.float32, autocast=True)
+    _, grads = logits_and_grads(cfg, x, (lengths, plens), DenseRows(tuple(lengths), tuple(plens), tuple(groups)),
                                 torch.float32, autocast=True)
     for n, g in ref.items():
         assert rel(grads[n], g) <= 2e-2, n
@@ -114,12 +117,30 @@ def test_the_plan_runs_only_the_row_steps_the_data_needs():
 
 def test_the_module_path_and_the_capture_ready_form_run_every_row():
     x, lengths, plens, groups = grouped_batch([3, 5], 4, seed=2)
-    rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), True)
+    rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), False)  # the head at every position
     module = cfg_of(memory_block=3, fused_decoder=False)
-    assert all(torch.equal(a, b) for a, b in zip(logits_and_grads(module, x, lengths, rows, torch.float32)[1].values(),
-                                                  logits_and_grads(module, x, lengths, None, torch.float32)[1].values()))
-    static = [logits_and_grads(cfg_of(memory_block=3), x, lengths, r, torch.float32, static=True)[1] for r in (rows, None)]
+    assert all(torch.equal(a, b) for a, b in zip(logits_and_grads(module, x, (lengths, plens), rows, torch.float32)[1].values(),
+                                                  logits_and_grads(module, x, (lengths, plens), None, torch.float32)[1].values()))
+    static = [logits_and_grads(cfg_of(memory_block=3), x, (lengths, plens), r, torch.float32, static=True)[1] for r in (rows, None)]
     assert all(torch.equal(static[0][n], static[1][n]) for n in static[0])
+
+
+def test_with_compaction_the_head_runs_on_the_positions_the_loss_reads_only():
+    x, lengths, plens, groups = grouped_batch([3, 5], 4, seed=3)
+    rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), True)
+    T = x.shape[1]
+    idx = rows.read_index(T, torch.device("cpu"))
+    assert idx.tolist() == [b * T + t for b in range(len(lengths)) for t in range(plens[b] - 1, lengths[b])]
+    model = build_model(cfg_of(memory_block=3, fused_decoder=False), seed=0)
+    calls = []
+    model.lm_head.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
+    logits = model(x, rows=rows)
+    assert calls == [idx.numel()]  # one head GEMM over the read positions, fewer than B x T
+    full = model(x).reshape(len(lengths) * T, -1)
+    flat = logits.reshape(len(lengths) * T, -1)
+    torch.testing.assert_close(flat[idx], full[idx], rtol=1e-6, atol=1e-6)
+    unread = torch.ones(flat.shape[0], dtype=torch.bool).index_fill_(0, idx, False)
+    assert idx.numel() < flat.shape[0] and not flat[unread].any()
 
 
 def grouped_rollout(model, G=4, max_new_tokens=8):
@@ -198,9 +219,9 @@ def test_rows_a_position_skips_never_read_stale_buffers():
     cfg = cfg_of(memory_block=3)
     rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), True)
     for decoder in ("none", "step"):
-        ref = logits_and_grads(cfg, x, lengths, rows, torch.float32, decoder=decoder)[1]
+        ref = logits_and_grads(cfg, x, (lengths, plens), rows, torch.float32, decoder=decoder)[1]
         for free in WORKSPACE._free.values():
             for slab in free:
                 slab.fill_(255)
-        grads = logits_and_grads(cfg, x, lengths, rows, torch.float32, decoder=decoder)[1]
+        grads = logits_and_grads(cfg, x, (lengths, plens), rows, torch.float32, decoder=decoder)[1]
         assert all(torch.equal(grads[n], ref[n]) for n in ref), decoder

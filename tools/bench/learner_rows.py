@@ -6,11 +6,13 @@ One learner call: GSM8K prompts x G (8 x 8 = 64 rows by default), tokenised by t
 of tools/bench/rollout_rows.py, each completion its gold solution's token length x U(0.6, 2) of
 random tokens (``gsm8k_call``); small_cpu, random weights, fp32. Each variant runs the dense
 forward and backward (encoder, decoder, head, a loss of the logits), timed by phase in
-interleaved rounds (best of --repeats, one thread, process CPU time by default,
+interleaved rounds (the head with compaction only at the positions the loss reads:
+model/fused_rows.head_rows; best of --repeats, one thread, process CPU time by default,
 tools/bench/harness.py):
 
 - padded: every row at every position (grpo.dense_compact / dense_share_prompts false);
-- compact: each position only on the rows still inside their sequence;
+- compact: each position only on the rows still inside their sequence, the head only on the
+  completion positions;
 - compact+share: and each group's prompt once, forked into its rows (the default).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/learner_rows.py --data DIR
@@ -31,7 +33,7 @@ from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.model import build_model  # noqa: E402
-from rlt_mega.model.fused_rows import DenseRows, RowPlan  # noqa: E402
+from rlt_mega.model.fused_rows import DenseRows, RowPlan, head_rows  # noqa: E402
 
 
 def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:
@@ -43,7 +45,7 @@ def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:
     t1 = clock()
     z = model.decode_dense(emb, mem, rows=rows)
     t2 = clock()
-    model.head(z).mean().backward()
+    head_rows(model.head, z, rows).mean().backward()  # with compaction: the positions the loss reads only
     t3 = clock()
     model.zero_grad(set_to_none=True)
     out.update(encoder=t1 - t0, decoder_forward=t2 - t1, backward=t3 - t2, step=t3 - t0)
