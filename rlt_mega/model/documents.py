@@ -30,6 +30,7 @@ from typing import Optional
 import torch
 
 from rlt_mega.loss import DOC_STARTS
+from rlt_mega.model.attention import encoder_attention
 from rlt_mega.model.fused_rows import DENSE_ROWS
 
 
@@ -80,6 +81,11 @@ class Documents:
         if dtype not in self._rope:
             self._rope[dtype] = rotary.rows(self.positions, dtype)
         return self._rope[dtype]
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The encoder's self-attention, causal within each document: q (B, h, T, Dh), k, v
+        (B, h_kv, T, Dh) -> (B, h, T, Dh)."""
+        return encoder_attention(q, k, v, 0, self.attend)
 
     # ------------------------------------------------------------------ one decoder step
     def step_rope(self, rotary, dtype: torch.dtype, t: int) -> tuple[torch.Tensor, torch.Tensor]:

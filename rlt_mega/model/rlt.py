@@ -45,6 +45,7 @@ from rlt_mega.model.cache import DecoderKV, KVCache, MemoryGradients, MemoryKV
 from rlt_mega.model.fused_dense import decode_dense_fused
 from rlt_mega.model.fused_rows import DenseRows, head_rows
 from rlt_mega.model.documents import Documents
+from rlt_mega.model.prompt_pack import PromptPack
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
 
 
@@ -128,8 +129,8 @@ class RLT(nn.Module):
                       documents: Optional[Documents] = None) -> torch.Tensor:
         """h: (B, n, d) at positions [start, start + n). With a cache, attends to the cached
         prefix as well (sampling / replay; no autograd through the cache). With documents
-        (packed rows, the whole row: start 0, no cache), RoPE positions and attention are the
-        documents' own."""
+        (packed rows, the whole row: start 0, no cache; or a GRPO batch's prompt pack,
+        model/prompt_pack.py), RoPE positions and attention are the layout's own."""
         blk = self.blocks[i]
         q, k, v = blk.attn.qkv(blk.attn_norm(h))
         if documents is not None:
@@ -140,8 +141,8 @@ class RLT(nn.Module):
         if cache is not None:
             cache.write(i, start, k, v)
             k, v = cache.view(i, start + h.shape[1])
-        mask = None if documents is None else documents.attend
-        h = h + blk.attn.out(encoder_attention(q, k, v, start, mask))
+        attn = encoder_attention(q, k, v, start) if documents is None else documents.attention(q, k, v)
+        h = h + blk.attn.out(attn)
         return h + blk.mlp(blk.mlp_norm(h))
 
     def encode(self, h: torch.Tensor, start: int = 0, cache: Optional[KVCache] = None,
@@ -326,6 +327,17 @@ class RLT(nn.Module):
             zs.append(z)
         return tuple(zs)
 
+    def dense_memory(self, emb: torch.Tensor, documents: Optional[Documents] = None,
+                     rows: Optional[DenseRows] = None) -> torch.Tensor:
+        """The dense schedule's memory m = memory_norm(encoder(emb)), (B, T, d). With rows whose
+        groups share prompts (the GRPO learner) each group's prompt is encoded once and each row's
+        own tokens after it (model/prompt_pack.py); m is then 0 past row b's rows.lengths[b]
+        positions, which its decoder never reads."""
+        pack = PromptPack.of(rows, emb.shape[1], emb.device) if documents is None else None
+        if pack is None:
+            return self.memory_norm(self.encode(emb, documents=documents))
+        return pack.unpack(self.memory_norm(self.encode(pack.pack(emb), documents=pack)))
+
     def forward(self, tokens: torch.Tensor, documents: Optional[Documents] = None,
                 rows: Optional[DenseRows] = None) -> torch.Tensor:
         """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the
@@ -334,7 +346,7 @@ class RLT(nn.Module):
         logits are those of its completion positions [P_b - 1, rows.lengths[b]) when
         ``rows.compact`` (0 elsewhere: not computed), of [0, rows.lengths[b]) otherwise."""
         emb = self.embed(tokens)
-        m = self.memory_norm(self.encode(emb, documents=documents))
+        m = self.dense_memory(emb, documents, rows)
         z = self.decode_dense(emb, self.memory_kv(m, fused=self.uses_fused(documents)), documents=documents,
                               rows=rows)
         return head_rows(self.head, z, rows)

@@ -405,8 +405,8 @@ def grpo_config(cfg: Config) -> Config:
                           "position), so the learner cannot follow the data: set grpo.dense_compact=false and "
                           "grpo.dense_share_prompts=false, or train.cuda_graphs=false")
     if not cfg.model.fused_decoder and (g.dense_compact or g.dense_share_prompts):
-        log.info("model.fused_decoder=false: the module path runs every row at every position "
-                 "(grpo.dense_compact and grpo.dense_share_prompts apply to the fused decoder)")
+        log.info("model.fused_decoder=false: the module path's decoder runs every row at every position "
+                 "(grpo.dense_compact and grpo.dense_share_prompts still trim the encoder and the head)")
     if "train.micro_batch_size" in given(cfg) and cfg.train.micro_batch_size != micro:
         raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size}: GRPO derives it, a minibatch's "
                           f"{rows} rows (grpo.prompts_per_step x grpo.group_size / grpo.minibatches) / "

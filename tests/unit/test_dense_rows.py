@@ -116,13 +116,45 @@ def test_the_plan_runs_only_the_row_steps_the_data_needs():
 
 
 def test_the_module_path_and_the_capture_ready_form_run_every_row():
+    """Their decoders ignore the rows (the encoder's prompt pack and the head's positions are the
+    model's, around any decoder): z and every gradient are those of the padded decoder."""
     x, lengths, plens, groups = grouped_batch([3, 5], 4, seed=2)
-    rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), False)  # the head at every position
-    module = cfg_of(memory_block=3, fused_decoder=False)
-    assert all(torch.equal(a, b) for a, b in zip(logits_and_grads(module, x, (lengths, plens), rows, torch.float32)[1].values(),
-                                                  logits_and_grads(module, x, (lengths, plens), None, torch.float32)[1].values()))
-    static = [logits_and_grads(cfg_of(memory_block=3), x, (lengths, plens), r, torch.float32, static=True)[1] for r in (rows, None)]
-    assert all(torch.equal(static[0][n], static[1][n]) for n in static[0])
+    rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), True)
+    w = torch.randn(*x.shape, 64, generator=torch.Generator().manual_seed(1))
+
+    def decoder_grads(cfg, rows, static=False):
+        model = build_model(cfg, seed=0)
+        model.static_decoder = static
+        emb = model.embed(x)
+        z = model.decode_dense(emb, model.memory_kv(model.memory_norm(model.encode(emb))), rows=rows)
+        (z * w[..., :z.shape[-1]]).sum().backward()
+        return [z.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
+
+    for cfg, static in ((cfg_of(memory_block=3, fused_decoder=False), False), (cfg_of(memory_block=3), True)):
+        assert all(torch.equal(a, b) for a, b in zip(decoder_grads(cfg, rows, static), decoder_grads(cfg, None, static)))
+
+
+@pytest.mark.parametrize("kv_heads", [1, 4])
+def test_the_prompt_pack_encodes_each_prompt_once_and_equals_the_padded_encoder(kv_heads):
+    """MQA and MHA (the other tests run GQA); a row whose completion is one token (no own
+    positions), one with none (L = 0: not packed); float64 against every row encoded whole."""
+    from rlt_mega.model.prompt_pack import PromptPack
+
+    x, lengths, plens, groups = grouped_batch([3, 5, 4], 3, seed=7)
+    lengths[1], lengths[4] = plens[1], 0
+    rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), True)
+    B, T = x.shape
+    pack = PromptPack(rows, T, torch.device("cpu"))
+    live = {g for g, n in zip(groups, lengths) if n > 0}
+    assert pack.total == sum(plens[groups.index(g)] for g in live) + sum(n - p for n, p in zip(lengths, plens) if n > 0)
+    model = build_model(cfg_of(memory_block=3, n_kv_heads=kv_heads), seed=0).to(torch.float64)
+    with torch.no_grad():
+        emb = model.embed(x)
+        ref = model.encode(emb)
+        packed = pack.unpack(model.encode(pack.pack(emb), documents=pack))
+    read = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # row b's memory positions [0, L_b)
+    assert rel(packed[read], ref[read]) <= 1e-12
+    assert not packed[~read].any()
 
 
 def test_with_compaction_the_head_runs_on_the_positions_the_loss_reads_only():

@@ -13,7 +13,8 @@ tools/bench/harness.py):
 - padded: every row at every position (grpo.dense_compact / dense_share_prompts false);
 - compact: each position only on the rows still inside their sequence, the head only on the
   completion positions;
-- compact+share: and each group's prompt once, forked into its rows (the default).
+- compact+share: and each group's prompt once in the decoder, forked into its rows, and in the
+  encoder (model/prompt_pack.py: each row's own tokens after its group's prompt; the default).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/learner_rows.py --data DIR
     OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/learner_rows.py --data DIR --quick   # 2 x 8 rows
@@ -41,7 +42,7 @@ def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:
     out = {}
     t0 = clock()
     emb = model.embed(x)
-    mem = model.memory_kv(model.memory_norm(model.encode(emb)))
+    mem = model.memory_kv(model.dense_memory(emb, rows=rows))  # with shared prompts: model/prompt_pack.py
     t1 = clock()
     z = model.decode_dense(emb, mem, rows=rows)
     t2 = clock()
