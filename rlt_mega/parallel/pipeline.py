@@ -74,8 +74,9 @@ def stage_program(stage: int, num_stages: int, num_micro: int, seq_len: int, bac
     return ops
 
 
-# Shape class of each stream: "seq" (b, T, d) or "step" (b, 1, d).
-SHAPES = {"enc": "seq", "mem": "seq", "mem_grad": "seq", "enc_grad": "seq",
+# Shape class of each stream: "enc" the encoder's layout (b, T, d, or a GRPO batch's prompt pack:
+# RLTStage.activation_shape), "seq" (b, T, d) or "step" (b, 1, d).
+SHAPES = {"enc": "enc", "mem": "seq", "mem_grad": "seq", "enc_grad": "enc",
           "dec": "step", "ring": "step", "dec_grad": "step", "ring_grad": "step"}
 
 

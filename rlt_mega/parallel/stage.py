@@ -36,6 +36,11 @@ accumulate over the round's micro-batches and reach the parameters in one autogr
 ``finish`` (through the fused weights' expressions: the shadow parameters under ShadowGrads).
 With decoder checkpointing each position is recomputed from what the run keeps just before its
 backward (model/fused_run.py: the same as on one process).
+
+A GRPO batch whose groups share prompts is encoded in its prompt pack (model/prompt_pack.py), as
+on one process: stage 0 packs the embeddings, the encoder messages between stages are the packed
+(1, total, d) activations and their gradients, and the last stage unpacks the memory to the row
+layout (b, T, d) that every stage's cross K/V read.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator
 from rlt_mega.model.fused_rows import DENSE_ROWS, head_rows
 from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
 from rlt_mega.model.documents import Documents
+from rlt_mega.model.prompt_pack import PromptPack
 from rlt_mega.model.rlt import RLT
 
 
@@ -108,6 +114,7 @@ class _MicroBatch:
     e: Optional[torch.Tensor] = None  # stage 0, fused: the embeddings (T, b, d), contiguous rows
     z0: Optional[torch.Tensor] = None  # stage 0, fused: z_{-1} (b, d) with its graph into z_init
     docs: Optional[Documents] = None  # packed rows with document resets (model/documents.py)
+    pack: Optional[PromptPack] = None  # GRPO with shared prompts: the encoder's layout (model/prompt_pack.py)
 
 
 class RLTStage:
@@ -132,11 +139,15 @@ class RLTStage:
         return self.model.null_memory.dtype
 
     def activation_shape(self, j: int, kind: str) -> tuple:
-        """Shape of a message of ``kind`` for micro-batch j: "seq" (b, T, d) for the encoder and
+        """Shape of a message of ``kind`` for micro-batch j: "enc" for the encoder's activations
+        and their gradients ((1, total, d) in a prompt pack, else (b, T, d)), "seq" (b, T, d) for
         the memory, "step" (b, 1, d) for a decoder position."""
-        b, T = self.mbs[j].inputs.shape
+        mb = self.mbs[j]
+        b, T = mb.inputs.shape
         d = self.model.cfg.d_model
-        return (b, T, d) if kind == "seq" else (b, 1, d)
+        if kind == "enc" and mb.pack is not None:
+            return mb.pack.shape + (d,)
+        return (b, T, d) if kind in ("enc", "seq") else (b, 1, d)
 
     # ------------------------------------------------------------------ round set-up
     def start(self, batches: list[dict], loss_scale: float, grad: bool, loss: LogitsLoss) -> None:
@@ -146,6 +157,9 @@ class RLTStage:
         T = batches[0]["inputs"].shape[1]
         self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T), docs=Documents.of(b))
                     for b in batches]
+        for mb in self.mbs:  # the same layout on every stage: a function of the batch's rows
+            if mb.docs is None:
+                mb.pack = PromptPack.of(mb.batch.get(DENSE_ROWS), T, mb.inputs.device)
         self.loss_scale, self.grad, self.loss = loss_scale, grad, loss
         self.fused = all(self.model.uses_fused(mb.docs) for mb in self.mbs)  # packed documents: the module path
         if self.fused:
@@ -178,8 +192,15 @@ class RLTStage:
             elif self.grad:  # the decoder reads the embeddings position by position: one leaf each
                 mb.e_steps = [_leaf(mb.emb[:, t], True) for t in range(mb.emb.shape[1])]
         mb.enc_in = _leaf(x, self.grad)
-        h = model.encode(mb.enc_in, layers=self.layers, documents=mb.docs)
-        mb.enc_out = model.memory_norm(h) if self.is_last_stage else h
+        h = mb.enc_in
+        if self.is_first_stage and mb.pack is not None:
+            h = mb.pack.pack(h)  # (1, total, d); the embeddings' gradient comes back as (b, T, d)
+        h = model.encode(h, layers=self.layers, documents=mb.docs if mb.pack is None else mb.pack)
+        if self.is_last_stage:
+            h = model.memory_norm(h)
+            if mb.pack is not None:
+                h = mb.pack.unpack(h)  # the memory in the row layout, (b, T, d)
+        mb.enc_out = h
         return mb.enc_out
 
     def mem_fwd(self, j: int, m: Optional[torch.Tensor]) -> None:

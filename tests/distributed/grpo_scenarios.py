@@ -26,6 +26,7 @@ from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
 from rlt_mega.model.fused_rows import DENSE_ROWS, RowPlan
+from rlt_mega.model.prompt_pack import PromptPack
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import param_groups
@@ -222,7 +223,17 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
         return stats
 
     trainer.engine.train_step = spy
-    scalars = trainer.job.step(0)
+    packs, init = [], PromptPack.__init__
+
+    def pack_spy(self, rows, T, device):  # the encoder's prompt packs (grpo.dense_share_prompts)
+        init(self, rows, T, device)
+        packs.append((self.total, rows.batch_size * T))
+
+    PromptPack.__init__ = pack_spy
+    try:
+        scalars = trainer.job.step(0)
+    finally:
+        PromptPack.__init__ = init
     stats = captured["stats"]
     ref = OneProcessGRPO(cfg, dims.dp).step(recs, [s.lr for s in stats])
     mine = captured["rollouts"][:len(captured["rollouts"]) // cfg.grpo.epochs]
@@ -236,7 +247,8 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
            "loss": [s.loss for s in stats], "ref_loss": ref["loss"],
            "norm": [s.grad_norm for s in stats], "ref_norm": ref["norm"], "param_diff": param_diff,
            "param_worst": worst, "scalars": scalars, "ref_reward_mean": sum(ref["rewards"]) / len(ref["rewards"]),
-           "row_steps": [sum(s for s, _ in captured["row_steps"]), sum(p for _, p in captured["row_steps"])]}
+           "row_steps": [sum(s for s, _ in captured["row_steps"]), sum(p for _, p in captured["row_steps"])],
+           "packs": packs}
     trainer.engine.close()
     dims.destroy()
     return out
@@ -261,7 +273,17 @@ def dynamic_sampling_step(parallel: dict, grpo: dict | None = None) -> dict:
         return original(batches, loss)
 
     trainer.engine.train_step = spy
-    scalars = trainer.job.step(0)
+    packs, init = [], PromptPack.__init__
+
+    def pack_spy(self, rows, T, device):  # the encoder's prompt packs (grpo.dense_share_prompts)
+        init(self, rows, T, device)
+        packs.append((self.total, rows.batch_size * T))
+
+    PromptPack.__init__ = pack_spy
+    try:
+        scalars = trainer.job.step(0)
+    finally:
+        PromptPack.__init__ = init
     trainer.engine.close()
     dims.destroy()
     return {"scalars": scalars, "kept_rows": kept_rows, "dp": dims.dp}

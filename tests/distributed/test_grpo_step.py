@@ -5,7 +5,8 @@ first update) against a one-process GRPO step on the combined batch
 ZeRO-1, TP=2 (with the k3 KL to a reference built in the same layout), PP=2 (grad_accum 2,
 the KL) and DP=2 ZeRO-3 with every parameter partitioned; on four: TP=2 x PP=2 (the KL) and
 PP=2 x DP=2 ZeRO-2. The trainer's learner runs compaction and shared prompts (the defaults),
-the reference the padded dense schedule; PP=2 once more with both off."""
+the reference the padded dense schedule (the encoder too: with shared prompts the trainer's
+encodes each batch's prompt pack, every pipeline stage included); PP=2 once more with both off."""
 
 import pytest
 
@@ -46,6 +47,11 @@ def check_grpo_step(r: dict, args: dict) -> None:
         assert steps < 0.8 * padded, r["row_steps"]
     else:
         assert steps == padded
+    # the encoder's prompt packs (on every stage under PP): fewer positions than the padded batch
+    if args.get("grpo", {}).get("dense_share_prompts", True):
+        assert r["packs"] and all(total < padded for total, padded in r["packs"]), r["packs"]
+    else:
+        assert not r["packs"]
 
 
 @pytest.mark.parametrize("name,args", TWO)

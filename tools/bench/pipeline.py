@@ -87,7 +87,7 @@ class SleepStage:
 
     def activation_shape(self, j, kind):
         b, T = self.shapes[j]
-        return (b, T, self.d) if kind == "seq" else (b, 1, self.d)
+        return (b, T, self.d) if kind in ("enc", "seq") else (b, 1, self.d)
 
     def _seq(self, j):
         return torch.zeros(self.activation_shape(j, "seq"))
