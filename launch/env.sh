@@ -3,7 +3,8 @@
 # torch is pinned and installed first: any other version (or an open range) would make
 # pip fetch a multi-GB CUDA build; a CPU wheel of exactly 2.13.0 is used where one exists.
 # Sourced by launch/demo.sh and launch/test.sh; safe to run repeatedly (a stamp file
-# keyed on setup.py skips the install when nothing changed).
+# keyed on setup.py and this checkout's path skips the install when nothing changed; a venv
+# copied from another checkout re-links its editable install here).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${RLT_VENV:-$ROOT/.venv}"
@@ -12,7 +13,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 STAMP="$VENV/.rlt_mega_installed"
-WANT="$(cat "$ROOT/setup.py" | sha256sum | cut -d' ' -f1)"
+WANT="$( (cat "$ROOT/setup.py"; echo "$ROOT") | sha256sum | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   # (this machine's pip config names local index folders that may not exist: drop that noise)
   pip_install() {
