@@ -59,7 +59,12 @@ class PromptPack:
         unpack = [-1] * (B * T)
         self.groups: list[_Group] = []
         for bs in members.values():
-            start, P = len(src), rows.prompt_lens[bs[0]]  # every live row has L_b >= P
+            start, P = len(src), rows.prompt_lens[bs[0]]
+            short = [b for b in bs if min(rows.lengths[b], T) < P]
+            if short:  # L_b = P_b + n_b - 1 >= P_b for a row with a completion token
+                raise ValueError(f"dense rows: row {short[0]} needs {rows.lengths[short[0]]} positions of a batch of "
+                                 f"{T}, fewer than its prompt's {P}: build the rows from the batch's own rollouts "
+                                 "(learner/objective.py, grpo_batch)")
             src += [bs[0] * T + t for t in range(P)]
             positions += range(P)
             own_lists = []

@@ -155,6 +155,8 @@ def test_the_prompt_pack_encodes_each_prompt_once_and_equals_the_padded_encoder(
     read = torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]  # row b's memory positions [0, L_b)
     assert rel(packed[read], ref[read]) <= 1e-12
     assert not packed[~read].any()
+    with pytest.raises(ValueError, match="fewer than its prompt"):
+        PromptPack(DenseRows((2, 6), (3, 3), (0, 0)), 6, torch.device("cpu"))
 
 
 def test_with_compaction_the_head_runs_on_the_positions_the_loss_reads_only():
