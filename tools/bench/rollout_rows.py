@@ -118,6 +118,12 @@ def main() -> None:
     print(f"# BPE {stats['bytes_per_token']:.2f} bytes/token; prompt tokens mean {stats['prompt_len_mean']:.1f} "
           f"max {stats['prompt_len_max']}; completion tokens mean {stats['completion_mean']:.1f} "
           f"max {stats['completion_max']}")
+    distinct = {tuple(p) for p in prompts}
+    need = sum(map(len, distinct)) + sum(budgets) - rows  # each prompt's P positions once, then each row's n - 1
+    lockstep_steps = rows * (max(map(len, prompts)) + max(budgets) - 1)
+    print(f"# the data's row-steps: {need} per call (each distinct prompt's decoder positions once, each row's "
+          f"completion positions); lockstep runs {lockstep_steps / need:.2f}x that: the bound of the row-step "
+          "saving, and of the tokens/s ratio where a step's cost does not fall faster than its rows")
     print("| variant | rollout s | completion tokens/s | x lockstep | sequential steps/call | row-steps/call | "
           "row-steps x lockstep | replay s | replay == mu |")
     print("|---|---|---|---|---|---|---|---|---|")
