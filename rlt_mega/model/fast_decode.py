@@ -138,6 +138,34 @@ class RowPositions:
         hide_slots = torch.arange(num_slots, device=pos.device)[None, :] >= visible[:, None]
         return cls(pos, num_keys, num_slots, hide_keys[:, None, None], hide_slots[:, None, None])
 
+    def write(self, dec: "StepKV", i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v (B, h_kv, Dh): each row's K/V at its own position."""
+        dec.write_at(i, self.pos, k, v)
+
+    def attend_keys(self, q: torch.Tensor, dec: "StepKV", i: int) -> torch.Tensor:
+        return _attend_masked(q, *dec.view(i, self.num_keys), self.hide_keys)
+
+    def attend_memory(self, q: torch.Tensor, mem: "StepKV", i: int) -> torch.Tensor:
+        return _attend_masked(q, *mem.view(i, self.num_slots), self.hide_slots)
+
+
+@dataclass
+class _Position:
+    """One decoder step of the lockstep schedule: every row at position t, the keys [0, t] and
+    the memory slots [0, visible) of all rows visible (no masks). The interface of RowPositions."""
+
+    t: int
+    visible: int  # the null slot + vis(t)
+
+    def write(self, dec: "StepKV", i: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        dec.write(i, self.t, k[:, None], v[:, None])
+
+    def attend_keys(self, q: torch.Tensor, dec: "StepKV", i: int) -> torch.Tensor:
+        return attend(q, *dec.view(i, self.t + 1))
+
+    def attend_memory(self, q: torch.Tensor, mem: "StepKV", i: int) -> torch.Tensor:
+        return attend(q, *mem.view(i, self.visible))
+
 
 class DecodeWeights:
     """A snapshot of the decoder's weights for one no-grad run, in the dtype the GEMMs run in
@@ -233,48 +261,24 @@ class DecodeWeights:
     # ------------------------------------------------------------------ the step
     def decoder_layers(self, u: torch.Tensor, t: int, dec: StepKV, mem: StepKV) -> torch.Tensor:
         """u (B, 1, d) at position t -> (B, 1, d); writes the decoder K/V of position t."""
-        x = u.squeeze(1)  # (B, d)
-        visible = 1 + self.memory_block * ((t + 1) // self.memory_block)  # the null slot + vis(t)
-        cos, sin = self.cos[t], self.sin_fwd[t]
-        gemms = self.gemms(x.shape[0])
-        with torch.autocast(device_type=u.device.type, enabled=False):
-            for i in self.layer_ids:
-                x = self._layer(gemms[i], i, x, t, dec, mem, visible, cos, sin)
-        return x.unsqueeze(1)
+        at = _Position(t, 1 + self.memory_block * ((t + 1) // self.memory_block))
+        return self._layers(u, at, self.cos[t], self.sin_fwd[t], dec, mem)
 
     def decoder_layers_rows(self, u: torch.Tensor, rp: RowPositions, dec: StepKV, mem: StepKV) -> torch.Tensor:
         """The row schedule's step: u (B, 1, d), row b at position rp.pos[b] -> (B, 1, d); writes
         the decoder K/V of each row's position. The same arithmetic as ``decoder_layers`` (RoPE
         rows gathered per row, masked keys contribute exp(-inf) = 0)."""
-        x = u.squeeze(1)  # (B, d)
         cos, sin = self.cos.index_select(0, rp.pos)[:, None], self.sin_fwd.index_select(0, rp.pos)[:, None]
+        return self._layers(u, rp, cos, sin, dec, mem)
+
+    def _layers(self, u: torch.Tensor, at, cos: torch.Tensor, sin: torch.Tensor, dec: StepKV,
+                mem: StepKV) -> torch.Tensor:
+        x = u.squeeze(1)  # (B, d)
         gemms = self.gemms(x.shape[0])
         with torch.autocast(device_type=u.device.type, enabled=False):
             for i in self.layer_ids:
-                x = self._layer_rows(gemms[i], i, x, rp, dec, mem, cos, sin)
+                x = self._layer(gemms[i], i, x, at, dec, mem, cos, sin)
         return x.unsqueeze(1)
-
-    def _layer_rows(self, w: LayerGemms, i: int, x: torch.Tensor, rp: RowPositions, dec: StepKV, mem: StepKV,
-                    cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """``_layer`` with each row at its own position: K/V written at rp.pos, keys and memory
-        slots masked per row."""
-        B, Dh, cd = x.shape[0], self.head_dim, self.compute_dtype
-        h, h_kv = w.num_heads, w.num_kv_heads
-        g = h // h_kv
-        a, _ = rms_forward(x, self.norm, cd)
-        qkv = w.qkv(a)
-        qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), cos, sin)  # RoPE at each row's position
-        v = qkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh)
-        dec.write_at(i, rp.pos, qk[:, h:], v)
-        att = _attend_masked(qk[:, :h].reshape(B * h_kv, g, Dh), *dec.view(i, rp.num_keys), rp.hide_keys)
-        x = w.o.add(att.view(B, h * Dh), x)
-        a, _ = rms_forward(x, self.norm, cd)
-        cq = w.cross_q(a).view(B * h_kv, g, Dh)
-        x = w.cross_o.add(_attend_masked(cq, *mem.view(i, rp.num_slots), rp.hide_slots).view(B, h * Dh), x)
-        a, _ = rms_forward(x, self.norm, cd)
-        gu = w.gate_up(a)  # (B, 2F)
-        f = gu.shape[1] // 2
-        return w.down.add(F.silu(gu[:, :f]) * gu[:, f:], x)
 
     @torch.no_grad()
     def append_memory_rows(self, mem: StepKV, rows: torch.Tensor, batch_size: int, m: torch.Tensor,
@@ -283,24 +287,26 @@ class DecodeWeights:
         for i, k, v in self._memory_kv(m):
             mem.write_rows(i, rows, batch_size, 1 + start, k, v)
 
-    def _layer(self, w: LayerGemms, i: int, x: torch.Tensor, t: int, dec: StepKV, mem: StepKV,
-               visible: int, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The training step's forward (FusedRun._layer_forward without saving), over StepKV."""
+    def _layer(self, w: LayerGemms, i: int, x: torch.Tensor, at, dec: StepKV, mem: StepKV,
+               cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The training step's forward (FusedRun._layer_forward without saving), over StepKV.
+        ``at``: where the rows are, a _Position (every row at t: no masks) or a RowPositions (each
+        row at its own position: K/V written per row, keys and memory slots masked per row);
+        cos, sin: the RoPE rows of that position, or of each row's."""
         B, Dh, cd = x.shape[0], self.head_dim, self.compute_dtype
         h, h_kv = w.num_heads, w.num_kv_heads
         g = h // h_kv
-        # self-attention over the decoder's K/V of positions [0, t]
+        # self-attention over the decoder's K/V of the visible positions
         a, _ = rms_forward(x, self.norm, cd)
         qkv = w.qkv(a)
-        qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), cos, sin)  # RoPE at position t
-        v = qkv[:, (h + h_kv) * Dh:].view(B, 1, h_kv, Dh)
-        dec.write(i, t, qk[:, None, h:], v)
-        att = attend(qk[:, :h].reshape(B * h_kv, g, Dh), *dec.view(i, t + 1))
+        qk = rope(qkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh), cos, sin)
+        at.write(dec, i, qk[:, h:], qkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh))
+        att = at.attend_keys(qk[:, :h].reshape(B * h_kv, g, Dh), dec, i)
         x = w.o.add(att.view(B, h * Dh), x)
         # cross-attention into {null} + the visible memory
         a, _ = rms_forward(x, self.norm, cd)
         cq = w.cross_q(a).view(B * h_kv, g, Dh)
-        x = w.cross_o.add(attend(cq, *mem.view(i, visible)).view(B, h * Dh), x)
+        x = w.cross_o.add(at.attend_memory(cq, mem, i).view(B, h * Dh), x)
         # SwiGLU MLP
         a, _ = rms_forward(x, self.norm, cd)
         gu = w.gate_up(a)  # (B, 2F)
