@@ -37,7 +37,7 @@ def dense_logprobs(model: RLT, rollout: Rollout, compact: bool = False, share_pr
     """
     rows = dense_rows(rollout, compact, share_prompts)
     with precision(rollout.schedule.dtype, rollout.tokens.device):
-        logits = model(dense_inputs(rollout), **({} if rows is None else {"rows": rows}))  # (B, T, V) fp32
+        logits = model(dense_inputs(rollout), rows=rows)  # (B, T, V) fp32
     return dense_logprobs_from_logits(logits, rollout)
 
 
