@@ -175,6 +175,13 @@ def test_with_compaction_the_head_runs_on_the_positions_the_loss_reads_only():
     torch.testing.assert_close(flat[idx], full[idx], rtol=1e-6, atol=1e-6)
     unread = torch.ones(flat.shape[0], dtype=torch.bool).index_fill_(0, idx, False)
     assert idx.numel() < flat.shape[0] and not flat[unread].any()
+    from tests.unit.test_baselines import cfg_of as baseline_cfg  # the dense and looped baselines: the same head
+
+    for arch in ("dense", "looped"):
+        baseline = build_model(baseline_cfg(arch, vocab_size=V, **({"loops": 2} if arch == "looped" else {})), seed=0)
+        trimmed = baseline(x, rows=rows).reshape(len(lengths) * T, -1)
+        torch.testing.assert_close(trimmed[idx], baseline(x).reshape(len(lengths) * T, -1)[idx], rtol=1e-6, atol=1e-6)
+        assert not trimmed[unread].any()
 
 
 def grouped_rollout(model, G=4, max_new_tokens=8):
