@@ -199,6 +199,23 @@ def _zero3_persistence(threshold: int | None):
         zero.deepspeed_config = original
 
 
+@contextlib.contextmanager
+def _prompt_packs():
+    """The encoder's prompt packs built inside (grpo.dense_share_prompts): (packed positions,
+    padded B x T) each."""
+    packs, init = [], PromptPack.__init__
+
+    def spy(self, rows, T, device):
+        init(self, rows, T, device)
+        packs.append((self.total, rows.batch_size * T))
+
+    PromptPack.__init__ = spy
+    try:
+        yield packs
+    finally:
+        PromptPack.__init__ = init
+
+
 def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict | None = None,
                            persistence_threshold: int | None = None) -> dict:
     """One GRPO step (two minibatches) of the distributed trainer against ``OneProcessGRPO``.
@@ -223,17 +240,8 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
         return stats
 
     trainer.engine.train_step = spy
-    packs, init = [], PromptPack.__init__
-
-    def pack_spy(self, rows, T, device):  # the encoder's prompt packs (grpo.dense_share_prompts)
-        init(self, rows, T, device)
-        packs.append((self.total, rows.batch_size * T))
-
-    PromptPack.__init__ = pack_spy
-    try:
+    with _prompt_packs() as packs:
         scalars = trainer.job.step(0)
-    finally:
-        PromptPack.__init__ = init
     stats = captured["stats"]
     ref = OneProcessGRPO(cfg, dims.dp).step(recs, [s.lr for s in stats])
     mine = captured["rollouts"][:len(captured["rollouts"]) // cfg.grpo.epochs]
@@ -273,17 +281,7 @@ def dynamic_sampling_step(parallel: dict, grpo: dict | None = None) -> dict:
         return original(batches, loss)
 
     trainer.engine.train_step = spy
-    packs, init = [], PromptPack.__init__
-
-    def pack_spy(self, rows, T, device):  # the encoder's prompt packs (grpo.dense_share_prompts)
-        init(self, rows, T, device)
-        packs.append((self.total, rows.batch_size * T))
-
-    PromptPack.__init__ = pack_spy
-    try:
-        scalars = trainer.job.step(0)
-    finally:
-        PromptPack.__init__ = init
+    scalars = trainer.job.step(0)
     trainer.engine.close()
     dims.destroy()
     return {"scalars": scalars, "kept_rows": kept_rows, "dp": dims.dp}
