@@ -1,0 +1,88 @@
+"""Would compiling the fused decoder's per-position step reach issue 11's FLOP rate? (A
+measurement, not a test: it asserts nothing.)
+
+The capture-ready form of the fused step (model/fused_run.py, ``static=True``) has shapes that do
+not depend on t, so its per-position bodies (model/cuda_graphs.py: forward, recompute, backward)
+can be compiled once by torch.compile (inductor, C++ on CPU) as they are captured on a GPU. Two
+things in the code as it is stop inductor, and this benchmark works around both for the
+experiment only:
+
+- the run's buffers are views of one slab (model/fused_state.Slab), and aot_autograd refuses
+  mutated inputs that alias each other: here each buffer gets its own allocation;
+- the products are oneDNN linears on prepacked weights, and inductor's oneDNN lowering needs the
+  weights to be graph constants (which training weights are not): here the products are plain
+  ``torch.mm`` (``fused.MKLDNN_MIN_ELEMENTS`` raised), which inductor lowers itself.
+
+Printed: the decoder's forward + backward time (dense schedule, full BPTT; d=512 H=8 ffn=1408
+L=4, B=8, T=64, as ``training.py --only flops``) on the eager fused path (oneDNN products), the
+capture-ready form uncompiled with plain products, and compiled, with the compile time.
+
+    TORCHINDUCTOR_COMPILE_THREADS=1 OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/compiled_step.py
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+import rlt_mega.model.cuda_graphs as cuda_graphs
+import rlt_mega.model.fused as fused
+import rlt_mega.model.fused_state as fused_state
+from harness import add_common_args, best_of_rounds, describe, setup
+from rlt_mega.config import load_config
+from rlt_mega.model import build_model
+
+
+def separate_buffers(self, owner, pooled=True):
+    """Slab.allocate with one allocation per buffer (no aliasing between them)."""
+    return {name: torch.zeros(shape, dtype=dtype, device=self.device) for name, shape, dtype, _ in self._specs}
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(p)
+    p.add_argument("--repeats", type=int, default=3, help="rounds; each figure is the best")
+    args = p.parse_args()
+    clock = setup(args)
+    cfg = load_config("configs/small_cpu.yaml", ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=8",
+                                                 "model.ffn_hidden=1408"])
+    B, T = 8, 64
+    model = build_model(cfg.model, seed=0)
+    x = torch.randint(0, cfg.model.vocab_size, (B, T), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        m = model.memory_norm(model.encode(model.embed(x)))
+    e = model.embed(x).detach().requires_grad_(True)
+    m = m.requires_grad_(True)
+
+    def step():
+        model.decode_dense(e, model.memory_kv(m)).sum().backward()
+
+    times = {}
+    times["eager fused (oneDNN products)"], _ = best_of_rounds({"x": step}, args.repeats, clock)
+    fused.MKLDNN_MIN_ELEMENTS = 1 << 62
+    fused_state.Slab.allocate = separate_buffers
+    model.static_decoder = True
+    times["capture-ready, plain mm, uncompiled"], _ = best_of_rounds({"x": step}, args.repeats, clock)
+    body = cuda_graphs._Body.__init__
+
+    def compiled_body(self, fn, capture, pool=None):
+        body(self, torch.compile(fn, dynamic=False), capture, pool)
+
+    cuda_graphs._Body.__init__ = compiled_body
+    model.cuda_graphs = True  # the captured run (model/cuda_graphs.py), its bodies compiled
+    t0 = time.time()
+    step()  # compiles
+    compile_s = time.time() - t0
+    times["capture-ready, plain mm, compiled"], _ = best_of_rounds({"x": step}, args.repeats, clock)
+    print(f"# compiled step: d=512 H=8 ffn=1408 L={cfg.model.n_layers}, B={B}, T={T}, decoder forward + "
+          f"backward; {describe(args)}; compile {compile_s:.0f} s (wall)")
+    ref = times["eager fused (oneDNN products)"]["x"]
+    for label, t in times.items():
+        print(f"{label:<40} {t['x']:7.2f} s  {t['x'] / ref:5.2f}x the eager fused path")
+
+
+if __name__ == "__main__":
+    main()
