@@ -445,12 +445,12 @@ class GRPOConfig:
     # is not torch.equal to mu (train/grpo.py, ``onpolicy_values``).
     skip_onpolicy_replay: bool = True
     verify_onpolicy: bool = False
-    # The learner's dense schedule follows the data (model/fused_rows.py; in the decoder with
-    # the fused decoder only, the module path runs every row): dense_compact runs each position only on the rows
-    # still inside their sequence (and the head only at the completion positions, the ones the
-    # loss reads); dense_share_prompts runs the positions of a prompt its group
-    # shares once (in the encoder too: model/prompt_pack.py) and forks the state into the
-    # group's rows. Same gradient, fewer row-steps.
+    # The learner's dense schedule follows the data (model/fused_rows.py). dense_compact runs
+    # each decoder position only on the rows still inside their sequence and the head only at
+    # the completion positions (the ones the loss reads); dense_share_prompts runs the positions
+    # of a prompt its group shares once, in the encoder (model/prompt_pack.py) and the decoder,
+    # and forks the state into the group's rows. Same gradient, fewer row-steps. In the decoder
+    # both apply to the fused decoder only (the module path runs every row there).
     dense_compact: bool = True
     dense_share_prompts: bool = True
 
