@@ -20,6 +20,7 @@ is the same arithmetic), and the stage holds a few copies of its decoder weights
                           q/k/v and gate/up, the scaled cross query); in a bf16 run the bf16
                           copies the products read; on CPU oneDNN's reordered forward and
                           backward forms of every weight of >= MKLDNN_MIN_ELEMENTS elements
+                          and a transposed copy of each smaller one
   accumulators            fp32, one per fused weight, from the decoder's backward until autograd
                           has taken each to the parameters
 
@@ -124,11 +125,12 @@ def fused_weight_bytes(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str
     # bf16 run, fp32 copies (the fused weights themselves, or recur's input)
     folded = 4 * (numel["qkv"] + numel["cross_q"] + numel["gate_up"] + (numel["recur"] if a != 4 else 0))
     forms = 0.0 if a == 4 else a * total  # the products' bf16 copies
-    if layout.onednn_weights:  # oneDNN's forward and backward forms of the large weights
+    if layout.onednn_weights:  # on the CPU (model/fused.Gemm): oneDNN's forward and backward forms
+        # of the large fp32/bf16 weights, the transposed copy the torch.mm products read of the rest
         sizes = {"qkv": (h + 2 * h_kv) * Dh * d, "o": d * h * Dh, "cross_q": h * Dh * d, "cross_o": d * h * Dh,
                  "gate_up": 2 * F * d, "down": d * F, "recur": d * d}
         for name, size in sizes.items():
             count = numel[name] // size if size else 0  # layers of the stage (or the recurrence)
-            if size >= fused_kernels.MKLDNN_MIN_ELEMENTS:  # (read here: tests lower it)
-                forms += 2 * a * size * count
+            onednn = size >= fused_kernels.MKLDNN_MIN_ELEMENTS and a in (2, 4)  # (read here: tests lower it)
+            forms += (2 if onednn else 1) * a * size * count
     return {"weights": fused + folded + forms, "accumulators": 4.0 * total}

@@ -323,8 +323,8 @@ def test_peak_forward_backward_memory_bf16_fused(mode, enc):
     ("tiny", "fp32", "none", 1, 0), ("gqa_bias", "bf16", "step", 1, 0), ("small", "fp32", "step", 2, 1),
     ("tied_unshared", "fp32", "every_k", 2, 0)])
 def test_fused_run_buffers_equal_the_model(name, dtype, mode, pp, stage, monkeypatch):
-    """The slab of the run a stage builds, purpose by purpose, and the accumulators and oneDNN
-    forms of its stack, exactly (T > W: the checkpointed slots differ from the positions)."""
+    """The slab of the run a stage builds, purpose by purpose, and the accumulators, oneDNN
+    forms and transposed copies of its stack, exactly (T > W: the checkpointed slots differ from the positions)."""
     monkeypatch.setattr(fused_kernels, "MKLDNN_MIN_ELEMENTS", 5000)  # (tiny: some weights reordered, some not)
     cfg = ModelConfig(**{**CONFIGS[name], "max_seq_len": 96}, fused_decoder=True)
     B, T = 16, 40
@@ -348,8 +348,11 @@ def test_fused_run_buffers_equal_the_model(name, dtype, mode, pp, stage, monkeyp
                                                                      "down")] + [stack.recur] * (stage == 0)
     reordered = sum(2 * g.w.numel() * g.w.element_size() for g in gemms if g.mkldnn)
     assert reordered > 0
+    transposed = sum(g.wt.numel() * g.wt.element_size() for g in gemms if g.wt.data_ptr() != g.w.data_ptr())
+    assert transposed == sum(g.w.numel() * g.w.element_size() for g in gemms if not g.mkldnn)  # torch.mm's copy
     fused = sum(4 * w.numel() for w in weights)  # the fused weights, fp32 at least
-    assert copies["weights"] - fused - reordered == pytest.approx(_fold_and_cast_bytes(weights, spec, torch_dtype))
+    assert copies["weights"] - fused - reordered - transposed == pytest.approx(
+        _fold_and_cast_bytes(weights, spec, torch_dtype))
 
 
 def _fold_and_cast_bytes(weights, spec, dtype) -> float:
