@@ -128,29 +128,28 @@ class Gemm:
 
     def __init__(self, w: torch.Tensor, rows: int, backward: bool = False,
                  bias: Optional[torch.Tensor] = None) -> None:
-        self.w, self.bias, self.rows = w, bias, rows
+        self.w, self.bias, self.rows, self.backward = w, bias, rows, backward
         self.out_features, self.in_features = w.shape
         self.mkldnn = (_MKLDNN and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
                        and w.numel() >= MKLDNN_MIN_ELEMENTS)
-        self.wt = w.t()  # the forward product's right operand
+        self._prepare()
+
+    def _prepare(self) -> None:
+        """The forms the products read, from ``w``: oneDNN's reordered weight (and, with
+        ``backward``, its transpose's), or the forward product's right operand ``wt``: on the CPU
+        a contiguous copy (MKL repacks a transposed right operand on every call), else a view."""
+        w = self.w
+        self.fwd = self.bwd = None
         if self.mkldnn:
             reorder = torch.ops.mkldnn._reorder_linear_weight
-            self.fwd = reorder(w.contiguous(), rows)
-            self.bwd = reorder(w.t().contiguous(), rows) if backward else None
-        else:
-            self.fwd = self.bwd = None
-            if w.device.type == "cpu":  # MKL repacks a transposed right operand on every call
-                self.wt = w.t().contiguous()
+            self.fwd = reorder(w.contiguous(), self.rows)
+            self.bwd = reorder(w.t().contiguous(), self.rows) if self.backward else None
+        self.wt = w.t().contiguous() if w.device.type == "cpu" and not self.mkldnn else w.t()
 
     def load(self, w: torch.Tensor) -> None:
         """New values for the weight, in place (a captured CUDA graph reads its address)."""
         self.w.copy_(w)
-        if self.wt.data_ptr() != self.w.data_ptr():
-            self.wt.copy_(self.w.t())
-        if self.mkldnn:
-            reorder = torch.ops.mkldnn._reorder_linear_weight
-            self.fwd = reorder(self.w.contiguous(), self.rows)
-            self.bwd = reorder(self.w.t().contiguous(), self.rows) if self.bwd is not None else None
+        self._prepare()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, in) -> x @ w^T (+ bias) (B, out)."""

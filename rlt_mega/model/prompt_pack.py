@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from rlt_mega.model.documents import Documents
 from rlt_mega.model.fused_rows import DenseRows
 
 
@@ -87,9 +88,13 @@ class PromptPack:
         self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @classmethod
-    def of(cls, rows: Optional[DenseRows], T: int, device: torch.device) -> Optional["PromptPack"]:
-        """The pack of a GRPO batch with shared prompts; None without (every row encoded whole)."""
-        return None if rows is None or rows.groups is None else cls(rows, T, device)
+    def of(cls, rows: Optional[DenseRows], T: int, device: torch.device,
+           documents: Optional[Documents] = None) -> Optional["PromptPack"]:
+        """The pack of a GRPO batch with shared prompts; None without (every row encoded whole)
+        or for packed documents (their own layout, model/documents.py)."""
+        if documents is not None or rows is None or rows.groups is None:
+            return None
+        return cls(rows, T, device)
 
     @property
     def shape(self) -> tuple[int, int]:

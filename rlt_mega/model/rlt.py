@@ -333,7 +333,7 @@ class RLT(nn.Module):
         groups share prompts (the GRPO learner) each group's prompt is encoded once and each row's
         own tokens after it (model/prompt_pack.py); m is then 0 past row b's rows.lengths[b]
         positions, which its decoder never reads."""
-        pack = PromptPack.of(rows, emb.shape[1], emb.device) if documents is None else None
+        pack = PromptPack.of(rows, emb.shape[1], emb.device, documents)
         if pack is None:
             return self.memory_norm(self.encode(emb, documents=documents))
         return pack.unpack(self.memory_norm(self.encode(pack.pack(emb), documents=pack)))

@@ -158,8 +158,7 @@ class RLTStage:
         self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T), docs=Documents.of(b))
                     for b in batches]
         for mb in self.mbs:  # the same layout on every stage: a function of the batch's rows
-            if mb.docs is None:
-                mb.pack = PromptPack.of(mb.batch.get(DENSE_ROWS), T, mb.inputs.device)
+            mb.pack = PromptPack.of(mb.batch.get(DENSE_ROWS), T, mb.inputs.device, mb.docs)
         self.loss_scale, self.grad, self.loss = loss_scale, grad, loss
         self.fused = all(self.model.uses_fused(mb.docs) for mb in self.mbs)  # packed documents: the module path
         if self.fused:
