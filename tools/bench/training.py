@@ -14,7 +14,10 @@ Sections
   nothing elementwise) and used as the work of both paths (the fused path recomputes no more than
   the module path does). Each position-layer's time is split into GEMM and the rest by the share
   of the matrix-product operators' self time (mm, addmm, bmm, baddbmm, oneDNN linear) in one
-  profiled run.
+  profiled run. Then the shape's ceiling on this machine: the per-position products measured
+  alone (``products_only``: at B rows each weight byte read feeds B/2 FLOPs, and the weights do
+  not stay in cache from one position to the next), the rest of the FLOPs at the matmul peak,
+  and no time between operators; with the fused path's share of it. ``--dec-batch`` changes B.
 - throughput (fused >= 2.5x the module path on small_cpu, >= 2x on tiny_cpu): training tokens/s
   of a full step (forward, backward, AdamW) for tiny_cpu and small_cpu at their configured
   sequence lengths, micro-batch sizes and checkpointing, fused against module path.
@@ -32,12 +35,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from typing import Callable
 
 import torch
 
 from harness import add_common_args, best_of_rounds, describe, peak_rss, peak_tensor_bytes, setup
 from rlt_mega.config import CheckpointingConfig, load_config
 from rlt_mega.model import build_model
+from rlt_mega.model.fused_dense import build_stack, replicator
+from rlt_mega.model.fused_run import fused_weights
 from rlt_mega.model.fused_state import WORKSPACE
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
@@ -175,12 +181,37 @@ def gemm_share(fn) -> float:
     return min(1.0, sum(e.self_cpu_time_total for e in prof.key_averages() if e.key in GEMM_OPS) / 1e6 / total)
 
 
+def products_only(model, B: int, T: int) -> tuple[Callable[[], object], float, int]:
+    """The per-position products of a fused training step and nothing else: the stack the fused
+    path prepares for ``model`` (fp32, B rows, backward forms too), and for each of T positions
+    every layer's forward products in the step's order (qkv, o, cross_q, cross_o, gate_up, down;
+    the recurrence input's) then their input-gradient products in reverse, each weight read from
+    wherever the previous position left it, as in the step -> (fn, their FLOPs, the bytes of
+    weight forms one position reads)."""
+    spec, weights = fused_weights(model, range(model.cfg.n_layers), True, replicator(None))
+    stack = build_stack(model, spec, weights, B, True, torch.float32, torch.float32)
+    gemms = [stack.recur] + [getattr(stack.layers[i], n) for i in spec.layers
+                             for n in ("qkv", "o", "cross_q", "cross_o", "gate_up", "down")]
+    xs = [torch.randn(B, g.in_features) for g in gemms]
+    gs = [torch.randn(B, g.out_features) for g in gemms]
+
+    def run():
+        for _ in range(T):
+            for g, x in zip(gemms, xs):
+                g(x)
+            for g, gy in zip(reversed(gemms), reversed(gs)):
+                g.grad_input(gy)
+
+    flops = T * sum(2 * 2 * B * g.in_features * g.out_features for g in gemms)
+    return run, flops, sum(2 * g.w.numel() * g.w.element_size() for g in gemms)  # a forward and a backward form
+
+
 def section_flops(args, clock) -> None:
     cfg = load_config("configs/small_cpu.yaml", ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=8",
                                                  "model.ffn_hidden=1408"])
     models = {label: build_model(dataclasses.replace(cfg.model, fused_decoder=fused), seed=0)
               for label, fused in PATHS.items()}
-    B, L, T = 8, cfg.model.n_layers, args.dec_len
+    B, L, T = args.dec_batch, cfg.model.n_layers, args.dec_len
     module = models["module"]
     x_enc = torch.randint(0, cfg.model.vocab_size, (B, args.enc_len))
     x_dec = x_enc[:, :T]
@@ -202,6 +233,7 @@ def section_flops(args, clock) -> None:
     for label in PATHS:
         fns[label]()  # warm-up (the fused step's workspace)
     share = {label: gemm_share(fns[label]) for label in PATHS}
+    fns["products"], product_flops, form_bytes = products_only(models["fused"], B, T)
     peaks = []
     fns["matmul"] = lambda: peaks.append(matmul_peak(clock))
     best, _ = best_of_rounds(fns, args.repeats, clock)
@@ -221,6 +253,17 @@ def section_flops(args, clock) -> None:
               f"{rate / peak:8.1%} {per:23.3f} {g:6.3f} {per - g:6.3f}")
     print(f"fused / module decoder time: {best['module'] / best['fused']:.2f}x (GEMM/rest split: the shares of "
           "one profiled run, whose per-operator overhead inflates the rest, applied to the unprofiled time)")
+    # The ceiling of this shape on this machine: the per-position products as measured alone (each
+    # reads its weight form from memory once per position: at B rows a weight byte feeds B/2 FLOPs),
+    # everything else (the deferred weight gradients, the memory K/V, attention) at the matmul peak,
+    # and no time between operators.
+    floor = best["products"] + (flops["decoder"] - product_flops) / peak
+    stream = form_bytes * T / best["products"]
+    ceiling = flops["decoder"] / floor / peak
+    print(f"ceiling at B={B}: the per-position products alone {best['products']:.2f} s ({product_flops / 1e9:.2f} "
+          f"GFLOP, {product_flops / best['products'] / peak:.1%} of peak: {form_bytes / 2**20:.0f} MiB of weight forms "
+          f"read per position at {stream / 1e9:.1f} GB/s), the rest of the FLOPs at peak, nothing between operators: "
+          f"{floor:.2f} s = {ceiling:.1%} of peak; the fused path reaches {floor / best['fused']:.0%} of it")
 
 
 def main() -> None:
@@ -232,6 +275,7 @@ def main() -> None:
                    help="memory section: checkpointing modes (none is always measured)")
     p.add_argument("--enc-len", type=int, default=256, help="flops section: encoder T")
     p.add_argument("--dec-len", type=int, default=64, help="flops section: decoder T")
+    p.add_argument("--dec-batch", type=int, default=8, help="flops section: B (the target's is 8)")
     p.add_argument("--repeats", type=int, default=2, help="rounds; each figure is the best")
     add_common_args(p)
     args = p.parse_args()
