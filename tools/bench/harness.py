@@ -55,18 +55,30 @@ def describe(args) -> str:
             f"({'process CPU time' if args.clock == 'cpu' else 'elapsed time'})")
 
 
-def best_of_rounds(fns: dict[Hashable, Callable[[], object]], repeats: int, clock: Callable[[], float]
-                   ) -> tuple[dict[Hashable, float], dict[Hashable, object]]:
-    """Times every fn once per round, ``repeats`` rounds, in the given order -> (best time of
-    each, last output of each)."""
-    best = {k: float("inf") for k in fns}
+def timed_rounds(fns: dict[Hashable, Callable[[], object]], repeats: int, clock: Callable[[], float]
+                 ) -> tuple[dict[Hashable, list[float]], dict[Hashable, object]]:
+    """Times every fn once per round, ``repeats`` rounds, in the given order -> (each one's time
+    in every round, last output of each)."""
+    times: dict[Hashable, list[float]] = {k: [] for k in fns}
     outs: dict[Hashable, object] = {}
     for _ in range(repeats):
         for k, fn in fns.items():
             t0 = clock()
             outs[k] = fn()
-            best[k] = min(best[k], clock() - t0)
-    return best, outs
+            times[k].append(clock() - t0)
+    return times, outs
+
+
+def best_of_rounds(fns: dict[Hashable, Callable[[], object]], repeats: int, clock: Callable[[], float]
+                   ) -> tuple[dict[Hashable, float], dict[Hashable, object]]:
+    """:func:`timed_rounds` -> (best time of each, last output of each)."""
+    times, outs = timed_rounds(fns, repeats, clock)
+    return {k: min(v) for k, v in times.items()}, outs
+
+
+def round_ratios(times: dict[Hashable, list[float]], num: Hashable, den: Hashable) -> list[float]:
+    """times[num] / times[den] within each round: neighbours that slow one round slow both."""
+    return [a / b for a, b in zip(times[num], times[den])]
 
 
 def _status_bytes(key: str) -> int:

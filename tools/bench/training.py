@@ -39,7 +39,8 @@ from typing import Callable
 
 import torch
 
-from harness import add_common_args, best_of_rounds, describe, peak_rss, peak_tensor_bytes, setup
+from harness import (add_common_args, best_of_rounds, describe, peak_rss, peak_tensor_bytes, round_ratios, setup,
+                     timed_rounds)
 from rlt_mega.config import CheckpointingConfig, load_config
 from rlt_mega.model import build_model
 from rlt_mega.model.fused_dense import build_stack, replicator
@@ -76,7 +77,7 @@ def make_step(cfg_path: str, seq_len: int, batch: int, fused: bool = True, overr
 def section_throughput(args, clock) -> None:
     print("\n## training throughput (full step: forward, backward, AdamW; each config's own checkpointing)")
     print(f"{'config':<10} {'B x T':>9} {'checkpointing':>24} {'fused s':>8} {'module s':>9} {'fused tok/s':>11} "
-          f"{'module tok/s':>12} {'ratio':>6}")
+          f"{'module tok/s':>12} {'ratio':>6}  (ratio: of the best times; per round: module / fused within each round, sorted)")
     for name in ("tiny_cpu", "small_cpu"):
         base = load_config(f"configs/{name}.yaml")
         B, T = base.train.micro_batch_size, base.data.seq_len
@@ -86,11 +87,14 @@ def section_throughput(args, clock) -> None:
             model.set_checkpointing(cfg.train.checkpointing)
             step()  # warm-up: Adam state, the fused step's workspace
             steps[label] = step
-        best, _ = best_of_rounds(steps, args.repeats, clock)
+        times, _ = timed_rounds(steps, args.repeats, clock)
+        best = {k: min(v) for k, v in times.items()}
+        paired = sorted(round_ratios(times, "module", "fused"))
         ck = base.train.checkpointing
         mode = ck.decoder + (f"(k={ck.decoder_k})" if ck.decoder == "every_k" else "") + ("+enc" if ck.encoder else "")
         print(f"{name:<10} {f'{B} x {T}':>9} {mode:>24} {best['fused']:8.2f} {best['module']:9.2f} "
-              f"{B * T / best['fused']:11.0f} {B * T / best['module']:12.0f} {best['module'] / best['fused']:6.2f}")
+              f"{B * T / best['fused']:11.0f} {B * T / best['module']:12.0f} {best['module'] / best['fused']:6.2f}  "
+              f"per round {' '.join(f'{r:.2f}' for r in paired)}")
 
 
 def section_memory(args, clock) -> None:
