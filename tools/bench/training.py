@@ -279,7 +279,8 @@ def main() -> None:
                    help="memory section: checkpointing modes (none is always measured)")
     p.add_argument("--enc-len", type=int, default=256, help="flops section: encoder T")
     p.add_argument("--dec-len", type=int, default=64, help="flops section: decoder T")
-    p.add_argument("--dec-batch", type=int, default=8, help="flops section: B, of the encoder and the decoder (the target is at 8)")
+    p.add_argument("--dec-batch", type=int, default=8,
+                   help="flops section: B, of the encoder and the decoder (the target is at 8)")
     p.add_argument("--repeats", type=int, default=2, help="rounds; each figure is the best")
     add_common_args(p)
     args = p.parse_args()
