@@ -77,7 +77,8 @@ def make_step(cfg_path: str, seq_len: int, batch: int, fused: bool = True, overr
 def section_throughput(args, clock) -> None:
     print("\n## training throughput (full step: forward, backward, AdamW; each config's own checkpointing)")
     print(f"{'config':<10} {'B x T':>9} {'checkpointing':>24} {'fused s':>8} {'module s':>9} {'fused tok/s':>11} "
-          f"{'module tok/s':>12} {'ratio':>6}  (ratio: of the best times; per round: module / fused within each round, sorted)")
+          f"{'module tok/s':>12} {'ratio':>6}  (ratio: of the best times; per round: module / fused within "
+          "each round, sorted)")
     for name in ("tiny_cpu", "small_cpu"):
         base = load_config(f"configs/{name}.yaml")
         B, T = base.train.micro_batch_size, base.data.seq_len
