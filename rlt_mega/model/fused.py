@@ -50,7 +50,14 @@ def _mkldnn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
+def _mkldnn_bf16() -> bool:
+    """oneDNN's bf16 products need AVX512 (bw, vl, dq) or AVX-NE-CONVERT; on an AVX2-only CPU (an
+    AMD EPYC without AVX512, say) its reorder refuses bf16 weights, so they run torch.mm there."""
+    return _MKLDNN and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
 _MKLDNN = _mkldnn_available()
+MKLDNN_BF16 = _mkldnn_bf16()
 
 
 def wide(w: torch.Tensor) -> torch.Tensor:
@@ -130,8 +137,8 @@ class Gemm:
                  bias: Optional[torch.Tensor] = None) -> None:
         self.w, self.bias, self.rows, self.backward = w, bias, rows, backward
         self.out_features, self.in_features = w.shape
-        self.mkldnn = (_MKLDNN and w.device.type == "cpu" and w.dtype in (torch.float32, torch.bfloat16)
-                       and w.numel() >= MKLDNN_MIN_ELEMENTS)
+        self.mkldnn = (_MKLDNN and w.device.type == "cpu" and w.numel() >= MKLDNN_MIN_ELEMENTS
+                       and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and MKLDNN_BF16)))
         self._prepare()
 
     def _prepare(self) -> None:

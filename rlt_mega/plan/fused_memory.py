@@ -131,6 +131,6 @@ def fused_weight_bytes(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str
                  "gate_up": 2 * F * d, "down": d * F, "recur": d * d}
         for name, size in sizes.items():
             count = numel[name] // size if size else 0  # layers of the stage (or the recurrence)
-            onednn = size >= fused_kernels.MKLDNN_MIN_ELEMENTS and a in (2, 4)  # (read here: tests lower it)
+            onednn = size >= fused_kernels.MKLDNN_MIN_ELEMENTS and (a == 4 or (a == 2 and fused_kernels.MKLDNN_BF16))
             forms += (2 if onednn else 1) * a * size * count
     return {"weights": fused + folded + forms, "accumulators": 4.0 * total}

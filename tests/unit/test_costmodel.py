@@ -347,7 +347,7 @@ def test_fused_run_buffers_equal_the_model(name, dtype, mode, pp, stage, monkeyp
     gemms = [getattr(g, n) for g in stack.layers.values() for n in ("qkv", "o", "cross_q", "cross_o", "gate_up",
                                                                      "down")] + [stack.recur] * (stage == 0)
     reordered = sum(2 * g.w.numel() * g.w.element_size() for g in gemms if g.mkldnn)
-    assert reordered > 0
+    assert reordered > 0 or (dtype == "bf16" and not fused_kernels.MKLDNN_BF16)  # (an AVX2-only CPU: bf16 on torch.mm)
     transposed = sum(g.wt.numel() * g.wt.element_size() for g in gemms if g.wt.data_ptr() != g.w.data_ptr())
     assert transposed == sum(g.w.numel() * g.w.element_size() for g in gemms if not g.mkldnn)  # torch.mm's copy
     fused = sum(4 * w.numel() for w in weights)  # the fused weights, fp32 at least
