@@ -18,9 +18,8 @@ floating-point rounding of the masked kernels).
 The structure is one object built once per batch from a (B, T) bool tensor of document
 starts (``batch["doc_starts"]``, the only thing the data path writes); every mask is a
 device tensor computed here in a few batched ops, and a decoder step slices its row of
-them, so no step syncs with the host. Padding appended to a row continues its last document
-(causal: no earlier position changes). A fused decoder takes the same object: per-step
-key masks ``self_keys(t)`` / ``memory_keys(t, C)`` and RoPE tables ``step_rope``.
+them (model/layout.py, ``Step.documents``), so no step syncs with the host. Padding appended
+to a row continues its last document (causal: no earlier position changes).
 """
 
 from __future__ import annotations
@@ -54,6 +53,7 @@ class Documents:
         self._same = same
         self._memory: dict[int, torch.Tensor] = {}
         self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self._step_tables: Optional[tuple] = None  # (the decoder's tables, their rows (B, T, Dh) each)
 
     @classmethod
     def of(cls, batch: dict) -> Optional["Documents"]:
@@ -88,25 +88,14 @@ class Documents:
         return encoder_attention(q, k, v, 0, self.attend)
 
     # ------------------------------------------------------------------ one decoder step
-    def step_rope(self, rotary, dtype: torch.dtype, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) of step t, each (B, 1, 1, Dh) (views)."""
-        cos, sin = self.rope(rotary, dtype)
-        return cos[:, :, t:t + 1], sin[:, :, t:t + 1]
-
-    def self_keys(self, t: int) -> torch.Tensor:
-        """(B, 1, 1, t + 1) bool: the decoder keys [0, t] step t attends to (broadcast over heads
-        and grouped query rows)."""
-        return self.attend[:, t, :t + 1][:, None, None, :]
-
-    def memory_keys(self, t: int, C: int) -> tuple[int, torch.Tensor]:
-        """(n, mask (B, 1, 1, n)): step t reads memory slots [0, n), n = 2 + t (null and positions
-        <= t: a document's memory never runs ahead of its own position), those of mask True."""
-        n = min(2 + t, 1 + self.starts.shape[1])
-        return n, self.memory(C)[:, t, :n][:, None, None, :]
-
-    def reset(self, z_prev: torch.Tensor, z_init: torch.Tensor, t: int) -> torch.Tensor:
-        """z_{t-1} (B, d) with the rows where a document starts at t replaced by z_init (d)."""
-        return torch.where(self.starts[:, t, None], z_init.to(z_prev.dtype), z_prev)
+    def rope_rows(self, tables: tuple, t: int) -> tuple:
+        """The decoder step's RoPE rows at step t, each row at its position in its document:
+        ``tables`` (cos, sin_fwd, sin_bwd), (max_seq_len, Dh) each (model/kernels.py) -> the same,
+        (B, 1, Dh) each (views of rows gathered once per batch and tables)."""
+        if self._step_tables is None or self._step_tables[0] is not tables:
+            rows = tuple(x[self.positions] for x in tables)  # (B, T, Dh) each
+            self._step_tables = (tables, rows)
+        return tuple(x[:, t, None] for x in self._step_tables[1])
 
 
 def forward_kwargs(batch: dict) -> dict:

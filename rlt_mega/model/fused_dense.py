@@ -22,13 +22,15 @@ bit-identical gradients.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 
-from rlt_mega.model.cuda_graphs import CapturedRun, GraphCache, GraphedDecode
+from rlt_mega.model.decoder import (FusedRun, FusedStack, StackSpec, StepRunner, WeightGrads, checkpoint_slots,
+                                    fused_weights)
+from rlt_mega.model.documents import Documents
 from rlt_mega.model.fused_rows import DenseRows, RowPlan
-from rlt_mega.model.fused_run import FusedRun, FusedStack, StackSpec, WeightGrads, checkpoint_slots, fused_weights
+from rlt_mega.model.kernels import wide
 
 
 class ReduceGrad(torch.autograd.Function):
@@ -61,18 +63,11 @@ def compute_dtype_of(param_dtype: torch.dtype, device: torch.device) -> torch.dt
     return param_dtype
 
 
-def build_stack(model, spec: StackSpec, tensors, rows: int, backward: bool, stream_dtype: torch.dtype,
-                compute_dtype: torch.dtype) -> FusedStack:
-    cfg = model.cfg
-    return FusedStack(spec, tensors, stream_dtype=stream_dtype, compute_dtype=compute_dtype, rows=rows,
-                      backward=backward, d_model=cfg.d_model, eps=cfg.norm_eps, memory_block=cfg.memory_block,
-                      rotary=model.rotary, all_reduce=getattr(model, "tp_all_reduce", None))
-
-
 @dataclass
 class _Plan:
     """What the Function needs besides its tensor inputs."""
 
+    decoder: "Decoder"
     model: object
     spec: StackSpec
     num_memory: int  # 2 x layers: k, v per layer
@@ -80,6 +75,7 @@ class _Plan:
     compute_dtype: torch.dtype
     static: bool
     rows: Optional[RowPlan] = None  # which rows each position runs on (None: all)
+    documents: Optional[Documents] = None  # packed rows with document resets (model/documents.py)
 
 
 class FusedDecode(torch.autograd.Function):
@@ -88,11 +84,11 @@ class FusedDecode(torch.autograd.Function):
         B, T, d = emb.shape
         mem_flat, weights = tensors[:plan.num_memory], tensors[plan.num_memory:]
         memory = list(zip(mem_flat[0::2], mem_flat[1::2]))
-        stack = build_stack(plan.model, plan.spec, weights, B, True, emb.dtype, plan.compute_dtype)
+        stack = plan.decoder.stack(plan.model, plan.spec, weights, B, True, emb.dtype, plan.compute_dtype)
         slots = checkpoint_slots(B, T) if plan.checkpointed else None
         # the accumulators are made by the backward (allocate=False: not alive until then)
         run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights, allocate=False), slots=slots,
-                       static=plan.static, rows=plan.rows)
+                       static=plan.static, rows=plan.rows, documents=plan.documents, z0=z0)
         e = emb.detach().transpose(0, 1).contiguous()  # (T, B, d): one contiguous row block per position
         zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if plan.checkpointed else "save")
         ctx.plan, ctx.run, ctx.T = plan, run, T
@@ -113,6 +109,8 @@ class FusedDecode(torch.autograd.Function):
             carry = run.backward(t, gy)
         mem_grads = [g for pair in run.memory_grads() for g in pair]
         input_grads = run.input_grads()
+        if run.z0_grad is not None:  # the rows restarted from z_init at a packed document's start
+            carry = carry + run.z0_grad
         run.release_scratch()  # the rings and K/V gradients: not through the encoder's backward
         weight_grads = run.grads.grads()
         # The run lives as long as the graph (until the loss is dropped: after the encoder's
@@ -132,42 +130,94 @@ def _run_forward(run: FusedRun, e: torch.Tensor, z: torch.Tensor, mode: str) -> 
     return zs
 
 
-def decode_dense_fused(model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor] = None,
-                       rows: Optional[DenseRows] = None) -> torch.Tensor:
-    """``RLT.decode_dense`` on the fused step: emb (B, T, d), mem a MemoryKV whose K/V come
-    from ``RLT.memory_kv`` -> z (B, T, d), with full BPTT when anything requires grad.
+class Decoder:
+    """The RLT's decoder step as every schedule runs it: the dense schedule (``dense``: pretraining,
+    SFT, evaluation, the GRPO learner), a pipeline stage's positions (parallel/stage.py) and the
+    rollout and replay (rollout/executor.py) all build their products with ``stack`` and run
+    model/decoder.py's step on them.
 
-    rows (the GRPO learner, model/fused_rows.py): each position runs only on the rows still
-    inside their sequence (z is 0 past row b's ``rows.lengths[b]`` positions) and a shared
-    prompt's positions once per group; the same function where it is defined, and the same
-    gradient. The capture-ready form (CUDA graphs, static shapes) runs every row."""
-    B, T, _ = emb.shape
-    cfg = model.cfg
-    if T > cfg.max_seq_len:
-        raise ValueError(f"position {T - 1} is past model.max_seq_len={cfg.max_seq_len}: raise model.max_seq_len")
-    z0 = model.initial_state(B) if z0 is None else z0
-    layers = range(cfg.n_layers)
-    all_reduce = getattr(model, "tp_all_reduce", None)
-    compute = compute_dtype_of(emb.dtype, emb.device)
-    static = bool(getattr(model, "static_decoder", False))
-    plan_rows = row_plan(rows, B, T, emb.device, static)
-    memory = [(mem.k[i], mem.v[i]) for i in layers]
-    spec, weights = fused_weights(model, layers, True, replicator(all_reduce))
-    needs_grad = torch.is_grad_enabled() and (emb.requires_grad or z0.requires_grad or
-                                              any(t.requires_grad for pair in memory for t in pair) or
-                                              any(w.requires_grad for w in weights))
-    if not needs_grad:
+    all_reduce: the in-place sum over the tensor-parallel ranks where megatron's layers would
+    communicate (after each row-parallel product, on the input gradient of each column-parallel
+    one), given by parallel/tp.py when it shards the model (None: one device). static: the
+    capture-ready form of the dense schedule (t a device tensor, every shape the capacity's:
+    what a CUDA graph captures; parallel/cuda_graphs.py wraps it)."""
+
+    def __init__(self, all_reduce: Optional[Callable[[torch.Tensor], None]] = None, static: bool = False) -> None:
+        self.all_reduce, self.static = all_reduce, static
+
+    def weights(self, model, layers, with_input: bool) -> tuple[StackSpec, list[torch.Tensor]]:
+        """The fused weights of ``layers`` (and the recurrence input), differentiable expressions of
+        the parameters (model/kernels.py)."""
+        return fused_weights(model, layers, with_input, replicator(self.all_reduce))
+
+    def stack(self, model, spec: StackSpec, tensors, rows: int, backward: bool, stream_dtype: torch.dtype,
+              compute_dtype: torch.dtype, memory: bool = False) -> FusedStack:
+        """The prepared products of ``spec`` for batches of ``rows`` rows; memory: also the
+        cross-attention's k/v products (the rollout's memory writes)."""
+        cfg = model.cfg
+        cross_kv = None
+        if memory:
+            cross_kv = {i: torch.cat([wide(model.cross[i].attn.k.weight), wide(model.cross[i].attn.v.weight)])
+                        for i in spec.layers}  # (2 h_kv Dh, d): this rank's heads
+        return FusedStack(spec, tensors, stream_dtype=stream_dtype, compute_dtype=compute_dtype, rows=rows,
+                          backward=backward, d_model=cfg.d_model, eps=cfg.norm_eps, memory_block=cfg.memory_block,
+                          rotary=model.rotary, all_reduce=self.all_reduce, cross_kv=cross_kv)
+
+    def runners(self, model, layers, with_input: bool, shapes: Sequence[tuple[int, int]], stream_dtype: torch.dtype,
+                compute_dtype: torch.dtype) -> list[StepRunner]:
+        """The rollout's and the replay's decoders, one per micro-batch of ``shapes`` (rows: the
+        call's slots, capacity: positions), sharing products prepared once from the parameters as
+        they are now (new ones for every call: nothing computed under other parameters is reused)."""
         with torch.no_grad():
-            stack = build_stack(model, spec, weights, B, False, emb.dtype, compute)
-            run = FusedRun(stack, B, T, memory, grads=None, slots=1, static=static, rows=plan_rows)
-            return _run_forward(run, emb.transpose(0, 1).contiguous(), z0, mode="none").transpose(0, 1)
-    checkpointed = model.checkpointing.decoder != "none"
-    flat_memory = [t for pair in memory for t in pair]
-    if getattr(model, "cuda_graphs", False):
-        captured = _captured_run(model, spec, weights, emb, memory, checkpointed, compute)
-        return GraphedDecode.apply(captured, len(flat_memory), emb, z0, *flat_memory, *weights)
-    plan = _Plan(model, spec, 2 * len(memory), checkpointed, compute, static, plan_rows)
-    return FusedDecode.apply(plan, emb, z0, *flat_memory, *weights)
+            spec, weights = self.weights(model, layers, with_input)
+            stack = self.stack(model, spec, weights, max(b for b, _ in shapes), False, stream_dtype, compute_dtype,
+                               memory=True)
+        return [StepRunner(stack, batch, capacity, model.null_memory) for batch, capacity in shapes]
+
+    def dense(self, model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor] = None,
+              rows: Optional[DenseRows] = None, documents: Optional[Documents] = None) -> torch.Tensor:
+        """The dense schedule's decoder: emb (B, T, d), mem the memory K/V of ``RLT.memory_kv`` -> z
+        (B, T, d), with full BPTT when anything requires grad.
+
+        rows (model/fused_rows.py): each position runs only on the rows still inside their
+        sequence (z is 0 past row b's ``rows.lengths[b]`` positions) and a shared prefix's
+        positions once per group; the same function where it is defined, and the same gradient.
+        documents (model/documents.py): packed rows, each document computed as if alone in its
+        row. The capture-ready form runs every row (rows ignored: the padded schedule, the same
+        function at every position read)."""
+        B, T, _ = emb.shape
+        cfg = model.cfg
+        if T > cfg.max_seq_len:
+            raise ValueError(f"position {T - 1} is past model.max_seq_len={cfg.max_seq_len}: raise model.max_seq_len")
+        if documents is not None and documents.shape != (B, T):
+            raise ValueError(f"packed documents of shape {documents.shape} for a batch of {(B, T)}")
+        if documents is not None and self.static:
+            raise ValueError("packed documents run the eager decoder step: the capture-ready form has one position "
+                             "for every row")
+        z0 = model.initial_state(B) if z0 is None else z0
+        layers = range(cfg.n_layers)
+        compute = compute_dtype_of(emb.dtype, emb.device)
+        plan_rows = row_plan(rows, B, T, emb.device, self.static)
+        memory = [(mem.k[i], mem.v[i]) for i in layers]
+        spec, weights = self.weights(model, layers, True)
+        needs_grad = torch.is_grad_enabled() and (emb.requires_grad or z0.requires_grad or
+                                                  any(t.requires_grad for pair in memory for t in pair) or
+                                                  any(w.requires_grad for w in weights))
+        if not needs_grad:
+            with torch.no_grad():
+                stack = self.stack(model, spec, weights, B, False, emb.dtype, compute)
+                run = FusedRun(stack, B, T, memory, static=self.static, rows=plan_rows, documents=documents, z0=z0)
+                return _run_forward(run, emb.transpose(0, 1).contiguous(), z0, mode="none").transpose(0, 1)
+        checkpointed = model.checkpointing.decoder != "none"
+        flat_memory = [t for pair in memory for t in pair]
+        return self._dense_grad(model, emb, z0, memory, flat_memory, spec, weights, checkpointed, compute,
+                                plan_rows, documents)
+
+    def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpointed: bool,
+                    compute: torch.dtype, plan_rows, documents):
+        """The autograd Function over the sequence (a wrapper may replace it: parallel/cuda_graphs.py)."""
+        plan = _Plan(self, model, spec, 2 * len(memory), checkpointed, compute, self.static, plan_rows, documents)
+        return FusedDecode.apply(plan, emb, z0, *flat_memory, *weights)
 
 
 def row_plan(rows: Optional[DenseRows], B: int, T: int, device: torch.device, static: bool) -> Optional[RowPlan]:
@@ -179,20 +229,3 @@ def row_plan(rows: Optional[DenseRows], B: int, T: int, device: torch.device, st
         raise ValueError(f"dense rows describe {rows.batch_size} rows, the batch has {B}: build them from the "
                          "batch's own rollouts (learner/objective.py, grpo_batch)")
     return RowPlan(rows, T, device)
-
-
-def _captured_run(model, spec: StackSpec, weights, emb: torch.Tensor, memory, checkpointed: bool,
-                  compute: torch.dtype):
-    """The model's captured run for these shapes (model/cuda_graphs.py), built on first use."""
-    B, T, _ = emb.shape
-    key = (B, T, emb.dtype, compute, checkpointed, tuple(spec.keys), tuple(tuple(w.shape) for w in weights),
-           tuple(tuple(k.shape) for k, _ in memory))
-    if getattr(model, "_graph_cache", None) is None:
-        model._graph_cache = GraphCache()
-
-    def build() -> CapturedRun:
-        private = [w.detach().clone() for w in weights]  # the graphs read these; refreshed per forward
-        stack = build_stack(model, spec, private, B, True, emb.dtype, compute)
-        return CapturedRun(stack, spec, private, B, T, memory, checkpointed, capture=emb.is_cuda)
-
-    return model._graph_cache.get(key, build)

@@ -14,19 +14,13 @@ Decoder (recurrent in t)::
     z_t = u;  logits_t = lm_head(final_norm(z_t))
 
 The pieces are public so that schedules can compose them: ``encode`` (one batch, or a chunk
-with an encoder cache), ``memory_kv`` / ``init_memory`` / ``append_memory``, ``decoder_step``
-(``decoder_input`` + ``decoder_layers``), ``head``. ``forward`` is the dense schedule: the
-encoder in one causal batch, the decoder position by position, full BPTT. Every method that
-touches blocks takes an optional ``layers`` range so a pipeline stage runs only its own.
-
-The dense schedule's decoder has two implementations of the same function: the fused step
-(model/fused_dense.py, ``model.fused_decoder``, the default) and the module path below
-(``decoder_step`` per position through autograd), the reference the tests compare it with.
-
-Set from outside: ``tp_all_reduce`` (parallel/tp.py: the in-place sum over the tensor-parallel
-ranks that the fused step calls where megatron's layers would communicate; None on one
-process), ``static_decoder`` (the fused step's capture-ready form) and, through
-``set_cuda_graphs``, the capture of that form as CUDA graphs (model/cuda_graphs.py).
+with an encoder cache), ``memory_kv``, ``head``, and ``decoder``: the one decoder step every
+schedule runs (model/dense_decode.py's ``Decoder``: the dense schedule's decode with full BPTT,
+a pipeline stage's positions, the rollout's and the replay's steps). ``forward`` is the dense
+schedule: the encoder in one causal batch, the decoder position by position, full BPTT. Every
+method that touches blocks takes an optional ``layers`` range so a pipeline stage runs only its
+own. The decoder written plainly with these modules, the executable reference the tests compare
+the step with, is rlt_mega/reference.py.
 """
 
 from __future__ import annotations
@@ -40,13 +34,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
-from rlt_mega.model.attention import DecoderSelfAttention, encoder_attention, masked_attention, memory_attention
-from rlt_mega.model.cache import DecoderKV, KVCache, MemoryGradients, MemoryKV
-from rlt_mega.model.fused_dense import decode_dense_fused
-from rlt_mega.model.fused_rows import DenseRows, head_rows
+from rlt_mega.model.attention import encoder_attention
+from rlt_mega.model.cache import KVCache, MemoryKV
 from rlt_mega.model.documents import Documents
+from rlt_mega.model.fused_dense import Decoder
+from rlt_mega.model.fused_rows import DenseRows, head_rows
+from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary
 from rlt_mega.model.prompt_pack import PromptPack
-from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary, group_query, ungroup_query
 
 
 def vis(t: int, C: int) -> int:
@@ -56,7 +50,9 @@ def vis(t: int, C: int) -> int:
 
 
 class RLT(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, decoder: Optional[Decoder] = None) -> None:
+        """decoder: how the decoder step runs (its tensor-parallel reduce, its capture-ready form);
+        parallel/ passes one for a sharded model (default: one device, eager)."""
         super().__init__()
         self.cfg = cfg
         d, L, Dh = cfg.d_model, cfg.n_layers, cfg.head_dim
@@ -80,10 +76,7 @@ class RLT(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(Dh, cfg.max_seq_len, cfg.rope_theta)
         self.checkpointing = CheckpointingConfig()
-        self.tp_all_reduce = None  # set by parallel/tp.py under tensor parallelism
-        self.static_decoder = False  # the fused step's capture-ready form (model/fused_run.py)
-        self.cuda_graphs = False  # its capture (train.cuda_graphs, set_cuda_graphs)
-        self._graph_cache = None
+        self.decoder = Decoder() if decoder is None else decoder
         if self.null_memory.device.type != "meta":
             self.init_weights()
 
@@ -102,21 +95,6 @@ class RLT(nn.Module):
 
     def set_checkpointing(self, cfg: CheckpointingConfig) -> None:
         self.checkpointing = cfg
-
-    def set_cuda_graphs(self, enabled: bool) -> None:
-        """train.cuda_graphs: the dense schedule's decoder positions run as captured CUDA graphs
-        of the fused step's capture-ready form (model/cuda_graphs.py)."""
-        if enabled:
-            device = self.null_memory.device
-            if device.type != "cuda":
-                raise ValueError(f"train.cuda_graphs=true needs the model on a CUDA device, not {device}: set "
-                                 "train.cuda_graphs=false (CUDA graphs are a GPU feature; on a CPU the fused "
-                                 "decoder runs eagerly)")
-            if not self.cfg.fused_decoder:
-                raise ValueError("train.cuda_graphs=true captures the fused decoder: set model.fused_decoder=true")
-        self.cuda_graphs = enabled
-        self.static_decoder = enabled
-        self._graph_cache = None
 
     def decoder_block(self, i: int) -> Block:
         return self.blocks[i] if self.dec_blocks is None else self.dec_blocks[i]
@@ -162,114 +140,15 @@ class RLT(nn.Module):
                 h = self.encoder_layer(i, h, start, cache, documents)
         return h
 
-    # ------------------------------------------------------------------ memory
-    def uses_fused(self, documents: Optional[Documents] = None) -> bool:
-        """Whether the dense schedule runs the fused decoder (``model.fused_decoder``): packed rows
-        with document resets run the module path, whose steps take per-row positions and masks
-        (model/documents.py); the fused step has one position per batch."""
-        return self.cfg.fused_decoder and documents is None
-
-    def memory_kv(self, m: torch.Tensor, layers: Optional[Sequence[int]] = None,
-                  fused: Optional[bool] = None) -> MemoryKV:
-        """Dense schedule: cross K/V of {null} + m (B, T, d) for every layer, with autograd.
-        fused: whether the fused decoder reads it (default: ``uses_fused()``)."""
-        fused = self.uses_fused() if fused is None else fused
+    # ------------------------------------------------------------------ memory and decoder
+    def memory_kv(self, m: torch.Tensor, layers: Optional[Sequence[int]] = None) -> MemoryKV:
+        """Dense schedule: cross K/V of {null} + m (B, T, d) for every layer, with autograd (the
+        decoder's autograd Function takes them as inputs and returns their gradients)."""
         mem = MemoryKV(self.cfg.n_layers, capacity=1 + m.shape[1])
         slots = torch.cat([self.null_memory.to(m.dtype).expand(m.shape[0], 1, -1), m], dim=1)
         for i in self._layers(layers):
-            k, v = self.cross[i].attn.kv(slots)
-            # The module path's steps accumulate their gradients in ``mem``; the fused decoder
-            # takes k, v as inputs of its autograd Function and returns theirs.
-            if torch.is_grad_enabled() and k.requires_grad and not fused:
-                k, v = MemoryGradients.apply(k, v, mem, i)
-            mem.set(i, k, v)
+            mem.set(i, *self.cross[i].attn.kv(slots))
         return mem
-
-    def init_memory(self, batch_size: int, capacity: int, layers: Optional[Sequence[int]] = None,
-                    dtype: Optional[torch.dtype] = None) -> MemoryKV:
-        """Rollout/replay: an empty memory buffer for ``capacity`` positions with the null slot
-        written."""
-        mem = MemoryKV(self.cfg.n_layers, capacity=1 + capacity)
-        null = self.null_memory.expand(batch_size, 1, -1)
-        if dtype is not None:
-            null = null.to(dtype)
-        for i in self._layers(layers):
-            mem.write(i, 0, *self.cross[i].attn.kv(null))
-        return mem
-
-    def append_memory(self, mem: MemoryKV, m: torch.Tensor, start: int,
-                      layers: Optional[Sequence[int]] = None) -> None:
-        """Rollout/replay: commits memory m (B, n, d) of positions [start, start + n)."""
-        for i in self._layers(layers):
-            mem.write(i, 1 + start, *self.cross[i].attn.kv(m))
-
-    # ------------------------------------------------------------------ decoder
-    def decoder_input(self, e_t: torch.Tensor, z_prev: torch.Tensor) -> torch.Tensor:
-        """e_t: (B, d) embedding of x_t; z_prev: (B, d) -> u (B, 1, d)."""
-        return (e_t + self.recur_proj(self.recur_norm(z_prev))).unsqueeze(1)
-
-    def decoder_layer(self, i: int, u: torch.Tensor, t: int, dec: KVCache, mem: MemoryKV,
-                      documents: Optional[Documents] = None) -> torch.Tensor:
-        """One decoder layer at position t; u: (B, 1, d). With documents (packed rows), RoPE
-        positions, self-attention keys and visible memory are those of each row's document."""
-        blk = self.decoder_block(i)
-        q, k, v = blk.attn.qkv(blk.attn_norm(u))  # q (B, h, 1, Dh); k, v (B, h_kv, 1, Dh)
-        C = self.cfg.memory_block
-        if documents is None:
-            q, k = self.rotary(q, t), self.rotary(k, t)
-            self_mask, mem_mask, n = None, None, 1 + vis(t, C)
-        else:
-            cos, sin = documents.step_rope(self.rotary, q.dtype, t)  # (B, 1, 1, Dh)
-            q, k = Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
-            self_mask = documents.self_keys(t)  # (B, 1, 1, t + 1)
-            n, mem_mask = documents.memory_keys(t, C)  # (B, 1, 1, n)
-        a = DecoderSelfAttention.apply(group_query(q, k.shape[1]), k, v, dec, i, t, self_mask)
-        u = u + blk.attn.out(ungroup_query(a, q.shape[1]))
-
-        cb = self.cross[i]
-        cq = cb.attn.query(cb.cross_norm(u))  # (B, h, 1, Dh)
-        n_kv = mem.k[i].shape[1]
-        c = memory_attention(group_query(cq, n_kv), mem, i, n, mem_mask)
-        u = u + cb.attn.out(ungroup_query(c, cq.shape[1]))
-        return u + blk.mlp(blk.mlp_norm(u))
-
-    def decoder_layers(self, u: torch.Tensor, t: int, dec: KVCache, mem: MemoryKV,
-                       layers: Optional[Sequence[int]] = None, documents: Optional[Documents] = None
-                       ) -> torch.Tensor:
-        for i in self._layers(layers):
-            u = self.decoder_layer(i, u, t, dec, mem, documents)
-        return u
-
-    def decoder_layers_rows(self, u: torch.Tensor, rp, dec: KVCache, mem: MemoryKV,
-                            layers: Optional[Sequence[int]] = None) -> torch.Tensor:
-        """The row schedule's no-grad step (rollout/rows.py): u (B, 1, d), row b at position
-        rp.pos[b] (``fast_decode.RowPositions``: positions and key masks on the device) ->
-        (B, 1, d). The function of ``decoder_layers``, each row with its own RoPE position,
-        attention length and vis(t)."""
-        for i in self._layers(layers):
-            blk = self.decoder_block(i)
-            q, k, v = blk.attn.qkv(blk.attn_norm(u))  # q (B, h, 1, Dh); k, v (B, h_kv, 1, Dh)
-            q, k = self.rotary.at(q, rp.pos), self.rotary.at(k, rp.pos)
-            dec.write_at(i, rp.pos, k, v)
-            a = masked_attention(group_query(q, k.shape[1]), *dec.view(i, rp.num_keys), rp.hide_keys)
-            u = u + blk.attn.out(ungroup_query(a, q.shape[1]))
-            cb = self.cross[i]
-            cq = cb.attn.query(cb.cross_norm(u))  # (B, h, 1, Dh)
-            n_kv = mem.k[i].shape[1]
-            c = masked_attention(group_query(cq, n_kv), *mem.view(i, rp.num_slots), rp.hide_slots)
-            u = u + cb.attn.out(ungroup_query(c, cq.shape[1]))
-            u = u + blk.mlp(blk.mlp_norm(u))
-        return u
-
-    def reset_state(self, z_prev: torch.Tensor, t: int, documents: Optional[Documents]) -> torch.Tensor:
-        """z_{t-1} (B, d), reset to z_init in the rows where a document starts at t (packed rows)."""
-        return z_prev if documents is None or t == 0 else documents.reset(z_prev, self.z_init, t)
-
-    def decoder_step(self, e_t: torch.Tensor, z_prev: torch.Tensor, t: int, dec: KVCache,
-                     mem: MemoryKV, documents: Optional[Documents] = None) -> torch.Tensor:
-        """One recurrent step through all layers: (B, d), (B, d) -> z_t (B, d)."""
-        z_prev = self.reset_state(z_prev, t, documents)
-        return self.decoder_layers(self.decoder_input(e_t, z_prev), t, dec, mem, documents=documents).squeeze(1)
 
     def initial_state(self, batch_size: int) -> torch.Tensor:
         return self.z_init.expand(batch_size, -1)
@@ -282,50 +161,10 @@ class RLT(nn.Module):
     # ------------------------------------------------------------------ dense schedule
     def decode_dense(self, emb: torch.Tensor, mem: MemoryKV, z0: Optional[torch.Tensor] = None,
                      documents: Optional[Documents] = None, rows: Optional[DenseRows] = None) -> torch.Tensor:
-        """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d).
-
-        ``model.fused_decoder``: the fused step (model/fused_dense.py). The module path:
-        with decoder checkpointing, each segment of k steps is recomputed in backward; the
-        recomputation repeats the forward exactly, and the autograd graph has the same shape
-        in every mode (each step reads its own embedding row, every z_t is stacked once at
-        the end), so gradients are bit-identical across checkpointing modes.
-
-        rows (model/fused_rows.py): the fused step runs each position on the rows that need it
-        (GRPO's compaction and shared prompts); the module path runs every row (the same
-        function on the positions the rows need, the padded reference).
-        """
-        if self.uses_fused(documents):
-            return decode_dense_fused(self, emb, mem, z0, rows)
-        B, T, _ = emb.shape
-        dec = DecoderKV(self.cfg.n_layers, capacity=T)
-        z = self.initial_state(B) if z0 is None else z0
-        mode = self.checkpointing.decoder
-        seg = {"none": T, "step": 1, "every_k": self.checkpointing.decoder_k}[mode]
-        use_ckpt = mode != "none" and torch.is_grad_enabled()
-        # unbind once: indexing emb[:, t] per step would make backward build a (B, T, d) zero
-        # gradient per step, O(T^2) work
-        steps = emb.unbind(1)
-        zs: list[torch.Tensor] = []
-        for t0 in range(0, T, seg):
-            t1 = min(T, t0 + seg)
-            if use_ckpt:
-                out = checkpoint(self._decode_segment, steps[t0:t1], z, t0, dec, mem, documents,
-                                 use_reentrant=False, preserve_rng_state=False)  # no randomness inside
-            else:
-                out = self._decode_segment(steps[t0:t1], z, t0, dec, mem, documents)
-            zs.extend(out)
-            z = out[-1]
-        return torch.stack(zs, dim=1)
-
-    def _decode_segment(self, embs: tuple[torch.Tensor, ...], z: torch.Tensor, t0: int, dec: KVCache,
-                        mem: MemoryKV, documents: Optional[Documents] = None) -> tuple[torch.Tensor, ...]:
-        """Steps t0 .. t0 + len(embs) - 1 from z_{t0 - 1}; embs[j]: (B, d) embedding of x_{t0+j}.
-        Returns z_{t0} ..., each (B, d)."""
-        zs = []
-        for j, e in enumerate(embs):
-            z = self.decoder_step(e, z, t0 + j, dec, mem, documents)
-            zs.append(z)
-        return tuple(zs)
+        """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d): the decoder
+        step (``self.decoder``, model/dense_decode.py) position by position. documents: packed
+        rows (model/documents.py); rows: the positions each row needs (model/fused_rows.py)."""
+        return self.decoder.dense(self, emb, mem, z0, rows, documents)
 
     def dense_memory(self, emb: torch.Tensor, documents: Optional[Documents] = None,
                      rows: Optional[DenseRows] = None) -> torch.Tensor:
@@ -347,8 +186,7 @@ class RLT(nn.Module):
         ``rows.compact`` (0 elsewhere: not computed), of [0, rows.lengths[b]) otherwise."""
         emb = self.embed(tokens)
         m = self.dense_memory(emb, documents, rows)
-        z = self.decode_dense(emb, self.memory_kv(m, fused=self.uses_fused(documents)), documents=documents,
-                              rows=rows)
+        z = self.decode_dense(emb, self.memory_kv(m), documents=documents, rows=rows)
         return head_rows(self.head, z, rows)
 
 

@@ -1,31 +1,29 @@
-"""The rollout schedule as a program that every pipeline stage of a model replica runs
-(docs/design.md: "One transition, three schedules", "Exact
-log-probabilities", "Parallel layout"). Sampling and replay both run it: they differ only in how the
-token after each decoder step is chosen (drawn, or read from the recorded rollout), so with
-unchanged parameters their log-probs are equal bit for bit, on one process and under
-tensor/pipeline parallelism alike.
+"""The rollout and replay schedule (rollout/rows.py: shared prompts, compaction, continuous
+batching; all off is the lockstep schedule) as the program every stage of a model replica runs,
+through the sampler ring's description (``ring.row_ring_steps``). Rollout and replay both run it;
+with unchanged parameters and the recorded events their log-probs are equal bit for bit (same
+batch compositions, same shapes, same kernels), on one process and under tensor/pipeline
+parallelism alike.
 
-Per micro-batch (a batch of B prompts, right-padded, all rows advancing in lockstep over
-positions t; see sampler.py for the schedule itself): the encoder prefill over [0, S0),
-S0 = C * floor(P_min / C); then items (t, j): when a memory block [t+1-C, t+1) completes at or
-after S0, one encoder call over its C tokens; then decoder step t; on the last stage the head,
-the processing and the choice of x_{t+1}.
+The decoder is the model's one decoder step (``model.decoder``, model/dense_decode.py): each call
+prepares its products from the parameters as they are now, and each micro-batch gets a runner
+(model/decoder.py ``StepRunner``) holding its decoder K/V and memory K/V for the call's slots.
+Under tensor parallelism the step runs on the rank's shards with the tensor-parallel reduce the
+model's decoder was built with. (The executable reference, rlt_mega/reference.py, has the same
+interface: the benchmarks' reference arm.)
 
-Which steps a stage runs, in which order, and which messages they receive and send is the pure
-description of ``ring.py`` (the NCCL-rule simulation checks the same description): items run in
-t-major order on every stage, so with M >= P micro-batches in flight the stages overlap, as in
-the training ring; with P = 1 the same program runs everything in order, the ring closing on
-itself. Messages travel through ``parallel/p2p.py`` (one channel per direction).
+State per micro-batch, every tensor indexed by the batch row of the current step (the plan's slot
+order), allocated once for the call's slots: the encoder K/V (``KVCache``), the runner's K/V state
+and, on stage 0, z_{k-1}. An event (fork, leave, entry) moves rows inside those buffers once
+(``move_rows``) from the old batch, the parked states (an entry's forked state kept while its rows
+wait) and fresh rows (z_init); steps without events touch nothing but the step's own writes.
+Positions live on the device ((B,) long, built once per event and advanced in place), masks are
+built from them per step, so a step does no host read; the host reads the finish flags only at a
+check.
 
-The per-step loop does not synchronise with the host: the next tokens, the finish flags and the
-random numbers (drawn once per row and rollout) stay on the device, and a stage reads the flags
-only at a check, every ``check_every`` steps (``ring.py``), where the last stage also looks for
-stop strings in the newest text. Replicas never communicate here: each runs its own lengths.
-
-The decoder layers and the memory writes run the fused no-grad step of model/fast_decode.py
-(weights snapshotted at the start of every run) when the stage's projections are plain
-nn.Linear, else the model's own modules (tensor parallelism); either way rollout and replay
-run the same one.
+Tokens and log-probs live per *sequence* (rows, then entries): tokens (S, capacity), and on the
+last stage lp (S, capacity), the log-prob of the token at each position under the step that drew
+(or forced) it.
 """
 
 from __future__ import annotations
@@ -35,85 +33,116 @@ from typing import Optional, Protocol, Sequence
 
 import torch
 
-from rlt_mega.model.cache import KVCache, MemoryKV
-from rlt_mega.model.fast_decode import DecodeWeights, StepKV
+from rlt_mega.model.cache import KVCache, RowsView
+from rlt_mega.model.fused_dense import compute_dtype_of
 from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits
-from rlt_mega.rollout.ring import CTL_ROWS, MicroBatchMeta, RingStep, is_check, ring_steps
+from rlt_mega.rollout.ring import CTL_ROWS, RingStep, is_check, row_ring_steps
+from rlt_mega.rollout.rows import RowPlan, StepPlan
 
-DEFAULT_CHECK_EVERY = 8
 
+class RowChooser(Protocol):
+    def choose_rows(self, targets: torch.Tensor, positions: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
+        """logprobs (B', V) of the targets' steps -> their next tokens (B',); no host read."""
 
-class Chooser(Protocol):
-    """How a micro-batch's next tokens are chosen, on the last stage. ``choose`` and ``record``
-    run every step and must not synchronise with the host; ``check`` runs every check_every
-    steps and may."""
+    def record_rows(self, targets: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
+        """The tokens every TP rank continues with: updates the finish flags on the device."""
 
-    def choose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
-        """logprobs (B, V) processed, of step t -> the tokens x_{t+1} (B,)."""
-
-    def record(self, t: int, tokens: torch.Tensor) -> None:
-        """x_{t+1} (B,) as every TP rank continues with it: updates the finish flags."""
-
-    def finished(self) -> torch.Tensor:
-        """(B,) bool on the device: the rows that are done."""
+    def finished_rows(self) -> torch.Tensor:
+        """(R,) bool: the rows that are done."""
 
     def check(self, t: int) -> None:
-        """At a check after step t (host work allowed): e.g. stop strings in the newest text."""
+        """At a check (host work allowed): stop strings."""
 
 
 @dataclass
-class Plan:
-    """One micro-batch. tokens (B, capacity) long: the prompts, left-aligned, then pad; rows
-    that are still in their prompt at step t are forced to tokens[:, t + 1] by the chooser."""
+class RowWork:
+    """One micro-batch: tokens (S, capacity) per sequence (rows then entries), its plan, and on
+    the last stage its chooser."""
 
     tokens: torch.Tensor
-    prompt_lens: Sequence[int]
-    max_steps: int  # at most this many decoder steps
-    chooser: Optional[Chooser]  # needed on the last stage only
+    plan: RowPlan
+    chooser: Optional[RowChooser]
 
 
 @dataclass
-class Result:
-    """What a micro-batch's run produced. step_logprobs (B, num_steps) fp32 on the last stage
-    (None elsewhere): the log-prob of tokens[:, t + 1] under step t's processed distribution."""
-
-    tokens: torch.Tensor
-    num_steps: int
+class RowResult:
+    lp: Optional[torch.Tensor]  # (S, capacity) fp32 on the last stage
     encoder_calls: list
-    step_logprobs: Optional[torch.Tensor]
-    fast_decode: bool  # whether the decoder ran model/fast_decode.py's fused step
+    decoder: str  # which decoder step ran ("fused": the model's; "reference": rlt_mega/reference.py)
 
 
 @dataclass
 class _Run:
-    plan: Plan
-    prefill_end: int
+    work: RowWork
     enc: KVCache
-    dec: KVCache | StepKV  # StepKV on the fast path (model/fast_decode.py)
-    mem: MemoryKV | StepKV
-    z_prev: Optional[torch.Tensor] = None  # stage 0: z_{t-1} (B, d) for the next decoder step
-    num_steps: int = 0
+    runner: object  # model/decoder.py StepRunner (or the reference's)
+    lp: Optional[torch.Tensor]
+    z: Optional[torch.Tensor] = None  # stage 0: z of the last step's batch (B, d)
+    parked: dict = field(default_factory=dict)  # entry -> one-row copies of every buffer (and z)
+    sp: Optional[StepPlan] = None  # the step the state is at
+    num_rows: int = 0  # batch rows of sp
+    pos: Optional[torch.Tensor] = None  # (B,)
+    seqs: Optional[torch.Tensor] = None  # (B,)
+    targets: Optional[torch.Tensor] = None  # (B',)
+    target_pos: Optional[torch.Tensor] = None  # (B',)
+    expand: Optional[torch.Tensor] = None
+    high: int = -1  # the furthest position a step of the run reached so far
     calls: list = field(default_factory=list)
-    logprobs: list = field(default_factory=list)
+    call_rows: list = field(default_factory=list)  # the step's encoder calls' rows ((n,) long, None: all)
 
 
-class Executor:
-    """Runs the program of one stage: ``model`` holds the stage's layers (all of them on one
-    process; the pruned, possibly tensor-parallel stage otherwise). check_every: steps between
-    the reads of the finish flags (a micro-batch runs a multiple of it, or max_steps, steps)."""
+def _buffers(run: _Run):
+    """(key, tensor, dimension of the positions, first position a fresh row must clear) of every
+    buffer a row's state lives in: the encoder K/V and the decoder's K/V state (memory slot 0, the
+    null memory, is every row's)."""
+    for layer, (k, v) in enumerate(zip(run.enc.k, run.enc.v)):
+        if k is not None:
+            yield ("enc_k", layer), k, 2, 0
+            yield ("enc_v", layer), v, 2, 0
+    for name, layer, x, dim in run.runner.state.tensors():
+        yield (name, layer), x, dim, 1 if name in ("mkt", "mv") else 0
 
-    def __init__(self, model: RLT, comms: Comms, layers: Optional[range] = None,
-                 check_every: int = DEFAULT_CHECK_EVERY) -> None:
-        if check_every < 1:
-            raise ValueError(f"check_every={check_every}: must be >= 1")
+
+def move_rows(base: torch.Tensor, stay: list[int], enter: list, dim: int, used: int, fresh_from: int) -> None:
+    """Rebuilds the batch inside ``base`` (the call's slots rows): row j of the new batch is old
+    row stay[j] (a row that stays, -1: an entering row) or, for (j, src) in ``enter``, old row src
+    (an int: a fork's row), the one-row buffer src (a parked state) or a fresh row (None: positions
+    [fresh_from, used) cleared).
+
+    Only positions [0, used) were ever written (every step so far ran at positions < used - 1), so
+    rows are copied over that prefix only. The rows that stay keep their order (their slots), so
+    moving the ones that go down in ascending order and the ones that go up in descending order
+    never overwrites a row before it is read; a fork's row is copied out first."""
+    p = min(used, base.shape[dim])
+
+    def row(j: int) -> torch.Tensor:
+        return base[j].narrow(dim - 1, 0, p)
+
+    forked = {i: row(i).clone() for _, i in enter if isinstance(i, int)}
+    moves = [(j, i) for j, i in enumerate(stay) if i >= 0 and i != j]
+    for j, i in [m for m in moves if m[1] > m[0]] + [m for m in reversed(moves) if m[1] < m[0]]:
+        row(j).copy_(row(i))
+    for j, src in enter:
+        if isinstance(src, int):
+            row(j).copy_(forked[src])
+        elif src is not None:
+            row(j).copy_(src[0].narrow(dim - 1, 0, p))
+        elif p > fresh_from:
+            row(j).narrow(dim - 1, fresh_from, p - fresh_from).zero_()
+
+
+class RowExecutor:
+    """Runs the schedule of one stage (``model``: the stage's layers, possibly TP). decoder: the
+    decoder step to run (default: the model's own; the benchmarks pass the reference)."""
+
+    def __init__(self, model: RLT, comms: Comms, layers: Optional[range] = None, check_every: int = 8,
+                 decoder=None) -> None:
         self.model, self.comms = model, comms
-        self.layers = layers  # None: every layer
-        self.C = model.cfg.memory_block
-        self.d = model.cfg.d_model
-        self.check_every = check_every
-        self.fast: Optional[DecodeWeights] = None  # this run's weight snapshot (fast_decode.py)
+        self.layers = range(model.cfg.n_layers) if layers is None else layers
+        self.C, self.d, self.check_every = model.cfg.memory_block, model.cfg.d_model, check_every
+        self.decoder = model.decoder if decoder is None else decoder
 
     @property
     def act_dtype(self) -> torch.dtype:
@@ -121,129 +150,186 @@ class Executor:
         # autocast, since every block adds its output to an fp32 stream).
         return self.model.null_memory.dtype
 
-    # ------------------------------------------------------------------ the program
-    def run(self, plans: Sequence[Plan], processing: Processing, fast_decode: bool = True) -> list[Result]:
-        """Runs the micro-batches together (all in flight). Call under no_grad and the
-        rollout's precision context. fast_decode: use the fused decoder step where the
-        stage's projections allow it (Result.fast_decode says whether it did)."""
-        model, L, comms = self.model, self.model.cfg.n_layers, self.comms
-        # A fresh snapshot per run, like the caches: parameters may have changed since the last.
-        self.fast = DecodeWeights.build(model, self.layers) if fast_decode else None
-        runs = []
-        for plan in plans:
-            B, capacity = plan.tokens.shape
-            # Fresh preallocated caches on every call: nothing computed under other parameters
-            # is ever reused.
-            if self.fast is None:
-                dec, mem = KVCache(L, capacity), model.init_memory(B, capacity, self.layers)
-            else:
-                dec, mem = self.fast.new_cache(capacity), self.fast.new_memory(model.null_memory, B, capacity)
-            runs.append(_Run(plan, prefill_end=self.C * (min(plan.prompt_lens) // self.C), enc=KVCache(L, capacity),
-                             dec=dec, mem=mem))
-        metas = [MicroBatchMeta(run.prefill_end, run.plan.max_steps) for run in runs]
-        decided: list[Optional[int]] = [None] * len(runs)  # steps of a micro-batch a check stopped
-        for step in ring_steps(comms.stage, comms.num_stages, self.C, self.check_every, metas, decided.__getitem__):
-            run = runs[step.j]
-            ins = [comms.p2p.recv(*self._message(m.stream, step, run), m.src, m.stream) for m in step.recvs]
-            if step.kind in ("prefill", "enc"):
-                self._encoder_call(run, step, ins)
-            elif step.kind in ("prefill_mem", "mem"):
-                self._append_memory(run, ins[0], step.block[0])
-            elif step.kind == "in":
-                if self._take_control(run, step, ins):
-                    decided[step.j] = step.t
-            elif step.kind == "dec":
-                if self._decoder_step(run, step, ins, processing):
-                    decided[step.j] = step.t + 1
-            else:  # pragma: no cover
-                raise AssertionError(f"unknown sampler ring step {step}")
-        comms.p2p.drain()
-        used_fast, self.fast = self.fast is not None, None  # the snapshot's memory goes with the run
-        return [Result(run.plan.tokens, run.num_steps, run.calls,
-                       torch.cat(run.logprobs, dim=1) if run.logprobs else None, used_fast) for run in runs]
+    @property
+    def decoder_name(self) -> str:
+        return getattr(self.decoder, "name", "fused")
 
+    def run(self, works: Sequence[RowWork], processing: Processing) -> list[RowResult]:
+        """Runs the micro-batches together (all in flight). Call under no_grad and the rollout's
+        precision context."""
+        model, L, comms = self.model, self.model.cfg.n_layers, self.comms
+        every = {w.plan.layout.check_every for w in works}
+        if len(every) != 1:
+            raise ValueError(f"row-schedule batches run together must share one check_every, got {sorted(every)}")
+        self.check_every = every.pop()  # the record's (a replay repeats its rollout's checks)
+        device = works[0].tokens.device
+        shapes = [(w.plan.layout.slots, w.tokens.shape[1]) for w in works]
+        runners = self.decoder.runners(model, self.layers, comms.is_first_stage, shapes, self.act_dtype,
+                                       compute_dtype_of(self.act_dtype, device))
+        runs = []
+        for w, runner in zip(works, runners):
+            S, capacity = w.tokens.shape
+            lp_dtype = torch.promote_types(self.act_dtype, torch.float32)  # the processed log-probs' (fp64 model: fp64)
+            lp = torch.zeros(S, capacity, dtype=lp_dtype, device=device) if comms.is_last_stage else None
+            runs.append(_Run(w, KVCache(L, capacity), runner, lp))
+        for step in row_ring_steps(comms.stage, comms.num_stages, self.check_every, [r.work.plan for r in runs]):
+            run = runs[step.j]
+            if step.kind != "in":
+                self._enter(run, step.t)
+            ins = [comms.p2p.recv(*self._message(m.stream, step, run), m.src, m.stream) for m in step.recvs]
+            if step.kind == "in":
+                self._take_control(run, step, ins)
+            elif step.kind == "enc":
+                self._encoder_call(run, step, ins)
+            elif step.kind == "mem":
+                call = step.block[2]
+                run.runner.write_memory(ins[0], run.sp.calls[call].start, run.call_rows[call])
+            elif step.kind == "dec":
+                self._decoder_step(run, step, ins, processing)
+            else:  # pragma: no cover
+                raise AssertionError(f"unknown row ring step {step}")
+        comms.p2p.drain()
+        return [RowResult(run.lp, run.calls, self.decoder_name) for run in runs]
+
+    # ------------------------------------------------------------------ messages
     def _message(self, stream: str, step: RingStep, run: _Run) -> tuple[tuple, torch.dtype]:
-        """Shape and dtype of a message the step receives."""
-        B = run.plan.tokens.shape[0]
         if stream in ("r_enc", "r_mem"):
-            start, end = step.block
-            return (B, end - start, self.d), self.act_dtype
-        if stream == "r_ctl":
-            return (CTL_ROWS, B), torch.long
-        return (B, 1, self.d), self.act_dtype  # r_dec, r_ring
+            call = run.sp.calls[step.block[2]]
+            return (len(call.rows), call.end - call.start, self.d), self.act_dtype
+        if stream == "r_ctl":  # of the last step (k - 1)
+            return (CTL_ROWS, len(run.sp.targets) + run.work.plan.layout.num_rows), torch.long
+        return (run.num_rows, 1, self.d), self.act_dtype  # r_ring (of step k - 1), r_dec (of this step)
 
     def _send(self, x: torch.Tensor, stage: int, stream: str) -> None:
         if x.is_floating_point() and x.dtype != self.act_dtype:
-            # The receiver allocates act_dtype; anything else would arrive as garbage.
             raise RuntimeError(f"sampler stream {stream}: {x.dtype} activations, expected {self.act_dtype}")
         self.comms.p2p.send(x, stage, stream)
 
-    # ------------------------------------------------------------------ the steps
+    # ------------------------------------------------------------------ events
+    def _enter(self, run: _Run, k: int) -> None:
+        """Brings the run's state to step k's batch (once per step): the plan's events applied,
+        the step's index tensors built (once per event, never per step)."""
+        sp = run.work.plan.prev
+        if run.sp is not None and run.sp.k == k:
+            return
+        assert sp is not None and sp.k == k, (sp, k)
+        device = run.work.tokens.device
+        for u, i in sp.park:
+            copies = {key: x[i:i + 1].clone() for key, x, _, _ in _buffers(run)}
+            run.parked[u] = (copies, None if run.z is None else run.z[i:i + 1].clone())
+        if sp.build is None:
+            run.pos += 1
+        else:
+            self._rebuild(run, sp)
+            run.pos = torch.as_tensor(sp.positions, dtype=torch.long, device=device)
+            run.seqs = torch.as_tensor(sp.seqs, dtype=torch.long, device=device)
+        for u in sp.unpark:
+            run.parked.pop(u, None)
+        if sp.expand is None:  # one target per row: the batch's own sequences and positions
+            run.targets, run.target_pos, run.expand = run.seqs, run.pos, None
+        else:  # a fork after this step: its G rows' draws come from its one distribution
+            run.targets = torch.as_tensor(sp.targets, dtype=torch.long, device=device)
+            run.target_pos = torch.as_tensor(sp.target_positions, dtype=torch.long, device=device)
+            run.expand = torch.as_tensor(sp.expand, dtype=torch.long, device=device)
+        run.call_rows = [None if len(c.rows) == len(sp.seqs) else torch.as_tensor(c.rows, dtype=torch.long,
+                                                                                  device=device)
+                         for c in sp.calls]
+        run.sp, run.num_rows = sp, len(sp.seqs)
+        run.high = max(run.high, max(sp.positions))
+
+    def _rebuild(self, run: _Run, sp: StepPlan) -> None:
+        """The batch of step k from the old batch, parked states and fresh rows (StepPlan.build),
+        every buffer rebuilt in place over the positions written so far."""
+        old = run.num_rows
+        device = run.work.tokens.device
+        prev_seqs = run.sp.seqs if old else []
+        stay = [i if kind == "batch" and prev_seqs[i] == s else -1 for (kind, i), s in zip(sp.build, sp.seqs)]
+        entering = [(j, kind, i) for j, (kind, i) in enumerate(sp.build) if stay[j] < 0]
+        used = run.high + 2  # decoder K/V, encoder K/V and memory slots (null + 1) never written past it
+        for key, base, dim, fresh_from in _buffers(run):
+            # (a parked state taken before a buffer existed had nothing there: a fresh row's zeros)
+            enter = [(j, i if kind == "batch" else run.parked[i][0].get(key) if kind == "parked" else None)
+                     for j, kind, i in entering]
+            move_rows(base, stay, enter, dim, used, fresh_from)
+        if self.comms.is_first_stage:
+            parked = sorted({u for kind, u in sp.build if kind == "parked"})
+            offset = {u: old + n for n, u in enumerate(parked)}
+            index = torch.as_tensor([i if kind == "batch" else offset[i] if kind == "parked" else old + len(parked)
+                                     for kind, i in sp.build], dtype=torch.long, device=device)
+            parts = [run.z[:old]] if old else []
+            parts += [run.parked[u][1] for u in parked] + [self.model.initial_state(1).to(self.act_dtype)]
+            run.z = torch.cat(parts).index_select(0, index)
+
+    # ------------------------------------------------------------------ steps
     def _encoder_call(self, run: _Run, step: RingStep, ins: list) -> None:
-        """One encoder call over the block (B, n, d) at [start, end); the last stage's memory
-        goes to every earlier stage (the ``mem`` steps there take it)."""
         model, comms = self.model, self.comms
-        start, end = step.block
-        h = model.embed(run.plan.tokens[:, start:end]) if comms.is_first_stage else ins[0]  # (B, n, d)
-        h = model.encode(h, start=start, cache=run.enc, layers=self.layers)
+        c = step.block[2]
+        call, rows = run.sp.calls[c], run.call_rows[c]
+        if comms.is_first_stage:
+            seqs = torch.as_tensor(call.seqs, dtype=torch.long, device=run.work.tokens.device)
+            h = model.embed(run.work.tokens.index_select(0, seqs)[:, call.start:call.end])  # (n, C, d)
+        else:
+            h = ins[0]
+        cache = RowsView(run.enc, rows, run.work.plan.layout.slots, len(call.rows))
+        h = model.encode(h, start=call.start, cache=cache, layers=self.layers)
         if comms.is_last_stage:
-            m = model.memory_norm(h)
-            self._append_memory(run, m, start)
-            h = m
+            h = model.memory_norm(h)
+            run.runner.write_memory(h, call.start, rows)
         for msg in step.sends:
             self._send(h, msg.dst, msg.stream)
-        run.calls.append((start, end))
+        run.calls.append((step.t, call.start, call.end, list(call.seqs)))
 
-    def _append_memory(self, run: _Run, m: torch.Tensor, start: int) -> None:
-        if self.fast is None:
-            self.model.append_memory(run.mem, m, start, self.layers)
-        else:
-            self.fast.append_memory(run.mem, m, start)
-
-    def _take_control(self, run: _Run, step: RingStep, ins: list) -> bool:
-        """x_t, the finish flags of step t-1 and (stage 0) z_{t-1} from the last stage ->
-        whether the micro-batch stops here (read only at a check: the one host sync)."""
-        ctl = ins[0]  # (CTL_ROWS, B)
+    def _take_control(self, run: _Run, step: RingStep, ins: list) -> None:
+        """Stages < last, before step k: step k-1's tokens (stage 0) and, at a check, the flags."""
+        ctl = ins[0]  # (CTL_ROWS, B' + R)
+        n = len(run.sp.targets)
         if self.comms.is_first_stage:
-            run.plan.tokens[:, step.t] = ctl[0]
-            run.z_prev = ins[1].squeeze(1)
-        return is_check(step.t, self.check_every) and bool(ctl[1].bool().all())
+            run.work.tokens[run.targets, run.target_pos + 1] = ctl[0, :n]
+            run.z = ins[1].squeeze(1)
+        if is_check(step.t, self.check_every):
+            run.work.plan.set_flags(step.t, ctl[1, n:].bool().tolist())  # the check's host read
 
-    def _decoder_step(self, run: _Run, step: RingStep, ins: list, processing: Processing) -> bool:
-        """Decoder step t; on the last stage the choice of x_{t+1} -> whether the micro-batch
-        stops after this step (decided only at a check)."""
-        model, comms = self.model, self.comms
-        t, tokens = step.t, run.plan.tokens
-        B = tokens.shape[0]
+    def _decoder_step(self, run: _Run, step: RingStep, ins: list, processing: Processing) -> None:
+        model, comms, k = self.model, self.comms, step.t
+        tokens = run.work.tokens
+        e = None
         if comms.is_first_stage:
-            z = model.initial_state(B) if t == 0 else run.z_prev  # (B, d)
-            u = model.decoder_input(model.embed(tokens[:, t]), z)  # (B, 1, d)
+            e = model.embed(tokens[run.seqs, run.pos])  # (B, d)
+            x = run.z
         else:
-            u = ins[0]
-        if self.fast is not None:
-            y = self.fast.decoder_layers(u, t, run.dec, run.mem)  # (B, 1, d)
+            x = ins[0].squeeze(1)
+        lo, hi = min(run.sp.positions), max(run.sp.positions)
+        if lo == hi:  # every row at one position (no row waited): no masks
+            layout = run.runner.at(k, lo, run.num_rows)
         else:
-            y = model.decoder_layers(u, t, run.dec, run.mem, self.layers)  # (B, 1, d)
-        run.num_steps = t + 1
+            layout = run.runner.rows(k, run.pos, hi + 1)
+        y = run.runner.step(layout, x, e).unsqueeze(1)  # (B, 1, d)
         if not comms.is_last_stage:
             for msg in step.sends:
                 self._send(y, msg.dst, msg.stream)
-            return False
-        chooser = run.plan.chooser
+            return
+        chooser, plan = run.work.chooser, run.work.plan
         logprobs = process_logits(comms.gather_vocab(model.head(y.squeeze(1))), processing)  # (B, V) fp32
-        nxt = comms.share_tokens(chooser.choose(t, logprobs))
-        chooser.record(t, nxt)
-        tokens[:, t + 1] = nxt
-        run.logprobs.append(logprobs.gather(1, nxt.unsqueeze(1)))  # (B, 1)
-        if t + 1 >= run.plan.max_steps:
-            return False
-        stop = False
-        if is_check(t + 1, self.check_every):
-            chooser.check(t)  # may end rows (stop strings): before the flags leave
-            stop = bool(chooser.finished().all())  # the check's host read
-        ctl = torch.stack([tokens[:, t + 1], chooser.finished().long()])  # (CTL_ROWS, B)
-        for msg in step.sends:
-            self._send(ctl if msg.stream == "r_ctl" else y, msg.dst, msg.stream)
-        if comms.is_first_stage:  # one stage: the ring closes on itself
-            run.z_prev = y.squeeze(1)
-        return stop
+        if run.expand is not None:
+            logprobs = logprobs.index_select(0, run.expand)  # (B', V): a fork's G draws
+        nxt = comms.share_tokens(chooser.choose_rows(run.targets, run.target_pos, logprobs))
+        chooser.record_rows(run.targets, run.target_pos, nxt)
+        tokens[run.targets, run.target_pos + 1] = nxt
+        run.lp[run.targets, run.target_pos + 1] = logprobs.gather(1, nxt.unsqueeze(1)).squeeze(1)
+        if comms.is_first_stage:
+            run.z = y.squeeze(1)
+        if not plan.may_run(k + 1):
+            return
+        finished = None
+        if is_check(k + 1, self.check_every):
+            chooser.check(k)  # may end rows (stop strings): before the flags leave
+            finished = chooser.finished_rows()
+            if plan.recorded is None:
+                plan.set_flags(k + 1, finished.tolist())  # the check's host read
+        if step.sends:
+            flags = finished if finished is not None else chooser.finished_rows()
+            ctl = torch.zeros(CTL_ROWS, len(nxt) + len(flags), dtype=torch.long, device=nxt.device)
+            ctl[0, :len(nxt)] = nxt
+            ctl[1, len(nxt):] = flags.long()
+            for msg in step.sends:
+                self._send(ctl if msg.stream == "r_ctl" else y, msg.dst, msg.stream)

@@ -45,6 +45,27 @@ from typing import Optional, Sequence
 
 
 @dataclass(frozen=True)
+class RowSwitches:
+    """The plan's options: a prompt held by several rows runs once and forks (``share_prompts``),
+    finished rows leave at the next check (``compact``), at most ``slots`` rows decode at once
+    (0: one slot per row and entry, no row waits). Sharing and compaction change the batch
+    compositions (so the rounding), never the function; only ``slots`` is a setting of a run
+    (``sampling.slots``). ``LOCKSTEP`` (all off) is the lockstep schedule, the benchmarks'
+    baseline arm."""
+
+    share_prompts: bool = True
+    compact: bool = True
+    slots: int = 0
+
+    def __post_init__(self) -> None:
+        if self.slots < 0:
+            raise ValueError(f"sampling.slots={self.slots}: must be >= 0 (0: one slot per row, no waiting)")
+
+
+LOCKSTEP = RowSwitches(share_prompts=False, compact=False, slots=0)
+
+
+@dataclass(frozen=True)
 class RowLayout:
     """Who is who in one rollout call; fixed for the call."""
 

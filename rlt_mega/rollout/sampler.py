@@ -1,38 +1,30 @@
 """The rollout and replay schedules (docs/design.md, "One transition, three schedules" and
 "Exact log-probabilities").
 
-Both run one executor (``executor.Executor``, the same program on one process and on every
-stage of a tensor/pipeline-parallel replica), so that with unchanged parameters their logits
-are equal bit for bit; they differ only in where the token after each step comes from (drawn,
-or read from the recorded rollout).
+Both run one executor (``executor.RowExecutor``, the same program on one process and on every
+stage of a tensor/pipeline-parallel replica) with the same plan (rollout/rows.py), so that with
+unchanged parameters their logits are equal bit for bit; they differ only in where the token after
+each step comes from (drawn, or read from the recorded rollout).
 
-The schedule, for a batch of B prompts of lengths P_b (left-aligned, right-padded):
+The schedule of a batch of R prompts (rollout/rows.py): a prompt held by several rows (a GRPO
+group) runs once and forks into its rows at its last prompt position; a finished row leaves the
+batch at the next check; with ``slots`` below the rows a row waits for a freed slot. Every row is
+at its own position (its RoPE position, keys and vis(t)), and a memory block completes with one
+encoder call per distinct block start (the prompts' complete blocks in one prefill when a sequence
+starts). Sharing and compaction off and one slot a row is the lockstep schedule (every row at t,
+a finished row fed pad until the batch stops): a plan, not another executor.
 
-- All rows advance in lockstep over positions t = 0, 1, ...: row b is forced through its
-  prompt while t < P_b - 1 and samples x_{t+1} from step t on; a finished row is fed the
-  pad token. So vis(t), the cache slots and every call's shape are shared by the batch
-  (one GEMM per layer per step, whatever the prompt lengths).
-- Encoder prefill: one call over positions [0, S0), S0 = C * floor(P_min / C), the memory
-  blocks that lie inside every row's prompt. Deviation from "prefill the padded prompts
-  [0, P_max)": every block starting at or after S0 is re-encoded for the whole batch when it
-  completes (below), because some row still had pad there, so a prefill past S0 would be
-  overwritten before it is ever read and is pure waste.
-- Whenever a memory block [t+1-C, t+1) completes at step t and starts at or after S0, one
-  encoder call over its C tokens (the encoder K/V cache holds every earlier position), then
-  ``append_memory``. The call runs before decoder step t, which is the first to see the
-  block (vis(t) = t + 1): visibility is a function of the position alone.
-- Decoder: ``decoder_input`` + ``decoder_layers`` on x_t with a preallocated decoder K/V cache
-  (the same function with fused kernels, ``model/fast_decode.py``, whenever every projection
-  is a plain nn.Linear), then the head (fp32 logits; under tensor parallelism the vocab
-  shards gathered) and ``process_logits`` on the whole (B, V) batch.
-- Stopping: stop tokens and max_new_tokens end a row on the device; the batch stops at the
-  first check (every ``check_every`` steps, executor.py) after its last row ended, so it may
-  run up to check_every - 1 steps of pad past it. Stop strings are looked for at the checks,
-  in the tokens drawn since the last one; a row ends at the token that completed one.
+A row draws its i-th completion token with its own i-th uniform (drawn once from its request's
+generator), so its draws do not depend on its batch-mates, where it sits or when it entered; a
+forked row's first token is drawn from its entry's distribution. Stopping: stop tokens and
+``max_new_tokens`` (or a row's own budget) end a row on the device; the host reads the flags only
+at a check (every ``check_every`` steps), where it also looks for stop strings in the tokens drawn
+since the last one; a row ends at the token that completed one.
 
-What the rollout records (``Schedule``) is enough to re-execute it: prompt lengths, the
-number of steps, the encoder calls, the cache capacity, processing, dtype and which decoder
-step ran (fused or the modules'; they round differently, so the replay takes the same one).
+What the rollout records (``Schedule``, with ``Schedule.rows`` the plan's record: layout, the
+flags each check read, the event log) is enough to re-execute it: the replay derives the same
+plan from the recorded flags (tokens forced) and refuses a replay whose events or encoder calls
+differ from the record's.
 """
 
 from __future__ import annotations
@@ -46,12 +38,12 @@ import torch
 from rlt_mega.model.rlt import RLT
 from rlt_mega.precision import precision
 from rlt_mega.rollout.comms import Comms
-from rlt_mega.rollout.executor import DEFAULT_CHECK_EVERY, Executor, Plan, Result
+from rlt_mega.rollout.executor import RowExecutor, RowResult, RowWork
 from rlt_mega.rollout.processing import Processing, draw_uniforms, make_generators, sample
-from rlt_mega.rollout.row_executor import RowExecutor
-from rlt_mega.rollout.rows import RowRecord
-from rlt_mega.rollout import row_sampling
-from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches
+from rlt_mega.rollout.rows import RowLayout, RowPlan, RowRecord, RowSwitches, row_layout
+
+DEFAULT_CHECK_EVERY = 8
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -79,19 +71,13 @@ class Schedule:
     prompt_lens: list[int]
     memory_block: int
     capacity: int  # K/V and memory buffer length (positions); part of the cache layout
-    num_steps: int  # decoder steps t = 0 .. num_steps - 1
+    num_steps: int  # the positions the dense schedule needs: the longest prompt + completion - 1
     encoder_calls: list[tuple[int, int]]  # (start, end) position ranges in call order
     processing: Processing
     dtype: str  # "fp32" or "bf16"
     pad_id: int
-    # The decoder ran model/fast_decode.py's fused step (it rounds differently from the
-    # modules' path, so the replay must take the same one).
-    fast_decode: bool = True
-    # The row schedule's record (rollout/rows.py: layout, the flags read at checks, the event
-    # log) when the call ran it; None: the lockstep schedule. Then num_steps is the positions the
-    # dense schedule needs (the longest prompt + completion - 1), encoder_calls the calls' ranges
-    # in order, and rows.num_steps the call's sequential decoder steps.
-    rows: Optional[RowRecord] = None
+    rows: RowRecord  # the plan's record (rollout/rows.py): layout, the flags read at checks, the event log
+    decoder: str = "fused"  # the decoder step that ran (the model's; "reference": rlt_mega/reference.py)
 
 
 @dataclass
@@ -139,79 +125,85 @@ def completion_positions(prompt_lens: Sequence[int], completion_lens: Sequence[i
     return step, mask
 
 
-def _check_model_fits(model: RLT, capacity: int) -> None:
-    if capacity > model.cfg.max_seq_len:
-        raise ValueError(f"longest prompt + max_new_tokens = {capacity} positions exceeds "
-                         f"model.max_seq_len={model.cfg.max_seq_len}: shorten the prompts, lower "
-                         "max_new_tokens or raise model.max_seq_len")
+def _completion_values(lp: torch.Tensor, prompt_lens: Sequence[int], completion_lens: Sequence[int]):
+    """lp (R, capacity) per position -> (values (R, N), mask (R, N)): the j-th completion token
+    of row b sits at position P_b + j."""
+    step, mask = completion_positions(prompt_lens, completion_lens, lp.device)
+    return torch.where(mask, lp.gather(1, step + 1), torch.zeros((), device=lp.device)), mask
 
 
 _REASONS = ("", "stop_token", "stop_string", "length")  # finish codes on the device: 0 while running
 
 
 class _Draw:
-    """The rollout's chooser: rows past their prompt draw x_{t+1} with their own random numbers,
-    the others are forced (prompt tokens, or pad once finished); stop tokens and max_new_tokens
-    end a row on the device, stop strings at the checks (``check``), in the newest text only.
+    """The rollout's chooser over sequences (rows, then entries, which only ever force their
+    prompt), the choice made per target of the step: rows past their prompt draw x_{t+1} with their
+    own random numbers, the others are forced (prompt tokens); stop tokens and budgets end a row
+    on the device, stop strings at the checks (``check``), in the newest text only.
 
     Stop strings are found up to check_every steps late: the tokens a row drew after its stop
     string are then replaced by pad in the record (its completion ends at the string), which
     changes no log-prob of the completion (positions are causal, rows independent)."""
 
-    def __init__(self, tokens: torch.Tensor, prompt_lens: Sequence[int], params: SamplingParams,
-                 generators: list, decode: Optional[Callable[[list[int]], str]], pad_id: int) -> None:
+    def __init__(self, tokens: torch.Tensor, seq_lens: Sequence[int], params: SamplingParams, generators: list,
+                 decode: Optional[Callable[[list[int]], str]], pad_id: int, num_rows: int) -> None:
         device = tokens.device
         self.tokens, self.params, self.decode, self.pad_id = tokens, params, decode, pad_id
-        self.prompt_lens = list(prompt_lens)
-        self.prompt_t = torch.as_tensor(self.prompt_lens, dtype=torch.long, device=device)  # (B,)
-        self.u = draw_uniforms(generators, params.max_new_tokens, device)  # (B, max_new_tokens)
-        B = tokens.shape[0]
-        self.num_new = torch.zeros(B, dtype=torch.long, device=device)  # tokens drawn per row
-        self.reason = torch.zeros(B, dtype=torch.long, device=device)  # index into _REASONS
+        self.prompt_lens = list(seq_lens)
+        self.prompt_t = torch.as_tensor(self.prompt_lens, dtype=torch.long, device=device)  # (S,)
+        self.u = draw_uniforms(generators, params.max_new_tokens, device)  # (S, max_new_tokens)
+        S = tokens.shape[0]
+        self.num_rows = num_rows
+        self.is_row = torch.arange(S, device=device) < num_rows
+        self.num_new = torch.zeros(S, dtype=torch.long, device=device)  # tokens drawn per row
+        self.reason = torch.zeros(S, dtype=torch.long, device=device)  # index into _REASONS
         self.stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
         budgets = list(params.row_budgets)
-        budgets += [params.max_new_tokens] * (B - len(budgets))  # (the row schedule's entries: unused)
-        self.budget = torch.as_tensor(budgets, dtype=torch.long, device=device)  # (B,)
+        budgets += [params.max_new_tokens] * (S - len(budgets))  # (the entries': unused)
+        self.budget = torch.as_tensor(budgets, dtype=torch.long, device=device)  # (S,)
         self._sampling: Optional[torch.Tensor] = None
-        self.checked = [0] * B  # completion tokens already searched for stop strings (host)
+        self.checked = [0] * S  # completion tokens already searched for stop strings (host)
         # A stop string of n bytes spans at most n tokens when every token decodes to at least
         # one byte (byte-level tokenizers); 3 more cover a character split at the window's start.
         self.lookback = max((len(x.encode("utf-8")) for x in params.stop_strings), default=0) + 3
 
-    def choose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
-        sampling = (self.prompt_t <= t + 1) & (self.reason == 0)  # (B,): past the prompt, running
-        draw_index = self.num_new.clamp(max=self.u.shape[1] - 1).unsqueeze(1)
-        drawn = sample(logprobs, self.u.gather(1, draw_index).squeeze(1))
+    def choose_rows(self, targets, positions, logprobs):
+        sampling = self.is_row[targets] & (self.prompt_t[targets] <= positions + 1) & (self.reason[targets] == 0)
+        draw_index = self.num_new[targets].clamp(max=self.u.shape[1] - 1)
+        drawn = sample(logprobs, self.u[targets, draw_index])
         self._sampling = sampling
-        return torch.where(sampling, drawn, self.tokens[:, t + 1])
+        return torch.where(sampling, drawn, self.tokens[targets, positions + 1])
 
-    def record(self, t: int, tokens: torch.Tensor) -> None:
+    def record_rows(self, targets, positions, tokens):
         sampling = self._sampling
-        self.num_new += sampling.long()
-        running = self.reason == 0
+        num_new = self.num_new[targets] + sampling.long()
+        reason = self.reason[targets]
+        running = reason == 0
         if len(self.stop_ids):
             stop = sampling & torch.isin(tokens, self.stop_ids)
-            self.reason = torch.where(running & stop, 1, self.reason)
-            running = self.reason == 0
-        length = sampling & (self.num_new == self.budget)
-        self.reason = torch.where(running & length, 3, self.reason)
+            reason = torch.where(running & stop, 1, reason)
+            running = reason == 0
+        length = sampling & (num_new == self.budget[targets])
+        self.reason[targets] = torch.where(running & length, 3, reason)
+        self.num_new[targets] = num_new
 
-    def finished(self) -> torch.Tensor:
-        return self.reason != 0
+    def finished_rows(self):
+        return self.reason[:self.num_rows] != 0
 
     def check(self, t: int) -> None:
         """Stop strings in the tokens drawn since the last check (one read of the newest
         tokens): a row ends at the first token whose completion text contains one (a stop token
-        at that same token takes precedence, as before; max_new_tokens does not)."""
+        at that same token takes precedence; a budget does not)."""
         if not self.params.stop_strings:
             return
-        num_new, reason = self.num_new.tolist(), self.reason.tolist()
+        num_new, reason = self.num_new[:self.num_rows].tolist(), self.reason[:self.num_rows].tolist()
         rows = [b for b in range(len(num_new)) if num_new[b] > self.checked[b]]
         if not rows:
             return
         starts = {b: self.prompt_lens[b] + max(0, self.checked[b] - self.lookback) for b in rows}
         lo = min(starts.values())
-        window = self.tokens[:, lo:t + 2].tolist()
+        hi = max(self.prompt_lens[b] + num_new[b] for b in rows)
+        window = self.tokens[:self.num_rows, lo:hi].tolist()
         for b in rows:
             P, start = self.prompt_lens[b], starts[b]
             ids = window[b][start - lo:P + num_new[b] - lo]
@@ -224,7 +216,7 @@ class _Draw:
             if reason[b] == 1 and length == num_new[b]:
                 continue
             self.num_new[b], self.reason[b], self.checked[b] = length, 2, length
-            self.tokens[b, P + length:t + 2] = self.pad_id
+            self.tokens[b, P + length:] = self.pad_id
 
 
 def _first_stop(decode: Callable[[list[int]], str], ids: list[int], first_new: int,
@@ -240,23 +232,34 @@ def _first_stop(decode: Callable[[list[int]], str], ids: list[int], first_new: i
 
 
 class _Force:
-    """The replay's chooser: the recorded tokens, to the recorded number of steps."""
+    """The replay's chooser: the recorded tokens."""
 
-    def __init__(self, tokens: torch.Tensor) -> None:
+    def __init__(self, tokens: torch.Tensor, num_rows: int) -> None:
         self.tokens = tokens
-        self.none = torch.zeros(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        self.none = torch.zeros(num_rows, dtype=torch.bool, device=tokens.device)
 
-    def choose(self, t: int, logprobs: torch.Tensor) -> torch.Tensor:
-        return self.tokens[:, t + 1]
+    def choose_rows(self, targets, positions, logprobs):
+        return self.tokens[targets, positions + 1]
 
-    def record(self, t: int, tokens: torch.Tensor) -> None:
+    def record_rows(self, targets, positions, tokens) -> None:
         pass
 
-    def finished(self) -> torch.Tensor:
+    def finished_rows(self):
         return self.none
 
     def check(self, t: int) -> None:
         pass
+
+
+def _seq_tokens(layout: RowLayout, rows: torch.Tensor, capacity: int, pad_id: int) -> torch.Tensor:
+    """(S, capacity): the rows' tokens (R, n <= capacity), then each entry's prompt."""
+    R = layout.num_rows
+    out = torch.full((layout.num_seqs, capacity), pad_id, dtype=torch.long, device=rows.device)
+    out[:R, :rows.shape[1]] = rows
+    for u, members in enumerate(layout.entry_rows):
+        P = layout.prompt_lens[members[0]]
+        out[R + u, :P] = rows[members[0], :P]
+    return out
 
 
 class Sampler:
@@ -264,35 +267,31 @@ class Sampler:
     model on one process; the pipeline stage with its TP shard under parallelism, every rank of
     the replica calling with the same arguments) and ``comms`` how the parts talk
     (rollout/comms.py). Several batches passed together run as micro-batches in flight in the
-    pipeline ring; each remains its own batch (own caches, own schedule), so how batches are
-    grouped never changes a value."""
+    pipeline ring; each remains its own batch (own state, own schedule), so how batches are
+    grouped never changes a value.
+
+    rows: the plan's options (rollout/rows.py: shared prompts, compaction, slots); ``LOCKSTEP``
+    is the lockstep schedule (the benchmarks' baseline arm). check_every: decoder steps between
+    the host's reads of the finish flags. decoder: the decoder step (default: the model's own;
+    rlt_mega/reference.py's for the benchmarks' reference arm). A replay always runs the plan its
+    rollout recorded, and refuses another decoder step."""
 
     def __init__(self, model: RLT, comms: Optional[Comms] = None, layers: Optional[range] = None,
-                 fast_decode: bool = True, check_every: int = DEFAULT_CHECK_EVERY,
-                 rows: RowSwitches = LOCKSTEP) -> None:
-        """fast_decode: sample with the fused decoder step (model/fast_decode.py) where the
-        projections allow it; it holds a copy of the decoder weights during a run (false: the
-        modules' path, no copy). A replay always takes the path its rollout recorded.
-        check_every: decoder steps between the host's reads of the finish flags (executor.py);
-        a batch runs up to check_every - 1 steps past its last row's end.
-        rows: the row schedule's switches (rollout/rows.py: shared prompts, compaction, slots);
-        all off (the default here; the trainers' config turns them on) is the lockstep schedule.
-        A replay always runs the schedule its rollout recorded."""
-        self.model = model
-        self.rows = rows
-        self.fast_decode = fast_decode
+                 check_every: int = DEFAULT_CHECK_EVERY, rows: RowSwitches = RowSwitches(), decoder=None) -> None:
+        if check_every < 1:
+            raise ValueError(f"check_every={check_every}: must be >= 1")
+        self.model, self.rows, self.check_every = model, rows, check_every
         self.device = next(model.parameters()).device
         self.comms = comms if comms is not None else Comms.local(self.device)
-        self.executor = Executor(model, self.comms, layers, check_every)
-        self.row_executor = RowExecutor(model, self.comms, layers, check_every)
+        self.executor = RowExecutor(model, self.comms, layers, check_every, decoder)
 
     def generate(self, batches: Sequence[Sequence[Sequence[int]]], params: SamplingParams | Sequence[SamplingParams],
                  seeds: Sequence[Sequence[int]], pad_id: int, dtype: str = "fp32",
                  decode: Optional[Callable[[list[int]], str]] = None) -> list[Rollout]:
-        """Samples one completion per prompt of each batch (the rollout schedule, module
-        docstring). seeds: one per prompt; a request's draws come from its own generator, so they
-        do not depend on its batch-mates. params: one for all batches or one per batch.
-        decode: token ids -> text, needed for stop strings. Every stage returns the rollouts."""
+        """Samples one completion per prompt of each batch (the module docstring). seeds: one per
+        prompt; a request's draws come from its own generator, so they do not depend on its
+        batch-mates. params: one for all batches or one per batch. decode: token ids -> text,
+        needed for stop strings. Every stage returns the rollouts."""
         if isinstance(params, SamplingParams):
             params = [params] * len(batches)
         if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
@@ -302,66 +301,37 @@ class Sampler:
             _check_request(prompts, p, batch_seeds, decode)
         if len({p.processing for p in params}) != 1:
             raise ValueError("batches sampled together must share one logits processing")
-        if self.rows.enabled:
-            return self._generate_rows(batches, params, seeds, pad_id, dtype, decode)
-        plans, draws = [], []
+        works, choosers = [], []
         for prompts, p, batch_seeds in zip(batches, params, seeds):
-            prompt_lens = [len(x) for x in prompts]
-            capacity = max(prompt_lens) + p.max_new_tokens
+            layout = row_layout(prompts, p.max_new_tokens, self.model.cfg.memory_block, self.rows.slots or None,
+                                self.rows.share_prompts, self.rows.compact, self.check_every)
+            capacity = max(layout.prompt_lens) + p.max_new_tokens
             _check_model_fits(self.model, capacity)
-            tokens = torch.full((len(prompts), capacity), pad_id, dtype=torch.long, device=self.device)
+            rows = torch.full((len(prompts), capacity), pad_id, dtype=torch.long, device=self.device)
             for b, x in enumerate(prompts):
-                tokens[b, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
-            draw = _Draw(tokens, prompt_lens, p, make_generators(batch_seeds, self.device), decode, pad_id)
-            plans.append(Plan(tokens, prompt_lens, capacity - 1, draw))
-            draws.append(draw)
+                rows[b, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+            tokens = _seq_tokens(layout, rows, capacity, pad_id)
+            seq_lens = [layout.seq_len(s) for s in range(layout.num_seqs)]
+            gens = make_generators(list(batch_seeds) + [0] * (layout.num_seqs - layout.num_rows), self.device)
+            chooser = _Draw(tokens, seq_lens, p, gens, decode, pad_id, num_rows=layout.num_rows)
+            works.append(RowWork(tokens, RowPlan(layout), chooser))
+            choosers.append(chooser)
         with torch.no_grad(), precision(dtype, self.device):
-            results = self.executor.run(plans, params[0].processing, self.fast_decode)
-        rollouts = None
-        if self.comms.is_last_stage:
-            for res, draw in zip(results, draws):
-                draw.check(res.num_steps - 1)  # the tokens drawn after the last check
-            rollouts = [_rollout(res, plan, draw, p.processing, dtype, pad_id, self.model.cfg.memory_block)
-                        for res, plan, draw, p in zip(results, plans, draws, params)]
-            if self.comms.num_stages > 1:
-                rollouts = [ro.to("cpu") for ro in rollouts]
-        rollouts = self.comms.share_results(rollouts)
-        return [ro.to(self.device) for ro in rollouts]
-
-    def _generate_rows(self, batches, params, seeds, pad_id: int, dtype: str, decode) -> list[Rollout]:
-        works, choosers = row_sampling.generate_rows(
-            self.row_executor, batches, params, seeds, pad_id, decode, self.rows, self.device,
-            lambda capacity: _check_model_fits(self.model, capacity))
-        with torch.no_grad(), precision(dtype, self.device):
-            results = self.row_executor.run(works, params[0].processing, self.fast_decode)
+            results = self.executor.run(works, params[0].processing)
         rollouts = None
         if self.comms.is_last_stage:
             rollouts = []
             for res, work, chooser, p in zip(results, works, choosers, params):
                 chooser.check(work.plan.num_steps - 1)  # the tokens drawn after the last check
-                rollouts.append(row_sampling.row_rollout(res, work, chooser, p.processing, dtype, pad_id,
-                                                         self.model.cfg.memory_block, Schedule, Rollout, _REASONS))
+                rollouts.append(_rollout(res, work, chooser, p.processing, dtype, pad_id, self.model.cfg.memory_block))
             if self.comms.num_stages > 1:
                 rollouts = [ro.to("cpu") for ro in rollouts]
         rollouts = self.comms.share_results(rollouts)
         return [ro.to(self.device) for ro in rollouts]
 
-    def _replay_rows(self, rollouts: Sequence[Rollout]) -> list[Optional[torch.Tensor]]:
-        works = row_sampling.replay_works(rollouts, self.device)
-        s0 = rollouts[0].schedule
-        with torch.no_grad(), precision(s0.dtype, self.device):
-            results = self.row_executor.run(works, s0.processing, s0.fast_decode)
-        out = []
-        for ro, work, res in zip(rollouts, works, results):
-            if res.fast_decode != ro.schedule.fast_decode:
-                raise RuntimeError(f"the rollout ran the {_path(ro.schedule.fast_decode)} but this model runs the "
-                                   f"{_path(res.fast_decode)}: replay on the layout the rollout was sampled with")
-            out.append(row_sampling.replay_values(ro, work, res))
-        return out
-
     def replay(self, rollouts: Sequence[Rollout]) -> list[Optional[torch.Tensor]]:
         """Re-executes each rollout's schedule with the model's current parameters, tokens
-        forced, no grad, same batches, padding, cache capacity, processing and dtype -> log-probs
+        forced, no grad, same plan (batches, events, capacity), processing and dtype -> log-probs
         (B, N) in the layout of ``rollout.mu`` (0 where masked) on the last stage, None on the
         others. With unchanged parameters they are torch.equal to ``rollout.mu``."""
         if len(rollouts) == 0:
@@ -371,34 +341,27 @@ class Sampler:
             if s.memory_block != self.model.cfg.memory_block:
                 raise ValueError(f"the rollout was sampled with memory_block C={s.memory_block} but the model "
                                  f"has C={self.model.cfg.memory_block}")
-        if len({(s.processing, s.dtype, s.fast_decode, s.rows is None) for s in schedules}) != 1:
-            raise ValueError("rollouts replayed together must share one processing, dtype, decoder path "
-                             "(Schedule.fast_decode) and schedule (lockstep or rows)")
-        if schedules[0].rows is not None:
-            return self._replay_rows(rollouts)
-        plans = []
-        for ro, s in zip(rollouts, schedules):
-            tokens = torch.full((ro.batch_size, s.capacity), s.pad_id, dtype=torch.long, device=self.device)
-            tokens[:, :s.num_steps + 1] = ro.tokens
-            plans.append(Plan(tokens, s.prompt_lens, s.num_steps, _Force(tokens)))
+            if s.decoder != self.executor.decoder_name:
+                raise ValueError(f"the rollout ran the {s.decoder} decoder step but this sampler runs the "
+                                 f"{self.executor.decoder_name} one: replay with the step it was sampled with")
+        if len({(s.processing, s.dtype) for s in schedules}) != 1:
+            raise ValueError("rollouts replayed together must share one processing and dtype")
+        works = []
+        for ro in rollouts:
+            s, record = ro.schedule, ro.schedule.rows
+            tokens = _seq_tokens(record.layout, ro.tokens.to(self.device), s.capacity, s.pad_id)
+            works.append(RowWork(tokens, RowPlan(record.layout, recorded=record),
+                                 _Force(tokens, record.layout.num_rows)))
         with torch.no_grad(), precision(schedules[0].dtype, self.device):
-            results = self.executor.run(plans, schedules[0].processing, schedules[0].fast_decode)
-        out: list[Optional[torch.Tensor]] = []
-        for ro, s, res in zip(rollouts, schedules, results):
-            if res.fast_decode != s.fast_decode:
-                raise RuntimeError(f"the rollout ran the {_path(s.fast_decode)} but this model runs the "
-                                   f"{_path(res.fast_decode)} (its projections are {'' if res.fast_decode else 'not '}"
-                                   "plain nn.Linear): replay on the layout the rollout was sampled with")
-            if [tuple(c) for c in s.encoder_calls] != res.encoder_calls or res.num_steps != s.num_steps:
-                raise RuntimeError(f"replay made encoder calls {res.encoder_calls} in {res.num_steps} steps but the "
-                                   f"rollout recorded {list(s.encoder_calls)} in {s.num_steps}: the schedule "
-                                   "(prompt lengths, C, steps) differs")
-            if res.step_logprobs is None:
-                out.append(None)
-                continue
-            step, mask = completion_positions(s.prompt_lens, ro.completion_lens, self.device)
-            out.append(torch.where(mask, res.step_logprobs.gather(1, step), torch.zeros((), device=self.device)))
-        return out
+            results = self.executor.run(works, schedules[0].processing)
+        return [_replay_values(ro, work, res) for ro, work, res in zip(rollouts, works, results)]
+
+
+def _check_model_fits(model: RLT, capacity: int) -> None:
+    if capacity > model.cfg.max_seq_len:
+        raise ValueError(f"longest prompt + max_new_tokens = {capacity} positions exceeds "
+                         f"model.max_seq_len={model.cfg.max_seq_len}: shorten the prompts, lower "
+                         "max_new_tokens or raise model.max_seq_len")
 
 
 def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
@@ -415,35 +378,50 @@ def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, see
         raise ValueError(f"{len(params.row_budgets)} row_budgets for {len(prompts)} prompts: give one per prompt")
 
 
-def _path(fast: bool) -> str:
-    return "fused decoder step (model/fast_decode.py)" if fast else "modules' decoder step"
-
-
-def _rollout(res: Result, plan: Plan, draw: _Draw, processing: Processing, dtype: str, pad_id: int,
+def _rollout(res: RowResult, work: RowWork, chooser: _Draw, processing: Processing, dtype: str, pad_id: int,
              memory_block: int) -> Rollout:
-    schedule = Schedule(prompt_lens=list(plan.prompt_lens), memory_block=memory_block,
-                        capacity=plan.tokens.shape[1], num_steps=res.num_steps, encoder_calls=res.encoder_calls,
-                        processing=processing, dtype=dtype, pad_id=pad_id, fast_decode=res.fast_decode)
-    device = plan.tokens.device
-    completion_lens = draw.num_new.tolist()
-    finish_reasons = [_REASONS[r] or "length" for r in draw.reason.tolist()]
-    step, mask = completion_positions(plan.prompt_lens, completion_lens, device)
-    mu = torch.where(mask, res.step_logprobs.gather(1, step), torch.zeros((), device=device))
-    return Rollout(tokens=plan.tokens[:, :res.num_steps + 1].clone(), mu=mu, mask=mask,
-                   completion_lens=completion_lens, finish_reasons=finish_reasons, schedule=schedule)
+    """The Rollout record of a call (tokens (R, T), T = the longest prompt + completion; mu (R, N)
+    from the per-sequence log-probs)."""
+    plan, layout = work.plan, work.plan.layout
+    R = layout.num_rows
+    completion_lens = chooser.num_new[:R].tolist()
+    finish_reasons = [_REASONS[r] or "length" for r in chooser.reason[:R].tolist()]
+    T = max(P + n for P, n in zip(layout.prompt_lens, completion_lens))
+    mu, mask = _completion_values(res.lp[:R], layout.prompt_lens, completion_lens)
+    schedule = Schedule(prompt_lens=list(layout.prompt_lens), memory_block=memory_block,
+                        capacity=work.tokens.shape[1], num_steps=T - 1,
+                        encoder_calls=[(c[1], c[2]) for c in res.encoder_calls], processing=processing,
+                        dtype=dtype, pad_id=pad_id, rows=plan.record(), decoder=res.decoder)
+    return Rollout(tokens=work.tokens[:R, :T].clone(), mu=mu, mask=mask, completion_lens=completion_lens,
+                   finish_reasons=finish_reasons, schedule=schedule)
+
+
+def _replay_values(ro: Rollout, work: RowWork, res: RowResult) -> Optional[torch.Tensor]:
+    """Checks the replay repeated the rollout's events -> log-probs (R, N), or None (not the last
+    stage)."""
+    s, record = ro.schedule, ro.schedule.rows
+    if work.plan.log != record.log or work.plan.num_steps != record.num_steps:
+        raise RuntimeError("the replay's row events differ from the rollout's record (forks, leaves, entries, "
+                           "encoder calls): the schedule (prompt lengths, C, slots, check_every) differs")
+    if [(c[1], c[2]) for c in res.encoder_calls] != [tuple(c) for c in s.encoder_calls]:
+        raise RuntimeError(f"replay made encoder calls {res.encoder_calls} but the rollout recorded "
+                           f"{list(s.encoder_calls)}")
+    if res.lp is None:
+        return None
+    return _completion_values(res.lp[:record.layout.num_rows], s.prompt_lens, ro.completion_lens)[0]
 
 
 def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
              pad_id: int, dtype: str = "fp32", decode: Optional[Callable[[list[int]], str]] = None,
-             device: torch.device | str | None = None, fast_decode: bool = True,
-             check_every: int = DEFAULT_CHECK_EVERY, rows: RowSwitches = LOCKSTEP) -> Rollout:
+             device: torch.device | str | None = None, check_every: int = DEFAULT_CHECK_EVERY,
+             rows: RowSwitches = RowSwitches(), decoder=None) -> Rollout:
     """One batch on one process (``Sampler`` for several, or under parallelism)."""
     if device is not None and torch.device(device) != next(model.parameters()).device:
         raise ValueError(f"generate on {device}: the model is on {next(model.parameters()).device}")
-    sampler = Sampler(model, fast_decode=fast_decode, check_every=check_every, rows=rows)
+    sampler = Sampler(model, check_every=check_every, rows=rows, decoder=decoder)
     return sampler.generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
 
 
-def replay(model: RLT, rollout: Rollout) -> torch.Tensor:
+def replay(model: RLT, rollout: Rollout, decoder=None) -> torch.Tensor:
     """One rollout on one process (``Sampler.replay`` for several, or under parallelism)."""
-    return Sampler(model).replay([rollout])[0]
+    return Sampler(model, check_every=rollout.schedule.rows.layout.check_every, decoder=decoder).replay([rollout])[0]

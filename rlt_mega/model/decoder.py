@@ -98,11 +98,12 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from rlt_mega.model.fused import (LAYER_WEIGHTS, Gemm, LayerGemms, NormConstants, attend, attention_grads,
-                                  fuse_layer, fuse_recurrence, head_counts, rms_backward, rms_forward, rope,
-                                  rope_tables, stat_dtype)
+from rlt_mega.model.kernels import (LAYER_WEIGHTS, Gemm, LayerGemms, NormConstants, attend, attention_grads,
+                                    fuse_layer, fuse_recurrence, head_counts, rms_backward, rms_forward, rope,
+                                    rope_tables, stat_dtype)
 from rlt_mega.model.fused_rows import RowPlan
-from rlt_mega.model.fused_state import EagerPosition, Slab, StaticPosition
+from rlt_mega.model.layout import StaticStep, Step
+from rlt_mega.model.workspace import Slab
 
 # Rows per weight-gradient GEMM: enough to run it at this CPU's matmul peak (measured: 96 GFLOP/s
 # at 512 rows, the same as a 2048^3 torch.mm).
@@ -173,11 +174,17 @@ def fused_weights(model, layers: Sequence[int], with_input: bool,
 
 
 class FusedStack:
-    """Prepared products of a stack for one forward (and backward), in the compute dtype."""
+    """Prepared products of a stack for one forward (and backward), in the compute dtype.
+
+    all_reduce: the in-place sum over the shards of a tensor-parallel layer (None: one device),
+    given by whoever builds the stack from a sharded model (parallel/). cross_kv: per layer the
+    cross-attention's k and v weights, (2 h_kv Dh, d): the rollout's memory writes (the dense
+    schedule computes its memory K/V with autograd, ``RLT.memory_kv``)."""
 
     def __init__(self, spec: StackSpec, tensors: Sequence[torch.Tensor], *, stream_dtype: torch.dtype,
                  compute_dtype: torch.dtype, rows: int, backward: bool, d_model: int, eps: float,
-                 memory_block: int, rotary, all_reduce: Optional[AllReduce] = None) -> None:
+                 memory_block: int, rotary, all_reduce: Optional[AllReduce] = None,
+                 cross_kv: Optional[dict[int, torch.Tensor]] = None) -> None:
         self.spec, self.rows = spec, rows
         self.stream_dtype, self.compute_dtype = stream_dtype, compute_dtype
         self.stat_dtype = stat_dtype(stream_dtype)
@@ -192,8 +199,22 @@ class FusedStack:
         self.device = tensors[0].device
         self.norm = NormConstants(d_model, eps, stream_dtype, self.device)
         cos, sin = rotary.tables(self.device, compute_dtype)
-        self.cos, self.sin_fwd, self.sin_bwd = rope_tables(cos, sin)  # (max_seq_len, Dh) each
+        self.tables = rope_tables(cos, sin)  # (cos, sin_fwd, sin_bwd), (max_seq_len, Dh) each
+        self.cos, self.sin_fwd, self.sin_bwd = self.tables
         self.max_seq_len = cos.shape[0]
+        self.cross_kv = None if cross_kv is None else {i: Gemm(w.detach().to(compute_dtype), rows)
+                                                       for i, w in cross_kv.items()}
+
+    def memory_kv(self, m: torch.Tensor):
+        """Per layer i: (i, k, v) of memory m (N, n, d) (memory_norm applied), k and v (N, n, h_kv,
+        Dh) each: the cross-attention's k/v products (this rank's heads), autocast off."""
+        N, n, d = m.shape
+        x = m.reshape(N * n, d).to(self.compute_dtype)
+        h_kv, Dh = self.spec.num_kv_heads, self.spec.head_dim
+        with torch.autocast(device_type=m.device.type, enabled=False):
+            for i in self.spec.layers:
+                kv = self.cross_kv[i](x).view(N, n, 2, h_kv, Dh)
+                yield i, kv[:, :, 0], kv[:, :, 1]
 
 
 class WeightGrads:
@@ -211,6 +232,56 @@ class WeightGrads:
 
     def grads(self) -> list[torch.Tensor]:
         return [self.acc[key] for key in self.spec.keys]
+
+
+class KVState:
+    """The keys and values a decoder step reads and writes, per layer of the stack: the decoder's
+    own (keys stored transposed, ``kt4`` (B, h_kv, Dh, capacity), values ``v4`` (B, h_kv, capacity,
+    Dh)) and the memory's (slot 0 the null memory, then position s at slot 1 + s: ``mkt4``
+    (B, h_kv, Dh, S), ``mv4`` (B, h_kv, S, Dh)), with the (B h_kv, ...) views the attention products
+    read (``kt``, ``v``, ``mkt``, ``mv``). Both attention products then read their right-hand side
+    in the layout a GEMM wants (q @ K^T over (Dh, S) rows is 2-3x faster than over a transposed
+    view at these sizes).
+
+    A training run carves them from its slab; a rollout or replay (rollout/executor.py) holds one
+    per micro-batch for the whole call, its rows the call's slots, and moves rows inside it when
+    its batch changes."""
+
+    def __init__(self, kt4: dict, v4: dict, mkt4: dict, mv4: dict) -> None:
+        self.kt4, self.v4, self.mkt4, self.mv4 = kt4, v4, mkt4, mv4
+        self.kt = {i: x.flatten(0, 1) for i, x in kt4.items()}
+        self.v = {i: x.flatten(0, 1) for i, x in v4.items()}
+        self.mkt = {i: x.flatten(0, 1) for i, x in mkt4.items()}
+        self.mv = {i: x.flatten(0, 1) for i, x in mv4.items()}
+
+    @classmethod
+    def zeros(cls, layers: Sequence[int], batch: int, num_kv_heads: int, head_dim: int, capacity: int,
+              mem_capacity: int, dtype: torch.dtype, device: torch.device) -> "KVState":
+        def new(*shape):
+            return {i: torch.zeros(*shape, dtype=dtype, device=device) for i in layers}
+
+        B, h_kv, Dh = batch, num_kv_heads, head_dim
+        return cls(new(B, h_kv, Dh, capacity), new(B, h_kv, capacity, Dh), new(B, h_kv, Dh, mem_capacity),
+                   new(B, h_kv, mem_capacity, Dh))
+
+    def tensors(self):
+        """(name, layer, tensor, dimension of the positions) of every buffer (the row moves of the
+        rollout's events)."""
+        for name, bufs, dim in (("kt", self.kt4, 3), ("v", self.v4, 2), ("mkt", self.mkt4, 3), ("mv", self.mv4, 2)):
+            for i, x in bufs.items():
+                yield name, i, x, dim
+
+    def write_memory(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor,
+                     rows: Optional[torch.Tensor] = None) -> None:
+        """Memory slots [start, start + m) <- k, v (n, m, h_kv, Dh): of rows [:n], or of ``rows`` (n,)."""
+        m = k.shape[1]
+        if rows is None:
+            n = k.shape[0]
+            self.mkt4[layer][:n, :, :, start:start + m].copy_(k.permute(0, 2, 3, 1))
+            self.mv4[layer][:n, :, start:start + m].copy_(v.transpose(1, 2))
+        else:
+            self.mkt4[layer][rows, :, :, start:start + m] = k.permute(0, 2, 3, 1)
+            self.mv4[layer][rows, :, start:start + m] = v.transpose(1, 2)
 
 
 # ------------------------------------------------------------------------------------------
@@ -237,13 +308,18 @@ class FusedRun:
     the caller's order, dead rows 0."""
 
     def __init__(self, stack: FusedStack, batch: int, capacity: int,
-                 memory: Sequence[tuple[torch.Tensor, torch.Tensor]], grads: Optional[WeightGrads] = None,
-                 slots: Optional[int] = None, static: bool = False, rows: Optional[RowPlan] = None) -> None:
+                 memory: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None, grads: Optional[WeightGrads] = None,
+                 slots: Optional[int] = None, static: bool = False, rows: Optional[RowPlan] = None,
+                 state: Optional[KVState] = None, documents=None, z0: Optional[torch.Tensor] = None) -> None:
         spec = stack.spec
         if rows is not None and (static or rows.B != batch or rows.T < capacity):
             raise ValueError(f"a row plan of {rows.B} rows x {rows.T} positions for a {'static ' if static else ''}"
                              f"run of {batch} x {capacity}: the capture-ready form runs every row, and the plan "
                              "must be the run's")
+        if (state is None) == (memory is None):
+            raise ValueError("a decoder run takes the memory K/V (the dense schedule) or a K/V state (the rollout)")
+        if documents is not None and (static or rows is not None or (spec.with_input and z0 is None)):
+            raise ValueError("packed documents run the eager form on every row, and need z_init (z0) to restart from")
         self.stack, self.B, self.capacity, self.grads, self.static = stack, batch, capacity, grads, static
         self.row_plan = rows
         B, d, Dh, ffn = batch, stack.d, spec.head_dim, stack.ffn
@@ -255,7 +331,13 @@ class FusedRun:
         self.chunk = wgrad_positions(batch, capacity)
         self.kv_chunk = min(KV_CHUNK, capacity)
         grad = grads is not None
-        S = memory[0][0].shape[2] if len(memory) else 1
+        self.documents = documents
+        self.z0 = None if z0 is None else z0.detach()  # z_init per row: where a packed document restarts
+        self.z0_grad: Optional[torch.Tensor] = None  # its gradient from the restarts (added by the caller)
+        if state is not None:
+            S = next(iter(state.mkt4.values())).shape[-1] if state.mkt4 else 1
+        else:
+            S = memory[0][0].shape[2] if len(memory) else 1
         self.mem_capacity = S
         widths = {"a1": d, "r1": 1, "qk": (h + h_kv) * Dh, "o1": h * Dh, "a2": d, "r2": 1, "cq": h * Dh,
                   "c": h * Dh, "a3": d, "r3": 1, "gu": 2 * ffn, "f": ffn,
@@ -273,16 +355,17 @@ class FusedRun:
             (scratch if backward else slab).add(name, shape, dtype, zero or (rows is not None and purpose == "kv_rows"))
 
         for i in spec.layers:
-            for n in _SAVED:
-                rows = 1 if (slots is not None and n in _ONE_SLOT) else self.slots
-                add(f"{n}{i}", "saved", (rows, B, widths[n]), dtypes.get(n, cd))
-            for n in _POSITIONAL:  # (a run without backward keeps none)
-                add(f"{n}{i}", "saved", (capacity if grad else 1, B, widths[n]), dtypes.get(n, cd))
-            # decoder K/V, keys transposed as in the sampler: (B, h_kv, Dh, cap), (B, h_kv, cap, Dh)
-            add(f"kt{i}", "kv", (B, h_kv, Dh, capacity), cd, zero=True)
-            add(f"v{i}", "kv", (B, h_kv, capacity, Dh), cd, zero=True)
-            add(f"mkt{i}", "kv", (BH, Dh, S), cd)
-            add(f"mv{i}", "kv", (BH, S, Dh), cd)
+            if grad:  # a run without backward keeps nothing
+                for n in _SAVED:
+                    rows = 1 if (slots is not None and n in _ONE_SLOT) else self.slots
+                    add(f"{n}{i}", "saved", (rows, B, widths[n]), dtypes.get(n, cd))
+                for n in _POSITIONAL:
+                    add(f"{n}{i}", "saved", (capacity, B, widths[n]), dtypes.get(n, cd))
+            if state is None:  # decoder K/V, keys transposed (KVState): (B, h_kv, Dh, cap), (B, h_kv, cap, Dh)
+                add(f"kt{i}", "kv", (B, h_kv, Dh, capacity), cd, zero=True)
+                add(f"v{i}", "kv", (B, h_kv, capacity, Dh), cd, zero=True)
+                add(f"mkt{i}", "kv", (B, h_kv, Dh, S), cd)
+                add(f"mv{i}", "kv", (B, h_kv, S, Dh), cd)
             if grad:
                 for n in _RING:
                     add(f"{n}{i}", "wgrad_ring", (self.chunk, B, widths[n]), dtypes.get(n, cd), backward=True)
@@ -297,23 +380,21 @@ class FusedRun:
                         add(f"do{kind}{i}", "kv_rows", (BH, W * g, Dh), st, backward=True)
                         add(f"p{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True, backward=True)
                         add(f"ds{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True, backward=True)
-        if spec.with_input:
-            add("a0", "saved", (capacity if grad else 1, B, d), cd)
-            add("r0", "saved", (capacity if grad else 1, B, 1), st)
-            if grad:  # the gradient of u_t: recur's dY and the embedding's gradient
-                add("du", "input_grads", (capacity, B, d), sd, backward=True)
+        if spec.with_input and grad:
+            add("a0", "saved", (capacity, B, d), cd)
+            add("r0", "saved", (capacity, B, 1), st)
+            add("du", "input_grads", (capacity, B, d), sd, backward=True)  # u_t's: recur's dY and the embedding's
         self._sizes = {**slab.sizes(), **scratch.sizes()}
         self._scratch_sizes = scratch.sizes()
         self.tensors = slab.allocate(self)
-        self.buf = {i: {n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL)} for i in spec.layers}
-        self.kt4 = {i: self.tensors[f"kt{i}"] for i in spec.layers}
-        self.v4 = {i: self.tensors[f"v{i}"] for i in spec.layers}
-        self.kt = {i: self.kt4[i].view(BH, Dh, capacity) for i in spec.layers}
-        self.v = {i: self.v4[i].view(BH, capacity, Dh) for i in spec.layers}
-        self.mkt = {i: self.tensors[f"mkt{i}"] for i in spec.layers}
-        self.mv = {i: self.tensors[f"mv{i}"] for i in spec.layers}
-        self.load_memory(memory)
-        if spec.with_input:
+        self.buf = {i: ({n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL)} if grad else {})
+                    for i in spec.layers}
+        self.state = state
+        if state is None:
+            self.state = KVState(*({i: self.tensors[f"{n}{i}"] for i in spec.layers} for n in ("kt", "v", "mkt", "mv")))
+            self.load_memory(memory)
+        self.a0 = self.r0 = None
+        if spec.with_input and grad:
             self.a0, self.r0 = self.tensors["a0"], self.tensors["r0"]
         self._scratch = scratch if grad else None
         self._scratch_names: tuple[str, ...] = ()
@@ -321,9 +402,8 @@ class FusedRun:
             self._bind_scratch()
         self.position = None
         if static:
-            self.position = StaticPosition(capacity, S, self.slots, self.chunk, stack.C, stack.cos, stack.sin_fwd,
-                                           stack.sin_bwd, cd, stack.device)
-            self.position.n = batch  # the rows a position runs on: every row in the static form
+            self.position = StaticStep(capacity, S, self.slots, self.chunk, stack.C, stack.tables, cd, stack.device,
+                                       batch)
 
     def buffer_bytes(self) -> dict[str, int]:
         """This run's buffers by purpose, in bytes (the backward's scratch included, allocated
@@ -383,26 +463,30 @@ class FusedRun:
             self.mem_meta[i] = (k.shape, k.dtype)
             if self.row_plan is not None:  # the physical row order
                 k, v = self.row_plan.to_physical(k.detach()), self.row_plan.to_physical(v.detach())
-            self.mkt[i].view(B, h_kv, Dh, S).copy_(k.detach().transpose(-1, -2))
-            self.mv[i].view(B, h_kv, S, Dh).copy_(v.detach())
+            self.state.mkt4[i].copy_(k.detach().transpose(-1, -2))
+            self.state.mv4[i].copy_(v.detach())
 
     # ------------------------------------------------------------------ positions
     def at(self, t: int):
-        """The position object of t (static: the run's own, moved to t on the device)."""
+        """The step object of position t (static: the run's own, moved to t on the device)."""
         if self.static:
             self.position.t.fill_(t)
             self.position.update()
             return self.position
         s = self.stack
+        slot, ring = t % self.slots, t % self.chunk
+        if self.documents is not None:
+            return Step.documents(t, self.documents, s.tables, s.C, self.h_kv, s.compute_dtype, batch=self.B,
+                                  slot=slot, ring=ring)
         step = None if self.row_plan is None else self.row_plan.step(t)
         if step is None:
-            return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd, batch=self.B)
-        return EagerPosition(t, t % self.slots, t % self.chunk, s.C, s.cos, s.sin_fwd, s.sin_bwd,
-                             rows=step.n, batch=self.B, idx=step.idx)
+            return Step.at(t, s.tables, s.C, batch=self.B, slot=slot, ring=ring)
+        return Step.at(t, s.tables, s.C, batch=self.B, slot=slot, ring=ring, rows=step.n, idx=step.idx)
 
     def reset_grads(self) -> None:
         """Zeroes the K/V gradient accumulators: each backward pass starts from zero (a second
         backward through the same forward gives the same gradients)."""
+        self.z0_grad = None
         if not self._scratch_names:
             self._bind_scratch()  # fresh: zeroed
             return
@@ -431,8 +515,9 @@ class FusedRun:
             return None
         for fork in step.forks:  # the representative's K/V history into the group's other rows
             for i in self.stack.spec.layers:
-                self.kt4[i][fork.others, :, :, :fork.p] = self.kt4[i][fork.rep, :, :, :fork.p]
-                self.v4[i][fork.others, :, :fork.p] = self.v4[i][fork.rep, :, :fork.p]
+                kt, v = self.state.kt4[i], self.state.v4[i]
+                kt[fork.others, :, :, :fork.p] = kt[fork.rep, :, :, :fork.p]
+                v[fork.others, :, :fork.p] = v[fork.rep, :, :fork.p]
         if step.n == 0:
             return x.new_zeros(self.B, x.shape[-1])
         y = self.step_forward(pos, step.gather(x), None if e is None else step.gather(e), mode)
@@ -461,6 +546,8 @@ class FusedRun:
                 return None
             keep = mode != "none"
             if stack.spec.with_input:
+                if pos.reset is not None:  # a packed document starts here: its rows restart from z_init
+                    x = torch.where(pos.reset[:, None], self.z0, x)
                 a0 = self._norm(x, pos, self.a0 if keep else None, self.r0 if keep else None)
                 x = stack.recur.add(a0, e)  # e_t + recur_proj(recur_norm(z_{t-1}))
             for i in stack.spec.layers:
@@ -494,7 +581,7 @@ class FusedRun:
         # self-attention over the decoder's K/V of positions [0, t]
         a1 = self._norm(x, pos, b["a1"], b["r1"])
         qk, v = self._qk(w, pos, a1, s["qk"])
-        pos.write_kv(self.kt4[i], self.v4[i], qk[:, h:], v)
+        pos.write_kv(self.state.kt4[i], self.state.v4[i], qk[:, h:], v)
         x = self._residual(w.o, self._attention(i, "s", pos, qk[:, :h].reshape(B * h_kv, g, Dh), keep), x)
         # cross-attention into {null} + the visible memory
         a2 = self._norm(x, pos, b["a2"], b["r2"])
@@ -535,7 +622,8 @@ class FusedRun:
         """Layer i's self ("s") or memory ("m") attention of q (B h_kv, g, Dh) -> (B, h Dh),
         kept per position when ``keep``."""
         buf = self.buf[i]["o1" if kind == "s" else "c"] if keep else None
-        keys_t, values = pos.self_keys(self.kt[i], self.v[i]) if kind == "s" else pos.mem_keys(self.mkt[i], self.mv[i])
+        st = self.state
+        keys_t, values = pos.self_keys(st.kt[i], st.v[i]) if kind == "s" else pos.mem_keys(st.mkt[i], st.mv[i])
         out = None if buf is None else pos.out_t(buf)
         y = attend(q, keys_t, values, pos.self_mask if kind == "s" else pos.mem_mask,
                    out=None if out is None else out.view(q.shape)).view(pos.n, -1)
@@ -592,7 +680,7 @@ class FusedRun:
             g = gy
             if layers:  # the top layer's output gradient is the down product's dY: kept in its ring
                 top = self.buf[layers[-1]]["g4"]
-                g = pos.keep_ring(top, gy) if pos.static else pos.rows(top[pos.ring]).copy_(gy)
+                g = pos.keep_ring(top, gy) if pos.static else pos.rows_of(top[pos.ring]).copy_(gy)
             for n in range(len(layers) - 1, -1, -1):
                 into = None
                 if n > 0:
@@ -603,7 +691,13 @@ class FusedRun:
             # the recurrence input: u = e + recur(a0), a0 = z_{t-1} / rms; du is e's gradient too
             pos.put(self.du, pos.t, g)
             da0 = stack.recur.grad_input(_as(g, stack.compute_dtype))
-            return rms_backward(da0, pos.load_t(self.a0), pos.load_t(self.r0), stack.norm, None).to(stack.stream_dtype)
+            gx = rms_backward(da0, pos.load_t(self.a0), pos.load_t(self.r0), stack.norm, None).to(stack.stream_dtype)
+            if pos.reset is not None:  # the restarted rows' gradient is z_init's, not z_{t-1}'s
+                restart = pos.reset[:, None]
+                g0 = torch.where(restart, gx, torch.zeros((), dtype=gx.dtype, device=gx.device))
+                self.z0_grad = g0 if self.z0_grad is None else self.z0_grad + g0
+                gx = gx.masked_fill(restart, 0)
+            return gx
 
     def _reduce(self, x: torch.Tensor) -> torch.Tensor:
         """The input gradient of a column-parallel product, summed over the tensor-parallel ranks."""
@@ -664,10 +758,10 @@ class FusedRun:
         capacity; the eager form adds those of the current K/V chunk's keys directly and keeps
         the rest for :meth:`flush_kv`."""
         if kind == "s":
-            keys_t, values = pos.self_keys(self.kt[i], self.v[i])
+            keys_t, values = pos.self_keys(self.state.kt[i], self.state.v[i])
             gk, gv, mask = self.gkt[i], self.gv[i], pos.self_mask
         else:
-            keys_t, values = pos.mem_keys(self.mkt[i], self.mv[i])
+            keys_t, values = pos.mem_keys(self.state.mkt[i], self.state.mv[i])
             gk, gv, mask = self.gmkt[i], self.gmv[i], pos.mem_mask
         probs, grad_s, grad_q = attention_grads(q, keys_t, values, grad_out, mask,
                                                 out=None if out is None else out.view(q.shape))
@@ -704,9 +798,11 @@ class FusedRun:
         before t0 and the memory's keys, one batched GEMM each from the stored rows (of the
         chunk's active rows, a prefix of the physical order under a row plan)."""
         rows, bh = (t1 - t0) * self.g, self.chunk_rows(t0, t1) * self.h_kv
+        # the memory slots the chunk's positions read: [0, 1 + vis(t1 - 1)), or with packed
+        # documents every slot up to t1 (Step.documents: masked per row)
+        mem_reach = 1 + t1 if self.documents is not None else 1 + self.stack.C * (t1 // self.stack.C)
         for i in self.stack.spec.layers:
-            for kind, gk, gv, n in (("s", self.gkt[i], self.gv[i], t0),
-                                    ("m", self.gmkt[i], self.gmv[i], 1 + self.stack.C * (t1 // self.stack.C))):
+            for kind, gk, gv, n in (("s", self.gkt[i], self.gv[i], t0), ("m", self.gmkt[i], self.gmv[i], mem_reach)):
                 n = min(n, gk.shape[-1])
                 if n == 0 or bh == 0:
                     continue
@@ -786,3 +882,45 @@ class FusedRun:
             elif step.n:
                 out[:, t].index_copy_(0, step.caller, self.du[t, :step.n])
         return out
+
+
+# ------------------------------------------------------------------------------------------
+# The rollout's and the replay's decoder
+# ------------------------------------------------------------------------------------------
+
+class StepRunner:
+    """The decoder of one micro-batch of a rollout or replay (rollout/executor.py): the K/V state
+    of ``batch`` rows (the call's slots: the executor moves rows inside it when its batch changes)
+    and the step's forward without saving anything for backward, on the stack's products.
+
+    null_memory (d,): written into slot 0 of every row's memory once (every row's is the same)."""
+
+    def __init__(self, stack: FusedStack, batch: int, capacity: int, null_memory: torch.Tensor) -> None:
+        spec = stack.spec
+        self.stack, self.batch = stack, batch
+        self.state = KVState.zeros(spec.layers, batch, spec.num_kv_heads, spec.head_dim, capacity, 1 + capacity,
+                                   stack.compute_dtype, stack.device)
+        self.run = FusedRun(stack, batch, capacity, state=self.state)
+        self.write_memory(null_memory.detach().to(stack.compute_dtype).expand(batch, 1, -1), -1)
+
+    def at(self, k: int, t: int, n: int) -> Step:
+        """Step k with its n rows (the prefix of the state's rows) all at position t."""
+        return Step.at(t, self.stack.tables, self.stack.C, batch=self.batch, rows=n)
+
+    def rows(self, k: int, pos: torch.Tensor, num_keys: int) -> Step:
+        """Step k with row b of the prefix at position pos[b] ((n,) on the device)."""
+        s = self.stack
+        return Step.rows(k, pos, num_keys, s.tables, s.C, s.spec.num_kv_heads, s.compute_dtype, batch=self.batch)
+
+    @torch.no_grad()
+    def write_memory(self, m: torch.Tensor, start: int, rows: Optional[torch.Tensor] = None) -> None:
+        """Memory m (n, C, d) (memory_norm applied) of positions [start, start + C): of rows [:n],
+        or of ``rows`` (n,)."""
+        for i, k, v in self.stack.memory_kv(m):
+            self.state.write_memory(i, 1 + start, k, v, rows)
+
+    @torch.no_grad()
+    def step(self, step: Step, x: torch.Tensor, e: Optional[torch.Tensor]) -> torch.Tensor:
+        """x (n, d) in the stream dtype: z_{k-1} (with the input layer) or the previous stage's
+        output; e (n, d) the embeddings of x_t (input layer only) -> (n, d)."""
+        return self.run.step_forward(step, x, e, "none")
