@@ -107,15 +107,15 @@ def _inference_model(cfg: Config):
     from rlt_mega.train.builders import check_vocab, inference_model
 
     from rlt_mega.rollout import Sampler
-    from rlt_mega.rollout.row_sampling import row_switches
+    from rlt_mega.rollout.rows import RowSwitches
 
-    from rlt_mega.model.dense import require_rlt
+    from rlt_mega.model.baselines import require_rlt
 
     require_rlt(cfg.model, "rlt-mega generate/eval")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
     check_vocab(cfg, tokenizer)
-    sampler = Sampler(inference_model(cfg), fast_decode=cfg.sampling.fast_decode, check_every=cfg.sampling.check_every,
-                      rows=row_switches(cfg.sampling))
+    sampler = Sampler(inference_model(cfg), check_every=cfg.sampling.check_every,
+                      rows=RowSwitches(slots=cfg.sampling.slots))
     return cfg, sampler, tokenizer
 
 

@@ -49,7 +49,7 @@ class ModelConfig:
     """The RLT architecture (docs/design.md, "The model"). Encoder and decoder both have ``n_layers``.
 
     ``arch`` picks the family: ``rlt`` (the default), or one of the two baselines trained by the
-    same code (rlt_mega/model/dense.py): ``dense``, the Llama/Qwen2 layout (embed, the
+    same code (rlt_mega/model/baselines.py): ``dense``, the Llama/Qwen2 layout (embed, the
     ``n_layers`` shared blocks, final_norm, lm_head), and ``looped``, the same blocks applied
     ``loops`` times per token with weights shared across loops (Ouro, Huginn). The RLT-only
     fields (memory_block, share_weights) mean nothing for the baselines."""
@@ -75,10 +75,6 @@ class ModelConfig:
     # input-ignoring attractor (loss spikes above the uniform loss; see docs/stability.md).
     embed_init_std: Optional[float] = None
     max_seq_len: int = 2048
-    # The dense schedule's decoder (pretraining, SFT, evaluation, the GRPO learner) on the fused
-    # step with a hand-written backward and deferred weight gradients (model/fused_run.py); false:
-    # the module path, the reference the tests compare it with. Same function, other rounding.
-    fused_decoder: bool = True
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -358,29 +354,18 @@ class SamplingConfig:
     max_new_tokens: int = 256
     stop_strings: list = field(default_factory=list)  # besides the tokenizer's end-of-text token
     batch_size: int = 32  # prompts per call in ``generate`` and ``eval``
-    # The no-grad decoder step with fused projections (model/fast_decode.py): about 1.5x the
-    # tokens/s, for one more copy of the decoder weights while a rollout runs. Replay follows
-    # whichever step the rollout used, so exactness holds either way.
-    fast_decode: bool = True
     # Decoder steps between the host's reads of the finish flags (rollout/ring.py): the per-step
-    # loop never synchronises with the host otherwise; a batch runs up to check_every - 1 steps
-    # past the end of its last row.
+    # loop never synchronises with the host otherwise; a finished row leaves the batch at the
+    # next check.
     check_every: int = 8
-    # The row schedule (rollout/rows.py); all three off is the lockstep schedule. share_prompts:
-    # a prompt held by several rows (GRPO's group) runs once, then its state forks into its rows.
-    # compact: a finished row leaves the batch at the next check. slots: rows decoded at once
-    # per rollout call (0: one per row, nobody waits); fewer, and a row waits for a freed slot
-    # (continuous batching; needs compact). Replay repeats whatever the rollout did.
-    share_prompts: bool = True
-    compact: bool = True
+    # Rows decoded at once per rollout call (rollout/rows.py; 0: one per row and shared prompt,
+    # nobody waits); fewer, and a row waits for a freed slot (continuous batching). Replay
+    # repeats whatever the rollout did.
     slots: int = 0
 
     def __post_init__(self) -> None:
         _check(self.check_every >= 1, f"sampling.check_every={self.check_every}: must be >= 1")
         _check(self.slots >= 0, f"sampling.slots={self.slots}: must be >= 0 (0: one slot per row, no waiting)")
-        _check(self.slots == 0 or self.compact,
-               f"sampling.slots={self.slots} needs sampling.compact: true (a finished row must leave for a "
-               "waiting one to enter); set sampling.slots: 0 or sampling.compact: true")
         _check(self.temperature >= 0, f"sampling.temperature={self.temperature}: must be >= 0 (0 is greedy)")
         _check(self.top_k >= 0, f"sampling.top_k={self.top_k}: must be >= 0 (0 disables top-k)")
         _check(0 < self.top_p <= 1, f"sampling.top_p={self.top_p}: must be in (0, 1] (1 disables top-p)")
@@ -445,14 +430,6 @@ class GRPOConfig:
     # is not torch.equal to mu (train/grpo.py, ``onpolicy_values``).
     skip_onpolicy_replay: bool = True
     verify_onpolicy: bool = False
-    # The learner's dense schedule follows the data (model/fused_rows.py). dense_compact runs
-    # each decoder position only on the rows still inside their sequence and the head only at
-    # the completion positions (the ones the loss reads); dense_share_prompts runs the positions
-    # of a prompt its group shares once, in the encoder (model/prompt_pack.py) and the decoder,
-    # and forks the state into the group's rows. Same gradient, fewer row-steps. In the decoder
-    # both apply to the fused decoder only (the module path runs every row there).
-    dense_compact: bool = True
-    dense_share_prompts: bool = True
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1")
@@ -564,9 +541,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        _check(not self.train.cuda_graphs or self.model.fused_decoder,
-               "train.cuda_graphs=true captures the fused decoder: set model.fused_decoder=true (or "
-               "train.cuda_graphs=false)")
         _check(not self.train.cuda_graphs or self.parallel.pp == 1,
                f"train.cuda_graphs=true with parallel.pp={self.parallel.pp}: the graphs capture the dense "
                "schedule's decoder loop, which a pipeline stage does not run (its positions arrive over the "
@@ -649,6 +623,18 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
     raise ConfigError(f"{path}: expected {_type_name(tp)}, got {_show(value)} ({type(value).__name__})")
 
 
+# Keys that chose between twin implementations of the decoder or the schedule, now one of each:
+# a config that still sets one gets a line that says so instead of "unknown key".
+REMOVED_KEYS = {
+    "model.fused_decoder": "the decoder step is one implementation for every schedule (model/decoder.py)",
+    "sampling.fast_decode": "the sampler runs the model's one decoder step (model/decoder.py)",
+    "sampling.share_prompts": "a rollout always runs a shared prompt once and forks it (rollout/rows.py)",
+    "sampling.compact": "a finished row always leaves the rollout's batch at the next check (rollout/rows.py)",
+    "grpo.dense_compact": "the learner's decoder always runs only the positions each row needs (model/rows.py)",
+    "grpo.dense_share_prompts": "the learner always runs a shared prompt once (model/rows.py, prompt_pack.py)",
+}
+
+
 def _suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"; did you mean '{close[0]}'?" if close else ""
@@ -669,6 +655,8 @@ def _from_dict(cls: type, data: Any, path: str = ""):
     for key, value in data.items():
         full = f"{path}.{key}" if path else str(key)
         if key not in names:
+            if full in REMOVED_KEYS:
+                raise ConfigError(f"{full} was removed: {REMOVED_KEYS[full]}; delete the key")
             raise ConfigError(f"unknown config key {_show(full, 80)}{_suggest(str(key), names)}")
         kwargs[key] = _coerce(value, hints[key], full)
     try:

@@ -1,6 +1,6 @@
 """An export of a ``model.arch: dense`` model is a standard Hugging Face Llama/Qwen2 checkpoint.
 
-The dense baseline (model/dense.py) is exactly the Llama layout (Qwen2's with q/k/v biases), so
+The dense baseline (model/baselines.py) is exactly the Llama layout (Qwen2's with q/k/v biases), so
 its export directory is what transformers writes for one: ``config.json`` with model_type
 ``llama`` or ``qwen2`` and ``LlamaForCausalLM`` / ``Qwen2ForCausalLM``, the tensors under the
 Hugging Face names (``model.layers.i.self_attn.q_proj.weight`` ...), the tokenizer files and

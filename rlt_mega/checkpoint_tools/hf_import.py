@@ -14,7 +14,7 @@ causes it (RoPE scaling, sliding-window attention, biases on o_proj or the MLP, 
 activations, another head_dim, quantized weights, other architectures).
 
 With ``arch="dense"`` the checkpoint becomes the dense baseline itself (model.arch: dense,
-model/dense.py): the same tensors under the same names, nothing else, so it trains, exports and
+model/baselines.py): the same tensors under the same names, nothing else, so it trains, exports and
 compares as the model it is.
 
 The HF config.json is read as plain JSON: the importer does not need transformers.

@@ -19,21 +19,21 @@ from typing import Callable, Optional
 
 import torch
 
-from rlt_mega.model.fused_rows import DenseRows, rollout_rows
+from rlt_mega.model.rows import DenseRows, rollout_rows
 from rlt_mega.model.rlt import RLT
 from rlt_mega.precision import precision
 from rlt_mega.rollout.processing import process_logits
 from rlt_mega.rollout.sampler import Rollout, completion_positions, replay
 
 
-def dense_logprobs(model: RLT, rollout: Rollout, compact: bool = False, share_prompts: bool = False) -> torch.Tensor:
+def dense_logprobs(model: RLT, rollout: Rollout, compact: bool = True, share_prompts: bool = True) -> torch.Tensor:
     """The dense schedule's processed log-probs of the completion tokens, with autograd.
 
     Runs ``model.forward`` on the inputs of the rollout's steps, tokens (B, num_steps):
     right padding does not reach earlier positions (everything is causal), and positions are
-    the rollout's own (prompts are left-aligned). -> (B, N) fp32. compact / share_prompts
-    (grpo.dense_compact, grpo.dense_share_prompts): the decoder runs only the rows and
-    positions the completion tokens need (``dense_rows``).
+    the rollout's own (prompts are left-aligned). -> (B, N) fp32. compact / share_prompts: the
+    decoder runs only the rows and positions the completion tokens need (``dense_rows``; both off
+    is the padded schedule, the tests' and benchmarks' reference arm).
     """
     rows = dense_rows(rollout, compact, share_prompts)
     with precision(rollout.schedule.dtype, rollout.tokens.device):
@@ -42,7 +42,7 @@ def dense_logprobs(model: RLT, rollout: Rollout, compact: bool = False, share_pr
 
 
 def dense_rows(rollout: Rollout, compact: bool, share_prompts: bool) -> Optional[DenseRows]:
-    """What the dense decoder needs of each row of the rollout (model/fused_rows.py): row b's
+    """What the dense decoder needs of each row of the rollout (model/rows.py): row b's
     positions [0, P_b + n_b - 1) (the last one's logits score the last completion token), and
     with share_prompts its group, the rows whose prompts are the same tokens. None: both off."""
     return rollout_rows(rollout.tokens, rollout.schedule.prompt_lens, rollout.completion_lens, compact, share_prompts)

@@ -8,8 +8,8 @@ attached to each, their dense inputs stacked row-wise into one dense call:
 
     inputs      (sum_i B_i, max_i T_i) the parts' dense schedule tokens (``dense_inputs``),
                 right-padded (everything is causal: no earlier position changes)
-    dense_rows  with grpo.dense_compact / dense_share_prompts: each row's length, prompt and
-                group (model/fused_rows.DenseRows), the rows the dense decoder runs
+    dense_rows  each row's length, prompt and group (model/rows.DenseRows): the row
+                steps the dense decoder runs
     parts       [GRPOPart]: the Rollout (tokens, mu, mask, schedule); its replay (B, N) under
                 the current parameters (the hybrid's value; under pipeline parallelism only
                 the last stage has it, and only it computes the loss); advantages (B,); the
@@ -39,7 +39,7 @@ from rlt_mega.learner.grpo import grpo_loss
 from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_rows, hybrid_logprobs,
                                      mismatch_metrics)
 from rlt_mega.loss import LogitsLoss, Vocab
-from rlt_mega.model.fused_rows import DENSE_ROWS, stack_rows
+from rlt_mega.model.rows import DENSE_ROWS, stack_rows
 from rlt_mega.rollout.sampler import Rollout
 
 
@@ -57,9 +57,9 @@ class GRPOPart:
         return mask if self.rows is None else mask & self.rows.to(mask.device)[:, None]
 
 
-def grpo_batch(parts: list[GRPOPart], compact: bool = False, share_prompts: bool = False) -> dict:
-    """compact / share_prompts (grpo.dense_compact, grpo.dense_share_prompts): the batch's
-    ``dense_rows`` (model/fused_rows.py), which the fused dense decoder follows."""
+def grpo_batch(parts: list[GRPOPart], compact: bool = True, share_prompts: bool = True) -> dict:
+    """compact / share_prompts: the batch's ``dense_rows`` (model/rows.py), which the dense
+    decoder follows (both off: the padded schedule, the benchmarks' baseline arm)."""
     if not parts:
         raise ValueError("a GRPO batch needs at least one rollout batch")
     inputs = [dense_inputs(p.rollout) for p in parts]  # each (B_i, T_i)

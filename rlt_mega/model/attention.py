@@ -5,7 +5,6 @@ The decoder's two attentions (over its own K/V and into the memory) are the deco
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch

@@ -1,9 +1,9 @@
 """The fused decoder training step: explicit per-position forward and backward over
 preallocated buffers, with deferred weight gradients.
 
-A :class:`FusedStack` holds a set of decoder layers (and, on the first pipeline stage, the
+A :class:`DecoderStack` holds a set of decoder layers (and, on the first pipeline stage, the
 recurrence input ``u = embed[x_t] + recur_proj(recur_norm(z_{t-1}))``) as prepared products
-(model/fused.py). A :class:`FusedRun` is one batch of sequences through it:
+(model/kernels.py). A :class:`DecoderRun` is one batch of sequences through it:
 
     run.forward(t, x, e)  -> y      position t, in increasing t; x: z_{t-1} (with the input
                                     layer) or the stage's input; e: embed[x_t]; y (B, d)
@@ -11,7 +11,7 @@ recurrence input ``u = embed[x_t] + recur_proj(recur_norm(z_{t-1}))``) as prepar
     run.memory_grads(), run.input_grads()     once every position is done
 
 Why this shape. Every consumer runs positions one at a time: the dense schedule's autograd
-Function (model/fused_dense.py) loops over the whole sequence; a pipeline stage
+Function (model/dense_decode.py) loops over the whole sequence; a pipeline stage
 (parallel/stage.py) gets each position's output gradient over the wire and calls ``backward``
 for it. One object with explicit per-position calls serves both, and the Function around it is
 a loop, not a graph of T x L x ~50 nodes: per layer and position the forward is ~40 operators
@@ -59,7 +59,7 @@ layer), next to the K/V and their gradients that every mode holds. The recomputa
 forward's operations on the same values, so the gradients are the same in every mode, bit for bit.
 
 Memory. A run's buffers come in two slabs: the forward's (what the backward reads: the kept
-tensors above and the K/V), taken from the workspace pool (model/fused_state.py) and alive as
+tensors above and the K/V), taken from the workspace pool (model/workspace.py) and alive as
 long as the graph, and the backward's scratch (the weight-gradient rings, the K/V gradients and
 the deferred K/V rows, the embeddings' gradient: ``scratch_bytes()``), allocated by the first
 backward and freed by ``release_scratch()``, which the dense schedule calls once its backward has
@@ -83,7 +83,7 @@ masks per row: in the static form every piece already is a tensor). A per-row ke
 (documents in packed SFT) multiplies into the same additive masks, and a document start resets
 x to z_init for that row before the input layer.
 
-Rows (implemented, eager form only: model/fused_rows.py). A :class:`RowPlan` (the GRPO learner's
+Rows (implemented, eager form only: model/rows.py). A :class:`RowPlan` (the GRPO learner's
 compaction and shared prompts) says which rows each position runs on; the step itself does not
 change: the per-position tensors are rows [:n] of their buffers, the batch-major K/V a prefix of
 the physical row order or gathered by index, and the run maps the caller's rows in and out.
@@ -101,7 +101,7 @@ import torch.nn.functional as F
 from rlt_mega.model.kernels import (LAYER_WEIGHTS, Gemm, LayerGemms, NormConstants, attend, attention_grads,
                                     fuse_layer, fuse_recurrence, head_counts, rms_backward, rms_forward, rope,
                                     rope_tables, stat_dtype)
-from rlt_mega.model.fused_rows import RowPlan
+from rlt_mega.model.rows import RowPlan
 from rlt_mega.model.layout import StaticStep, Step
 from rlt_mega.model.workspace import Slab
 
@@ -173,7 +173,7 @@ def fused_weights(model, layers: Sequence[int], with_input: bool,
     return StackSpec(list(layers), with_input, Dh, h, h_kv, keys), tensors
 
 
-class FusedStack:
+class DecoderStack:
     """Prepared products of a stack for one forward (and backward), in the compute dtype.
 
     all_reduce: the in-place sum over the shards of a tensor-parallel layer (None: one device),
@@ -297,17 +297,17 @@ _RING = ("dqkv", "g2", "dcq", "g3", "dgu", "g4")  # per layer and ring slot: the
 _NOT_KEPT = dict.fromkeys((*_SAVED, *_POSITIONAL))  # (read only) a forward that keeps nothing of these
 
 
-class FusedRun:
+class DecoderRun:
     """One batch of B sequences through a stack, positions [0, capacity).
 
     memory: per layer of the stack, the memory K/V (B, h_kv, S, Dh) (slot 0 the null memory),
     any dtype, read only. grads: the accumulators of the deferred weight gradients (None: no
     backward). slots: activation slots (None: every position saved; a checkpointed run:
     :func:`checkpoint_slots`). static: the capture-ready form. rows: which rows each position
-    runs on (model/fused_rows.py; None: all of them); x, e, y and their gradients stay (B, d) in
+    runs on (model/rows.py; None: all of them); x, e, y and their gradients stay (B, d) in
     the caller's order, dead rows 0."""
 
-    def __init__(self, stack: FusedStack, batch: int, capacity: int,
+    def __init__(self, stack: DecoderStack, batch: int, capacity: int,
                  memory: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None, grads: Optional[WeightGrads] = None,
                  slots: Optional[int] = None, static: bool = False, rows: Optional[RowPlan] = None,
                  state: Optional[KVState] = None, documents=None, z0: Optional[torch.Tensor] = None) -> None:
@@ -663,7 +663,7 @@ class FusedRun:
     def _join_forks(self, t: int, step) -> None:
         """Backward of the forks at t: the group rows' gradients of the shared K/V history
         [0, t) sum into the representative's (this K/V chunk's deferred ones flushed first; the
-        gradient of z_{t-1} sums through the outputs' readers, fused_rows.RowStep)."""
+        gradient of z_{t-1} sums through the outputs' readers, rows.RowStep)."""
         if t % self.kv_chunk:
             c0 = t - t % self.kv_chunk
             self.flush_kv(c0, min(c0 + self.kv_chunk, self.capacity))
@@ -774,7 +774,7 @@ class FusedRun:
         n, g = keys_t.shape[-1], self.g
         c0 = pos.t - pos.t % self.kv_chunk  # the K/V chunk's first position
         lo = c0 if kind == "s" else n  # keys added directly: [c0, n) for self, none for the memory
-        if pos.idx is not None:  # rows by index (fused_rows.py): every key added directly
+        if pos.idx is not None:  # rows by index (rows.py): every key added directly
             lo = 0
         if n > lo:
             if g == 1 and pos.idx is None:  # one query row per key/value head: a rank-1 update, one kernel
@@ -895,12 +895,12 @@ class StepRunner:
 
     null_memory (d,): written into slot 0 of every row's memory once (every row's is the same)."""
 
-    def __init__(self, stack: FusedStack, batch: int, capacity: int, null_memory: torch.Tensor) -> None:
+    def __init__(self, stack: DecoderStack, batch: int, capacity: int, null_memory: torch.Tensor) -> None:
         spec = stack.spec
         self.stack, self.batch = stack, batch
         self.state = KVState.zeros(spec.layers, batch, spec.num_kv_heads, spec.head_dim, capacity, 1 + capacity,
                                    stack.compute_dtype, stack.device)
-        self.run = FusedRun(stack, batch, capacity, state=self.state)
+        self.run = DecoderRun(stack, batch, capacity, state=self.state)
         self.write_memory(null_memory.detach().to(stack.compute_dtype).expand(batch, 1, -1), -1)
 
     def at(self, k: int, t: int, n: int) -> Step:

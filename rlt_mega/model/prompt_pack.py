@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.model.documents import Documents
-from rlt_mega.model.fused_rows import DenseRows
+from rlt_mega.model.rows import DenseRows
 
 
 @dataclass

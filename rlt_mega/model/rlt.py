@@ -37,8 +37,8 @@ from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.model.attention import encoder_attention
 from rlt_mega.model.cache import KVCache, MemoryKV
 from rlt_mega.model.documents import Documents
-from rlt_mega.model.fused_dense import Decoder
-from rlt_mega.model.fused_rows import DenseRows, head_rows
+from rlt_mega.model.dense_decode import Decoder
+from rlt_mega.model.rows import DenseRows, head_rows
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary
 from rlt_mega.model.prompt_pack import PromptPack
 
@@ -163,7 +163,7 @@ class RLT(nn.Module):
                      documents: Optional[Documents] = None, rows: Optional[DenseRows] = None) -> torch.Tensor:
         """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d): the decoder
         step (``self.decoder``, model/dense_decode.py) position by position. documents: packed
-        rows (model/documents.py); rows: the positions each row needs (model/fused_rows.py)."""
+        rows (model/documents.py); rows: the positions each row needs (model/rows.py)."""
         return self.decoder.dense(self, emb, mem, z0, rows, documents)
 
     def dense_memory(self, emb: torch.Tensor, documents: Optional[Documents] = None,
@@ -200,9 +200,9 @@ def block_param_count(cfg: ModelConfig) -> int:
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Closed-form parameter counts by group (tested against the real module), for every
-    model.arch (the baselines: model/dense.py)."""
+    model.arch (the baselines: model/baselines.py)."""
     if cfg.arch != "rlt":
-        from rlt_mega.model.dense import dense_param_counts
+        from rlt_mega.model.baselines import dense_param_counts
 
         return dense_param_counts(cfg)
     d, V, L, Dh = cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.head_dim
@@ -264,10 +264,10 @@ def residual_branches(cfg: ModelConfig) -> int:
 
 
 def model_class(cfg: ModelConfig) -> type:
-    """The module of model.arch: RLT, or model/dense.py's DenseLM for dense and looped."""
+    """The module of model.arch: RLT, or model/baselines.py's DenseLM for dense and looped."""
     if cfg.arch == "rlt":
         return RLT
-    from rlt_mega.model.dense import DenseLM
+    from rlt_mega.model.baselines import DenseLM
 
     return DenseLM
 

@@ -39,6 +39,7 @@ from rlt_mega.loss import LM_LOSS, LogitsLoss
 from rlt_mega.model.documents import forward_kwargs
 from rlt_mega.model.rlt import RLT
 from rlt_mega.parallel import batching
+from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.ds_checkpoint import DeepSpeedCheckpoint
 from rlt_mega.parallel.ds_state import DeepSpeedState
@@ -68,7 +69,7 @@ class DistributedEngine:
         shard_for_rank(model, dims)
         model.set_checkpointing(engine.checkpointing)
         if engine.cuda_graphs:  # (off: the model's default)
-            model.set_cuda_graphs(True)
+            install_cuda_graphs(model)
         mark_for_grad_norm(model, dims)
         mbs, accum = engine.micro_batch_size, engine.grad_accum
         self.num_pieces, _ = micro_batch_plan(mbs, accum, self.num_in_flight)

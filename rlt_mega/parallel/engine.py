@@ -36,6 +36,7 @@ from rlt_mega.checkpoint import CheckpointError, check_weights, load_torch
 from rlt_mega.config import CheckpointingConfig, OptimConfig, TrainConfig
 from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
 from rlt_mega.model.documents import forward_kwargs
+from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.precision import precision
 
@@ -150,7 +151,7 @@ class LocalEngine:
         self.device, self.dtype = dims.device, engine.dtype
         model.set_checkpointing(engine.checkpointing)
         if engine.cuda_graphs:  # (off: the model's default)
-            model.set_cuda_graphs(True)
+            install_cuda_graphs(model)
         self.optimizer, self.scheduler = build_optimizer(model, optim, engine.total_steps)
 
     @property

@@ -24,18 +24,19 @@ schedule sends and receives; the stage keeps its autograd graph between forward 
 Autograd cuts: each decoder step is backwarded on its own (its output gradient arrives over the
 wire), so tensors that many steps read (the memory K/V, the embeddings, the head input) are
 detached leaves whose gradients accumulate over the steps and are pushed into their producers
-once (the memory K/V's in the MemoryKV's own buffers, so a step adds only its visible
-prefix). The per-layer ``DecoderKV`` needs the steps of one micro-batch backwarded in
-decreasing t on every stage; the reversed ring does exactly that.
+once. The decoder's K/V gradients need the steps of one micro-batch backwarded in decreasing t on
+every stage; the reversed ring does exactly that.
 
-The fused decoder (``model.fused_decoder``, the default): the stage's layers (and on stage 0 the
-recurrence input) are one model/fused_run.FusedStack per round, built at ``start`` from the
-current parameters; each micro-batch is a FusedRun whose ``forward``/``backward`` the decoder
-ops call position by position, with no autograd graph per step. Its deferred weight gradients
-accumulate over the round's micro-batches and reach the parameters in one autograd backward at
-``finish`` (through the fused weights' expressions: the shadow parameters under ShadowGrads).
-With decoder checkpointing each position is recomputed from what the run keeps just before its
-backward (model/fused_run.py: the same as on one process).
+The decoder: the stage's layers (and on stage 0 the recurrence input) are one prepared stack of
+the model's decoder step (``model.decoder``, model/dense_decode.py; under tensor parallelism with
+the reduce it was built with) per round, built at ``start`` from the current parameters; each
+micro-batch is a run (model/decoder.py) whose ``forward``/``backward`` the decoder ops call
+position by position, with no autograd graph per step. Its deferred weight gradients accumulate
+over the round's micro-batches and reach the parameters in one autograd backward at ``finish``
+(through the fused weights' expressions: the shadow parameters under ShadowGrads). With decoder
+checkpointing each position is recomputed from what the run keeps just before its backward (the
+same as on one process). Packed rows with document resets run the same step (model/layout.py):
+stage 0 restarts their z from z_init, and the restarts' gradient reaches z_init.
 
 A GRPO batch whose groups share prompts is encoded in its prompt pack (model/prompt_pack.py), as
 on one process: stage 0 packs the embeddings, the encoder messages between stages are the packed
@@ -50,14 +51,12 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.loss import LogitsLoss, Vocab
-from rlt_mega.model.cache import DecoderKV, MemoryKV
-from rlt_mega.model.fused_dense import build_stack, compute_dtype_of, replicator, row_plan
-from rlt_mega.model.fused_rows import DENSE_ROWS, head_rows
-from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
+from rlt_mega.model.decoder import DecoderRun, WeightGrads, checkpoint_slots
 from rlt_mega.model.documents import Documents
+from rlt_mega.model.dense_decode import compute_dtype_of, row_plan
+from rlt_mega.model.rows import DENSE_ROWS, head_rows
 from rlt_mega.model.prompt_pack import PromptPack
 from rlt_mega.model.rlt import RLT
 
@@ -98,21 +97,16 @@ def _backward(outputs: list, grads: list) -> None:
 class _MicroBatch:
     inputs: torch.Tensor  # (b, T) token ids
     batch: dict  # the loss's batch dict (inputs, and targets or what else the loss reads)
-    dec: DecoderKV
     emb: Optional[torch.Tensor] = None  # (b, T, d) stage 0: the embeddings, with graph
-    e_steps: list = field(default_factory=list)  # stage 0: leaf (b, d) per position
     enc_in: Optional[torch.Tensor] = None
     enc_out: Optional[torch.Tensor] = None
     m_in: Optional[torch.Tensor] = None  # the memory leaf my cross K/V read
     mem_out: list = field(default_factory=list)  # (k, v) with graph into m_in
-    mem: Optional[MemoryKV] = None  # the same K/V as leaves, read by the decoder steps
-    dec_in: dict = field(default_factory=dict)  # t -> input leaf
-    dec_out: dict = field(default_factory=dict)  # t -> output with graph
     z_cut: dict = field(default_factory=dict)  # last stage: t -> leaf (b, 1, d) for the head
     loss: Optional[torch.Tensor] = None
-    run: Optional[FusedRun] = None  # the fused decoder's state for this micro-batch
-    e: Optional[torch.Tensor] = None  # stage 0, fused: the embeddings (T, b, d), contiguous rows
-    z0: Optional[torch.Tensor] = None  # stage 0, fused: z_{-1} (b, d) with its graph into z_init
+    run: Optional[DecoderRun] = None  # the decoder's state for this micro-batch
+    e: Optional[torch.Tensor] = None  # stage 0: the embeddings (T, b, d), contiguous rows
+    z0: Optional[torch.Tensor] = None  # stage 0: z_{-1} (b, d) with its graph into z_init
     docs: Optional[Documents] = None  # packed rows with document resets (model/documents.py)
     pack: Optional[PromptPack] = None  # GRPO with shared prompts: the encoder's layout (model/prompt_pack.py)
 
@@ -128,8 +122,7 @@ class RLTStage:
         self.grad = True
         self.loss_scale = 1.0
         self.loss: Optional[LogitsLoss] = None  # this round's
-        self.fused = model.cfg.fused_decoder
-        self.stack = None  # this round's fused stack (fused decoder)
+        self.stack = None  # this round's prepared decoder stack
         self.fused_tensors: list = []  # its weights, with autograd into the parameters
         self.weight_grads: Optional[WeightGrads] = None
 
@@ -155,22 +148,20 @@ class RLTStage:
         one T per round); loss_scale multiplies the loss sum before backward (1 / global count
         times the data-parallel size, since DeepSpeed averages over data-parallel ranks)."""
         T = batches[0]["inputs"].shape[1]
-        self.mbs = [_MicroBatch(b["inputs"], b, DecoderKV(self.model.cfg.n_layers, capacity=T), docs=Documents.of(b))
-                    for b in batches]
+        self.mbs = [_MicroBatch(b["inputs"], b, docs=Documents.of(b)) for b in batches]
         for mb in self.mbs:  # the same layout on every stage: a function of the batch's rows
             mb.pack = PromptPack.of(mb.batch.get(DENSE_ROWS), T, mb.inputs.device, mb.docs)
         self.loss_scale, self.grad, self.loss = loss_scale, grad, loss
-        self.fused = all(self.model.uses_fused(mb.docs) for mb in self.mbs)  # packed documents: the module path
-        if self.fused:
-            self._start_fused(batches[0]["inputs"].shape[0])
+        self._start_decoder(batches[0]["inputs"].shape[0])
 
-    def _start_fused(self, rows: int) -> None:
-        """The round's fused stack, from the parameters as they are now (shadows under ShadowGrads)."""
+    def _start_decoder(self, rows: int) -> None:
+        """The round's decoder stack, from the parameters as they are now (shadows under ShadowGrads)."""
         model = self.model
         with torch.set_grad_enabled(self.grad):
-            spec, tensors = fused_weights(model, self.layers, self.is_first_stage, replicator(model.tp_all_reduce))
+            spec, tensors = model.decoder.weights(model, self.layers, self.is_first_stage)
         device = tensors[0].device
-        self.stack = build_stack(model, spec, tensors, rows, self.grad, self.dtype, compute_dtype_of(self.dtype, device))
+        self.stack = model.decoder.stack(model, spec, tensors, rows, self.grad, self.dtype,
+                                         compute_dtype_of(self.dtype, device))
         self.fused_tensors = tensors if self.grad else []
         self.weight_grads = WeightGrads(spec, tensors) if self.grad else None
 
@@ -186,10 +177,7 @@ class RLTStage:
         if self.is_first_stage:
             mb.emb = model.embed(mb.inputs)  # (b, T, d)
             x = mb.emb
-            if self.fused:
-                mb.e = mb.emb.detach().transpose(0, 1).contiguous()
-            elif self.grad:  # the decoder reads the embeddings position by position: one leaf each
-                mb.e_steps = [_leaf(mb.emb[:, t], True) for t in range(mb.emb.shape[1])]
+            mb.e = mb.emb.detach().transpose(0, 1).contiguous()
         mb.enc_in = _leaf(x, self.grad)
         h = mb.enc_in
         if self.is_first_stage and mb.pack is not None:
@@ -205,62 +193,27 @@ class RLTStage:
     def mem_fwd(self, j: int, m: Optional[torch.Tensor]) -> None:
         mb = self.mbs[j]
         mb.m_in = _leaf(mb.enc_out if self.is_last_stage else m, self.grad)
-        dense = self.model.memory_kv(mb.m_in, layers=self.layers, fused=self.fused)
-        mb.mem = MemoryKV(self.model.cfg.n_layers, capacity=dense.capacity)
-        mb.mem_out = []
-        for i in self.layers:
-            k, v = dense.k[i], dense.v[i]
-            mb.mem_out += [k, v]
-            mb.mem.set(i, _leaf(k, self.grad), _leaf(v, self.grad))
-        if self.fused:
-            b, T = mb.inputs.shape
-            slots = None
-            if self.grad and self.model.checkpointing.decoder != "none":
-                slots = checkpoint_slots(b, T)
-            rows = row_plan(mb.batch.get(DENSE_ROWS), b, T, mb.inputs.device, static=False)  # GRPO: fused_rows.py
-            mb.run = FusedRun(self.stack, b, T, [(dense.k[i], dense.v[i]) for i in self.layers],
-                              grads=self.weight_grads, slots=slots if self.grad else 1, rows=rows)
-
-    def _dec_step(self, x: torch.Tensor, e_t: Optional[torch.Tensor], t: int, dec: DecoderKV,
-                  mem: MemoryKV, docs: Optional[Documents] = None) -> torch.Tensor:
-        if self.is_first_stage:  # z_{t-1} (reset to z_init where a packed document starts) -> (b, 1, d)
-            x = self.model.decoder_input(e_t, self.model.reset_state(x.squeeze(1), t, docs))
-        return self.model.decoder_layers(x, t, dec, mem, layers=self.layers, documents=docs)
-
-    def dec_fwd(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
-        if self.fused:
-            return self._dec_fwd_fused(j, t, x)
-        mb, model = self.mbs[j], self.model
-        if self.is_first_stage and t == 0:
-            x = model.initial_state(mb.inputs.shape[0]).unsqueeze(1)  # (b, 1, d), graph into z_init
-        else:
-            x = _leaf(x, self.grad)
-            mb.dec_in[t] = x
-        e_t = None
+        dense = self.model.memory_kv(mb.m_in, layers=self.layers)
+        mb.mem_out = [t for i in self.layers for t in (dense.k[i], dense.v[i])]
+        b, T = mb.inputs.shape
+        slots = None
+        if self.grad and self.model.checkpointing.decoder != "none":
+            slots = checkpoint_slots(b, T)
         if self.is_first_stage:
-            e_t = mb.e_steps[t] if self.grad else mb.emb[:, t]
-        if self.grad and model.checkpointing.decoder != "none":
-            # One checkpointed segment per step on every stage: the stage's steps are not
-            # contiguous in time (the ring interleaves them), so "every_k" degrades to "step".
-            y = checkpoint(self._dec_step, x, e_t, t, mb.dec, mb.mem, mb.docs, use_reentrant=False,
-                           preserve_rng_state=False)
-        else:
-            y = self._dec_step(x, e_t, t, mb.dec, mb.mem, mb.docs)
-        if self.grad:
-            mb.dec_out[t] = y
-        if self.is_last_stage:
-            mb.z_cut[t] = _leaf(y, self.grad)
-        return y
+            mb.z0 = self.model.initial_state(b)  # (b, d), graph into z_init
+        rows = row_plan(mb.batch.get(DENSE_ROWS), b, T, mb.inputs.device, static=False)  # GRPO: rows.py
+        mb.run = DecoderRun(self.stack, b, T, [(dense.k[i], dense.v[i]) for i in self.layers],
+                          grads=self.weight_grads, slots=slots, rows=rows, documents=mb.docs,
+                          z0=mb.z0 if mb.docs is not None else None)
 
     def _fwd_mode(self) -> str:
         if not self.grad:
             return "none"
         return "save" if self.model.checkpointing.decoder == "none" else "checkpoint"
 
-    def _dec_fwd_fused(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
+    def dec_fwd(self, j: int, t: int, x: Optional[torch.Tensor]) -> torch.Tensor:
         mb = self.mbs[j]
         if self.is_first_stage and t == 0:
-            mb.z0 = self.model.initial_state(mb.inputs.shape[0])  # (b, d), graph into z_init
             x = mb.z0.detach()
         else:
             x = x.detach().squeeze(1)  # (b, d)
@@ -269,7 +222,7 @@ class RLTStage:
             mb.z_cut[t] = _leaf(y, self.grad)
         return y
 
-    def _dec_bwd_fused(self, j: int, t: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def dec_bwd(self, j: int, t: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
         mb = self.mbs[j]
         if self.is_last_stage:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
             head_grad = mb.z_cut.pop(t).grad
@@ -281,13 +234,15 @@ class RLTStage:
             mb.run.forward(t, None, None, mode="recompute")
         gx = mb.run.backward(t, g.squeeze(1).to(self.dtype))
         if self.is_first_stage and t == 0:
+            if mb.run.z0_grad is not None:  # the rows restarted from z_init at packed documents' starts
+                gx = gx + mb.run.z0_grad
             _backward([mb.z0], [gx])  # into z_init
             return None
         return gx.unsqueeze(1)
 
     def loss_fwd(self, j: int) -> torch.Tensor:
         """Head over all positions at once (one GEMM shape, as the dense model does; a GRPO batch with
-        compaction: over the positions its loss reads, model/fused_rows.head_rows) -> the
+        compaction: over the positions its loss reads, model/rows.head_rows) -> the
         micro-batch's loss sum (fp32, no graph)."""
         mb = self.mbs[j]
         z = torch.cat([mb.z_cut[t] for t in range(len(mb.z_cut))], dim=1)  # (b, T, d)
@@ -302,28 +257,10 @@ class RLTStage:
         self.mbs[j].loss.backward()
         self.mbs[j].loss = None
 
-    def dec_bwd(self, j: int, t: int, g: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        if self.fused:
-            return self._dec_bwd_fused(j, t, g)
-        mb = self.mbs[j]
-        y = mb.dec_out.pop(t)
-        if self.is_last_stage:  # the head's gradient plus (t < T-1) the ring's, from stage 0 at t + 1
-            head_grad = mb.z_cut.pop(t).grad
-            g = head_grad if g is None else head_grad + g
-        _backward([y], [g])
-        x = mb.dec_in.pop(t, None)
-        return None if x is None else x.grad
-
     def mem_bwd(self, j: int) -> torch.Tensor:
         mb = self.mbs[j]
-        grads = []
-        if self.fused:
-            grads = [g for pair in mb.run.memory_grads() for g in pair]
-        else:
-            for i in self.layers:  # the decoder steps accumulated them in mb.mem (see MemoryKV)
-                grads += mb.mem.take_grads(i)
-        _backward(mb.mem_out, grads)
-        mb.mem, mb.mem_out = None, []
+        _backward(mb.mem_out, [g for pair in mb.run.memory_grads() for g in pair])
+        mb.mem_out = []
         if not self.is_first_stage:  # stage 0 still needs the embeddings' gradient (enc_bwd)
             mb.run = None
         g = mb.m_in.grad
@@ -334,11 +271,8 @@ class RLTStage:
         _backward([mb.enc_out], [g])
         if self.is_first_stage:
             # Encoder-path gradient of the embeddings plus the decoder's, position by position.
-            if self.fused:
-                g_dec = mb.run.input_grads()  # (b, T, d)
-                mb.run = None
-            else:
-                g_dec = torch.stack([e.grad if e.grad is not None else torch.zeros_like(e) for e in mb.e_steps], dim=1)
+            g_dec = mb.run.input_grads()  # (b, T, d)
+            mb.run = None
             g_emb = g_dec if mb.enc_in.grad is None else mb.enc_in.grad + g_dec
             _backward([mb.emb], [g_emb])
             return None

@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlt_mega.loss import IGNORE, Vocab
+from rlt_mega.model.dense_decode import Decoder
 from rlt_mega.parallel.dims import ParallelDims
 
 # Module-name pattern -> layer kind. "column": output features split (gather_output=False);
@@ -201,10 +202,12 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, 
         _replace(model, name, new)
     if tied:
         model.lm_head.weight = model.embed.weight
-    # The fused decoder (model/fused_run.py) reads these shards' weights directly and calls this
-    # where megatron's layers communicate: after each row-parallel product (o, cross o, down) and
-    # on the input gradient of each column-parallel one (q/k/v, cross q, gate/up).
-    model.tp_all_reduce = tp_all_reduce(dims)
+    # The decoder step (model/decoder.py) reads these shards' weights directly and calls the sum
+    # over the tensor-parallel ranks where megatron's layers communicate: after each row-parallel
+    # product (o, cross o, down) and on the input gradient of each column-parallel one (q/k/v,
+    # cross q, gate/up). The sharded model gets a decoder built with it, as it got its layers.
+    if hasattr(model, "decoder"):
+        model.decoder = Decoder(all_reduce=tp_all_reduce(dims), static=model.decoder.static)
     return model
 
 

@@ -15,7 +15,7 @@ Per sequence of T positions (B = 1), summed over all L layers:
   decoder input         recur_proj 2 d^2 per position
   head                  lm_head 2 d V per position
 
-model.arch dense / looped (model/dense.py): the encoder rows alone, for R * L block
+model.arch dense / looped (model/baselines.py): the encoder rows alone, for R * L block
 applications (R = model.loops; 1 for dense), every one a causal batch, and the head; no
 decoder. Activation checkpointing (train.checkpointing.encoder, or any decoder mode) recomputes
 each block application, less its final down projection (the early stop).

@@ -1,8 +1,7 @@
-"""Memory of the fused decoder (model/fused_run.py, the default ``model.fused_decoder``) on one
-rank, for plan/memory.py.
+"""Memory of the decoder step (model/decoder.py) on one rank, for plan/memory.py.
 
 The fused path keeps nothing in autograd's graph per position: one run per micro-batch owns a
-slab of preallocated buffers (``FusedRun.buffer_bytes()`` names them; :func:`run_buffer_bytes`
+slab of preallocated buffers (``DecoderRun.buffer_bytes()`` names them; :func:`run_buffer_bytes`
 is the same arithmetic), and the stage holds a few copies of its decoder weights:
 
   slab, per micro-batch   "saved": the slot tensors (RoPE'd q/k, cross query, gate/up, SwiGLU
@@ -29,15 +28,15 @@ the encoder's backward and the optimizer step (the slab then goes back to the wo
 which keeps it for the next step: in a long run it is resident). The part only the backward
 uses (rings, K/V gradients and rows, the embeddings' gradient: :func:`run_scratch_bytes`) is
 allocated at the decoder's backward and, in the dense schedule, freed at its end. tests/unit/test_costmodel.py
-checks the slab against FusedRun.buffer_bytes() exactly and the step's peak against MemTracker.
+checks the slab against DecoderRun.buffer_bytes() exactly and the step's peak against MemTracker.
 """
 
 from __future__ import annotations
 
 from rlt_mega.config import ModelConfig
-from rlt_mega.model import fused as fused_kernels
-from rlt_mega.model.fused_run import KV_CHUNK, checkpoint_slots, wgrad_positions
-from rlt_mega.model.fused_state import SLAB_ALIGN
+from rlt_mega.model import kernels as fused_kernels
+from rlt_mega.model.decoder import KV_CHUNK, checkpoint_slots, wgrad_positions
+from rlt_mega.model.workspace import SLAB_ALIGN
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.params import stage_layers
 
@@ -60,7 +59,7 @@ def _checkpointed(layout: Layout) -> bool:
 
 def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = True,
                      scratch: bool = False) -> dict[str, int]:
-    """One micro-batch's slab by purpose, in bytes: FusedRun.buffer_bytes() of the run the dense
+    """One micro-batch's slab by purpose, in bytes: DecoderRun.buffer_bytes() of the run the dense
     schedule (or a pipeline stage) builds for B = micro_batch_size rows of T = seq_len positions."""
     B, T, a = layout.micro_batch_size, layout.seq_len, layout.act_bytes
     d, Dh, h, h_kv, F = _shapes(cfg, layout)
@@ -68,15 +67,14 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     st = 4  # the statistics dtype (1/rms, K/V gradients, the K/V rows): fp32
     W, Wkv = wgrad_positions(B, T), min(KV_CHUNK, T)
-    slots = checkpoint_slots(B, T) if (grad and _checkpointed(layout)) else (T if grad else 1)
-    per = T if grad else 1  # the per-position tensors (a run without backward keeps one)
+    slots = checkpoint_slots(B, T) if _checkpointed(layout) else T
     out = dict.fromkeys((*PURPOSES, "kv_grads"), 0)
     for _ in range(n):
-        one = 1 if (grad and _checkpointed(layout)) else slots  # qk, cq, gu: one slot when checkpointed
+        one = 1 if _checkpointed(layout) else slots  # qk, cq, gu: one slot when checkpointed
         for width, rows in (((h + h_kv) * Dh, one), (h * Dh, one), (2 * F, one), (F, slots)):  # qk cq gu f
-            out["saved"] += _aligned(rows * B * width * a)
+            out["saved"] += _aligned(rows * B * width * a) if grad else 0  # (a run without backward keeps none)
         for width, size in ((d, a), (1, st), (h * Dh, a), (d, a), (1, st), (h * Dh, a), (d, a), (1, st)):
-            out["saved"] += _aligned(per * B * width * size)  # a1 r1 o1 a2 r2 c a3 r3
+            out["saved"] += _aligned(T * B * width * size) if grad else 0  # a1 r1 o1 a2 r2 c a3 r3
         out["kv"] += 2 * _aligned(B * h_kv * Dh * T * a) + 2 * _aligned(BH * Dh * S * a)
         if grad:
             for width in ((h + 2 * h_kv) * Dh, d, h * Dh, d, 2 * F, d):  # dqkv g2 dcq g3 dgu g4
@@ -84,17 +82,16 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
             out["kv_grads"] += 2 * _aligned(B * h_kv * Dh * T * st) + 2 * _aligned(BH * Dh * S * st)
             for keys in (T, S):  # self, memory: q and do rows, p and ds rows
                 out["kv_rows"] += 2 * _aligned(BH * Wkv * g * Dh * st) + 2 * _aligned(BH * Wkv * g * keys * st)
-    if stage == 0:  # the recurrence input: a0 and r0, and u's gradient
-        out["saved"] += _aligned(per * B * d * a) + _aligned(per * B * st)
-        if grad:
-            out["input_grads"] += _aligned(T * B * d * a)
+    if stage == 0 and grad:  # the recurrence input: a0 and r0, and u's gradient
+        out["saved"] += _aligned(T * B * d * a) + _aligned(T * B * st)
+        out["input_grads"] += _aligned(T * B * d * a)
     kv_grads = out.pop("kv_grads")
     out["kv"] += kv_grads
     return out if not scratch else {"scratch": out["wgrad_ring"] + out["kv_rows"] + out["input_grads"] + kv_grads}
 
 
 def run_scratch_bytes(cfg: ModelConfig, layout: Layout, stage: int) -> int:
-    """The part of :func:`run_buffer_bytes` that only the backward uses (FusedRun.scratch_bytes():
+    """The part of :func:`run_buffer_bytes` that only the backward uses (DecoderRun.scratch_bytes():
     the rings, the K/V gradients and rows, the embeddings' gradient). The dense schedule allocates
     it at the decoder's backward and frees it at the end; a pipeline stage keeps it with the run."""
     return run_buffer_bytes(cfg, layout, stage, scratch=True)["scratch"]

@@ -65,7 +65,7 @@ class Layout:
     # implementation (the CPU default) one tensor at a time.
     foreach_optimizer: bool = True
     # The fused decoder on CPU keeps oneDNN's reordered forward and backward copy of each large
-    # weight (model/fused.py, Gemm); on CUDA the products read the weights themselves.
+    # weight (model/kernels.py, Gemm); on CUDA the products read the weights themselves.
     onednn_weights: bool = False
     rollout_batch: int = 0  # sequences in one sampling batch (0: micro_batch_size)
     rollout_len: int = 0  # prompt + completion positions (0: seq_len)

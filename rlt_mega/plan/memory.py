@@ -31,16 +31,15 @@ shrink gradient memory only after the backward; the peak sits in the decoder bac
 DecoderKV object is referenced from the graph, so its buffers (and their gradients) live
 until the trainer drops the loss, i.e. through the optimizer step.
 
-model.arch dense / looped (model/dense.py): R * L encoder-like block applications (R =
+model.arch dense / looped (model/baselines.py): R * L encoder-like block applications (R =
 model.loops, 1 for dense), no decoder, no memory, no DecoderKV; checkpointing (any mode) keeps
 each block application's input. The sampling caches are R * L self-attention K/V layers.
 
 Checkpointing: the encoder keeps each block's input; the decoder keeps z at each segment
 boundary; the backward recomputes one encoder block or one decoder segment at a time.
 
-All of the above is the module path's decoder (``model.fused_decoder=false``). The fused
-decoder (the default) keeps none of its per-position tensors in autograd: its run's slab, its
-weight copies and its gradient accumulators replace the decoder, DecoderKV and memory K/V items
+The decoder step (model/decoder.py) keeps none of its per-position tensors in autograd: its run's
+slab, its weight copies and its gradient accumulators are the decoder's items
 (plan/fused_memory.py says what they hold and how long they live).
 """
 
@@ -119,7 +118,7 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
     dec_block = 3 * norm + 4 * a * q + 4 * h + 4 * a * f
     dec_input = norm if first else 0.0
     seg = {"none": T, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
-    if cfg.arch == "rlt" and cfg.fused_decoder:
+    if cfg.arch == "rlt":
         # the fused run's slab (K/V, memory K/V and their gradients included), per position
         # (its backward's scratch comes with the backward: estimate_memory)
         here = layout.replace(checkpointing=ck)
@@ -171,8 +170,7 @@ def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[st
     if cfg.arch != "rlt":
         ckpt = ck.encoder or ck.decoder != "none"
         return {"decoder": 0.0, "encoder": full["encoder"] / max(cfg.loops * n, 1) if ckpt else 0.0}
-    if cfg.fused_decoder:  # the fused decoder recomputes into its preallocated slab
-        seg = 0
+    seg = 0  # the decoder step recomputes into its preallocated slab
     return {"decoder": full["decoder"] * seg / T,
             "encoder": full["encoder"] / max(n, 1) if ck.encoder else 0.0}
 
@@ -221,7 +219,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     act = {"decoder_kv": 0.0, **act}  # a baseline keeps no DecoderKV
     logits_kept = 4 * V if (last and layout.keep_logits) else 0.0
     logsoftmax = 4 * V if last else 0.0
-    fused = not baseline and cfg.fused_decoder
+    fused = not baseline
     dkv_grad = 0.0 if (baseline or fused) else n * 2 * 4 * kv  # (the fused run's are in its slab)
     retained = act["decoder_kv"] + dkv_grad  # live until the loss is dropped
     # The fused decoder: its slab (act["decoder"]) and its weight copies live until the loss is

@@ -11,7 +11,7 @@ of embed when tied and P > 1, its gradient all-reduced with stage 0's as Megatro
 stage holds null_memory: it feeds the null slot of the stage's own cross-attention K/V.
 This is what ``parallel/tp.py`` and ``parallel/stage.py`` build.
 
-model.arch dense / looped (model/dense.py): embed, the blocks, final_norm and lm_head, sharded
+model.arch dense / looped (model/baselines.py): embed, the blocks, final_norm and lm_head, sharded
 by the same plan; these models run without pipeline parallelism (parallel.dims refuses pp > 1).
 """
 
@@ -106,7 +106,7 @@ def rank_tensor_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 
     bias = [q, kv, kv] if cfg.qkv_bias else []
     block = [d, d * q, d * kv, d * kv, q * d, *bias, d, d * f, d * f, f * d]
     cross = [d, d * q, d * kv, d * kv, q * d]
-    if cfg.arch != "rlt":  # the order of model/dense.py's parameters
+    if cfg.arch != "rlt":  # the order of model/baselines.py's parameters
         sizes = ([vocab_rows * d] if first else []) + block * len(layers) + ([d] if last else [])
         if last and (not cfg.tie_embeddings or pp > 1):
             sizes.append(vocab_rows * d)

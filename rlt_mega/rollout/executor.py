@@ -34,7 +34,7 @@ from typing import Optional, Protocol, Sequence
 import torch
 
 from rlt_mega.model.cache import KVCache, RowsView
-from rlt_mega.model.fused_dense import compute_dtype_of
+from rlt_mega.model.dense_decode import compute_dtype_of
 from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits

@@ -55,7 +55,7 @@ from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.engine import Engine, EngineConfig
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
-from rlt_mega.rollout.row_sampling import row_switches
+from rlt_mega.rollout.rows import RowSwitches
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
@@ -205,7 +205,7 @@ class GRPOJob:
                 ro = rounds[r].rollouts[k][j]
                 parts.append(GRPOPart(ro, replays[r][j], torch.zeros(ro.batch_size), None,
                                       torch.zeros(ro.batch_size, dtype=torch.bool)))
-            batches.append(grpo_batch(parts, compact=g.dense_compact, share_prompts=g.dense_share_prompts))
+            batches.append(grpo_batch(parts))
         return batches
 
     def _onpolicy_values(self, rounds: list[Round], used: list[int], done: int) -> dict[int, list]:
@@ -400,13 +400,6 @@ def grpo_config(cfg: Config) -> Config:
                           f"(grpo.prompts_per_step x grpo.group_size / grpo.minibatches): choose among "
                           f"{[a for a in range(1, rows + 1) if rows % a == 0]}")
     micro = rows // accum
-    if cfg.train.cuda_graphs and (g.dense_compact or g.dense_share_prompts):
-        raise ConfigError("train.cuda_graphs=true captures the dense decoder with fixed shapes (every row at every "
-                          "position), so the learner cannot follow the data: set grpo.dense_compact=false and "
-                          "grpo.dense_share_prompts=false, or train.cuda_graphs=false")
-    if not cfg.model.fused_decoder and (g.dense_compact or g.dense_share_prompts):
-        log.info("model.fused_decoder=false: the module path's decoder runs every row at every position "
-                 "(grpo.dense_compact and grpo.dense_share_prompts still trim the encoder and the head)")
     if "train.micro_batch_size" in given(cfg) and cfg.train.micro_batch_size != micro:
         raise ConfigError(f"train.micro_batch_size={cfg.train.micro_batch_size}: GRPO derives it, a minibatch's "
                           f"{rows} rows (grpo.prompts_per_step x grpo.group_size / grpo.minibatches) / "
@@ -438,7 +431,7 @@ def batches_per_minibatch(cfg: Config) -> int:
 
 # ---------------------------------------------------------------------- set-up
 def run(cfg: Config) -> dict:
-    from rlt_mega.model.dense import require_rlt
+    from rlt_mega.model.baselines import require_rlt
 
     require_rlt(cfg.model, "GRPO")
     tokenizer = load_tokenizer(cfg.data.tokenizer, cfg.data.chat_template)
@@ -462,15 +455,14 @@ def build_trainer(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_
     """The loop with the GRPO job on this rank of ``dims``; ``cfg`` is ``grpo_config``'s.
     train.init_from (e.g. the export of an SFT run), when set, is applied by the builders."""
     engine = build_engine(cfg, dims, engine_config(cfg))
-    fast, every, comms = cfg.sampling.fast_decode, cfg.sampling.check_every, Comms.from_dims(dims)
-    rows = row_switches(cfg.sampling)
+    every, comms = cfg.sampling.check_every, Comms.from_dims(dims)
+    rows = RowSwitches(slots=cfg.sampling.slots)
     reference = None
     if cfg.grpo.kl_coef > 0:  # the initial policy in the same layout, frozen
-        reference = Sampler(reference_model(cfg, dims, engine), comms, dims.layers, fast_decode=fast,
-                            check_every=every, rows=rows)
+        reference = Sampler(reference_model(cfg, dims, engine), comms, dims.layers, check_every=every, rows=rows)
 
     def policy() -> Sampler:
-        return Sampler(engine.sampling_module(), comms, dims.layers, fast_decode=fast, check_every=every, rows=rows)
+        return Sampler(engine.sampling_module(), comms, dims.layers, check_every=every, rows=rows)
 
     log.info("GRPO: %d train prompts, %d held-out; %d x %d completions per step and replica (%d replicas) in %d "
              "minibatches of %d batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,

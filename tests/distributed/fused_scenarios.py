@@ -1,40 +1,39 @@
-"""Distributed scenarios of the fused decoder (model/fused_run.py), run on every rank by
-tests/distributed/worker.py: the engine on the fused path against a single-process reference on
-the module path (``model.fused_decoder: false``), and proof that the fused path ran (and the
-module path's decoder did not) on every rank, under TP (megatron-core shards), PP (each stage
-on its own layers) and ZeRO-3 (partitioned parameters)."""
+"""Distributed scenarios of the decoder step (model/decoder.py), run on every rank by
+tests/distributed/worker.py: the engine against a single-process run of the executable reference
+(rlt_mega/reference.py: the modules and plain autograd), and proof that the decoder step ran (and
+the reference did not) on every rank, under TP (megatron-core shards), PP (each stage on its own
+layers) and ZeRO-3 (partitioned parameters)."""
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 
 
-from rlt_mega.model import fused_run
-from rlt_mega.model.rlt import RLT
+import rlt_mega.reference as reference
+from rlt_mega.model import decoder as fused_run
 from rlt_mega.parallel.gather import gather_full
 from tests.distributed.scenarios import Reference, _close, _engine, global_batch, local_batches, make_cfg, max_diff
 
 
 @contextmanager
 def count_calls():
-    """Counts the fused step's positions and the module path's decoder layers run inside."""
+    """Counts the decoder step's positions and the reference's decoder layers run inside."""
     counts = {"fused_positions": 0, "module_layers": 0}
-    fused, module = fused_run.FusedRun.step_forward, RLT.decoder_layer
+    fused, module = fused_run.DecoderRun.step_forward, reference._layer
 
     def fused_spy(self, *args, **kwargs):
         counts["fused_positions"] += 1
         return fused(self, *args, **kwargs)
 
-    def module_spy(self, *args, **kwargs):
+    def module_spy(*args, **kwargs):
         counts["module_layers"] += 1
-        return module(self, *args, **kwargs)
+        return module(*args, **kwargs)
 
-    fused_run.FusedRun.step_forward, RLT.decoder_layer = fused_spy, module_spy
+    fused_run.DecoderRun.step_forward, reference._layer = fused_spy, module_spy
     try:
         yield counts
     finally:
-        fused_run.FusedRun.step_forward, RLT.decoder_layer = fused, module
+        fused_run.DecoderRun.step_forward, reference._layer = fused, module
 
 
 @contextmanager
@@ -62,14 +61,14 @@ def zero3_persistence(threshold):
 
 
 def fused_vs_module(model=None, parallel=None, train=None, persistence_threshold=None) -> dict:
-    """One backward of the engine (fused decoder) against the single-process module path on
-    the combined batch: loss, every gathered gradient, and the call counts of both paths.
+    """One backward of the engine (the decoder step) against the single-process reference on the
+    combined batch: loss, every gathered gradient, and the call counts of both.
     ``persistence_threshold``: DeepSpeed's stage3_param_persistence_threshold (0 partitions every
     parameter of the tiny model under ZeRO-3)."""
-    cfg = make_cfg({**(model or {}), "fused_decoder": True}, parallel, train)
+    cfg = make_cfg(model or {}, parallel, train)
     with zero3_persistence(persistence_threshold):
         dims, engine = _engine(cfg)
-    ref = Reference(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, fused_decoder=False)))
+    ref = Reference(cfg, plain=True)
     x, y = global_batch(cfg, 0, dims.dp)
     with count_calls() as ref_counts:
         ref_loss = ref.backward(x, y)

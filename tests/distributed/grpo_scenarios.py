@@ -6,8 +6,8 @@
   the second is off-policy after the first update) against a single-process GRPO step written
   from the library's one-device pieces: every data-parallel rank's prompts and seeds sampled by
   ``generate`` on the full model, the combined minibatch's loss over the global token count,
-  torch clipping and AdamW. The trainer's learner follows the data (grpo.dense_compact and
-  dense_share_prompts, on by default), the reference runs the padded dense schedule.
+  torch clipping and AdamW. The trainer's learner follows the data (compaction and shared
+  prompts), the reference runs the padded dense schedule.
 
 Scenarios return numbers; the tests assert.
 """
@@ -25,7 +25,7 @@ from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
-from rlt_mega.model.fused_rows import DENSE_ROWS, RowPlan
+from rlt_mega.model.rows import DENSE_ROWS, RowPlan
 from rlt_mega.model.prompt_pack import PromptPack
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
@@ -34,7 +34,8 @@ from rlt_mega.parallel.gather import gather_full
 from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate, replay
 from rlt_mega.rollout.rewards import score
-from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches
+from rlt_mega.model.decoder import StepRunner
+from rlt_mega.rollout.rows import LOCKSTEP, RowSwitches
 from rlt_mega.train.common import max_new_tokens_for, sampling_params
 from rlt_mega.train.grpo import (batches_per_minibatch, build_trainer, engine_config, grpo_config, loss_settings,
                                  request_seeds)
@@ -56,8 +57,9 @@ GROUPED = [[[1, 2, 3]] * 4 + [[6, 7, 8, 9, 10]] + [[3, 5, 7, 9, 11, 13]] * 4,
 
 def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None) -> dict:
     """Two ragged batches in flight (temperature 0.7, top-p 0.9, a stop token); bf16 as DeepSpeed
-    runs it (bf16 parameters). rows: the row schedule's switches (rollout/row_sampling.py), with
-    grouped prompts; None: the lockstep schedule on ragged prompts."""
+    runs it (bf16 parameters). rows: the plan's options (rollout/rows.py), with grouped prompts;
+    None: the lockstep plan on ragged prompts. ``steps``: the model's decoder step's calls during
+    the rollout and the replays (the step that ran, not only its values)."""
     cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
     full = _bf16(build_model(cfg.model, "cpu", seed=7), dtype)
@@ -67,11 +69,25 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
     params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=9, stop_token_ids=(0,))
     batches = RAGGED if rows is None else GROUPED
     seeds = [[11 + 10 * j + b for b in range(len(batch))] for j, batch in enumerate(batches)]
-    rollouts = sampler.generate(batches, params, seeds, pad_id=0, dtype=dtype)
-    replays, again = sampler.replay(rollouts), sampler.replay(rollouts)
+    steps = {"rollout": 0, "replay": 0}
+    phase = ["rollout"]
+    original = StepRunner.step
+
+    def counted(self, *args):
+        steps[phase[0]] += 1
+        return original(self, *args)
+
+    StepRunner.step = counted
+    try:
+        rollouts = sampler.generate(batches, params, seeds, pad_id=0, dtype=dtype)
+        phase[0] = "replay"
+        replays, again = sampler.replay(rollouts), sampler.replay(rollouts)
+    finally:
+        StepRunner.step = original
     out = {"has_values": replays[0] is not None, "exact": True, "exact_again": True, "tokens_equal_one_process": True,
-           "mu_diff_one_process": 0.0, "calls_equal_one_process": True, "num_tokens": 0}
-    out["events"] = sorted({e[0] for ro in rollouts if ro.schedule.rows for e in ro.schedule.rows.log})
+           "mu_diff_one_process": 0.0, "calls_equal_one_process": True, "num_tokens": 0, "steps": steps,
+           "decoder": sorted({ro.schedule.decoder for ro in rollouts})}
+    out["events"] = sorted({e[0] for ro in rollouts for e in ro.schedule.rows.log})
     for ro, rp, rp2, batch, s in zip(rollouts, replays, again, batches, seeds):
         ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=2 if rows else 8)
         out["num_tokens"] += ro.num_completion_tokens()
@@ -233,7 +249,7 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
         stats = original(batches, loss)
         captured.setdefault("stats", []).append(stats)
         captured.setdefault("rollouts", []).extend(p.rollout for b in batches for p in b["parts"])
-        for b in batches:  # the decoder's row-steps (grpo.dense_compact / dense_share_prompts) and the padded ones
+        for b in batches:  # the decoder's row-steps (compaction, shared prompts) and the padded ones
             rows = b.get(DENSE_ROWS)
             steps = b["inputs"].numel() if rows is None else RowPlan(rows, b["inputs"].shape[1], torch.device("cpu")).active
             captured.setdefault("row_steps", []).append((steps, b["inputs"].numel()))

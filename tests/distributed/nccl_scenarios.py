@@ -30,37 +30,41 @@ def _log(entries: list) -> list:
     return [[kind, peer, stream] for kind, peer, stream, _ in entries]
 
 
-def ring_messages(parallel: dict, model: dict | None = None, check_every: int = 2) -> dict:
-    """One generate (two ragged micro-batches in flight, a stop token, stop strings) and its
-    replay on the sampler ring, then one training round on the training ring, each with the
-    stage's P2P log on."""
+def ring_messages(parallel: dict, model: dict | None = None, check_every: int = 2, plan: str = "lockstep",
+                  train: bool = True) -> dict:
+    """One generate (two micro-batches in flight, a stop token, stop strings) and its replay on the
+    sampler ring, with the stage's P2P log on and the rollouts' records for the pure description;
+    plan "lockstep" (ragged prompts) or "rows" (grouped prompts, shared and forked, slots < rows);
+    with ``train``, then one training round on the training ring."""
+    from rlt_mega.rollout.rows import LOCKSTEP, RowSwitches, record_to_json
+    from tests.distributed.grpo_scenarios import GROUPED
+
     cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
     mine = shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims)
-    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, check_every=check_every)
+    rows, batches = (LOCKSTEP, RAGGED) if plan == "lockstep" else (RowSwitches(slots=5), GROUPED)
+    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, check_every=check_every, rows=rows)
     params = SamplingParams(Processing(temperature=0.9), max_new_tokens=9, stop_token_ids=(3,),
                             stop_strings=("ab",))
     decode = lambda ids: "".join("ab"[i % 2] for i in ids)  # noqa: E731  ("ab": an even token, then an odd)
     p2p = sampler.comms.p2p
     p2p.log = []
-    rollouts = sampler.generate(RAGGED, params, [[11, 12, 13], [14, 15, 16]], pad_id=0, decode=decode)
-    C = cfg.model.memory_block
-    out = {"stage": dims.pp_rank, "P": dims.pp, "C": C, "check_every": check_every, "generate": _log(p2p.log),
-           "batches": [{"prefill_end": C * (min(ro.schedule.prompt_lens) // C),
-                        "capacity": ro.schedule.capacity, "num_steps": ro.schedule.num_steps,
-                        "finish": ro.finish_reasons} for ro in rollouts]}
+    seeds = [[11 + 10 * j + b for b in range(len(batch))] for j, batch in enumerate(batches)]
+    rollouts = sampler.generate(batches, params, seeds, pad_id=0, decode=decode)
+    out = {"stage": dims.pp_rank, "P": dims.pp, "check_every": check_every, "plan": plan, "generate": _log(p2p.log),
+           "records": [record_to_json(ro.schedule.rows) for ro in rollouts]}
     p2p.log = []
     sampler.replay(rollouts)
     out["replay"] = _log(p2p.log)
     dims.destroy()
-    # the training ring: one round of two micro-batches
-    tcfg = make_cfg(model, {**parallel, "micro_batches": 2}, {"grad_accum": 2, "micro_batch_size": 2})
-    dims, engine = _engine(tcfg)
-    engine.ring.p2p.log = []
-    engine.backward_step(local_batches(tcfg, 0, dims))
-    out["train"] = _log(engine.ring.p2p.log)
-    out["train_shape"] = [2, tcfg.data.seq_len]  # M, T
-    _close(dims, engine)
+    if train:  # the training ring: one round of two micro-batches
+        tcfg = make_cfg(model, {**parallel, "micro_batches": 2}, {"grad_accum": 2, "micro_batch_size": 2})
+        dims, engine = _engine(tcfg)
+        engine.ring.p2p.log = []
+        engine.backward_step(local_batches(tcfg, 0, dims))
+        out["train"] = _log(engine.ring.p2p.log)
+        out["train_shape"] = [2, tcfg.data.seq_len]  # M, T
+        _close(dims, engine)
     return out
 
 
@@ -137,32 +141,4 @@ def pipeline_handover_keeps_fp32(parallel: dict) -> dict:
     out = {"equal": equal, "worst": worst, "sums_are_not_bf16": not rounded_equal, "pieces": captured["pieces"],
            "params": n, "optimizer": type(engine.ds.optimizer).__name__}
     _close(dims, engine)
-    return out
-
-
-def row_ring_messages(parallel: dict, model: dict | None = None, check_every: int = 2, slots: int = 5) -> dict:
-    """The row schedule (shared prompts, compaction, ``slots`` < rows) on the sampler ring: one
-    generate of two grouped micro-batches in flight (a stop token, stop strings) and its replay,
-    with the stage's P2P log on, and the rollouts' records for the pure description."""
-    from rlt_mega.rollout.row_sampling import RowSwitches
-    from rlt_mega.rollout.rows import record_to_json
-    from tests.distributed.grpo_scenarios import GROUPED
-
-    cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
-    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
-    mine = shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims)
-    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, check_every=check_every, rows=RowSwitches(slots=slots))
-    params = SamplingParams(Processing(temperature=0.9), max_new_tokens=9, stop_token_ids=(3,),
-                            stop_strings=("ab",))
-    decode = lambda ids: "".join("ab"[i % 2] for i in ids)  # noqa: E731
-    p2p = sampler.comms.p2p
-    p2p.log = []
-    seeds = [[11 + 10 * j + b for b in range(len(batch))] for j, batch in enumerate(GROUPED)]
-    rollouts = sampler.generate(GROUPED, params, seeds, pad_id=0, decode=decode)
-    out = {"stage": dims.pp_rank, "P": dims.pp, "check_every": check_every, "generate": _log(p2p.log),
-           "records": [record_to_json(ro.schedule.rows) for ro in rollouts]}
-    p2p.log = []
-    sampler.replay(rollouts)
-    out["replay"] = _log(p2p.log)
-    dims.destroy()
     return out

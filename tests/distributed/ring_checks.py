@@ -4,9 +4,10 @@ for the training ring), in posting order. Used by the two- and four-rank tests."
 
 from __future__ import annotations
 
-from rlt_mega.parallel.nccl_sim import posting_order
+from rlt_mega.parallel.nccl_sim import posting_order, simulate_nccl
 from rlt_mega.parallel.pipeline import ring_programs as training_programs
-from rlt_mega.rollout.ring import MicroBatchMeta, ring_programs
+from rlt_mega.rollout.ring import row_ring_programs
+from rlt_mega.rollout.rows import RowPlan, record_from_json
 
 
 def _expected(programs, stage: int, ahead: bool) -> list:
@@ -14,30 +15,15 @@ def _expected(programs, stage: int, ahead: bool) -> list:
 
 
 def check_ring_messages(r: dict) -> None:
-    P, C, every, stage = r["P"], r["C"], r["check_every"], r["stage"]
-    batches = r["batches"]
-    steps = [b["num_steps"] for b in batches]
-    # the run exercised a micro-batch stopping at a check, before its last possible step
-    assert any(b["num_steps"] < b["capacity"] - 1 for b in batches), batches
-    generate = ring_programs(P, C, every, [MicroBatchMeta(b["prefill_end"], b["capacity"] - 1) for b in batches], steps)
-    assert r["generate"] and r["generate"] == _expected(generate, stage, ahead=False)
-    replay = ring_programs(P, C, every, [MicroBatchMeta(b["prefill_end"], b["num_steps"]) for b in batches], steps)
-    assert r["replay"] == _expected(replay, stage, ahead=False)
-    M, T = r["train_shape"]
-    assert r["train"] and r["train"] == _expected(training_programs(P, M, T, backward=True), stage, ahead=True)
-
-
-def check_row_ring_messages(r: dict) -> None:
-    """The row schedule: generate and replay post the messages of ``row_ring_steps`` for the
-    recorded plans (the replay repeats the events, so the very same list), and that program
-    passes the NCCL simulation."""
-    from rlt_mega.parallel.nccl_sim import simulate_nccl
-    from rlt_mega.rollout.ring import row_ring_programs
-    from rlt_mega.rollout.rows import RowPlan, record_from_json
-
+    """Generate and replay post the messages of ``row_ring_steps`` for the recorded plans (the
+    replay repeats the events, so the very same list), that program passes the NCCL simulation,
+    and the training ring posts its description's."""
     records = [record_from_json(d) for d in r["records"]]
-    assert any(e[0] == "fork" for rec in records for e in rec.log)
-    assert any(e[0] == "enter" and e[1] > 0 for rec in records for e in rec.log)  # a row took a freed slot
+    if r["plan"] == "rows":
+        assert any(e[0] == "fork" for rec in records for e in rec.log)
+        assert any(e[0] == "enter" and e[1] > 0 for rec in records for e in rec.log)  # a row took a freed slot
+    else:  # a micro-batch stopped at a check, before its last possible step
+        assert any(e[0] == "check" for rec in records for e in rec.log)
 
     def programs():
         return row_ring_programs(r["P"], r["check_every"], lambda s: [RowPlan(rec.layout, recorded=rec)
@@ -47,3 +33,7 @@ def check_row_ring_messages(r: dict) -> None:
     assert r["generate"] and r["generate"] == expected
     assert r["replay"] == expected
     simulate_nccl(programs(), "channels", ahead=False)
+    if "train" in r:
+        M, T = r["train_shape"]
+        assert r["train"] and r["train"] == _expected(training_programs(r["P"], M, T, backward=True), r["stage"],
+                                                      ahead=True)

@@ -52,10 +52,11 @@ def local_batches(cfg: Config, step: int, dims: ParallelDims) -> list:
 
 
 class Reference:
-    """The single-process model: same seed, combined batch, torch AdamW, torch clipping."""
+    """The single-process model: same seed, combined batch, torch AdamW, torch clipping.
+    plain: the decoder written plainly (rlt_mega/reference.py) instead of the decoder step."""
 
-    def __init__(self, cfg: Config) -> None:
-        self.cfg = cfg
+    def __init__(self, cfg: Config, plain: bool = False) -> None:
+        self.cfg, self.plain = cfg, plain
         self.model = build_model(cfg.model, "cpu", seed=cfg.train.seed)
         self.model.set_checkpointing(cfg.train.checkpointing)
         o = cfg.optim
@@ -64,7 +65,12 @@ class Reference:
 
     def backward(self, x: torch.Tensor, y: torch.Tensor) -> float:
         self.opt.zero_grad(set_to_none=True)
-        logits = self.model(x)
+        if self.plain:
+            from rlt_mega.reference import reference_forward
+
+            logits = reference_forward(self.model, x)
+        else:
+            logits = self.model(x)
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum") / y.numel()
         loss.backward()
         return float(loss)

@@ -22,8 +22,7 @@ def test_zero_stages_with_dp2_against_deepspeed():
     step is within 15%."""
     import torch.multiprocessing as mp
 
-    model_cfg = dict(vocab_size=260, d_model=54, n_layers=2, n_heads=3, n_kv_heads=1, max_seq_len=64,
-                     fused_decoder=False)  # the decoder plan/memory.py describes
+    model_cfg = dict(vocab_size=260, d_model=54, n_layers=2, n_heads=3, n_kv_heads=1, max_seq_len=64)
     buckets = {"reduce_bucket_size": 20000, "allgather_bucket_size": 20000,
                "stage3_prefetch_bucket_size": 20000, "stage3_param_persistence_threshold": 0}
     cases = [dict(zero_stage=1, checkpointing={}, batch=4, seq_len=8, buckets=buckets),

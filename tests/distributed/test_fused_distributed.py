@@ -1,9 +1,9 @@
-"""The fused decoder on four gloo ranks against the single-process module path (the shared
-four-rank launch of tests/distributed/conftest.py; scenarios in fused_scenarios.py): tensor
-parallelism with ZeRO-3 and every parameter partitioned (TP=2 x DP=2), the pipeline ring with
-per-position recomputation (PP=2 x DP=2), and TP=2 x PP=2, each rank's stage and shard built
-from the meta device (parallel/build.py). Each checks that the fused path ran on every rank and the module path's decoder did
-not."""
+"""The decoder step on four gloo ranks against the single-process executable reference (the
+shared four-rank launch of tests/distributed/conftest.py; scenarios in fused_scenarios.py):
+tensor parallelism with ZeRO-3 and every parameter partitioned (TP=2 x DP=2), the pipeline ring
+with per-position recomputation (PP=2 x DP=2), and TP=2 x PP=2, each rank's stage and shard built
+from the meta device (parallel/build.py). Each checks that the decoder step ran on every rank and
+the reference did not."""
 
 import pytest
 
@@ -20,7 +20,7 @@ SCENARIOS = {4: GRADIENTS}
 
 
 @pytest.mark.parametrize("name,args", GRADIENTS)
-def test_fused_gradients_equal_the_one_process_module_path(ranks, name, args):
+def test_gradients_equal_the_one_process_reference(ranks, name, args):
     for r in ranks(4).each(name, args):
         assert r["fused_positions"] > 0 and r["module_layers"] == 0, r
         assert r["ref_module_layers"] > 0 and r["ref_fused_positions"] == 0

@@ -14,10 +14,7 @@ TWO = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 1}}
        ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "zero_stage": 1}, "grpo": {"kl_coef": 0.1}}),
        ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
                                                   "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
-       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 3}, "persistence_threshold": 0}),
-       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
-                                                  "train": {"grad_accum": 2},
-                                                  "grpo": {"dense_compact": False, "dense_share_prompts": False}})]
+       ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 3}, "persistence_threshold": 0})]
 FOUR = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "pp": 2, "zero_stage": 1, "micro_batches": 2},
                                                    "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
         ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 2, "micro_batches": 2},
@@ -43,15 +40,9 @@ def check_grpo_step(r: dict, args: dict) -> None:
     if args.get("grpo", {}).get("kl_coef"):
         assert r["scalars"]["kl/reference"] > 0.0
     steps, padded = r["row_steps"]  # the learner ran fewer decoder row-steps than the padded schedule
-    if args.get("grpo", {}).get("dense_compact", True):
-        assert steps < 0.8 * padded, r["row_steps"]
-    else:
-        assert steps == padded
+    assert steps < 0.8 * padded, r["row_steps"]
     # the encoder's prompt packs (on every stage under PP): fewer positions than the padded batch
-    if args.get("grpo", {}).get("dense_share_prompts", True):
-        assert r["packs"] and all(total < padded for total, padded in r["packs"]), r["packs"]
-    else:
-        assert not r["packs"]
+    assert r["packs"] and all(total < padded for total, padded in r["packs"]), r["packs"]
 
 
 @pytest.mark.parametrize("name,args", TWO)

@@ -1,4 +1,4 @@
-"""model.arch dense and looped (rlt_mega/model/dense.py): the dense model against HF transformers'
+"""model.arch dense and looped (rlt_mega/model/baselines.py): the dense model against HF transformers'
 Llama and Qwen2 with the same weights (through the export, which must load without custom
 code), the looped model against the dense one and against a naive loop, the K/V cache per
 (loop, layer) against the full forward, parameter and FLOP counts against the modules and
@@ -14,7 +14,7 @@ from rlt_mega.checkpoint_tools import import_hf, load_exported
 from rlt_mega.checkpoint_tools.export import export_model, init_from, read_config
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, ParallelConfig
 from rlt_mega.model import build_model, param_counts
-from rlt_mega.model.dense import DenseLM, require_rlt
+from rlt_mega.model.baselines import DenseLM, require_rlt
 from rlt_mega.parallel.dims import resolve_layout
 from rlt_mega.plan.flops import flop_rows, summarize
 from rlt_mega.plan.params import rank_param_counts, rank_tensor_numels

@@ -13,10 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
-from rlt_mega.model import fused as fused_kernels
-from rlt_mega.model.fused_dense import build_stack
-from rlt_mega.model.fused_run import FusedRun, WeightGrads, checkpoint_slots, fused_weights
-from rlt_mega.model.fused_state import WORKSPACE
+from rlt_mega.model import kernels as fused_kernels
+from rlt_mega.model.decoder import DecoderRun, WeightGrads, checkpoint_slots
+from rlt_mega.model.workspace import WORKSPACE
 from rlt_mega.model.rlt import build_model
 from rlt_mega.plan.fused_memory import fused_weight_bytes, run_buffer_bytes, run_scratch_bytes
 from rlt_mega.plan.comm import bubble_fraction, comm_per_step, ring_ticks
@@ -268,7 +267,7 @@ MEMORY_CASES = [("tiny", "none", False), ("tiny", "step", False), ("tiny", "ever
 def test_peak_training_memory_fp32(name, mode, enc):
     """The trainer's whole step (forward, loss, backward, clipping, AdamW) at B T large
     enough that activations, not the optimizer, set the peak in most cases."""
-    cfg = ModelConfig(**CONFIGS[name], fused_decoder=False)  # the decoder the memory model describes
+    cfg = ModelConfig(**CONFIGS[name])
     ck = CheckpointingConfig(decoder=mode, decoder_k=3, encoder=enc)
     B, T = 8, 16
     measured = _measure_engine_step(cfg, B, T, ck)
@@ -281,7 +280,7 @@ def test_peak_forward_backward_memory_bf16(mode, enc):
     """bf16 weights and activations (fp32 norms, softmax, logits and decoder K/V gradients,
     as the model computes them). The optimizer is left out: the model's bf16 optimizer
     (fp32 master + moments) is DeepSpeed's, not a torch AdamW on bf16 tensors."""
-    cfg = ModelConfig(**CONFIGS["tiny"], fused_decoder=False)  # the decoder the memory model describes
+    cfg = ModelConfig(**CONFIGS["tiny"])
     ck = CheckpointingConfig(decoder=mode, decoder_k=3, encoder=enc)
     B, T = 8, 16
     measured = _measure_forward_backward_bf16(cfg, B, T, ck)
@@ -299,7 +298,7 @@ FUSED_CASES = [("tiny", "none", False, 8, 16), ("gqa_bias", "step", False, 8, 16
 
 @pytest.mark.parametrize("name,mode,enc,B,T", FUSED_CASES)
 def test_peak_training_memory_fp32_fused(name, mode, enc, B, T):
-    cfg = ModelConfig(**{**CONFIGS[name], "max_seq_len": max(64, T)}, fused_decoder=True)
+    cfg = ModelConfig(**{**CONFIGS[name], "max_seq_len": max(64, T)})
     ck = CheckpointingConfig(decoder=mode, decoder_k=3, encoder=enc)
     measured = _measure_engine_step(cfg, B, T, ck)
     layout = Layout(seq_len=T, micro_batch_size=B, checkpointing=ck, onednn_weights=True, **CPU)
@@ -309,7 +308,7 @@ def test_peak_training_memory_fp32_fused(name, mode, enc, B, T):
 
 @pytest.mark.parametrize("mode,enc", [("none", False), ("step", True)])
 def test_peak_forward_backward_memory_bf16_fused(mode, enc):
-    cfg = ModelConfig(**CONFIGS["tiny"], fused_decoder=True)
+    cfg = ModelConfig(**CONFIGS["tiny"])
     ck = CheckpointingConfig(decoder=mode, decoder_k=3, encoder=enc)
     B, T = 8, 16
     measured = _measure_forward_backward_bf16(cfg, B, T, ck)
@@ -326,18 +325,18 @@ def test_fused_run_buffers_equal_the_model(name, dtype, mode, pp, stage, monkeyp
     """The slab of the run a stage builds, purpose by purpose, and the accumulators, oneDNN
     forms and transposed copies of its stack, exactly (T > W: the checkpointed slots differ from the positions)."""
     monkeypatch.setattr(fused_kernels, "MKLDNN_MIN_ELEMENTS", 5000)  # (tiny: some weights reordered, some not)
-    cfg = ModelConfig(**{**CONFIGS[name], "max_seq_len": 96}, fused_decoder=True)
+    cfg = ModelConfig(**{**CONFIGS[name], "max_seq_len": 96})
     B, T = 16, 40
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     model = build_model(cfg, seed=0).to(torch_dtype)
     layers = stage_layers(cfg.n_layers, pp)[stage]
-    spec, weights = fused_weights(model, layers, stage == 0, lambda x: x)
-    stack = build_stack(model, spec, weights, B, True, torch_dtype, torch_dtype)
+    spec, weights = model.decoder.weights(model, layers, stage == 0)
+    stack = model.decoder.stack(model, spec, weights, B, True, torch_dtype, torch_dtype)
     h_kv, Dh = cfg.n_kv_heads, cfg.head_dim
     memory = [(torch.zeros(B, h_kv, 1 + T, Dh, dtype=torch_dtype),) * 2 for _ in layers]
     slots = checkpoint_slots(B, T) if mode != "none" else None
     grads = WeightGrads(spec, weights)
-    run = FusedRun(stack, B, T, memory, grads=grads, slots=slots)
+    run = DecoderRun(stack, B, T, memory, grads=grads, slots=slots)
     layout = Layout(seq_len=T, micro_batch_size=B, pp=pp, dtype=dtype, onednn_weights=True,
                     checkpointing=CheckpointingConfig(decoder=mode, decoder_k=3), **CPU)
     assert run_buffer_bytes(cfg, layout, stage) == run.buffer_bytes()

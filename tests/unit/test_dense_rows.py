@@ -1,10 +1,10 @@
-"""The GRPO learner's dense schedule following the data (model/fused_rows.py): compaction (each
+"""The GRPO learner's dense schedule following the data (model/rows.py): compaction (each
 position on the rows still inside their sequence) and shared prompts (a group's prompt run once,
 then forked), against the plain padded dense schedule: the logits the loss reads and every
 parameter's gradient in float64 (1e-12) and fp32 (1e-5 relative, norm-wise); C in {1, 3}, G in
 {1, 4}, ragged prompts with one ending on a memory-block boundary and one not; the checkpointed
-run; the learner's log-probs and a GRPO loss's gradient on sampled rollouts; the module path and
-the capture-ready form (which run every row); the plan's row counts; bad input."""
+run; the learner's log-probs and a GRPO loss's gradient on sampled rollouts; the capture-ready
+form (which runs every row); the plan's row counts; bad input."""
 
 import dataclasses
 
@@ -16,7 +16,8 @@ from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, dense_rows
 from rlt_mega.learner.objective import GRPOPart, grpo_batch
 from rlt_mega.model import build_model
-from rlt_mega.model.fused_rows import DENSE_ROWS, DenseRows, RowPlan, rollout_rows
+from rlt_mega.model.dense_decode import Decoder
+from rlt_mega.model.rows import DENSE_ROWS, DenseRows, RowPlan, rollout_rows
 from rlt_mega.rollout import Processing, SamplingParams, generate
 from rlt_mega.train.grpo import grpo_config
 from tests.unit.test_fused_decoder import V, cfg_of, rel
@@ -49,7 +50,8 @@ def logits_and_grads(cfg, x, reads, rows, dtype, decoder="none", static=False, a
     lengths, plens = reads
     model = build_model(cfg, seed=0).to(dtype)
     model.set_checkpointing(CheckpointingConfig(decoder=decoder))
-    model.static_decoder = static
+    if static:
+        model.decoder = Decoder(static=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         logits = model(x, rows=rows)
     w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
@@ -115,23 +117,23 @@ def test_the_plan_runs_only_the_row_steps_the_data_needs():
     assert shared.active == B * T - sum(3 * p for p in (3, 5, 6, 2))
 
 
-def test_the_module_path_and_the_capture_ready_form_run_every_row():
-    """Their decoders ignore the rows (the encoder's prompt pack and the head's positions are the
+def test_the_capture_ready_form_runs_every_row():
+    """Its decoder ignores the rows (the encoder's prompt pack and the head's positions are the
     model's, around any decoder): z and every gradient are those of the padded decoder."""
     x, lengths, plens, groups = grouped_batch([3, 5], 4, seed=2)
     rows = DenseRows(tuple(lengths), tuple(plens), tuple(groups), True)
     w = torch.randn(*x.shape, 64, generator=torch.Generator().manual_seed(1))
 
-    def decoder_grads(cfg, rows, static=False):
+    def decoder_grads(cfg, rows):
         model = build_model(cfg, seed=0)
-        model.static_decoder = static
+        model.decoder = Decoder(static=True)
         emb = model.embed(x)
         z = model.decode_dense(emb, model.memory_kv(model.memory_norm(model.encode(emb))), rows=rows)
         (z * w[..., :z.shape[-1]]).sum().backward()
         return [z.detach()] + [p.grad for p in model.parameters() if p.grad is not None]
 
-    for cfg, static in ((cfg_of(memory_block=3, fused_decoder=False), False), (cfg_of(memory_block=3), True)):
-        assert all(torch.equal(a, b) for a, b in zip(decoder_grads(cfg, rows, static), decoder_grads(cfg, None, static)))
+    cfg = cfg_of(memory_block=3)
+    assert all(torch.equal(a, b) for a, b in zip(decoder_grads(cfg, rows), decoder_grads(cfg, None)))
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4])
@@ -165,7 +167,7 @@ def test_with_compaction_the_head_runs_on_the_positions_the_loss_reads_only():
     T = x.shape[1]
     idx = rows.read_index(T, torch.device("cpu"))
     assert idx.tolist() == [b * T + t for b in range(len(lengths)) for t in range(plens[b] - 1, lengths[b])]
-    model = build_model(cfg_of(memory_block=3, fused_decoder=False), seed=0)
+    model = build_model(cfg_of(memory_block=3), seed=0)
     calls = []
     model.lm_head.register_forward_hook(lambda m, i, o: calls.append(i[0].shape[0]))
     logits = model(x, rows=rows)
@@ -219,8 +221,8 @@ def test_grpo_batches_carry_their_rows():
     model = build_model(cfg, seed=0)
     a, b = grouped_rollout(model, G=2, max_new_tokens=5), grouped_rollout(model, G=3, max_new_tokens=7)
     parts = [GRPOPart(ro, ro.mu, torch.zeros(ro.batch_size)) for ro in (a, b)]
-    assert DENSE_ROWS not in grpo_batch(parts)
-    batch = grpo_batch(parts, compact=True, share_prompts=True)
+    assert DENSE_ROWS not in grpo_batch(parts, compact=False, share_prompts=False)  # the padded arm
+    batch = grpo_batch(parts)
     rows = batch[DENSE_ROWS]
     assert rows.batch_size == batch["inputs"].shape[0] == a.batch_size + b.batch_size
     assert rows.groups == (0, 0, 1, 2, 2, 3, 3, 3, 4, 5, 5, 5)  # a part's groups stay its own
@@ -237,24 +239,20 @@ def test_bad_rows_are_refused():
     assert rollout_rows(torch.ones(2, 4, dtype=torch.long), [2, 2], [1, 2], False, False) is None
 
 
-def test_the_switches_are_on_by_default_and_refused_with_cuda_graphs():
-    g = load_config(None, []).grpo
-    assert g.dense_compact and g.dense_share_prompts
-    for path in ("configs/grpo_gsm8k.yaml", "configs/demo_grpo.yaml"):
-        g = load_config(path, []).grpo
-        assert g.dense_compact and g.dense_share_prompts, path
+def test_the_removed_switches_say_so():
+    """The learner always follows the data (no key chooses the padded schedule), and with CUDA
+    graphs the captured form runs every row instead of refusing."""
+    for key in ("grpo.dense_compact", "grpo.dense_share_prompts"):
+        with pytest.raises(ConfigError, match=f"{key} was removed"):
+            load_config(None, [f"{key}=false"])
     cfg = load_config(None, ["grpo.prompts_per_step=2", "grpo.group_size=2"])
-    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_graphs=True))
-    with pytest.raises(ConfigError, match="grpo.dense_compact=false and grpo.dense_share_prompts=false"):
-        grpo_config(cfg)
-    with pytest.raises(ConfigError, match="grpo.dense_compact"):
-        load_config(None, ["grpo.dense_compact=maybe"])
+    grpo_config(dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, cuda_graphs=True)))
 
 
 def test_rows_a_position_skips_never_read_stale_buffers():
     """The run's buffers come from a reused workspace: fill every free slab with NaN bytes
     before the run; rows a position does not run must still contribute exactly nothing."""
-    from rlt_mega.model.fused_state import WORKSPACE
+    from rlt_mega.model.workspace import WORKSPACE
 
     x, lengths, plens, groups = grouped_batch([3, 5, 6], 4, seed=4)
     cfg = cfg_of(memory_block=3)

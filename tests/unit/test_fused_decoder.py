@@ -1,19 +1,20 @@
-"""The fused decoder training step (model/fused_run.py, model/fused_dense.py) against the module
-path it replaces (model.fused_decoder=false), same weights: loss and every parameter's gradient
-in float64 (1e-12) and fp32 (1e-5 relative, norm-wise) for every model variant, bf16 within bf16
-rounding, central finite differences on each gradient path, bit-identical gradients across
-checkpointing modes, the capture-ready (static) form and the CUDA-graph orchestration on the
-CPU, a GRPO step's gradient, and the buffers' reuse across steps."""
-
-import dataclasses
+"""The decoder step's training form (model/decoder.py, model/dense_decode.py) against the executable
+reference (rlt_mega/reference.py: the modules and plain autograd), same weights: loss and every
+parameter's gradient in float64 (1e-12) and fp32 (1e-5 relative, norm-wise) for every model
+variant, bf16 within bf16 rounding, central finite differences on each gradient path,
+bit-identical gradients across checkpointing modes, the capture-ready (static) form and the
+CUDA-graph orchestration on the CPU, a GRPO step's gradient, and the buffers' reuse across steps."""
 
 import pytest
 import torch
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, load_config
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
-from rlt_mega.learner.logprob import dense_logprobs
-from rlt_mega.model import build_model, fused, fused_run
+from rlt_mega.learner.logprob import dense_inputs, dense_logprobs, dense_logprobs_from_logits
+from rlt_mega.model import build_model, decoder as fused_run, kernels as fused
+from rlt_mega.model.dense_decode import Decoder
+from rlt_mega.parallel.cuda_graphs import GraphedDecoder, install_cuda_graphs
+from rlt_mega.reference import ReferenceDecoder, reference_forward
 from rlt_mega.rollout import Processing, SamplingParams, generate, replay
 
 V = 29
@@ -30,15 +31,17 @@ def tokens(B=3, T=11, seed=0):
     return torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(seed))
 
 
-def loss_and_grads(cfg: ModelConfig, x: torch.Tensor, dtype=torch.float32, fused_decoder=True, ckpt=None,
+def loss_and_grads(cfg: ModelConfig, x: torch.Tensor, dtype=torch.float32, reference=False, ckpt=None,
                    autocast=False, static=False, graphs=False):
-    model = build_model(dataclasses.replace(cfg, fused_decoder=fused_decoder), seed=0).to(dtype)
+    model = build_model(cfg, seed=0).to(dtype)
     if ckpt is not None:
         model.set_checkpointing(CheckpointingConfig(**ckpt))
-    model.static_decoder = static or graphs
-    model.cuda_graphs = graphs  # on a CPU: the captured bodies are called, not replayed
+    if static:
+        model.decoder = Decoder(static=True)
+    if graphs:
+        model.decoder = GraphedDecoder()  # on a CPU: the captured bodies are called, not replayed
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-        logits = model(x)
+        logits = reference_forward(model, x) if reference else model(x)
     w = torch.randn(logits.shape, generator=torch.Generator().manual_seed(1), dtype=logits.dtype)
     loss = (logits * w).sum()
     loss.backward()
@@ -70,12 +73,12 @@ VARIANTS = {  # every T below is not a multiple of C
 def test_fused_equals_module_path_float64_and_fp32(variant, kernel):
     cfg, x = cfg_of(**VARIANTS[variant]), tokens(T=11)
     if kernel == "mm":  # fp64 runs torch.mm only
-        ref_loss, ref = loss_and_grads(cfg, x, torch.float64, fused_decoder=False)
+        ref_loss, ref = loss_and_grads(cfg, x, torch.float64, reference=True)
         loss, got = loss_and_grads(cfg, x, torch.float64)
         assert abs(float(loss - ref_loss)) <= 1e-12 * abs(float(ref_loss))
         for n in ref:
             assert (got[n] - ref[n]).abs().max() <= 1e-12 * max(1.0, float(ref[n].abs().max())), n
-    ref_loss, ref = loss_and_grads(cfg, x, fused_decoder=False)
+    ref_loss, ref = loss_and_grads(cfg, x, reference=True)
     loss, got = loss_and_grads(cfg, x)
     assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss))
     for n in ref:
@@ -87,9 +90,9 @@ def test_bf16_within_bf16_rounding_of_the_module_path(params):
     """Both paths in bf16 against the fp32 module path: the fused path's error is of the module
     path's size (bf16 rounding), and the two agree to bf16 precision."""
     cfg, x = cfg_of(memory_block=4), tokens(T=10)
-    _, exact = loss_and_grads(cfg, x, fused_decoder=False)
+    _, exact = loss_and_grads(cfg, x, reference=True)
     kw = dict(autocast=True) if params == "autocast" else dict(dtype=torch.bfloat16)
-    _, ref = loss_and_grads(cfg, x, fused_decoder=False, **kw)
+    _, ref = loss_and_grads(cfg, x, reference=True, **kw)
     _, got = loss_and_grads(cfg, x, **kw)
     worst_fused = max(rel(got[n], exact[n]) for n in exact)
     worst_module = max(rel(ref[n], exact[n]) for n in exact)
@@ -134,7 +137,7 @@ MODES = [dict(decoder="step"), dict(decoder="every_k", decoder_k=3), dict(decode
 @pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 def test_checkpointing_modes_give_bit_identical_gradients(kernel, static, monkeypatch):
     """Saving everything against recomputing each position from what a checkpointed run keeps
-    (model/fused_run.py; in this path "step" and "every_k" are one mode). T = 37 spans several
+    (model/decoder.py; in this path "step" and "every_k" are one mode). T = 37 spans several
     K/V-gradient chunks (16) and, with 8-row weight-gradient flushes (W = 4 positions at B = 2),
     ten flushes through a 4-slot ring."""
     monkeypatch.setattr(fused_run, "WGRAD_ROWS", 8)
@@ -154,7 +157,7 @@ def test_capture_ready_step_equals_the_module_path(form, kernel):
     bodies are called instead of replayed), checkpointed and not, against the module path."""
     cfg, x = cfg_of(memory_block=3, n_kv_heads=1, qkv_bias=True), tokens(T=13)
     for ckpt in (None, dict(decoder="every_k", decoder_k=4)):
-        ref_loss, ref = loss_and_grads(cfg, x, fused_decoder=False, ckpt=ckpt)
+        ref_loss, ref = loss_and_grads(cfg, x, reference=True, ckpt=ckpt)
         loss, got = loss_and_grads(cfg, x, ckpt=ckpt, static=form == "static", graphs=form == "graphs")
         assert abs(float(loss - ref_loss)) <= 1e-5 * abs(float(ref_loss))
         for n in ref:
@@ -164,20 +167,20 @@ def test_capture_ready_step_equals_the_module_path(form, kernel):
 def test_a_captured_run_is_reused_across_steps_with_the_current_weights():
     cfg = cfg_of()
     model = build_model(cfg, seed=0)
-    model.static_decoder = model.cuda_graphs = True
-    ref = build_model(dataclasses.replace(cfg, fused_decoder=False), seed=0)
+    model.decoder = GraphedDecoder()
+    ref = build_model(cfg, seed=0)
     for step in range(3):
         x = tokens(seed=step)
         for m in (model, ref):
             m.zero_grad(set_to_none=True)
-            m(x).square().mean().backward()
+            (m(x) if m is model else reference_forward(m, x)).square().mean().backward()
         for (n, p), q in zip(model.named_parameters(), ref.parameters()):
             assert rel(p.grad, q.grad) <= 1e-5, (step, n)
         with torch.no_grad():  # an optimizer step: the next forward must see these weights
             for m in (model, ref):
                 for p in m.parameters():
                     p.add_(p.grad, alpha=-0.1)
-    assert sum(len(runs) for runs in model._graph_cache.runs.values()) == 1
+    assert sum(len(runs) for runs in model.decoder.graphs.runs.values()) == 1
 
 
 def test_gradients_of_one_step_survive_the_next():
@@ -206,52 +209,56 @@ def test_evaluation_forward_equals_the_training_forward():
         assert torch.equal(model(x), with_grad)
 
 
-def test_a_grpo_step_gradient_equals_the_module_paths():
-    """The learner's dense log-probs (the gradient side of the hybrid) through the fused path:
-    a GRPO loss's gradient within fp32 tolerance of the module path's, same rollout."""
+def test_a_grpo_step_gradient_equals_the_reference():
+    """The learner's dense log-probs (the gradient side of the hybrid) through the decoder step,
+    following the batch's rows (compaction, shared prompts): a GRPO loss's gradient within fp32
+    tolerance of the reference's (every row at every position), same rollout."""
     cfg = cfg_of(vocab_size=48, memory_block=4, max_seq_len=48)
-    prompts = [[1, 2, 3], [6, 7, 8, 9, 10], [3, 5, 7, 9, 11, 13], [4, 4]]
+    prompts = [[1, 2, 3], [6, 7, 8, 9, 10], [3, 5, 7, 9, 11, 13], [1, 2, 3]]
     grads = {}
     rollout = None
-    for fused_decoder in (False, True):
-        model = build_model(dataclasses.replace(cfg, fused_decoder=fused_decoder), seed=0)
+    for reference in (True, False):
+        model = build_model(cfg, seed=0)
         if rollout is None:
             rollout = generate(model, prompts, SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=8),
                                seeds=[1, 2, 3, 4], pad_id=0)
-        logp = dense_logprobs(model, rollout)
+        if reference:
+            logp = dense_logprobs_from_logits(reference_forward(model, dense_inputs(rollout)), rollout)
+        else:
+            logp = dense_logprobs(model, rollout)
         adv = group_advantages(torch.tensor([1.0, 0.0, 0.0, 1.0]), group_size=4)
         out = grpo_loss(logp, rollout.mu, adv, rollout.mask, eps_low=0.2, eps_high=0.28)
         (out.loss / rollout.num_completion_tokens()).backward()  # the engines' division (rlt_mega/loss.py)
-        grads[fused_decoder] = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for n, g in grads[False].items():
-        assert rel(grads[True][n], g) <= 1e-5, n
+        grads[reference] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for n, g in grads[True].items():
+        assert rel(grads[False][n], g) <= 1e-5, n
 
 
 def test_sampler_on_the_onednn_kernels_replays_bit_for_bit(monkeypatch):
-    """The sampler's fused step shares the training step's products (fused.Gemm): on oneDNN its
-    replay equals its rollout bit for bit and it matches the module path."""
+    """The sampler's step is the training step's forward (kernels.Gemm): on oneDNN its replay
+    equals its rollout bit for bit and it matches the reference decoder's rollout."""
     if not fused._MKLDNN:
         pytest.skip("no oneDNN in this torch build")
     monkeypatch.setattr(fused, "MKLDNN_MIN_ELEMENTS", 0)
     model = build_model(cfg_of(vocab_size=48, max_seq_len=48), seed=0)
     prompts = [[1, 2, 3], [6, 7, 8, 9, 10], [3, 5, 7, 9, 11, 13]]
-    rollout = generate(model, prompts, SamplingParams(Processing(temperature=0.8), max_new_tokens=8),
-                       seeds=[1, 2, 3], pad_id=0)
-    assert rollout.schedule.fast_decode
+    params = SamplingParams(Processing(temperature=0.8), max_new_tokens=8)
+    rollout = generate(model, prompts, params, seeds=[1, 2, 3], pad_id=0)
+    assert rollout.schedule.decoder == "fused"
     assert torch.equal(replay(model, rollout), rollout.mu)
-    slow = replay(model, dataclasses.replace(rollout, schedule=dataclasses.replace(rollout.schedule,
-                                                                                  fast_decode=False)))
-    both = rollout.mask & torch.isfinite(slow) & torch.isfinite(rollout.mu)
-    assert both.sum() > 10 and (slow - rollout.mu)[both].abs().max() < 1e-5
+    slow = generate(model, prompts, params, seeds=[1, 2, 3], pad_id=0, decoder=ReferenceDecoder())
+    both = rollout.mask & slow.mask & torch.isfinite(slow.mu) & torch.isfinite(rollout.mu)
+    assert torch.equal(slow.tokens, rollout.tokens)
+    assert both.sum() > 10 and (slow.mu - rollout.mu)[both].abs().max() < 1e-5
 
 
 def test_cuda_graphs_settings_are_checked():
     with pytest.raises(ConfigError, match="train.cuda_graphs=true with train.device='cpu'"):
         load_config(None, ["train.cuda_graphs=true", "train.device=cpu"])
-    with pytest.raises(ConfigError, match="set model.fused_decoder=true"):
-        load_config(None, ["train.cuda_graphs=true", "model.fused_decoder=false"])
+    with pytest.raises(ConfigError, match="model.fused_decoder was removed"):
+        load_config(None, ["model.fused_decoder=false"])
     with pytest.raises(ConfigError, match="parallel.pp=2"):
         load_config(None, ["train.cuda_graphs=true", "parallel.pp=2"])
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs the model on a CUDA device"):
-            build_model(cfg_of(), seed=0).set_cuda_graphs(True)
+            install_cuda_graphs(build_model(cfg_of(), seed=0))

@@ -202,7 +202,7 @@ def test_entropy_bonus_and_metric_against_torch_distributions():
     tokens = torch.randint(0, 11, (2, 6), generator=g)
     processing = Processing(temperature=0.7, top_k=6)
     schedule = Schedule(prompt_lens=[2, 3], memory_block=2, capacity=6, num_steps=5, encoder_calls=[],
-                        processing=processing, dtype="fp32", pad_id=0)
+                        processing=processing, dtype="fp32", pad_id=0, rows=None)  # (the record: unread here)
     rollout = Rollout(tokens, torch.zeros(2, 3), torch.tensor([[1, 1, 1], [1, 1, 0]]).bool(), [3, 2],
                       ["length", "stop_token"], schedule)
     _, entropy = dense_logprobs_and_entropy(logits, rollout)

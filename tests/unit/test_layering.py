@@ -25,6 +25,7 @@ ALLOWED = {
     "plan": {"model", "parallel"},
     "train": {"model", "parallel", "rollout", "learner", "data", "checkpoint_tools"},
     "cli": {"model", "parallel", "rollout", "learner", "data", "checkpoint_tools", "plan", "train"},
+    "reference": {"model"},  # the executable reference of the decoder: tests and benchmarks only
 }
 
 
@@ -61,6 +62,13 @@ def test_every_import_points_to_the_left():
         if not ok:
             wrong.append(f"{file} ({mine}) imports {imported} ({theirs})")
     assert not wrong, "\n".join(wrong)
+
+
+def test_nothing_in_the_package_runs_the_reference():
+    """rlt_mega/reference.py (the decoder written plainly) is for tests and benchmarks: no training,
+    sampling or evaluation path imports it."""
+    users = sorted({file for file, _, imported in imports() if imported.startswith("rlt_mega.reference")})
+    assert not users, users
 
 
 def test_the_model_knows_nothing_of_ranks():

@@ -7,7 +7,8 @@ import torch
 from reference import reference_logits
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
-from rlt_mega.model import KVCache, build_model, param_counts, vis
+from rlt_mega.model import build_model, param_counts, vis
+from rlt_mega.model.cache import KVCache
 
 
 def tiny(**kw) -> ModelConfig:
@@ -150,7 +151,8 @@ def test_decoder_sees_exactly_null_plus_visible_memory(C):
 @pytest.mark.parametrize("first_chunk", [1, 2, 5])
 def test_incremental_schedule_equals_dense(C, first_chunk):
     """Encoder chunk by chunk (a first 'prompt' chunk of any length, then whatever new
-    tokens exist when a memory block completes) and decoder step by step give the dense
+    tokens exist when a memory block completes) and the rollout's decoder step by step (the
+    decoder step's no-grad form over a K/V state, model/decoder.py StepRunner) give the dense
     logits: the prompt length plays no part."""
     model = build_model(tiny(memory_block=C, vocab_size=31, d_model=32), seed=0)
     x = tokens(B=3, T=11, V=31)
@@ -158,7 +160,8 @@ def test_incremental_schedule_equals_dense(C, first_chunk):
     with torch.no_grad():
         dense = model(x)
         emb = model.embed(x)
-        enc, dec, mem = KVCache(2, T), KVCache(2, T), model.init_memory(B, T)
+        enc = KVCache(2, T)
+        (runner,) = model.decoder.runners(model, range(2), True, [(B, T)], torch.float32, torch.float32)
         encoded, committed = 0, 0
         h_all = []
         z, outs = model.initial_state(B), []
@@ -169,9 +172,9 @@ def test_incremental_schedule_equals_dense(C, first_chunk):
                     h_all.append(model.encode(emb[:, encoded:known], start=encoded, cache=enc))
                     encoded = known
                 m = model.memory_norm(torch.cat(h_all, 1)[:, committed:vis(t, C)])
-                model.append_memory(mem, m, committed)
+                runner.write_memory(m, committed)
                 committed = vis(t, C)
-            z = model.decoder_step(emb[:, t], z, t, dec, mem)
+            z = runner.step(runner.at(t, t, B), z, emb[:, t].contiguous())
             outs.append(model.head(z))
     assert (torch.stack(outs, 1) - dense).abs().max() < 1e-5
 

@@ -1,32 +1,41 @@
 """Every pipeline program we run, replayed under NCCL's point-to-point rules (parallel/nccl_sim.py:
 tags ignored, messages pair by order, one stream per communicator where a posted receive blocks
 what follows it, rendezvous sends): the training ring and the sampler ring for P in {2, 3, 4},
-M in {1, 2, 3, 4, 8} (the sampler also with C in {1, 2, 4}, ragged prompts and checks) find no
-deadlock and no mismatched pair; the schedules as they were before their channels, and
-deliberately reordered programs, are caught. One process, no ranks."""
+M in {1, 2, 3, 4, 8} (the sampler also with C in {1, 2, 4}, ragged prompts and checks, the lockstep
+plan and the row plan: shared prompts forked, rows waiting for slots) find no deadlock and no
+mismatched pair; the schedules as they were before their channels, and deliberately reordered
+programs, are caught. One process, no ranks."""
 
 import pytest
 
 from rlt_mega.parallel.nccl_sim import Deadlock, Mismatch, Msg, Step, check_pairs, simulate_nccl
 from rlt_mega.parallel.p2p import pipeline_channels
 from rlt_mega.parallel.pipeline import ring_programs, simulate
-from rlt_mega.rollout.ring import MicroBatchMeta, is_check
-from rlt_mega.rollout.ring import ring_programs as sampler_programs
+from rlt_mega.rollout.ring import row_ring_programs
+from rlt_mega.rollout.rows import RowPlan, planned_record, row_layout
 
 PS, MS = [2, 3, 4], [1, 2, 3, 4, 8]
 
 
-def ragged(M: int, C: int, check_every: int) -> tuple[list, list]:
-    """M micro-batches of ragged prompts (shortest 2 + j tokens, so prefills differ, some empty),
-    max_new_tokens 9; odd ones stop early at a check, even ones run to max_steps."""
-    metas, steps = [], []
+def records(M: int, C: int, check_every: int, grouped: bool) -> list:
+    """M calls: ragged prompts (shortest 2 + j tokens, so prefills differ, some empty) on the
+    lockstep plan, rows finishing at assorted steps (some micro-batches stop early at a check);
+    or, ``grouped``, shared prompts forked into their rows with slots < rows (rows wait and enter
+    freed slots)."""
+    out = []
     for j in range(M):
-        shortest, longest = 2 + j, 5 + 2 * j
-        meta = MicroBatchMeta(prefill_end=C * (shortest // C), max_steps=longest + 9 - 1)
-        early = next((t for t in range(longest, meta.max_steps) if is_check(t, check_every)), meta.max_steps)
-        metas.append(meta)
-        steps.append(early if j % 2 else meta.max_steps)
-    return metas, steps
+        if grouped:
+            prompts = [[1] * (2 + j)] * 4 + [[2] * (5 + j)] + [[3] * (3 + 2 * j)] * 3
+            layout = row_layout(prompts, 9, C, slots=4, share_prompts=True, compact=True, check_every=check_every)
+        else:
+            prompts = [[1] * (2 + j), [2] * (5 + 2 * j), [3] * (3 + j)]
+            layout = row_layout(prompts, 9, C, slots=None, share_prompts=False, compact=False, check_every=check_every)
+        out.append(planned_record(layout, lambda b: 3 + (5 * b + j) % 11 if (grouped or j % 2) else 10**9))
+    return out
+
+
+def sampler_programs(P: int, every: int, recs: list) -> list:
+    return row_ring_programs(P, every, lambda s: [RowPlan(r.layout, recorded=r) for r in recs])
 
 
 @pytest.mark.parametrize("P", PS)
@@ -53,19 +62,20 @@ def test_the_training_ring_before_its_channels_deadlocks_under_nccl(P, M):
 @pytest.mark.parametrize("C", [1, 2, 4])
 def test_the_sampler_ring_runs_under_nccl_rules(P, M, C):
     for check_every in (1, 4):
-        metas, steps = ragged(M, C, check_every)
-        programs = sampler_programs(P, C, check_every, metas, steps)
-        simulate_nccl(programs, ahead=False)
-        simulate_nccl(programs, ahead=True)  # posting one step ahead would be safe too
+        for grouped in (False, True):
+            recs = records(M, C, check_every, grouped)
+            if grouped:
+                assert any(e[0] == "enter" and e[1] > 0 for rec in recs for e in rec.log)
+            simulate_nccl(sampler_programs(P, check_every, recs), ahead=False)
+            simulate_nccl(sampler_programs(P, check_every, recs), ahead=True)  # posting one step ahead is safe too
 
 
 def test_the_sampler_ring_needs_its_memory_lane():
     # On one stream per direction, the last stage sends a block's memory in the middle of an
     # item and step t's control at its end, while stage 0 takes that control only at item
     # (t + 1, j): with two micro-batches the pair mispairs (the old executor's r_ctl-for-r_mem).
-    metas, steps = ragged(2, 2, 1)
     with pytest.raises(Mismatch, match="r_ctl.*r_mem|r_mem.*r_ctl"):
-        simulate_nccl(sampler_programs(2, 2, 1, metas, steps), streams="pair", ahead=False)
+        simulate_nccl(sampler_programs(2, 1, records(2, 2, 1, False)), streams="pair", ahead=False)
 
 
 def test_a_reordered_program_is_caught():
@@ -104,35 +114,6 @@ def test_every_channel_a_program_uses_exists(P):
     from rlt_mega.parallel.p2p import lane_of
 
     channels = set(pipeline_channels(P))
-    metas, steps = ragged(3, 2, 4)
-    for programs in (ring_programs(P, 3, 3, backward=True), sampler_programs(P, 2, 4, metas, steps)):
+    for programs in (ring_programs(P, 3, 3, backward=True), sampler_programs(P, 4, records(3, 2, 4, True))):
         used = {(m.src, m.dst, lane_of(m.stream)) for prog in programs for step in prog for m in step.sends}
         assert used <= channels
-
-
-def row_records(M: int, C: int, check_every: int) -> list:
-    """M grouped calls of the row schedule (shared prompts, ragged, slots < rows so rows wait and
-    enter freed slots), rows finishing at assorted steps."""
-    from rlt_mega.rollout.rows import planned_record, row_layout
-
-    records = []
-    for j in range(M):
-        prompts = [[1] * (2 + j)] * 4 + [[2] * (5 + j)] + [[3] * (3 + 2 * j)] * 3
-        layout = row_layout(prompts, 9, C, slots=4, share_prompts=True, compact=True, check_every=check_every)
-        records.append(planned_record(layout, lambda b: 3 + (5 * b + j) % 11))
-    return records
-
-
-@pytest.mark.parametrize("P", PS)
-@pytest.mark.parametrize("M", [1, 3])
-def test_the_row_schedule_ring_runs_under_nccl_rules(P, M):
-    from rlt_mega.rollout.ring import row_ring_programs
-    from rlt_mega.rollout.rows import RowPlan
-
-    for C in (1, 3):
-        for every in (1, 4):
-            records = row_records(M, C, every)
-            assert any(e[0] == "enter" and e[1] > 0 for rec in records for e in rec.log)
-            programs = row_ring_programs(P, every, lambda s: [RowPlan(r.layout, recorded=r) for r in records])
-            simulate_nccl(programs, ahead=False)
-            simulate_nccl(programs, ahead=True)

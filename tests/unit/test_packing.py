@@ -100,8 +100,13 @@ def test_document_structure_positions_and_masks():
     assert mem[5].tolist() == [True] + [False] * 3 + [True] * 2 + [False] * 3
     assert mem[0].tolist() == [True] + [False] * 8  # a partial block is never visible
     assert docs.attend[0, 4].tolist() == [False] * 3 + [True] * 2 + [False] * 3
-    n, keys = docs.memory_keys(6, 2)
-    assert n == 8 and keys.shape == (1, 1, 1, 8)
+    from rlt_mega.model.layout import Step
+
+    tables = tuple(torch.arange(16.0)[:, None].expand(16, 4) for _ in range(3))  # row p of each table holds p
+    step = Step.documents(6, docs, tables, 2, 1, torch.float32, batch=1, slot=0, ring=0)
+    assert step.n_self == 7 and step.n_mem == 8 and step.cos.flatten().tolist() == [3.0] * 4  # document-local 3
+    assert torch.isinf(step.mem_mask[0, 0]).tolist() == [not v for v in mem[6, :8].tolist()]
+    assert step.reset is not None and not bool(step.reset[0])
 
 
 def test_best_fit_packing_places_every_pair_once_within_capacity():

@@ -1,23 +1,20 @@
 """The row schedule (rollout/rows.py): shared prompts forked into their rows, compaction and
 continuous batching. Its replay repeats every recorded event and is torch.equal to mu (fp32 and
-bf16, C in {1, 3}, ragged prompts, G in {1, 4}, stop tokens at different steps, slots < rows,
-fast decode on and off); mu is still the real sampling distribution; every completion agrees
-with the same completion replayed alone in a batch of one (lockstep), and with the lockstep
-rollout of the same seeds; the host reads device values only at checks."""
+bf16, C in {1, 3}, ragged prompts, G in {1, 4}, stop tokens at different steps, slots < rows, the
+model's decoder step and the reference's); mu is still the real sampling distribution; every
+completion agrees with the same completion replayed alone in a batch of one (lockstep), and with
+the lockstep rollout of the same seeds; the host reads device values only at checks."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from rlt_mega.config import ConfigError, ModelConfig, SamplingConfig
+from rlt_mega.config import ConfigError, ModelConfig, SamplingConfig, load_config
 from rlt_mega.model import build_model
-from rlt_mega.rollout import Processing, Sampler, SamplingParams, generate, process_logits, replay
-from rlt_mega.rollout.executor import Executor, Plan
-from rlt_mega.rollout.comms import Comms
-from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches
-from rlt_mega.rollout.rows import RowPlan, planned_record, row_layout
-from rlt_mega.rollout.sampler import _Force
+from rlt_mega.reference import ReferenceDecoder
+from rlt_mega.rollout import Processing, Rollout, Sampler, SamplingParams, Schedule, generate, process_logits, replay
+from rlt_mega.rollout.rows import LOCKSTEP, RowPlan, RowSwitches, planned_record, row_layout
 from tests.unit.test_rollout import chi_square_pvalue
 from tests.unit.test_sampler_checks import HostReads
 
@@ -41,24 +38,25 @@ def params(max_new: int = 10) -> SamplingParams:
     return SamplingParams(Processing(temperature=1.0), max_new_tokens=max_new, stop_token_ids=(0, 1, 2, 4))
 
 
-@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize("decoder", ["fused", "reference"])
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 @pytest.mark.parametrize("C", [1, 3])
-def test_replay_repeats_the_events_bit_for_bit(C, dtype, fast):
+def test_replay_repeats_the_events_bit_for_bit(C, dtype, decoder):
     model = tiny(C)
     if dtype == "bf16":
         model = model.to(torch.bfloat16)
     for name, sw in SWITCHES.items():
-        if not fast and name in ("all", "no_compact"):  # the modules' path: the harder cases only
+        if decoder == "reference" and name in ("all", "no_compact"):  # the reference: the harder cases only
             continue
-        sampler = Sampler(model, fast_decode=fast, check_every=2, rows=sw)
+        step = ReferenceDecoder() if decoder == "reference" else None
+        sampler = Sampler(model, check_every=2, rows=sw, decoder=step)
         ro = sampler.generate([PROMPTS], params(), [SEEDS], pad_id=0, dtype=dtype)[0]
         kinds = {e[0] for e in ro.schedule.rows.log}
         assert {"enter", "leave", "enc"} <= kinds, name
         assert ("fork" in kinds) == sw.share_prompts, name
         assert len(set(ro.completion_lens)) > 2 and max(ro.completion_lens) == 10  # ends at different steps
         assert torch.equal(sampler.replay([ro])[0], ro.mu), name
-        assert torch.equal(replay(model, ro), ro.mu), name  # a fresh sampler, any switches: the record rules
+        assert torch.equal(replay(model, ro, decoder=step), ro.mu), name  # a fresh sampler, any switches: the record rules
 
 
 def test_slots_bound_the_batch_and_rows_enter_freed_slots():
@@ -79,25 +77,27 @@ def test_slots_bound_the_batch_and_rows_enter_freed_slots():
         k += 1
     assert max(widths) <= 3 and k == rec.num_steps and sum(widths) == rec.row_steps
     assert max(positions) > 1  # rows at different positions in one batch
-    lockstep = generate(model, PROMPTS, params(), SEEDS, pad_id=0, check_every=2)
-    assert rec.row_steps < len(PROMPTS) * lockstep.schedule.num_steps
+    lockstep = generate(model, PROMPTS, params(), SEEDS, pad_id=0, check_every=2, rows=LOCKSTEP)
+    assert rec.row_steps < lockstep.schedule.rows.row_steps
 
 
-def _alone(model, prompt: list[int], completion: list[int], dtype: str = "fp32") -> torch.Tensor:
-    """The completion replayed alone in a batch of one (the lockstep replay, tokens forced)."""
-    tokens = torch.tensor([prompt + completion + [0]])
-    steps = len(prompt) + len(completion) - 1
-    from rlt_mega.precision import precision
-    with torch.no_grad(), precision(dtype, "cpu"):
-        res = Executor(model, Comms.local("cpu")).run([Plan(tokens, [len(prompt)], steps, _Force(tokens))],
-                                                      Processing(temperature=1.0), True)[0]
-    return res.step_logprobs[0, len(prompt) - 1:steps]
+def _alone(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """The completion replayed alone in a batch of one (the lockstep plan, tokens forced)."""
+    C, n = model.cfg.memory_block, len(completion)
+    layout = row_layout([prompt], n, C, None, share_prompts=False, compact=False, check_every=1)
+    rec = planned_record(layout, lambda b: 10**9)  # never finished: the row runs its n draws
+    schedule = Schedule(prompt_lens=[len(prompt)], memory_block=C, capacity=len(prompt) + n,
+                        num_steps=len(prompt) + n - 1, encoder_calls=[(e[2], e[3]) for e in rec.log if e[0] == "enc"],
+                        processing=Processing(temperature=1.0), dtype="fp32", pad_id=0, rows=rec)
+    ro = Rollout(torch.tensor([prompt + completion]), torch.zeros(1, n), torch.ones(1, n, dtype=torch.bool), [n],
+                 ["length"], schedule)
+    return replay(model, ro)[0]
 
 
 @pytest.mark.parametrize("C", [1, 3])
 def test_each_completion_agrees_with_itself_alone_and_with_lockstep(C):
     model = tiny(C)
-    lockstep = generate(model, PROMPTS, params(), SEEDS, pad_id=0, check_every=2)
+    lockstep = generate(model, PROMPTS, params(), SEEDS, pad_id=0, check_every=2, rows=LOCKSTEP)
     for sw in (RowSwitches(), RowSwitches(slots=3), RowSwitches(share_prompts=False, slots=4)):
         ro = generate(model, PROMPTS, params(), SEEDS, pad_id=0, rows=sw, check_every=2)
         # the same draws (each row's own uniforms), so the same completions as lockstep
@@ -155,7 +155,7 @@ def test_stop_strings_and_max_new_tokens_one():
     model = tiny(3)
     decode = lambda ids: "".join("ab"[i % 2] for i in ids)  # noqa: E731
     p = SamplingParams(Processing(temperature=1.0), max_new_tokens=12, stop_strings=("abb",))
-    lock = generate(model, PROMPTS, p, SEEDS, pad_id=0, decode=decode, check_every=3)
+    lock = generate(model, PROMPTS, p, SEEDS, pad_id=0, decode=decode, check_every=3, rows=LOCKSTEP)
     ro = generate(model, PROMPTS, p, SEEDS, pad_id=0, decode=decode, check_every=3, rows=RowSwitches(slots=4))
     assert "stop_string" in ro.finish_reasons
     assert ro.finish_reasons == lock.finish_reasons and ro.completion_lens == lock.completion_lens
@@ -177,9 +177,9 @@ def test_a_replay_with_other_events_is_refused():
 
 
 def test_switches_and_their_errors():
-    assert not LOCKSTEP.enabled and RowSwitches().enabled
-    with pytest.raises(ConfigError, match="sampling.compact"):
-        SamplingConfig(slots=4, compact=False)
+    for key in ("sampling.share_prompts", "sampling.compact", "sampling.fast_decode"):
+        with pytest.raises(ConfigError, match=f"{key} was removed"):
+            load_config(None, [f"{key}=false"])
     with pytest.raises(ConfigError, match="sampling.slots"):
         SamplingConfig(slots=-1)
     # a planned call without device: G rows wait for slots freed by finished rows

@@ -6,11 +6,14 @@ replay stays torch.equal to mu."""
 
 import pytest
 import torch
+
+from rlt_mega.rollout.rows import LOCKSTEP, RowSwitches
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlt_mega.config import ModelConfig
 from rlt_mega.model import build_model
 from rlt_mega.rollout import Processing, Sampler, SamplingParams, generate, replay
+from rlt_mega.rollout.rows import LOCKSTEP, RowSwitches
 
 PROMPTS = [[1, 2, 3], [6, 7, 8, 9, 10], [3, 5, 7, 9, 11, 13], [4, 4]]
 aten = torch.ops.aten
@@ -104,18 +107,20 @@ def test_checking_less_often_changes_no_completion(dtype):
     stop_string = decode(base.completion(1)[5:7])
     params = SamplingParams(Processing(temperature=1.0), max_new_tokens=14, stop_token_ids=(stop_token,),
                             stop_strings=(stop_string,))
-    runs = {k: generate(model, PROMPTS, params, seeds=[1, 2, 3, 4], pad_id=0, dtype=dtype, decode=decode,
-                        check_every=k) for k in (1, 3, 8)}
-    ref = runs[1]
-    assert "stop_token" in ref.finish_reasons and "stop_string" in ref.finish_reasons
-    for k, ro in runs.items():
-        assert ro.finish_reasons == ref.finish_reasons and ro.completion_lens == ref.completion_lens, k
-        assert [ro.completion(b) for b in range(4)] == [ref.completion(b) for b in range(4)], k
-        assert torch.equal(ro.mu, ref.mu), k
-        n = ro.schedule.num_steps
-        assert n == ro.schedule.capacity - 1 or n % k == 0
-        for b in range(4):  # after a completion: pad, also where a stop string was found late
-            end = ro.schedule.prompt_lens[b] + ro.completion_lens[b]
-            assert (ro.tokens[b, end:] == 0).all(), (k, b)
-        assert torch.equal(replay(model, ro), ro.mu), k
-    assert runs[8].schedule.num_steps >= ref.schedule.num_steps  # up to check_every - 1 steps more
+    for rows in (LOCKSTEP, RowSwitches()):  # finished rows fed pad, or leaving at the check
+        runs = {k: generate(model, PROMPTS, params, seeds=[1, 2, 3, 4], pad_id=0, dtype=dtype, decode=decode,
+                            check_every=k, rows=rows) for k in (1, 3, 8)}
+        ref = runs[1]
+        assert "stop_token" in ref.finish_reasons and "stop_string" in ref.finish_reasons
+        for k, ro in runs.items():
+            assert ro.finish_reasons == ref.finish_reasons and ro.completion_lens == ref.completion_lens, k
+            assert [ro.completion(b) for b in range(4)] == [ref.completion(b) for b in range(4)], k
+            if rows == LOCKSTEP:  # the same batch at every step: the same values
+                assert torch.equal(ro.mu, ref.mu), k
+            else:  # rows leave at other steps: other GEMM shapes, other rounding
+                assert (ro.mu - ref.mu).abs().max() <= (1e-5 if dtype == "fp32" else 0.05), k
+            for b in range(4):  # after a completion: pad, also where a stop string was found late
+                end = ro.schedule.prompt_lens[b] + ro.completion_lens[b]
+                assert (ro.tokens[b, end:] == 0).all(), (k, b)
+            assert torch.equal(replay(model, ro), ro.mu), k
+        assert runs[8].schedule.rows.num_steps >= ref.schedule.rows.num_steps  # up to check_every - 1 steps more

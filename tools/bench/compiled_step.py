@@ -1,7 +1,7 @@
 """Would compiling the fused decoder's per-position step reach issue 11's FLOP rate? (A
 measurement, not a test: it asserts nothing.)
 
-The capture-ready form of the fused step (model/fused_run.py, ``static=True``) has shapes that do
+The capture-ready form of the fused step (model/decoder.py, ``static=True``) has shapes that do
 not depend on t, so its per-position bodies (model/cuda_graphs.py: forward, recompute, backward)
 can be compiled once by torch.compile (inductor, C++ on CPU) as they are captured on a GPU. Two
 things in the code as it is stop inductor, and this benchmark works around both for the
@@ -28,7 +28,7 @@ import torch
 
 import rlt_mega.model.cuda_graphs as cuda_graphs
 import rlt_mega.model.fused as fused
-import rlt_mega.model.fused_state as fused_state
+import rlt_mega.model.workspace as fused_state
 from harness import add_common_args, best_of_rounds, describe, setup
 from rlt_mega.config import load_config
 from rlt_mega.model import build_model

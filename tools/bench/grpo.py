@@ -16,7 +16,7 @@ the same), AdamW. Variants, each from the same initial weights, timed in interle
   the first minibatch replayed (grpo.skip_onpolicy_replay false) and the learner's padded dense
   schedule (grpo.dense_compact/dense_share_prompts false);
 - on: every switch on (the defaults): shared prompts and compaction in the rollout, the replay
-  and the learner's dense schedule (model/fused_rows.py), the first minibatch's replay skipped
+  and the learner's dense schedule (model/rows.py), the first minibatch's replay skipped
   (its value is mu);
 - slots: on, with sampling.slots = rows / 4 (continuous batching): its sequential decoder
   steps per call against lockstep's with the same rows (what it trades on a bandwidth-bound GPU).
@@ -46,7 +46,7 @@ from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.learner.grpo import grpo_loss  # noqa: E402
 from rlt_mega.learner.logprob import dense_logprobs, dense_rows, hybrid_logprobs  # noqa: E402
 from rlt_mega.model import build_model  # noqa: E402
-from rlt_mega.model.fused_rows import RowPlan  # noqa: E402
+from rlt_mega.model.rows import RowPlan  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams  # noqa: E402
 from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches  # noqa: E402
 

@@ -1,5 +1,5 @@
 """The GRPO learner's dense schedule following the data (issue 12 deliverable 5,
-model/fused_rows.py) against the padded dense schedule, side by side in one run (prints
+model/rows.py) against the padded dense schedule, side by side in one run (prints
 figures; asserts nothing).
 
 One learner call: GSM8K prompts x G (8 x 8 = 64 rows by default), tokenised by the byte-level BPE
@@ -7,7 +7,7 @@ of tools/bench/rollout_rows.py, each completion its gold solution's token length
 random tokens (``gsm8k_call``); small_cpu, random weights, fp32. Each variant runs the dense
 forward and backward (encoder, decoder, head, a loss of the logits), timed by phase in
 interleaved rounds (the head with compaction only at the positions the loss reads:
-model/fused_rows.head_rows; best of --repeats, one thread, process CPU time by default,
+model/rows.head_rows; best of --repeats, one thread, process CPU time by default,
 tools/bench/harness.py):
 
 - padded: every row at every position (grpo.dense_compact / dense_share_prompts false);
@@ -34,7 +34,7 @@ from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.model import build_model  # noqa: E402
-from rlt_mega.model.fused_rows import DenseRows, RowPlan, head_rows  # noqa: E402
+from rlt_mega.model.rows import DenseRows, RowPlan, head_rows  # noqa: E402
 
 
 def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:

@@ -28,7 +28,7 @@ Sections
   workspace emptied first so that its slab counts) and as resident set size (RSS, allocator
   included), and the step time (interleaved rounds, unprofiled), each against no checkpointing;
   the module path's none and step+enc alongside; and what the fused step's buffers hold, by
-  purpose (FusedRun.buffer_bytes).
+  purpose (DecoderRun.buffer_bytes).
 """
 
 from __future__ import annotations
@@ -43,9 +43,9 @@ from harness import (add_common_args, best_of_rounds, describe, peak_rss, peak_t
                      timed_rounds)
 from rlt_mega.config import CheckpointingConfig, load_config
 from rlt_mega.model import build_model
-from rlt_mega.model.fused_dense import build_stack, replicator
-from rlt_mega.model.fused_run import fused_weights
-from rlt_mega.model.fused_state import WORKSPACE
+from rlt_mega.model.dense_decode import build_stack, replicator
+from rlt_mega.model.decoder import fused_weights
+from rlt_mega.model.workspace import WORKSPACE
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
 from rlt_mega.plan.measure import count_flops
@@ -144,17 +144,17 @@ def section_memory(args, clock) -> None:
 
 def fused_buffers(model, B: int, T: int) -> dict[str, int]:
     """The buffers of the fused run one training step of ``model`` builds (captured by a spy)."""
-    from rlt_mega.model import fused_run
+    from rlt_mega.model import decoder as fused_run
 
     seen = []
-    original = fused_run.FusedRun.__init__
+    original = fused_run.DecoderRun.__init__
 
     def spy(self, *a, **kw):
         original(self, *a, **kw)
         if self.grads is not None:
             seen.append(self)
 
-    fused_run.FusedRun.__init__ = spy
+    fused_run.DecoderRun.__init__ = spy
     try:
         x = torch.randint(0, model.cfg.vocab_size, (B, T))
         model(x).sum().backward()
@@ -162,7 +162,7 @@ def fused_buffers(model, B: int, T: int) -> dict[str, int]:
         sizes = {**run.buffer_bytes(), "of which backward scratch": run.scratch_bytes()}
         model.zero_grad(set_to_none=True)
     finally:
-        fused_run.FusedRun.__init__ = original
+        fused_run.DecoderRun.__init__ = original
     return sizes
 
 

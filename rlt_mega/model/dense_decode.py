@@ -1,21 +1,21 @@
 """The dense schedule's decoder on the fused step: one autograd Function over the whole
-sequence (model/fused_run.py does the work).
+sequence (model/decoder.py does the work).
 
 Why one Function per sequence (not per step or per layer). The decoder's autograd graph would
 otherwise hold T x L nodes whose backward order autograd must rediscover; the sequence's
 backward is a fixed loop (decreasing t, the recurrence's gradient carried from step to step),
 and the deferred weight gradients need one owner that sees every position. The Function's
 inputs are the embeddings (B, T, d), z_{-1} (B, d), every layer's memory K/V (B, h_kv, 1 + S,
-Dh) and the fused weights (model/fused.py: differentiable expressions of the parameters, so
+Dh) and the fused weights (model/kernels.py: differentiable expressions of the parameters, so
 autograd carries their gradients on to q/k/v, the norm weights and recur_proj); its output is
 z (B, T, d). Backward returns the gradient of each: the three BPTT paths (recurrence, decoder
 K/V, encoder memory) are all inside it, none detached.
 
 Checkpointing (train.checkpointing.decoder): "none" saves everything the backward reads;
 "step" and "every_k" (one mode here) keep the per-position tensors only and recompute the rest
-of each position just before its backward (what is kept and why: fused_run's docstring). The
+of each position just before its backward (what is kept and why: model/decoder.py's docstring). The
 recomputation repeats the same operations on the same values, and the deferred-gradient flushes
-do not depend on the mode (fused_run.wgrad_positions, KV_CHUNK), so every mode gives
+do not depend on the mode (decoder.wgrad_positions, KV_CHUNK), so every mode gives
 bit-identical gradients.
 """
 
@@ -26,10 +26,10 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from rlt_mega.model.decoder import (FusedRun, FusedStack, StackSpec, StepRunner, WeightGrads, checkpoint_slots,
+from rlt_mega.model.decoder import (DecoderRun, DecoderStack, StackSpec, StepRunner, WeightGrads, checkpoint_slots,
                                     fused_weights)
 from rlt_mega.model.documents import Documents
-from rlt_mega.model.fused_rows import DenseRows, RowPlan
+from rlt_mega.model.rows import DenseRows, RowPlan
 from rlt_mega.model.kernels import wide
 
 
@@ -50,7 +50,7 @@ class ReduceGrad(torch.autograd.Function):
 
 
 def replicator(all_reduce: Optional[Callable[[torch.Tensor], None]]) -> Callable[[torch.Tensor], torch.Tensor]:
-    """How a replicated parameter enters a product with a sharded one (see model/fused.py)."""
+    """How a replicated parameter enters a product with a sharded one (see model/kernels.py)."""
     if all_reduce is None:
         return lambda x: x
     return lambda x: ReduceGrad.apply(x, all_reduce)
@@ -78,7 +78,7 @@ class _Plan:
     documents: Optional[Documents] = None  # packed rows with document resets (model/documents.py)
 
 
-class FusedDecode(torch.autograd.Function):
+class DenseDecode(torch.autograd.Function):
     @staticmethod
     def forward(ctx, plan: _Plan, emb: torch.Tensor, z0: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         B, T, d = emb.shape
@@ -87,7 +87,7 @@ class FusedDecode(torch.autograd.Function):
         stack = plan.decoder.stack(plan.model, plan.spec, weights, B, True, emb.dtype, plan.compute_dtype)
         slots = checkpoint_slots(B, T) if plan.checkpointed else None
         # the accumulators are made by the backward (allocate=False: not alive until then)
-        run = FusedRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights, allocate=False), slots=slots,
+        run = DecoderRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights, allocate=False), slots=slots,
                        static=plan.static, rows=plan.rows, documents=plan.documents, z0=z0)
         e = emb.detach().transpose(0, 1).contiguous()  # (T, B, d): one contiguous row block per position
         zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if plan.checkpointed else "save")
@@ -120,7 +120,7 @@ class FusedDecode(torch.autograd.Function):
         return (None, input_grads, carry, *mem_grads, *weight_grads)
 
 
-def _run_forward(run: FusedRun, e: torch.Tensor, z: torch.Tensor, mode: str) -> torch.Tensor:
+def _run_forward(run: DecoderRun, e: torch.Tensor, z: torch.Tensor, mode: str) -> torch.Tensor:
     """Every position in order: e (T, B, d), z = z_{-1} (B, d) -> z_t for every t, (T, B, d)."""
     T = e.shape[0]
     zs = torch.empty_like(e) if z.dtype == e.dtype else torch.empty(e.shape, dtype=z.dtype, device=e.device)
@@ -151,7 +151,7 @@ class Decoder:
         return fused_weights(model, layers, with_input, replicator(self.all_reduce))
 
     def stack(self, model, spec: StackSpec, tensors, rows: int, backward: bool, stream_dtype: torch.dtype,
-              compute_dtype: torch.dtype, memory: bool = False) -> FusedStack:
+              compute_dtype: torch.dtype, memory: bool = False) -> DecoderStack:
         """The prepared products of ``spec`` for batches of ``rows`` rows; memory: also the
         cross-attention's k/v products (the rollout's memory writes)."""
         cfg = model.cfg
@@ -159,7 +159,7 @@ class Decoder:
         if memory:
             cross_kv = {i: torch.cat([wide(model.cross[i].attn.k.weight), wide(model.cross[i].attn.v.weight)])
                         for i in spec.layers}  # (2 h_kv Dh, d): this rank's heads
-        return FusedStack(spec, tensors, stream_dtype=stream_dtype, compute_dtype=compute_dtype, rows=rows,
+        return DecoderStack(spec, tensors, stream_dtype=stream_dtype, compute_dtype=compute_dtype, rows=rows,
                           backward=backward, d_model=cfg.d_model, eps=cfg.norm_eps, memory_block=cfg.memory_block,
                           rotary=model.rotary, all_reduce=self.all_reduce, cross_kv=cross_kv)
 
@@ -179,7 +179,7 @@ class Decoder:
         """The dense schedule's decoder: emb (B, T, d), mem the memory K/V of ``RLT.memory_kv`` -> z
         (B, T, d), with full BPTT when anything requires grad.
 
-        rows (model/fused_rows.py): each position runs only on the rows still inside their
+        rows (model/rows.py): each position runs only on the rows still inside their
         sequence (z is 0 past row b's ``rows.lengths[b]`` positions) and a shared prefix's
         positions once per group; the same function where it is defined, and the same gradient.
         documents (model/documents.py): packed rows, each document computed as if alone in its
@@ -206,7 +206,7 @@ class Decoder:
         if not needs_grad:
             with torch.no_grad():
                 stack = self.stack(model, spec, weights, B, False, emb.dtype, compute)
-                run = FusedRun(stack, B, T, memory, static=self.static, rows=plan_rows, documents=documents, z0=z0)
+                run = DecoderRun(stack, B, T, memory, static=self.static, rows=plan_rows, documents=documents, z0=z0)
                 return _run_forward(run, emb.transpose(0, 1).contiguous(), z0, mode="none").transpose(0, 1)
         checkpointed = model.checkpointing.decoder != "none"
         flat_memory = [t for pair in memory for t in pair]
@@ -217,7 +217,7 @@ class Decoder:
                     compute: torch.dtype, plan_rows, documents):
         """The autograd Function over the sequence (a wrapper may replace it: parallel/cuda_graphs.py)."""
         plan = _Plan(self, model, spec, 2 * len(memory), checkpointed, compute, self.static, plan_rows, documents)
-        return FusedDecode.apply(plan, emb, z0, *flat_memory, *weights)
+        return DenseDecode.apply(plan, emb, z0, *flat_memory, *weights)
 
 
 def row_plan(rows: Optional[DenseRows], B: int, T: int, device: torch.device, static: bool) -> Optional[RowPlan]:

@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
 from rlt_mega.model.attention import encoder_attention
 from rlt_mega.model.cache import KVCache
-from rlt_mega.model.fused_rows import DenseRows, head_rows
+from rlt_mega.model.rows import DenseRows, head_rows
 from rlt_mega.model.layers import Block, RMSNorm, Rotary
 
 
@@ -125,7 +125,7 @@ class DenseLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0,
                 rows: Optional[DenseRows] = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), fp32; logits_t is the distribution of x_{t+1}.
-        ``rows`` (a GRPO batch's, model/fused_rows.py): with compaction the head runs at the
+        ``rows`` (a GRPO batch's, model/rows.py): with compaction the head runs at the
         completion positions only, as RLT.forward's (0 elsewhere); the blocks run every position
         (they are parallel over positions: nothing to skip but padding)."""
         return head_rows(self.head, self.hidden(tokens, cache, start), rows)

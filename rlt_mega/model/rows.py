@@ -3,7 +3,7 @@ shared prompts; docs/design.md, "The learner follows the data").
 
 A GRPO batch is B sequences of different lengths, and the G rows of a group share their prompt.
 The padded dense schedule runs every position on all B rows; a :class:`RowPlan` tells a
-model/fused_run.FusedRun, position by position, which rows are *active*:
+model/decoder.DecoderRun, position by position, which rows are *active*:
 
 - compaction: row b needs positions [0, L_b) only (``L_b = P_b + n_b - 1``: the last position
   whose logits the loss reads); past it the row is dead.

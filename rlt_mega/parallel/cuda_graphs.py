@@ -1,14 +1,15 @@
-"""CUDA graphs of the fused decoder step (``train.cuda_graphs``).
+"""CUDA graphs of the decoder step (``train.cuda_graphs``): a wrapper applied from outside the model
+(``install_cuda_graphs``), over the step's capture-ready form (model/layout.py ``StaticStep``).
 
 On a GPU the decoder is launch-bound: ~90 kernels per layer and position, each a few
 microseconds of launch for less work (docs/cost_model.md: ~33 ms of launches against ~14 ms of
-GPU work per position at L = 48). The capture-ready form of the step (model/fused_run.py,
+GPU work per position at L = 48). The capture-ready form of the step (model/decoder.py,
 ``static=True``) has no shape or Python value that depends on t, so one position's forward and
 one position's backward are captured once as graphs and replayed T times per sequence, with t
 advanced on the device (``t.fill_``: a kernel argument, no host synchronisation).
 
 :class:`CapturedRun` owns everything the graphs touch, at fixed addresses, across steps: the
-static FusedRun's slab, the prepared weights (copied in place from the current parameters at
+static DecoderRun's slab, the prepared weights (copied in place from the current parameters at
 every forward), the embeddings, the outputs z (with z_{-1} in row 0), the output gradients and
 the recurrence's carried gradient. A graph's inputs are read from those buffers by index inside
 the graph. The deferred weight-gradient flushes (a few large GEMMs every W positions) run eagerly
@@ -27,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from rlt_mega.model.fused_run import FusedRun, FusedStack, StackSpec, WeightGrads, checkpoint_slots
+from rlt_mega.model.decoder import DecoderRun, DecoderStack, StackSpec, WeightGrads, checkpoint_slots
+from rlt_mega.model.dense_decode import Decoder
 
 
 class _Body:
@@ -54,17 +56,17 @@ class _Body:
 
 
 class CapturedRun:
-    """A static FusedRun whose per-position steps are captured (see the module docstring).
+    """A static DecoderRun whose per-position steps are captured (see the module docstring).
 
     stack: built from private copies of the weights (:meth:`load_weights` refreshes them);
     memory_like: per layer, memory K/V of the shapes to come; checkpointed: keep the per-position
     tensors only and recompute the rest before each position's backward."""
 
-    def __init__(self, stack: FusedStack, spec: StackSpec, weights, batch: int, capacity: int,
+    def __init__(self, stack: DecoderStack, spec: StackSpec, weights, batch: int, capacity: int,
                  memory_like, checkpointed: bool, capture: bool) -> None:
         self.stack, self.spec, self.B, self.T, self.checkpointed = stack, spec, batch, capacity, checkpointed
         slots = checkpoint_slots(batch, capacity) if checkpointed else None
-        self.run = FusedRun(stack, batch, capacity, memory_like, grads=WeightGrads(spec, weights), slots=slots,
+        self.run = DecoderRun(stack, batch, capacity, memory_like, grads=WeightGrads(spec, weights), slots=slots,
                             static=True)
         self.busy = False
         device, d = stack.device, stack.d
@@ -140,7 +142,7 @@ class CapturedRun:
 
 
 class GraphedDecode(torch.autograd.Function):
-    """FusedDecode (model/fused_dense.py) on a CapturedRun."""
+    """The dense schedule's autograd Function (model/dense_decode.py ``DenseDecode``) on a CapturedRun."""
 
     @staticmethod
     def forward(ctx, captured: CapturedRun, num_memory: int, emb: torch.Tensor, z0: torch.Tensor,
@@ -174,3 +176,38 @@ class GraphCache:
         run = build()
         self.runs.setdefault(key, []).append(run)
         return run
+
+
+class GraphedDecoder(Decoder):
+    """The model's decoder with the dense schedule's positions captured as CUDA graphs: the
+    capture-ready form of the same step (every row at every position: a GRPO batch's row plan is
+    not followed, the padded schedule computes the same function), its captured runs cached by
+    shape. The rollout and the pipeline's positions run the eager step as before."""
+
+    def __init__(self, all_reduce=None) -> None:
+        super().__init__(all_reduce=all_reduce, static=True)
+        self.graphs = GraphCache()
+
+    def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpointed, compute, plan_rows,
+                    documents):
+        B, T, _ = emb.shape
+        key = (B, T, emb.dtype, compute, checkpointed, tuple(spec.keys), tuple(tuple(w.shape) for w in weights),
+               tuple(tuple(k.shape) for k, _ in memory))
+
+        def build() -> CapturedRun:
+            private = [w.detach().clone() for w in weights]  # the graphs read these; refreshed per forward
+            stack = self.stack(model, spec, private, B, True, emb.dtype, compute)
+            return CapturedRun(stack, spec, private, B, T, memory, checkpointed, capture=emb.is_cuda)
+
+        captured = self.graphs.get(key, build)
+        return GraphedDecode.apply(captured, len(flat_memory), emb, z0, *flat_memory, *weights)
+
+
+def install_cuda_graphs(model) -> None:
+    """train.cuda_graphs: the model's dense schedule on captured CUDA graphs of its decoder step
+    (the model must be on a CUDA device; its tensor-parallel reduce, if any, is kept)."""
+    device = model.null_memory.device
+    if device.type != "cuda":
+        raise ValueError(f"train.cuda_graphs=true needs the model on a CUDA device, not {device}: set "
+                         "train.cuda_graphs=false (CUDA graphs are a GPU feature; on a CPU the decoder runs eagerly)")
+    model.decoder = GraphedDecoder(all_reduce=model.decoder.all_reduce)
