@@ -165,6 +165,7 @@ def part_exactness(smoke: bool) -> dict:
     L=4)."""
     torch = _torch()
     from rlt_mega.model import build_model
+    from rlt_mega.reference import ReferenceDecoder
     from rlt_mega.rollout import Processing, Sampler, SamplingParams
 
     device = _device()
@@ -178,8 +179,8 @@ def part_exactness(smoke: bool) -> dict:
             for top_p in (1.0, 0.95):
                 for dtype in ("fp32", "bf16"):
                     for fused in (True, False):
-                        key = f"C={C}/B={B}/top_p={top_p}/{dtype}/{'fused' if fused else 'modules'}"
-                        sampler = Sampler(model, fast_decode=fused)
+                        key = f"C={C}/B={B}/top_p={top_p}/{dtype}/{'step' if fused else 'reference'}"
+                        sampler = Sampler(model, decoder=None if fused else ReferenceDecoder())
                         params = SamplingParams(Processing(temperature=1.0, top_p=top_p), max_new_tokens=new,
                                                 stop_token_ids=(7,))
                         with torch.no_grad():

@@ -21,6 +21,7 @@ bit-identical gradients.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
@@ -93,10 +94,15 @@ class DenseDecode(torch.autograd.Function):
         zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if plan.checkpointed else "save")
         ctx.plan, ctx.run, ctx.T = plan, run, T
         ctx.weights = [w.detach() for w in weights]
+        # emb is saved only as a witness: autograd frees saved tensors after a backward that does
+        # not retain the graph, which tells ``Decoder.release_spent`` that the run will not be read again
+        ctx.save_for_backward(emb)
+        plan.decoder.graphs_alive.append(weakref.ref(ctx))
         return zs.transpose(0, 1)  # (B, T, d)
 
     @staticmethod
     def backward(ctx, grad_z: torch.Tensor):
+        ctx.saved_tensors  # noqa: B018  (raises on a second backward through a graph that was not retained)
         plan, run = ctx.plan, ctx.run
         run.grads = WeightGrads(plan.spec, ctx.weights)  # fresh accumulators: a second backward starts from zero
         run.reset_grads()
@@ -144,6 +150,25 @@ class Decoder:
 
     def __init__(self, all_reduce: Optional[Callable[[torch.Tensor], None]] = None, static: bool = False) -> None:
         self.all_reduce, self.static = all_reduce, static
+        self.graphs_alive: list = []  # weak references to the dense schedule's graphs (their autograd contexts)
+
+    def release_spent(self) -> None:
+        """Frees the runs (their buffers go back to the workspace pool) of graphs already backwarded
+        without retain_graph. Their graph may outlive its backward (DeepSpeed 0.19's gradient hooks
+        hold the last step's graph until the next backward), and a run held there would double the
+        decoder's memory in the next step; called before each forward."""
+        alive = []
+        for ref in self.graphs_alive:
+            ctx = ref()
+            if ctx is None or ctx.run is None:
+                continue
+            try:
+                ctx.saved_tensors  # noqa: B018
+            except RuntimeError:  # backwarded, not retained: nothing will read the run again
+                ctx.run = ctx.weights = None
+                continue
+            alive.append(ref)
+        self.graphs_alive = alive
 
     def weights(self, model, layers, with_input: bool) -> tuple[StackSpec, list[torch.Tensor]]:
         """The fused weights of ``layers`` (and the recurrence input), differentiable expressions of
@@ -189,6 +214,7 @@ class Decoder:
         cfg = model.cfg
         if T > cfg.max_seq_len:
             raise ValueError(f"position {T - 1} is past model.max_seq_len={cfg.max_seq_len}: raise model.max_seq_len")
+        self.release_spent()
         if documents is not None and documents.shape != (B, T):
             raise ValueError(f"packed documents of shape {documents.shape} for a batch of {(B, T)}")
         if documents is not None and self.static:

@@ -262,3 +262,21 @@ def test_cuda_graphs_settings_are_checked():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs the model on a CUDA device"):
             install_cuda_graphs(build_model(cfg_of(), seed=0))
+
+
+def test_a_graph_kept_after_its_backward_gives_its_buffers_back():
+    """A graph that outlives its backward (DeepSpeed's hooks hold the last step's until the next
+    backward) must not keep its run's buffers into the next forward; a retained graph keeps them
+    for its second backward."""
+    from rlt_mega.model.workspace import WORKSPACE
+
+    model = build_model(cfg_of(), seed=0)
+    held = model(tokens())  # kept alive, as DeepSpeed keeps it
+    held.sum().backward(retain_graph=True)
+    (ctx,) = [r() for r in model.decoder.graphs_alive]
+    model(tokens(seed=1)).sum().backward()
+    assert ctx.run is not None  # retained: a second backward may come
+    held.sum().backward()  # that second backward, not retained
+    WORKSPACE.clear()
+    model(tokens(seed=2))  # the next forward frees the spent run: its slab is back in the pool
+    assert ctx.run is None and WORKSPACE.free_bytes() > 0

@@ -2,7 +2,7 @@
 measurement, not a test: it asserts nothing.)
 
 The capture-ready form of the fused step (model/decoder.py, ``static=True``) has shapes that do
-not depend on t, so its per-position bodies (model/cuda_graphs.py: forward, recompute, backward)
+not depend on t, so its per-position bodies (parallel/cuda_graphs.py: forward, recompute, backward)
 can be compiled once by torch.compile (inductor, C++ on CPU) as they are captured on a GPU. Two
 things in the code as it is stop inductor, and this benchmark works around both for the
 experiment only:
@@ -26,9 +26,10 @@ import time
 
 import torch
 
-import rlt_mega.model.cuda_graphs as cuda_graphs
-import rlt_mega.model.fused as fused
+import rlt_mega.model.kernels as fused
 import rlt_mega.model.workspace as fused_state
+import rlt_mega.parallel.cuda_graphs as cuda_graphs
+from rlt_mega.model.dense_decode import Decoder
 from harness import add_common_args, best_of_rounds, describe, setup
 from rlt_mega.config import load_config
 from rlt_mega.model import build_model
@@ -64,7 +65,7 @@ def main() -> None:
     times["eager fused (oneDNN products)"], _ = best_of_rounds({"x": step}, args.repeats, clock)
     fused.MKLDNN_MIN_ELEMENTS = 1 << 62
     fused_state.Slab.allocate = separate_buffers
-    model.static_decoder = True
+    model.decoder = Decoder(static=True)
     times["capture-ready, plain mm, uncompiled"], _ = best_of_rounds({"x": step}, args.repeats, clock)
     body = cuda_graphs._Body.__init__
 
@@ -72,7 +73,7 @@ def main() -> None:
         body(self, torch.compile(fn, dynamic=False), capture, pool)
 
     cuda_graphs._Body.__init__ = compiled_body
-    model.cuda_graphs = True  # the captured run (model/cuda_graphs.py), its bodies compiled
+    model.decoder = cuda_graphs.GraphedDecoder()  # the captured run (parallel/cuda_graphs.py), its bodies compiled
     t0 = time.time()
     step()  # compiles
     compile_s = time.time() - t0

@@ -1,5 +1,5 @@
-"""Whole-GRPO-step benchmark (issue 12): generate, replay, update with every issue-12 switch on
-against every switch off, side by side in one run (prints figures; asserts nothing but
+"""Whole-GRPO-step benchmark (issue 12): generate, replay, update as the trainer runs them against
+the lockstep, padded arm, side by side in one run (prints figures; asserts nothing but
 exactness: every replay of an unchanged model torch.equal to its rollout's mu).
 
 A step is --minibatches calls of 64 rows (8 GSM8K train questions x G = 8, tokenised by a
@@ -12,12 +12,11 @@ the clipped surrogate on random advantages (a random model's rewards are all 0: 
 the same), AdamW. Variants, each from the same initial weights, timed in interleaved rounds
 (best of --repeats per phase, one thread, process CPU time by default, tools/bench/harness.py):
 
-- off: every switch off: the lockstep rollout (sampling.share_prompts/compact false, slots 0),
-  the first minibatch replayed (grpo.skip_onpolicy_replay false) and the learner's padded dense
-  schedule (grpo.dense_compact/dense_share_prompts false);
-- on: every switch on (the defaults): shared prompts and compaction in the rollout, the replay
-  and the learner's dense schedule (model/rows.py), the first minibatch's replay skipped
-  (its value is mu);
+- off: the baseline arm: the lockstep plan for the rollout (rollout/rows.py LOCKSTEP), the first
+  minibatch replayed (grpo.skip_onpolicy_replay false) and the learner's padded dense schedule
+  (dense_logprobs with compaction and sharing off);
+- on: what the trainer runs: shared prompts and compaction in the rollout, the replay and the
+  learner's dense schedule (model/rows.py), the first minibatch's replay skipped (its value is mu);
 - slots: on, with sampling.slots = rows / 4 (continuous batching): its sequential decoder
   steps per call against lockstep's with the same rows (what it trades on a bandwidth-bound GPU).
 
@@ -48,15 +47,15 @@ from rlt_mega.learner.logprob import dense_logprobs, dense_rows, hybrid_logprobs
 from rlt_mega.model import build_model  # noqa: E402
 from rlt_mega.model.rows import RowPlan  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams  # noqa: E402
-from rlt_mega.rollout.row_sampling import LOCKSTEP, RowSwitches  # noqa: E402
+from rlt_mega.rollout.rows import LOCKSTEP, RowSwitches  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
     rows: RowSwitches
     skip_onpolicy_replay: bool
-    dense_compact: bool = True  # grpo.dense_compact
-    dense_share_prompts: bool = True  # grpo.dense_share_prompts
+    dense_compact: bool = True  # the learner's dense schedule follows the data (False: the padded arm)
+    dense_share_prompts: bool = True
 
 
 def grpo_step(model, variant: Variant, calls: list[tuple[list, SamplingParams, list]], check_every: int,

@@ -20,8 +20,8 @@ position. Per generated token:
   prefills it in one call): both are inside the RLT's measured time.
 So blocks/s = generated tokens/s x 2L (RLT) or x L (Llama); the target is RLT blocks/s >=
 Llama blocks/s, at the config's memory block C (other C shown for reference). The "module
-path" row is the sampler at the config's C with the fast decoder step switched off
-(rlt_mega/model/fast_decode.py): the before/after of that change, in the same rounds.
+path" row is the sampler at the config's C with the reference arm's decoder (rlt_mega/reference.py,
+the decoder written plainly on the modules): the one decoder step's before/after, in the same rounds.
 
     PYTHONPATH=. python tools/bench/peer.py            # small_cpu sizes, batch 8, prompts 32, 128 new tokens
     PYTHONPATH=. python tools/bench/peer.py --quick    # 32 new tokens, 1 round: a smoke test (the RLT's
@@ -44,6 +44,7 @@ import harness  # noqa: E402  (tools/bench is not a package: the scripts run as 
 from rlt_mega.checkpoint_tools import convert_hf  # noqa: E402
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.model import RLT  # noqa: E402
+from rlt_mega.reference import ReferenceDecoder  # noqa: E402
 from rlt_mega.rollout import Processing, SamplingParams, generate  # noqa: E402
 
 
@@ -111,8 +112,8 @@ def main() -> None:
             return hf.generate(prompts, attention_mask=mask, max_new_tokens=N, min_new_tokens=N,
                                do_sample=False, use_cache=True)[:, P:]
 
-    def run_rlt(C, fast_decode=True):
-        out = generate(rlts[C], prompts.tolist(), params, seeds, pad_id=0, fast_decode=fast_decode)
+    def run_rlt(C, decoder=None):
+        out = generate(rlts[C], prompts.tolist(), params, seeds, pad_id=0, decoder=decoder)
         return out.tokens[:, P:P + N]
 
     run_hf()  # warm-up
@@ -120,7 +121,7 @@ def main() -> None:
         generate(rlts[C], prompts[:, :4].tolist(), SamplingParams(max_new_tokens=4), seeds, pad_id=0)
     fns = {"hf": run_hf, **{C: (lambda C=C: run_rlt(C)) for C in blocks}}
     if not args.quick:
-        fns["module"] = lambda: run_rlt(base.memory_block, fast_decode=False)
+        fns["module"] = lambda: run_rlt(base.memory_block, decoder=ReferenceDecoder())
     best, tokens = harness.best_of_rounds(fns, args.repeats, clock)
 
     hf_tps = B * N / best["hf"]

@@ -12,9 +12,9 @@ In one run, side by side on the same weights and ragged prompts, for each memory
   (fp32 max for reference), and the fraction of sampled tokens outside the dense schedule's
   top-p set in bf16 (the boundary moves with the rounding gap).
 Every replay is checked torch.equal to its rollout's mu (fp32 and bf16).
-- "module path": rollout tokens/s with the fast decoder step switched off
-  (rlt_mega/model/fast_decode.py; what the executor ran before it, and what it runs for a
-  tensor-parallel model), in the same rounds: the before/after of that change.
+- "reference": rollout tokens/s of the reference arm, the decoder written plainly on the modules
+  (rlt_mega/reference.py: what the sampler ran before the one decoder step, and under tensor
+  parallelism), in the same rounds.
 
 Clock and rounds (tools/bench/harness.py): one torch thread and the process's CPU time by
 default; each figure is the best of --repeats interleaved rounds.
@@ -41,6 +41,7 @@ from rlt_mega.learner.grpo import group_advantages, grpo_loss  # noqa: E402
 from rlt_mega.learner.logprob import (dense_logprobs, hybrid_logprobs, mismatch_metrics,  # noqa: E402
                                       replay_logprobs)
 from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.reference import ReferenceDecoder  # noqa: E402
 from rlt_mega.rollout import Processing, SamplingParams, generate  # noqa: E402
 
 TARGET_SPEEDUP = 1.8  # tokens/s at C=16 over C=1
@@ -69,7 +70,7 @@ def main() -> None:
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 8, 16], help="memory blocks C (first: the base)")
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; each figure is the best")
     ap.add_argument("--learner-repeats", type=int, default=3, help="rounds of the learner steps (seconds each)")
-    ap.add_argument("--no-module-path", action="store_true", help="skip the module-path rollouts")
+    ap.add_argument("--no-module-path", action="store_true", help="skip the reference arm's rollouts")
     ap.add_argument("--quick", action="store_true",
                     help="32 new tokens, 2 rounds (1 for the learner), no bf16 or module-path columns")
     ap.add_argument("--device", default="cpu")
@@ -104,7 +105,7 @@ def main() -> None:
         fns[("replay", C)] = lambda C=C, model=model: replay_logprobs(model, rollouts[C])
         if not args.no_module_path:
             fns[("module", C)] = lambda model=model: generate(model, prompts, params, seeds, pad_id=0,
-                                                              fast_decode=False)
+                                                              decoder=ReferenceDecoder())
     best = {k: float("inf") for k in fns}
     for _ in range(args.repeats):
         for (kind, C), fn in fns.items():
@@ -124,7 +125,7 @@ def main() -> None:
     header = (f"{'C':>3} {'rollout tok/s':>14} {'vs C=' + str(args.blocks[0]):>8} {'replay/rollout':>15} "
               f"{'hybrid/dense':>13} {'1+replay/dense':>15} {'dense step s':>13} {'replay s':>9}")
     if not args.no_module_path:
-        header += f" {'module path tok/s':>18} {'fast/module':>12}"
+        header += f" {'reference tok/s':>18} {'step/reference':>12}"
     if not args.quick:
         header += f" {'fp32 max|d-r|':>14} {'bf16 max|d-r|':>14} {'bf16 mean|d-r|':>15} {'bf16 dense miss':>16}"
     print(header)

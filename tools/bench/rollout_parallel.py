@@ -1,13 +1,20 @@
-"""The sampler under tensor and pipeline parallelism (prints figures, asserts nothing).
+"""The sampler under tensor and pipeline parallelism (prints figures; asserts nothing but
+exactness: every replay torch.equal to its rollout's mu).
 
-In one torchrun run of two ranks, on the same seeded model and ragged prompts (the same total
-rows each time): rollout tokens/s of one process (rank 0 alone, the other rank waiting), of
-TP=2, and of PP=2 with M rollout micro-batches in flight (the sampler ring: with M >= P the
-stages overlap); replay time / rollout time; and a check that every replay is torch.equal to
-its mu. Timings are the best of --repeats, taken in rounds over all layouts.
+In one torchrun run of two ranks, GSM8K-shaped rows (tools/bench/rollout_rows.py ``gsm8k_call``:
+--prompts GSM8K train questions x G = --group, BPE-tokenised, each row's completion its gold
+solution's length x U(0.6, 2)), the same seeded small_cpu model, the rows as the trainer samples
+them (shared prompts, compaction), side by side in rounds (best of --repeats):
 
-    torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py                # small_cpu, batch 8, 64 new tokens
-    torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py --new-tokens 16 model.d_model=64   # a quick look
+- TP=2, the model's decoder step (model/decoder.py on megatron-core's shards, the tensor-parallel
+  reduce between the ranks) against TP=2 on the reference arm (rlt_mega/reference.py: the modules
+  of the sharded model, the path tensor-parallel sampling ran before the one decoder step): the
+  target is completion tokens per second of rollout + replay >= 1.5x the reference's;
+- one process on the decoder step (rank 0 alone, the other waiting), and PP=2 with M micro-batches
+  in flight (the sampler ring: with M >= P the stages overlap), for scale.
+
+    torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py --data DIR          # the figures
+    torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py --data DIR --quick  # 2 prompts x 8
 
 On a CPU the ranks share the machine's cores and gloo carries every message through the
 kernel's loopback, so the parallel layouts pay communication without gaining compute; on GPUs
@@ -16,67 +23,69 @@ TP splits each GEMM and PP overlaps the stages' decoder steps.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
+import os
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-from rlt_mega.config import load_config
-from rlt_mega.model import build_model
-from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.parallel.sharding import shard_for_rank
-from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
+from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
+
+from rlt_mega.config import load_config  # noqa: E402
+from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.parallel.dims import ParallelDims  # noqa: E402
+from rlt_mega.parallel.sharding import shard_for_rank  # noqa: E402
+from rlt_mega.reference import ReferenceDecoder  # noqa: E402
+from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams  # noqa: E402
+
+TARGET = 1.5  # TP=2 tokens/s of the decoder step over the reference arm's
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/small_cpu.yaml", help="its model section is benchmarked")
-    ap.add_argument("overrides", nargs="*", help="config overrides, e.g. model.d_model=64")
-    ap.add_argument("--batch", type=int, default=8, help="rows in all (split into M micro-batches under PP)")
-    ap.add_argument("--new-tokens", type=int, default=64)
-    ap.add_argument("--micro", type=int, nargs="+", default=[1, 2, 4], help="M values for PP=2")
-    ap.add_argument("--repeats", type=int, default=2)
-    args = ap.parse_args()
-    cfg = load_config(args.config, args.overrides)
-    g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(17, 41, (args.batch,), generator=g).tolist()
-    prompts = [torch.randint(0, cfg.model.vocab_size, (n,), generator=g).tolist() for n in lengths]
-    model_cfg = dataclasses.replace(cfg.model, max_seq_len=max(cfg.model.max_seq_len, max(lengths) + args.new_tokens))
-    params = SamplingParams(Processing(temperature=1.0, top_p=0.95), max_new_tokens=args.new_tokens)
-    seeds = list(range(args.batch))
-
-    layouts = [("1 process", None, 1)] + [("TP=2", {"tp": 2}, 1)] + [(f"PP=2 M={m}", {"pp": 2}, m) for m in args.micro]
+    ap = gsm8k_args(__doc__, repeats=2)
+    ap.add_argument("--micro", type=int, nargs="*", default=[2], help="M values for PP=2 (none: skip PP)")
+    args = parse_gsm8k_args(ap)
+    harness.setup(args)  # threads (the clock here is the wall clock: the ranks wait on each other)
+    dist.init_process_group("gloo")
+    prompts, budgets, stats = gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=0)
+    cfg = load_config(args.config)
+    model_cfg = dataclasses.replace(cfg.model, vocab_size=args.vocab,
+                                    max_seq_len=max(cfg.model.max_seq_len, max(map(len, prompts)) + max(budgets)))
+    params = SamplingParams(Processing(temperature=1.0), max_new_tokens=max(budgets), row_budgets=tuple(budgets))
+    seeds = list(range(len(prompts)))
+    layouts = [("1 process", None, 1, None), ("TP=2 step", {"tp": 2}, 1, None),
+               ("TP=2 reference", {"tp": 2}, 1, ReferenceDecoder())]
+    layouts += [(f"PP=2 M={m}", {"pp": 2}, m, None) for m in args.micro]
     samplers = {}
-    for name, parallel, _ in layouts:
+    for name, parallel, _, decoder in layouts:
         if parallel is None:
-            samplers[name] = None
+            samplers[name] = Sampler(build_model(model_cfg, "cpu", seed=0)) if dist.get_rank() == 0 else None
             continue
         dims = ParallelDims.build(dataclasses.replace(cfg.parallel, **parallel, dp=None), model_cfg, "cpu")
         model = shard_for_rank(build_model(model_cfg, "cpu", seed=0), dims)
-        samplers[name] = (Sampler(model, Comms.from_dims(dims), dims.layers), dims)
-    single = build_model(model_cfg, "cpu", seed=0)
+        samplers[name] = Sampler(model, Comms.from_dims(dims), dims.layers, decoder=decoder)
     rank = dist.get_rank()
     if rank == 0:
-        print(f"{args.config}: d={model_cfg.d_model} L={model_cfg.n_layers} V={model_cfg.vocab_size} "
-              f"C={model_cfg.memory_block} rows={args.batch} new_tokens={args.new_tokens} "
-              f"ranks={dist.get_world_size()} "
-              f"threads/rank={torch.get_num_threads()}")
-    best = {name: (float("inf"), float("inf")) for name, _, _ in layouts}
+        print(f"# rollout_parallel: {args.config} d={model_cfg.d_model} L={model_cfg.n_layers} V={model_cfg.vocab_size} "
+              f"C={model_cfg.memory_block}; {args.prompts} GSM8K prompts x G={args.group} = {len(prompts)} rows, "
+              f"completion tokens mean {stats['completion_mean']:.1f}; ranks={dist.get_world_size()} "
+              f"threads/rank={torch.get_num_threads()}; best of {args.repeats} rounds (wall clock)")
+    best = {name: (float("inf"), float("inf")) for name, *_ in layouts}
     tokens, exact = {}, {}
     for _ in range(args.repeats):
-        for name, parallel, M in layouts:
-            split = [list(range(i, args.batch, M)) for i in range(M)]  # M micro-batches of the same rows
+        for name, parallel, M, _ in layouts:
+            split = [list(range(i, len(prompts), M)) for i in range(M)]  # M micro-batches of the same rows
             batches = [[prompts[i] for i in idx] for idx in split]
+            batch_params = [dataclasses.replace(params, row_budgets=tuple(budgets[i] for i in idx)) for idx in split]
             batch_seeds = [[seeds[i] for i in idx] for idx in split]
+            sampler = samplers[name]
             dist.barrier()
             t0 = time.perf_counter()
-            if parallel is None:  # rank 0 alone
-                sampler = Sampler(single) if rank == 0 else None
-            else:
-                sampler = samplers[name][0]
-            rollouts = sampler.generate(batches, params, batch_seeds, pad_id=0) if sampler else []
+            rollouts = sampler.generate(batches, batch_params, batch_seeds, pad_id=0) if sampler else []
             t_roll = time.perf_counter() - t0
             t0 = time.perf_counter()
             replayed = sampler.replay(rollouts) if sampler else []
@@ -86,10 +95,17 @@ def main() -> None:
             tokens[name] = sum(ro.num_completion_tokens() for ro in rollouts)
             exact[name] = all(torch.equal(r, ro.mu) for r, ro in zip(replayed, rollouts) if r is not None)
     if rank == 0:
-        print(f"{'layout':>12} {'rollout tok/s':>14} {'replay/rollout':>15} {'replay exact':>13}")
-        for name, _, _ in layouts:
+        print("| layout | decoder | rollout tok/s | replay/rollout | rollout+replay tok/s | replay == mu |")
+        print("|---|---|---|---|---|---|")
+        rate = {}
+        for name, _, _, decoder in layouts:
             t_roll, t_replay = best[name]
-            print(f"{name:>12} {tokens[name] / t_roll:>14.1f} {t_replay / t_roll:>15.3f} {str(exact[name]):>13}")
+            rate[name] = tokens[name] / (t_roll + t_replay)
+            print(f"| {name} | {'reference' if decoder else 'step'} | {tokens[name] / t_roll:.1f} | "
+                  f"{t_replay / t_roll:.3f} | {rate[name]:.1f} | {exact[name]} |")
+        ratio = rate["TP=2 step"] / rate["TP=2 reference"]
+        print(f"TP=2: the decoder step over the reference arm, rollout + replay tokens/s: {ratio:.2f}x "
+              f"(target >= {TARGET}x: {'met' if ratio >= TARGET else 'MISSED'})")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
-"""Training-step benchmarks: the fused decoder (model.fused_decoder, the default) and the module
-path side by side in one run (a measurement, not a test: it asserts nothing). Timing and memory
-conventions: tools/bench/harness.py.
+"""Training-step benchmarks: the decoder step (model/decoder.py, "fused") and the executable
+reference (rlt_mega/reference.py: the decoder written plainly on the modules, plain autograd;
+"module") side by side in one run (a measurement, not a test: it asserts nothing). Timing and
+memory conventions: tools/bench/harness.py.
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/training.py                  # all sections
     OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/training.py --only flops --repeats 3
@@ -8,9 +9,9 @@ conventions: tools/bench/harness.py.
 Sections
 - flops (the decoder FLOP rate: >= 55% of torch.mm; the encoder's: >= 50%): the decoder's
   forward+backward FLOP rate (dense schedule, full BPTT) at d=512 H=8 ffn=1408 L=4 B=8
-  T=--dec-len, fused and module path, against a 2048^3 torch.mm in the same run (this CPU's fp32
-  matmul peak at the same thread count), and the encoder's. FLOPs are counted by torch's
-  FlopCounterMode on the module path (rlt_mega.plan.measure.count_flops: matmuls and attention,
+  T=--dec-len, the decoder step and the reference, against a 2048^3 torch.mm in the same run (this
+  CPU's fp32 matmul peak at the same thread count), and the encoder's. FLOPs are counted by torch's
+  FlopCounterMode on the reference (rlt_mega.plan.measure.count_flops: matmuls and attention,
   nothing elementwise) and used as the work of both paths (the fused path recomputes no more than
   the module path does). Each position-layer's time is split into GEMM and the rest by the share
   of the matrix-product operators' self time (mm, addmm, bmm, baddbmm, oneDNN linear) in one
@@ -18,23 +19,23 @@ Sections
   alone (``products_only``: at B rows each weight byte read feeds B/2 FLOPs, and the weights do
   not stay in cache from one position to the next), the rest of the FLOPs at the matmul peak,
   and no time between operators; with the fused path's share of it. ``--dec-batch`` changes B.
-- throughput (fused >= 2.5x the module path on small_cpu, >= 2x on tiny_cpu): training tokens/s
-  of a full step (forward, backward, AdamW) for tiny_cpu and small_cpu at their configured
-  sequence lengths, micro-batch sizes and checkpointing, fused against module path.
+- throughput: training tokens/s of a full step (forward, backward, AdamW) for tiny_cpu and small_cpu
+  at their configured sequence lengths, micro-batch sizes and checkpointing, the decoder step
+  against the reference (the plain spec, not a tuned baseline: its K/V are concatenated per step).
 - memory (activation checkpointing: peak <= 1/3 of none, step+enc <= 1.35x none): small_cpu at
   T=--seq-len, B=--batch, fused path, every checkpointing mode in turn: the peak memory of a
   training step above what lives before it (weights, Adam state, inputs), as tensor bytes
   (harness.peak_tensor_bytes, the target's measure: one profiled step per mode, the fused step's
   workspace emptied first so that its slab counts) and as resident set size (RSS, allocator
   included), and the step time (interleaved rounds, unprofiled), each against no checkpointing;
-  the module path's none and step+enc alongside; and what the fused step's buffers hold, by
+  the reference's none and step+enc alongside; and what the fused step's buffers hold, by
   purpose (DecoderRun.buffer_bytes).
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import types
 from typing import Callable
 
 import torch
@@ -43,12 +44,11 @@ from harness import (add_common_args, best_of_rounds, describe, peak_rss, peak_t
                      timed_rounds)
 from rlt_mega.config import CheckpointingConfig, load_config
 from rlt_mega.model import build_model
-from rlt_mega.model.dense_decode import build_stack, replicator
-from rlt_mega.model.decoder import fused_weights
 from rlt_mega.model.workspace import WORKSPACE
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
 from rlt_mega.plan.measure import count_flops
+from rlt_mega.reference import reference_decode, reference_forward
 
 MODES = {  # label -> checkpointing
     "none": dict(decoder="none"),
@@ -57,7 +57,7 @@ MODES = {  # label -> checkpointing
     "every_k=8+enc": dict(decoder="every_k", decoder_k=8, encoder=True),
     "step+enc": dict(decoder="step", encoder=True),
 }
-PATHS = {"fused": True, "module": False}
+PATHS = {"fused": True, "module": False}  # the decoder step, the reference
 GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmm_", "aten::baddbmm_",
             "mkldnn::_linear_pointwise", "aten::addbmm", "aten::matmul")
 
@@ -65,9 +65,11 @@ GEMM_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addm
 def make_step(cfg_path: str, seq_len: int, batch: int, fused: bool = True, overrides=()):
     """-> (model, cfg, step fn) of a LocalEngine training step on one fixed random micro-batch."""
     cfg = load_config(cfg_path, [f"data.seq_len={seq_len}", f"model.max_seq_len={max(seq_len, 1024)}",
-                                 f"train.micro_batch_size={batch}", f"model.fused_decoder={str(fused).lower()}",
-                                 *overrides])
+                                 f"train.micro_batch_size={batch}", *overrides])
     model = build_model(cfg.model, seed=0)
+    if not fused:  # the reference arm
+        model.forward = types.MethodType(lambda self, tokens, documents=None: reference_forward(self, tokens, documents),
+                                         model)
     engine = LocalEngine(model, ParallelDims.single(cfg.model, "cpu"), cfg.optim, EngineConfig.from_train(cfg.train))
     x = torch.randint(0, cfg.model.vocab_size, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0))
     mb = [{"inputs": x[:, :-1], "targets": x[:, 1:]}]
@@ -193,8 +195,8 @@ def products_only(model, B: int, T: int) -> tuple[Callable[[], object], float, i
     the recurrence input's) then their input-gradient products in reverse, each weight read from
     wherever the previous position left it, as in the step -> (fn, their FLOPs, the bytes of
     weight forms one position reads)."""
-    spec, weights = fused_weights(model, range(model.cfg.n_layers), True, replicator(None))
-    stack = build_stack(model, spec, weights, B, True, torch.float32, torch.float32)
+    spec, weights = model.decoder.weights(model, range(model.cfg.n_layers), True)
+    stack = model.decoder.stack(model, spec, weights, B, True, torch.float32, torch.float32)
     gemms = [stack.recur] + [getattr(stack.layers[i], n) for i in spec.layers
                              for n in ("qkv", "o", "cross_q", "cross_o", "gate_up", "down")]
     xs = [torch.randn(B, g.in_features) for g in gemms]
@@ -214,8 +216,7 @@ def products_only(model, B: int, T: int) -> tuple[Callable[[], object], float, i
 def section_flops(args, clock) -> None:
     cfg = load_config("configs/small_cpu.yaml", ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=8",
                                                  "model.ffn_hidden=1408"])
-    models = {label: build_model(dataclasses.replace(cfg.model, fused_decoder=fused), seed=0)
-              for label, fused in PATHS.items()}
+    models = {label: build_model(cfg.model, seed=0) for label in PATHS}
     B, L, T = args.dec_batch, cfg.model.n_layers, args.dec_len
     module = models["module"]
     x_enc = torch.randint(0, cfg.model.vocab_size, (B, args.enc_len))
@@ -231,6 +232,8 @@ def section_flops(args, clock) -> None:
 
     def decoder(label):
         model = models[label]
+        if label == "module":
+            return lambda: reference_decode(model, e, m).sum().backward()
         return lambda: model.decode_dense(e, model.memory_kv(m)).sum().backward()
 
     fns = {"encoder": encoder, **{label: decoder(label) for label in PATHS}}
@@ -245,7 +248,7 @@ def section_flops(args, clock) -> None:
     peak = max(peaks)
     print(f"\n## dense training FLOP rate (forward + backward), d=512 H=8 ffn=1408 L={L}, B={B}, encoder "
           f"T={args.enc_len}, decoder T={T}; fp32 matmul peak (2048^3 torch.mm, same run) {peak / 1e9:.1f} GFLOP/s; "
-          f"best of {args.repeats} rounds; decoder FLOPs counted on the module path")
+          f"best of {args.repeats} rounds; decoder FLOPs counted on the reference (module)")
     print(f"{'part':<16} {'GFLOP':>7} {'s':>7} {'GFLOP/s':>8} {'of peak':>8} {'per position-layer: ms':>23} "
           f"{'GEMM':>6} {'rest':>6}")
     rate = flops["encoder"] / best["encoder"]
@@ -256,7 +259,7 @@ def section_flops(args, clock) -> None:
         g = share[label] * per
         print(f"{'decoder ' + label:<16} {flops['decoder'] / 1e9:7.2f} {best[label]:7.2f} {rate / 1e9:8.1f} "
               f"{rate / peak:8.1%} {per:23.3f} {g:6.3f} {per - g:6.3f}")
-    print(f"fused / module decoder time: {best['module'] / best['fused']:.2f}x (GEMM/rest split: the shares of "
+    print(f"reference (module) / fused decoder time: {best['module'] / best['fused']:.2f}x (GEMM/rest split: the shares of "
           "one profiled run, whose per-operator overhead inflates the rest, applied to the unprofiled time)")
     # The ceiling of this shape on this machine: the per-position products as measured alone (each
     # reads its weight form from memory once per position: at B rows a weight byte feeds B/2 FLOPs),

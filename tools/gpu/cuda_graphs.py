@@ -1,5 +1,6 @@
 """GPU check of train.cuda_graphs: the dense schedule's decoder with its positions captured as
-CUDA graphs (model/cuda_graphs.py) against the eager fused step and the module path, same weights.
+CUDA graphs (parallel/cuda_graphs.py) against the eager decoder step and the reference (rlt_mega/reference.py),
+same weights.
 
     PYTHONPATH=. python tools/gpu/cuda_graphs.py [--d-model 256 --layers 4 --batch 8 --seq-len 128]
 
@@ -13,7 +14,6 @@ paths (median of --repeats, after a warm-up that includes the capture).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import statistics
 import sys
@@ -22,10 +22,12 @@ import time
 import torch
 
 
-def _grads(model, x: torch.Tensor) -> tuple[float, dict]:
+def _grads(model, x: torch.Tensor, reference: bool = False) -> tuple[float, dict]:
+    from rlt_mega.reference import reference_forward
+
     for p in model.parameters():
         p.grad = None
-    logits = model(x)
+    logits = reference_forward(model, x) if reference else model(x)
     w = torch.randn(logits.shape, generator=torch.Generator(device=x.device).manual_seed(1), device=x.device)
     loss = (logits * w).sum()
     loss.backward()
@@ -61,24 +63,26 @@ def main() -> int:
                       memory_block=4, max_seq_len=max(1024, args.seq_len))
     device = torch.device("cuda")
     models = {
-        "module": build_model(dataclasses.replace(cfg, fused_decoder=False), device, seed=0),
+        "module": build_model(cfg, device, seed=0),  # run as the reference
         "fused": build_model(cfg, device, seed=0),
         "graphs": build_model(cfg, device, seed=0),
     }
-    models["graphs"].set_cuda_graphs(True)
+    from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
+
+    install_cuda_graphs(models["graphs"])
     x = torch.randint(0, cfg.vocab_size, (args.batch, args.seq_len), generator=torch.Generator().manual_seed(0))
     x = x.to(device)
     results, times = {}, {k: [] for k in models}
     for name, model in models.items():
-        results[name] = _grads(model, x)  # the graphs' warm-up and capture happen here
+        results[name] = _grads(model, x, name == "module")  # the graphs' warm-up and capture happen here
         for _ in range(args.repeats):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            _grads(model, x)
+            _grads(model, x, name == "module")
             torch.cuda.synchronize()
             times[name].append(time.perf_counter() - t0)
     ckpt = build_model(cfg, device, seed=0)
-    ckpt.set_cuda_graphs(True)
+    install_cuda_graphs(ckpt)
     ckpt.set_checkpointing(CheckpointingConfig(decoder="every_k", decoder_k=8))
     _, ckpt_grads = _grads(ckpt, x)
     graphs_vs_module, where = _rel(results["graphs"][1], results["module"][1])
