@@ -107,7 +107,7 @@ def _inference_model(cfg: Config):
     from rlt_mega.train.builders import check_vocab, inference_model
 
     from rlt_mega.rollout import Sampler
-    from rlt_mega.rollout.rows import RowSwitches
+    from rlt_mega.model.plan import RowSwitches
 
     from rlt_mega.model.baselines import require_rlt
 

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from rlt_mega.model.decoder import KVState
+from rlt_mega.model.stack import KVState
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.layers import Rotary
 from rlt_mega.model.layout import Step

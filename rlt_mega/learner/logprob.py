@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rlt_mega.model.rows import DenseRows, rollout_rows
+from rlt_mega.model.rows import DenseRows
 from rlt_mega.model.rlt import RLT
 from rlt_mega.precision import precision
 from rlt_mega.rollout.processing import process_logits
@@ -45,7 +45,16 @@ def dense_rows(rollout: Rollout, compact: bool, share_prompts: bool) -> Optional
     """What the dense decoder needs of each row of the rollout (model/rows.py): row b's
     positions [0, P_b + n_b - 1) (the last one's logits score the last completion token), and
     with share_prompts its group, the rows whose prompts are the same tokens. None: both off."""
-    return rollout_rows(rollout.tokens, rollout.schedule.prompt_lens, rollout.completion_lens, compact, share_prompts)
+    if not (compact or share_prompts):
+        return None
+    prompt_lens, n = rollout.schedule.prompt_lens, rollout.completion_lens
+    lengths = tuple(p + k - 1 if k > 0 else 0 for p, k in zip(prompt_lens, n))
+    groups = None
+    if share_prompts:
+        ids: dict[tuple, int] = {}
+        host = rollout.tokens.detach().cpu()
+        groups = tuple(ids.setdefault((p, tuple(host[b, :p].tolist())), len(ids)) for b, p in enumerate(prompt_lens))
+    return DenseRows(lengths, tuple(prompt_lens), groups, compact)
 
 
 def dense_inputs(rollout: Rollout) -> torch.Tensor:

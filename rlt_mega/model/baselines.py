@@ -125,7 +125,7 @@ class DenseLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0,
                 rows: Optional[DenseRows] = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), fp32; logits_t is the distribution of x_{t+1}.
-        ``rows`` (a GRPO batch's, model/rows.py): with compaction the head runs at the
+        ``rows`` (model/rows.py): with compaction the head runs at the
         completion positions only, as RLT.forward's (0 elsewhere); the blocks run every position
         (they are parallel over positions: nothing to skip but padding)."""
         return head_rows(self.head, self.hidden(tokens, cache, start), rows)
@@ -148,7 +148,7 @@ def dense_param_counts(cfg: ModelConfig) -> dict[str, int]:
 
 
 def require_rlt(cfg: ModelConfig, command: str) -> None:
-    """The sampler, its replay and the GRPO learner are the RLT's schedules (rollout/): the
+    """The sampler, its replay and the row schedules are the RLT's (rollout/): the
     baselines train (pretrain, SFT) and export, and ``command`` refuses them by name."""
     if cfg.arch != "rlt":
         raise ConfigError(f"{command} runs the RLT sampler (rollout/, with exact replay), which model.arch="

@@ -1,7 +1,7 @@
 """The encoder's K/V cache of the rollout and replay, and the dense schedule's memory K/V.
 
 Buffers are (B, h_kv, capacity, Dh), preallocated once per sequence batch and written in place;
-``h_kv`` is whatever the projections produce (a tensor-parallel shard holds fewer heads), so a
+``h_kv`` is whatever the projections produce (a sharded layer holds fewer heads), so a
 buffer is allocated lazily at its first write. Layers are indexed globally; a pipeline stage only
 ever touches its own layers. The decoder's own K/V and the rollout's memory K/V live in the decoder
 step's layout (model/decoder.py, ``KVState``).

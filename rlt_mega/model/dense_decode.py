@@ -27,15 +27,15 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from rlt_mega.model.decoder import (DecoderRun, DecoderStack, StackSpec, StepRunner, WeightGrads, checkpoint_slots,
-                                    fused_weights)
+from rlt_mega.model.decoder import DecoderRun, StepRunner, checkpoint_slots
 from rlt_mega.model.documents import Documents
-from rlt_mega.model.rows import DenseRows, RowPlan
+from rlt_mega.model.stack import DecoderStack, StackSpec, WeightGrads, fused_weights
+from rlt_mega.model.rows import DenseRows, DensePlan
 from rlt_mega.model.kernels import wide
 
 
 class ReduceGrad(torch.autograd.Function):
-    """Identity forward; the gradient summed over the tensor-parallel ranks backward (megatron's
+    """Identity forward; the gradient summed over the shards backward (megatron-core's
     copy_to_tensor_model_parallel_region, with the all-reduce supplied by parallel/)."""
 
     @staticmethod
@@ -75,7 +75,7 @@ class _Plan:
     checkpointed: bool  # keep the per-position tensors only, recompute the rest before each backward
     compute_dtype: torch.dtype
     static: bool
-    rows: Optional[RowPlan] = None  # which rows each position runs on (None: all)
+    rows: Optional[DensePlan] = None  # which rows each position runs on (None: all)
     documents: Optional[Documents] = None  # packed rows with document resets (model/documents.py)
 
 
@@ -138,15 +138,15 @@ def _run_forward(run: DecoderRun, e: torch.Tensor, z: torch.Tensor, mode: str) -
 
 class Decoder:
     """The RLT's decoder step as every schedule runs it: the dense schedule (``dense``: pretraining,
-    SFT, evaluation, the GRPO learner), a pipeline stage's positions (parallel/stage.py) and the
+    SFT, evaluation, the learner), a pipeline stage's positions (parallel/stage.py) and the
     rollout and replay (rollout/executor.py) all build their products with ``stack`` and run
     model/decoder.py's step on them.
 
-    all_reduce: the in-place sum over the tensor-parallel ranks where megatron's layers would
+    all_reduce: the in-place sum over the shards where megatron's layers would
     communicate (after each row-parallel product, on the input gradient of each column-parallel
-    one), given by parallel/tp.py when it shards the model (None: one device). static: the
+    one), given by whoever shards the model (None: one device). static: the
     capture-ready form of the dense schedule (t a device tensor, every shape the capacity's:
-    what a CUDA graph captures; parallel/cuda_graphs.py wraps it)."""
+    what a graph capture records; a wrapper outside model/ captures it)."""
 
     def __init__(self, all_reduce: Optional[Callable[[torch.Tensor], None]] = None, static: bool = False) -> None:
         self.all_reduce, self.static = all_reduce, static
@@ -241,17 +241,17 @@ class Decoder:
 
     def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpointed: bool,
                     compute: torch.dtype, plan_rows, documents):
-        """The autograd Function over the sequence (a wrapper may replace it: parallel/cuda_graphs.py)."""
+        """The autograd Function over the sequence (a wrapper outside model/ may replace it)."""
         plan = _Plan(self, model, spec, 2 * len(memory), checkpointed, compute, self.static, plan_rows, documents)
         return DenseDecode.apply(plan, emb, z0, *flat_memory, *weights)
 
 
-def row_plan(rows: Optional[DenseRows], B: int, T: int, device: torch.device, static: bool) -> Optional[RowPlan]:
-    """The RowPlan of ``rows`` for a run of B x T (None: every row at every position, also for
+def row_plan(rows: Optional[DenseRows], B: int, T: int, device: torch.device, static: bool) -> Optional[DensePlan]:
+    """The DensePlan of ``rows`` for a run of B x T (None: every row at every position, also for
     the capture-ready form, whose shapes are fixed)."""
     if rows is None or static:
         return None
     if rows.batch_size != B:
         raise ValueError(f"dense rows describe {rows.batch_size} rows, the batch has {B}: build them from the "
-                         "batch's own rollouts (learner/objective.py, grpo_batch)")
-    return RowPlan(rows, T, device)
+                         "batch's own rows")
+    return DensePlan(rows, T, device)

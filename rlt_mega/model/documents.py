@@ -100,7 +100,7 @@ class Documents:
 
 def forward_kwargs(batch: dict) -> dict:
     """The model's keyword arguments for a batch: ``documents`` where the batch is packed with
-    resets, ``rows`` where a GRPO batch says which rows the dense decoder runs
+    resets, ``rows`` where a batch says which rows the dense decoder runs
     (model/rows.py), nothing otherwise (so a plain batch calls any model as before)."""
     documents = Documents.of(batch)
     kwargs = {} if documents is None else {"documents": documents}

@@ -9,8 +9,8 @@ at least and rounded once (:func:`fuse_layer`, :func:`fuse_recurrence`). With au
 folding is an ordinary differentiable expression of the parameters, so the training step only
 needs the gradient of each fused weight: autograd takes it back to q/k/v/norm weights.
 
-Under tensor parallelism the same expressions read megatron-core's shards (column layers
-(out/tp, in), row layers (out, in/tp)); a norm weight folded into a column shard gets only that
+On sharded layers the same expressions read megatron-core's shards (column layers
+(out/shards, in), row layers (out, in/shards)); a norm weight folded into a column shard gets only that
 shard's part of its gradient, so it enters through ``replicate`` (identity forward, all-reduce of
 the gradient backward: megatron's copy_to_tensor_model_parallel_region), supplied by parallel/.
 
@@ -113,7 +113,7 @@ def fuse_layer(block: nn.Module, cross: nn.Module, head_dim: int, replicate: Rep
 
 
 def fuse_recurrence(recur_norm: nn.Module, recur_proj: nn.Module) -> torch.Tensor:
-    """recur_proj with recur_norm folded in: (d, d), fp32 at least (replicated under TP)."""
+    """recur_proj with recur_norm folded in: (d, d), fp32 at least (replicated across shards)."""
     return wide(recur_proj.weight) * wide(recur_norm.weight)[None, :]
 
 
@@ -154,7 +154,7 @@ class Gemm:
         self.wt = w.t().contiguous() if w.device.type == "cpu" and not self.mkldnn else w.t()
 
     def load(self, w: torch.Tensor) -> None:
-        """New values for the weight, in place (a captured CUDA graph reads its address)."""
+        """New values for the weight, in place (a captured graph reads its address)."""
         self.w.copy_(w)
         self._prepare()
 

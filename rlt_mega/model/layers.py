@@ -1,8 +1,8 @@
 """Building blocks shared by the encoder and the decoder: RMSNorm, RoPE, attention
 projections, SwiGLU. Plain single-device modules: ``parallel/`` swaps the linear layers for
 megatron-core ones by name, so every projection is an attribute called through ``__call__``
-and head counts are read off the projection's output size (a tensor-parallel shard holds
-``n_heads / tp`` heads and the code below never needs to know).
+and head counts are read off the projection's output size (a shard holds
+``n_heads / shards`` heads and the code below never needs to know).
 """
 
 from __future__ import annotations
@@ -181,16 +181,3 @@ class CrossBlock(nn.Module):
         super().__init__()
         self.cross_norm = RMSNorm(d, eps)
         self.attn = CrossAttentionProj(d, n_heads, n_kv_heads, head_dim)
-
-
-def group_query(q: torch.Tensor, n_kv: int) -> torch.Tensor:
-    """(B, h, 1, Dh) -> (B, h_kv, g, Dh): the g query heads of a kv head become g rows, so a
-    single-position GQA attention is a plain batched attention without repeating K/V."""
-    B, h, one, Dh = q.shape
-    return q.reshape(B, n_kv, (h // n_kv) * one, Dh)
-
-
-def ungroup_query(out: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """(B, h_kv, g, Dh) -> (B, h, 1, Dh)."""
-    B = out.shape[0]
-    return out.reshape(B, n_heads, 1, out.shape[-1])

@@ -13,7 +13,7 @@ A step runs ``n`` of a run's ``batch`` rows (physical rows [:n], or the rows ``i
 
 So the schedules are layouts, not code paths:
 
-- the dense schedule: every row at position t (``Step.at``), or only the rows a GRPO batch needs
+- the dense schedule: every row at position t (``Step.at``), or only the rows a batch needs
   there (``rows``/``idx``: model/rows.py);
 - packed rows with document resets (``Step.documents``): column t, each row's RoPE position its
   document's, keys and memory of its own document only, z reset at a document's first position;
@@ -26,7 +26,7 @@ slot; a no-grad step keeps nothing.
 
 :class:`StaticStep` is the capture-ready form: t a 0-d device tensor, every shape the capacity's,
 writes by ``index_copy_`` and reads by ``index_select``, masks built on the device, so one step can
-be captured once as a CUDA graph and replayed for every t.
+be captured once and replayed for every t.
 """
 
 from __future__ import annotations

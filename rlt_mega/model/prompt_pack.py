@@ -1,5 +1,5 @@
-"""The GRPO learner's encoder with shared prompts: each group's prompt encoded once, each row's
-own tokens after it (``grpo.dense_share_prompts``; docs/design.md, "The learner follows the data").
+"""The learner's encoder with shared prefixes: each group's prefix encoded once, each row's
+own tokens after it (docs/design.md, "The learner follows the data").
 
 The dense schedule's encoder is causal, so in the padded layout the G rows of a group compute the
 same encoder outputs over their prompt G times, and every row runs to the batch's longest. A
@@ -49,7 +49,7 @@ class PromptPack:
 
     def __init__(self, rows: DenseRows, T: int, device: torch.device) -> None:
         if rows.groups is None:
-            raise ValueError("a prompt pack needs the rows' groups (grpo.dense_share_prompts)")
+            raise ValueError("a prompt pack needs the rows' groups (DenseRows.groups)")
         B = rows.batch_size
         members: dict[int, list[int]] = {}
         for b, g in enumerate(rows.groups):
@@ -64,8 +64,7 @@ class PromptPack:
             short = [b for b in bs if min(rows.lengths[b], T) < P]
             if short:  # L_b = P_b + n_b - 1 >= P_b for a row with a completion token
                 raise ValueError(f"dense rows: row {short[0]} needs {rows.lengths[short[0]]} positions of a batch of "
-                                 f"{T}, fewer than its prompt's {P}: build the rows from the batch's own rollouts "
-                                 "(learner/objective.py, grpo_batch)")
+                                 f"{T}, fewer than its prompt's {P}: build the rows from the batch's own rows")
             src += [bs[0] * T + t for t in range(P)]
             positions += range(P)
             own_lists = []
@@ -90,7 +89,7 @@ class PromptPack:
     @classmethod
     def of(cls, rows: Optional[DenseRows], T: int, device: torch.device,
            documents: Optional[Documents] = None) -> Optional["PromptPack"]:
-        """The pack of a GRPO batch with shared prompts; None without (every row encoded whole)
+        """The pack of a batch with shared prefixes; None without (every row encoded whole)
         or for packed documents (their own layout, model/documents.py)."""
         if documents is not None or rows is None or rows.groups is None:
             return None

@@ -51,7 +51,7 @@ def vis(t: int, C: int) -> int:
 
 class RLT(nn.Module):
     def __init__(self, cfg: ModelConfig, decoder: Optional[Decoder] = None) -> None:
-        """decoder: how the decoder step runs (its tensor-parallel reduce, its capture-ready form);
+        """decoder: how the decoder step runs (its reduce over shards, its capture-ready form);
         parallel/ passes one for a sharded model (default: one device, eager)."""
         super().__init__()
         self.cfg = cfg
@@ -107,7 +107,7 @@ class RLT(nn.Module):
                       documents: Optional[Documents] = None) -> torch.Tensor:
         """h: (B, n, d) at positions [start, start + n). With a cache, attends to the cached
         prefix as well (sampling / replay; no autograd through the cache). With documents
-        (packed rows, the whole row: start 0, no cache; or a GRPO batch's prompt pack,
+        (packed rows, the whole row: start 0, no cache; or a batch's prompt pack,
         model/prompt_pack.py), RoPE positions and attention are the layout's own."""
         blk = self.blocks[i]
         q, k, v = blk.attn.qkv(blk.attn_norm(h))
@@ -169,7 +169,7 @@ class RLT(nn.Module):
     def dense_memory(self, emb: torch.Tensor, documents: Optional[Documents] = None,
                      rows: Optional[DenseRows] = None) -> torch.Tensor:
         """The dense schedule's memory m = memory_norm(encoder(emb)), (B, T, d). With rows whose
-        groups share prompts (the GRPO learner) each group's prompt is encoded once and each row's
+        groups share prefixes (the learner) each group's prefix is encoded once and each row's
         own tokens after it (model/prompt_pack.py); m is then 0 past row b's rows.lengths[b]
         positions, which its decoder never reads."""
         pack = PromptPack.of(rows, emb.shape[1], emb.device, documents)
@@ -181,7 +181,7 @@ class RLT(nn.Module):
                 rows: Optional[DenseRows] = None) -> torch.Tensor:
         """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the
         distribution of x_{t+1}. ``documents``: the rows are packed documents, each computed
-        as if alone in its row (model/documents.py). ``rows`` (the GRPO learner): row b's
+        as if alone in its row (model/documents.py). ``rows`` (model/rows.py): row b's
         logits are those of its completion positions [P_b - 1, rows.lengths[b]) when
         ``rows.compact`` (0 elsewhere: not computed), of [0, rows.lengths[b]) otherwise."""
         emb = self.embed(tokens)

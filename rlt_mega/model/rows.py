@@ -1,19 +1,21 @@
-"""Which rows each position of the fused dense decoder runs on (GRPO learner: compaction and
-shared prompts; docs/design.md, "The learner follows the data").
+"""Which rows each position of the fused dense decoder runs on (the learner's side of the row
+schedule; docs/design.md, "The learner follows the data").
 
-A GRPO batch is B sequences of different lengths, and the G rows of a group share their prompt.
-The padded dense schedule runs every position on all B rows; a :class:`RowPlan` tells a
-model/decoder.DecoderRun, position by position, which rows are *active*:
+A batch is B rows of different lengths, and the rows of a group share their prefix. The padded
+dense schedule runs every position on all B rows; a :class:`DensePlan` tells a
+model/decoder.DecoderRun, position by position, which rows are *active*. It is the sampler's row
+plan (model/plan.py ``RowPlan``, one slot a sequence, so step k is position k) run over the batch,
+with each entry (a shared prefix) run by one of its rows:
 
 - compaction: row b needs positions [0, L_b) only (``L_b = P_b + n_b - 1``: the last position
-  whose logits the loss reads); past it the row is dead.
-- shared prompts: the rows of a group see the same tokens at positions [0, p) (p their prompt
+  whose logits the loss reads); past it the row leaves (the plan's length rule).
+- shared prefixes: the rows of a group see the same tokens at positions [0, p) (p their prefix
   length), so they have the same state there. One row of the group (its representative, the
-  longest) runs those positions alone; at t = p the group forks: the other rows' decoder K/V of
-  [0, p) are copied from the representative's (``Fork``) and their z_{p-1} is the
-  representative's (the representative's output at t < p is every group row's output, so the
-  input of position p is already the right one). Backward, the G rows' gradients of that K/V
-  history and of those outputs sum into the representative's.
+  longest) runs the entry's positions; at t = p the group forks (the plan's ``Fork``): the other
+  rows' decoder K/V of [0, p) are copied from the representative's (``KVCopy``) and their
+  z_{p-1} is the representative's (the representative's output at t < p is every group row's
+  output, so the input of position p is already the right one). Backward, the G rows' gradients
+  of that K/V history and of those outputs sum into the representative's.
 
 Row order. The run keeps its per-row (batch-major) buffers in a *physical* order: the rows sorted
 by L descending (ties in caller order). With compaction alone the active rows at t are then a
@@ -38,6 +40,8 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 import torch
+
+from rlt_mega.model import plan as schedule
 
 DENSE_ROWS = "dense_rows"  # the batch dict's key of a DenseRows
 
@@ -80,9 +84,9 @@ class DenseRows:
 
 
 def head_rows(head, z: torch.Tensor, rows: Optional[DenseRows]) -> torch.Tensor:
-    """``head(z)`` (z (B, T, d) -> logits (B, T, V)) computed at the positions the GRPO loss
+    """``head(z)`` (z (B, T, d) -> logits (B, T, V)) computed at the positions the loss
     reads only (``rows.read_index``; 0 elsewhere) when ``rows.compact``: the prompt and padding
-    positions are most of a GRPO batch, and the head (a d x V GEMM and its gradients) is the
+    positions are most of a learner's batch, and the head (a d x V GEMM and its gradients) is the
     learner's largest product after the decoder. Without rows (or compaction) every position."""
     if rows is None or not rows.compact:
         return head(z)
@@ -90,22 +94,6 @@ def head_rows(head, z: torch.Tensor, rows: Optional[DenseRows]) -> torch.Tensor:
     idx = rows.read_index(T, z.device)
     picked = head(z.reshape(B * T, d).index_select(0, idx))  # (M, V)
     return picked.new_zeros(B * T, picked.shape[-1]).index_copy(0, idx, picked).view(B, T, -1)
-
-
-def rollout_rows(tokens: torch.Tensor, prompt_lens: Sequence[int], completion_lens: Sequence[int],
-                 compact: bool, share_prompts: bool) -> Optional[DenseRows]:
-    """The DenseRows of a rollout batch: tokens (B, >= max P) with each row's prompt at
-    [0, P_b) (left-aligned); groups are the rows whose prompts are token for token the same.
-    None when both switches are off (the plain padded schedule)."""
-    if not (compact or share_prompts):
-        return None
-    lengths = tuple(p + n - 1 if n > 0 else 0 for p, n in zip(prompt_lens, completion_lens))
-    groups = None
-    if share_prompts:
-        ids: dict[tuple, int] = {}
-        host = tokens.detach().cpu()
-        groups = tuple(ids.setdefault((p, tuple(host[b, :p].tolist())), len(ids)) for b, p in enumerate(prompt_lens))
-    return DenseRows(lengths, tuple(prompt_lens), groups, compact)
 
 
 def stack_rows(parts: Sequence[Optional[DenseRows]]) -> Optional[DenseRows]:
@@ -125,7 +113,7 @@ def stack_rows(parts: Sequence[Optional[DenseRows]]) -> Optional[DenseRows]:
 
 
 @dataclass
-class Fork:
+class KVCopy:
     """At t = p: the representative's decoder K/V of [0, p) into the other rows (physical)."""
 
     p: int
@@ -146,7 +134,7 @@ class RowStep:
     caller: torch.Tensor
     out_src: torch.Tensor
     readers: Optional[torch.Tensor] = None
-    forks: list[Fork] = field(default_factory=list)
+    forks: list[KVCopy] = field(default_factory=list)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         """x (B, d) in the caller's order -> the active rows (n, d)."""
@@ -168,7 +156,7 @@ class RowStep:
         return gx.new_zeros(self.out_src.shape[0], gx.shape[1]).index_copy_(0, self.caller, gx)
 
 
-class RowPlan:
+class DensePlan:
     """The rows of every position [0, T) of a run of B rows (see the module docstring).
 
     ``perm`` (B,): the caller row at each physical row; ``step(t)`` None where position t runs
@@ -180,25 +168,27 @@ class RowPlan:
         L = [min(int(x), T) for x in rows.lengths] if rows.compact else [T] * B
         order = sorted(range(B), key=lambda b: (-L[b], b))
         phys = {b: j for j, b in enumerate(order)}
-        start, reader_until, rep_of = [0] * B, [0] * B, list(range(B))
-        forks: dict[int, list[Fork]] = {}
-        if rows.groups is not None:
-            members: dict[int, list[int]] = {}
-            for b in order:
-                members.setdefault(rows.groups[b], []).append(b)
-            for group in members.values():
-                rep, p = group[0], rows.prompt_lens[group[0]]
-                if len(group) < 2 or L[rep] <= 0:
-                    continue
-                others = []
-                for b in group[1:]:
-                    start[b] = min(p, L[b])  # active [p, L_b); outputs [0, p) are the representative's
-                    reader_until[b] = min(p, L[b])
-                    rep_of[b] = rep
-                    if L[b] > p:
-                        others.append(phys[b])
-                if others and p < T:
-                    forks.setdefault(p, []).append(Fork(p, phys[rep], torch.tensor(others, device=device)))
+        ids = None if rows.groups is None else [g if L[b] > 0 else ("alone", b) for b, g in enumerate(rows.groups)]
+        layout = schedule.row_layout([[0] * p for p in rows.prompt_lens], 1, 1, None, share_prompts=ids is not None,
+                                     compact=True, check_every=1, groups=ids, lengths=L)
+        # each entry's representative: its longest row (first in the physical order)
+        rep = {B + u: min(members, key=phys.get) for u, members in enumerate(layout.entry_rows)}
+        reader_until, rep_of = [0] * B, list(range(B))
+        for s, r in rep.items():
+            for b in layout.entry_rows[s - B]:
+                if b != r:  # outputs [0, min(p, L_b)) are the representative's
+                    reader_until[b], rep_of[b] = min(rows.prompt_lens[b], L[b]), r
+        plan, active_at = schedule.RowPlan(layout, schedule.planned_record(layout, lambda b: T + 1)), []
+        while (sp := plan.begin(len(active_at))) is not None:
+            active_at.append(sorted(phys[rep.get(s, s)] for s in sp.seqs))
+        forks: dict[int, list[KVCopy]] = {}
+        for e in plan.log:
+            if isinstance(e, schedule.Fork) and e.step + 1 < T:
+                r = rep[e.entry]
+                others = [phys[b] for b in e.rows if b != r and layout.last_position(b) >= layout.prompt_lens[b]]
+                if others:
+                    forks.setdefault(e.step + 1, []).append(KVCopy(e.step + 1, phys[r], torch.tensor(others,
+                                                                                                   device=device)))
         self.B, self.T, self.device = B, T, device
         self.perm = torch.tensor(order, device=device)
         self.inverse = torch.tensor([phys[b] for b in range(B)], device=device)
@@ -206,7 +196,7 @@ class RowPlan:
         self.steps: list[Optional[RowStep]] = []
         self.active = 0  # row-positions the plan runs (B * T without it)
         for t in range(T):
-            active = [j for j, b in enumerate(order) if start[b] <= t < L[b]]
+            active = active_at[t] if t < len(active_at) else []
             n = len(active)
             self.active += n
             prefix = active == list(range(n))

@@ -28,7 +28,8 @@ from typing import Callable
 
 import torch
 
-from rlt_mega.model.decoder import DecoderRun, DecoderStack, StackSpec, WeightGrads, checkpoint_slots
+from rlt_mega.model.decoder import DecoderRun, checkpoint_slots
+from rlt_mega.model.stack import DecoderStack, StackSpec, WeightGrads
 from rlt_mega.model.dense_decode import Decoder
 
 

@@ -53,7 +53,8 @@ import torch
 from torch import nn
 
 from rlt_mega.loss import LogitsLoss, Vocab
-from rlt_mega.model.decoder import DecoderRun, WeightGrads, checkpoint_slots
+from rlt_mega.model.decoder import DecoderRun, checkpoint_slots
+from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.dense_decode import compute_dtype_of, row_plan
 from rlt_mega.model.rows import DENSE_ROWS, head_rows

@@ -1,4 +1,4 @@
-"""The rollout and replay schedule (rollout/rows.py: shared prompts, compaction, continuous
+"""The rollout and replay schedule (model/plan.py: shared prompts, compaction, continuous
 batching; all off is the lockstep schedule) as the program every stage of a model replica runs,
 through the sampler ring's description (``ring.row_ring_steps``). Rollout and replay both run it;
 with unchanged parameters and the recorded events their log-probs are equal bit for bit (same
@@ -39,7 +39,7 @@ from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits
 from rlt_mega.rollout.ring import CTL_ROWS, RingStep, is_check, row_ring_steps
-from rlt_mega.rollout.rows import RowPlan, StepPlan
+from rlt_mega.model.plan import FromBatch, FromParked, RowPlan, StepPlan
 
 
 class RowChooser(Protocol):
@@ -243,19 +243,24 @@ class RowExecutor:
         old = run.num_rows
         device = run.work.tokens.device
         prev_seqs = run.sp.seqs if old else []
-        stay = [i if kind == "batch" and prev_seqs[i] == s else -1 for (kind, i), s in zip(sp.build, sp.seqs)]
-        entering = [(j, kind, i) for j, (kind, i) in enumerate(sp.build) if stay[j] < 0]
+        stay = [src.row if isinstance(src, FromBatch) and prev_seqs[src.row] == s else -1
+                for src, s in zip(sp.build, sp.seqs)]
+        entering = [(j, src) for j, src in enumerate(sp.build) if stay[j] < 0]
+
+        def source(src, key):  # move_rows' form (a parked state taken before a buffer existed: a fresh row)
+            if isinstance(src, FromBatch):
+                return src.row
+            return run.parked[src.entry][0].get(key) if isinstance(src, FromParked) else None
+
         used = run.high + 2  # decoder K/V, encoder K/V and memory slots (null + 1) never written past it
         for key, base, dim, fresh_from in _buffers(run):
-            # (a parked state taken before a buffer existed had nothing there: a fresh row's zeros)
-            enter = [(j, i if kind == "batch" else run.parked[i][0].get(key) if kind == "parked" else None)
-                     for j, kind, i in entering]
-            move_rows(base, stay, enter, dim, used, fresh_from)
+            move_rows(base, stay, [(j, source(src, key)) for j, src in entering], dim, used, fresh_from)
         if self.comms.is_first_stage:
-            parked = sorted({u for kind, u in sp.build if kind == "parked"})
+            parked = sorted({src.entry for src in sp.build if isinstance(src, FromParked)})
             offset = {u: old + n for n, u in enumerate(parked)}
-            index = torch.as_tensor([i if kind == "batch" else offset[i] if kind == "parked" else old + len(parked)
-                                     for kind, i in sp.build], dtype=torch.long, device=device)
+            index = torch.as_tensor([src.row if isinstance(src, FromBatch) else offset[src.entry]
+                                     if isinstance(src, FromParked) else old + len(parked) for src in sp.build],
+                                    dtype=torch.long, device=device)
             parts = [run.z[:old]] if old else []
             parts += [run.parked[u][1] for u in parked] + [self.model.initial_state(1).to(self.act_dtype)]
             run.z = torch.cat(parts).index_select(0, index)

@@ -55,7 +55,7 @@ from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.engine import Engine, EngineConfig
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
-from rlt_mega.rollout.rows import RowSwitches
+from rlt_mega.model.plan import RowSwitches
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model

@@ -25,7 +25,7 @@ from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
-from rlt_mega.model.rows import DENSE_ROWS, RowPlan
+from rlt_mega.model.rows import DENSE_ROWS, DensePlan
 from rlt_mega.model.prompt_pack import PromptPack
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
@@ -35,7 +35,7 @@ from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate, replay
 from rlt_mega.rollout.rewards import score
 from rlt_mega.model.decoder import StepRunner
-from rlt_mega.rollout.rows import LOCKSTEP, RowSwitches
+from rlt_mega.model.plan import LOCKSTEP, RowSwitches
 from rlt_mega.train.common import max_new_tokens_for, sampling_params
 from rlt_mega.train.grpo import (batches_per_minibatch, build_trainer, engine_config, grpo_config, loss_settings,
                                  request_seeds)
@@ -57,7 +57,7 @@ GROUPED = [[[1, 2, 3]] * 4 + [[6, 7, 8, 9, 10]] + [[3, 5, 7, 9, 11, 13]] * 4,
 
 def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None) -> dict:
     """Two ragged batches in flight (temperature 0.7, top-p 0.9, a stop token); bf16 as DeepSpeed
-    runs it (bf16 parameters). rows: the plan's options (rollout/rows.py), with grouped prompts;
+    runs it (bf16 parameters). rows: the plan's options (model/plan.py), with grouped prompts;
     None: the lockstep plan on ragged prompts. ``steps``: the model's decoder step's calls during
     the rollout and the replays (the step that ran, not only its values)."""
     cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
@@ -87,7 +87,7 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
     out = {"has_values": replays[0] is not None, "exact": True, "exact_again": True, "tokens_equal_one_process": True,
            "mu_diff_one_process": 0.0, "calls_equal_one_process": True, "num_tokens": 0, "steps": steps,
            "decoder": sorted({ro.schedule.decoder for ro in rollouts})}
-    out["events"] = sorted({e[0] for ro in rollouts for e in ro.schedule.rows.log})
+    out["events"] = sorted({type(e).__name__ for ro in rollouts for e in ro.schedule.rows.log})
     for ro, rp, rp2, batch, s in zip(rollouts, replays, again, batches, seeds):
         ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=2 if rows else 8)
         out["num_tokens"] += ro.num_completion_tokens()
@@ -251,7 +251,7 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
         captured.setdefault("rollouts", []).extend(p.rollout for b in batches for p in b["parts"])
         for b in batches:  # the decoder's row-steps (compaction, shared prompts) and the padded ones
             rows = b.get(DENSE_ROWS)
-            steps = b["inputs"].numel() if rows is None else RowPlan(rows, b["inputs"].shape[1], torch.device("cpu")).active
+            steps = b["inputs"].numel() if rows is None else DensePlan(rows, b["inputs"].shape[1], torch.device("cpu")).active
             captured.setdefault("row_steps", []).append((steps, b["inputs"].numel()))
         return stats
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rlt_mega.parallel.nccl_sim import posting_order, simulate_nccl
 from rlt_mega.parallel.pipeline import ring_programs as training_programs
 from rlt_mega.rollout.ring import row_ring_programs
-from rlt_mega.rollout.rows import RowPlan, record_from_json
+from rlt_mega.model.plan import Check, Enter, Fork, RowPlan, record_from_json
 
 
 def _expected(programs, stage: int, ahead: bool) -> list:
@@ -20,10 +20,10 @@ def check_ring_messages(r: dict) -> None:
     and the training ring posts its description's."""
     records = [record_from_json(d) for d in r["records"]]
     if r["plan"] == "rows":
-        assert any(e[0] == "fork" for rec in records for e in rec.log)
-        assert any(e[0] == "enter" and e[1] > 0 for rec in records for e in rec.log)  # a row took a freed slot
+        assert any(isinstance(e, Fork) for rec in records for e in rec.log)
+        assert any(isinstance(e, Enter) and e.step > 0 for rec in records for e in rec.log)  # a row took a freed slot
     else:  # a micro-batch stopped at a check, before its last possible step
-        assert any(e[0] == "check" for rec in records for e in rec.log)
+        assert any(isinstance(e, Check) for rec in records for e in rec.log)
 
     def programs():
         return row_ring_programs(r["P"], r["check_every"], lambda s: [RowPlan(rec.layout, recorded=rec)

@@ -30,7 +30,7 @@ def check(rs: list[dict], args: dict) -> None:
         assert r["num_tokens"] > 10
         assert r["decoder"] == ["fused"] and r["steps"]["rollout"] > 0 and r["steps"]["replay"] > 0
         if "rows" in args:
-            assert {"fork", "enter", "leave", "enc"} <= set(r["events"])
+            assert {"Fork", "Enter", "Leave", "Encode"} <= set(r["events"])
         assert r["exact"] and r["exact_again"]
         assert r["calls_equal_one_process"]
         if args.get("dtype") != "bf16":  # bf16 rounding may move a draw; fp32 must not

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
 from rlt_mega.model import kernels as fused_kernels
-from rlt_mega.model.decoder import DecoderRun, WeightGrads, checkpoint_slots
+from rlt_mega.model.decoder import DecoderRun, checkpoint_slots
+from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.workspace import WORKSPACE
 from rlt_mega.model.rlt import build_model
 from rlt_mega.plan.fused_memory import fused_weight_bytes, run_buffer_bytes, run_scratch_bytes

@@ -8,6 +8,8 @@ form (which runs every row); the plan's row counts; bad input."""
 
 import dataclasses
 
+import random
+
 import pytest
 import torch
 
@@ -17,7 +19,7 @@ from rlt_mega.learner.logprob import dense_logprobs, dense_rows
 from rlt_mega.learner.objective import GRPOPart, grpo_batch
 from rlt_mega.model import build_model
 from rlt_mega.model.dense_decode import Decoder
-from rlt_mega.model.rows import DENSE_ROWS, DenseRows, RowPlan, rollout_rows
+from rlt_mega.model.rows import DENSE_ROWS, DenseRows, DensePlan
 from rlt_mega.rollout import Processing, SamplingParams, generate
 from rlt_mega.train.grpo import grpo_config
 from tests.unit.test_fused_decoder import V, cfg_of, rel
@@ -103,18 +105,50 @@ def test_bf16_autocast_gradients_within_bf16_rounding():
 def test_the_plan_runs_only_the_row_steps_the_data_needs():
     x, lengths, plens, groups = grouped_batch([3, 5, 6, 2], 4, seed=1)
     B, T = x.shape
-    compact = RowPlan(DenseRows(tuple(lengths), tuple(plens), None, True), T, torch.device("cpu"))
+    compact = DensePlan(DenseRows(tuple(lengths), tuple(plens), None, True), T, torch.device("cpu"))
     assert compact.active == sum(lengths)
     # compaction alone: rows sorted by length, the live rows of every position a prefix
     assert all(s is None or s.idx is None for s in compact.steps)
-    both = RowPlan(DenseRows(tuple(lengths), tuple(plens), tuple(groups), True), T, torch.device("cpu"))
+    both = DensePlan(DenseRows(tuple(lengths), tuple(plens), tuple(groups), True), T, torch.device("cpu"))
     assert both.active == sum(lengths) - sum(3 * p for p in (3, 5, 6, 2))  # G - 1 = 3 rows skip each prompt
     assert sum(len(s.forks) for s in both.steps if s is not None) == 4
     # positions after the last fork are a prefix again; some before it run rows by index
     assert all(s.idx is None for s in both.steps[6:] if s is not None)
     assert any(s.idx is not None for s in both.steps[:6] if s is not None)
-    shared = RowPlan(DenseRows(tuple(lengths), tuple(plens), tuple(groups), False), T, torch.device("cpu"))
+    shared = DensePlan(DenseRows(tuple(lengths), tuple(plens), tuple(groups), False), T, torch.device("cpu"))
     assert shared.active == B * T - sum(3 * p for p in (3, 5, 6, 2))
+
+
+def test_the_dense_plan_is_the_row_schedule_run_over_the_batch():
+    """DensePlan's rows come from the sampler's RowPlan (model/plan.py); against the rule written
+    directly: row b runs [0, L_b), a shared group's other rows only [p, L_b), the representative
+    (longest) row runs the prefix; rows of length 0 never run; forks at p."""
+    rng = random.Random(0)
+    for _ in range(60):
+        B, T = rng.randint(1, 7), rng.randint(2, 12)
+        plens = [0] * B
+        groups = [rng.randint(0, 3) for _ in range(B)]
+        for g in set(groups):
+            p = rng.randint(1, T)
+            for b in range(B):
+                plens[b] = p if groups[b] == g else plens[b]
+        lengths = [0 if rng.random() < 0.15 else rng.randint(plens[b], T + 2) for b in range(B)]
+        compact = rng.random() < 0.7
+        plan = DensePlan(DenseRows(tuple(lengths), tuple(plens), tuple(groups), compact), T, torch.device("cpu"))
+        L = [min(x, T) for x in lengths] if compact else [T] * B
+        start, forks = [0] * B, set()
+        for g in set(groups):
+            members = sorted((b for b in range(B) if groups[b] == g and L[b] > 0), key=lambda b: (-L[b], b))
+            for b in members[1:]:
+                start[b] = min(plens[b], L[b])
+                if L[b] > plens[b] and plens[b] < T:
+                    forks.add(plens[b])
+        for t in range(T):
+            want = sorted(b for b in range(B) if start[b] <= t < L[b])
+            s = plan.step(t)
+            got = list(range(B)) if s is None else sorted(s.caller.tolist())
+            assert got == want, (t, lengths, plens, groups, compact)
+            assert (t in forks) == bool(s is not None and s.forks)
 
 
 def test_the_capture_ready_form_runs_every_row():
@@ -236,7 +270,6 @@ def test_bad_rows_are_refused():
         DenseRows((5, 6), (3,))
     with pytest.raises(ValueError, match="dense rows describe 2 rows, the batch has 3"):
         build_model(cfg_of(), seed=0)(torch.ones(3, 6, dtype=torch.long), rows=DenseRows((5, 6), (3, 3)))
-    assert rollout_rows(torch.ones(2, 4, dtype=torch.long), [2, 2], [1, 2], False, False) is None
 
 
 def test_the_removed_switches_say_so():

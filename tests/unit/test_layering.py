@@ -11,6 +11,7 @@ a ``../shared`` outside it)."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,6 +79,15 @@ def test_the_model_knows_nothing_of_ranks():
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             for name in names:
                 assert not name.startswith(("torch.distributed", "megatron", "deepspeed")), f"{path} imports {name}"
+
+
+def test_the_model_speaks_of_rows_positions_and_layouts():
+    """model/ is the layer below training: it names no trainer (GRPO), no parallel scheme (tensor
+    parallelism) and no capture mechanism (CUDA graphs), in code or in prose."""
+    words = re.compile(r"grpo|prompt group|tensor.parallel|cuda.graph|parallel/tp\.py|\btp\b", re.IGNORECASE)
+    hits = [f"{p.relative_to(ROOT)}:{i}: {line.strip()}" for p in (ROOT / "rlt_mega" / "model").rglob("*.py")
+            for i, line in enumerate(p.read_text().splitlines(), 1) if words.search(line)]
+    assert not hits, "\n".join(hits)
 
 
 def test_the_repository_stands_alone():

@@ -12,7 +12,7 @@ from rlt_mega.parallel.nccl_sim import Deadlock, Mismatch, Msg, Step, check_pair
 from rlt_mega.parallel.p2p import pipeline_channels
 from rlt_mega.parallel.pipeline import ring_programs, simulate
 from rlt_mega.rollout.ring import row_ring_programs
-from rlt_mega.rollout.rows import RowPlan, planned_record, row_layout
+from rlt_mega.model.plan import Enter, RowPlan, planned_record, row_layout
 
 PS, MS = [2, 3, 4], [1, 2, 3, 4, 8]
 
@@ -65,7 +65,7 @@ def test_the_sampler_ring_runs_under_nccl_rules(P, M, C):
         for grouped in (False, True):
             recs = records(M, C, check_every, grouped)
             if grouped:
-                assert any(e[0] == "enter" and e[1] > 0 for rec in recs for e in rec.log)
+                assert any(isinstance(e, Enter) and e.step > 0 for rec in recs for e in rec.log)
             simulate_nccl(sampler_programs(P, check_every, recs), ahead=False)
             simulate_nccl(sampler_programs(P, check_every, recs), ahead=True)  # posting one step ahead is safe too
 

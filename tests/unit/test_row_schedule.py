@@ -1,4 +1,4 @@
-"""The row schedule (rollout/rows.py): shared prompts forked into their rows, compaction and
+"""The row schedule (model/plan.py): shared prompts forked into their rows, compaction and
 continuous batching. Its replay repeats every recorded event and is torch.equal to mu (fp32 and
 bf16, C in {1, 3}, ragged prompts, G in {1, 4}, stop tokens at different steps, slots < rows, the
 model's decoder step and the reference's); mu is still the real sampling distribution; every
@@ -6,6 +6,7 @@ completion agrees with the same completion replayed alone in a batch of one (loc
 the lockstep rollout of the same seeds; the host reads device values only at checks."""
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -14,7 +15,8 @@ from rlt_mega.config import ConfigError, ModelConfig, SamplingConfig, load_confi
 from rlt_mega.model import build_model
 from rlt_mega.reference import ReferenceDecoder
 from rlt_mega.rollout import Processing, Rollout, Sampler, SamplingParams, Schedule, generate, process_logits, replay
-from rlt_mega.rollout.rows import LOCKSTEP, RowPlan, RowSwitches, planned_record, row_layout
+from rlt_mega.model.plan import (LOCKSTEP, Encode, Enter, Fork, Leave, RowPlan, RowSwitches, planned_record,
+                                 record_from_json, record_to_json, row_layout)
 from tests.unit.test_rollout import chi_square_pvalue
 from tests.unit.test_sampler_checks import HostReads
 
@@ -51,9 +53,9 @@ def test_replay_repeats_the_events_bit_for_bit(C, dtype, decoder):
         step = ReferenceDecoder() if decoder == "reference" else None
         sampler = Sampler(model, check_every=2, rows=sw, decoder=step)
         ro = sampler.generate([PROMPTS], params(), [SEEDS], pad_id=0, dtype=dtype)[0]
-        kinds = {e[0] for e in ro.schedule.rows.log}
-        assert {"enter", "leave", "enc"} <= kinds, name
-        assert ("fork" in kinds) == sw.share_prompts, name
+        kinds = {type(e) for e in ro.schedule.rows.log}
+        assert {Enter, Leave, Encode} <= kinds, name
+        assert (Fork in kinds) == sw.share_prompts, name
         assert len(set(ro.completion_lens)) > 2 and max(ro.completion_lens) == 10  # ends at different steps
         assert torch.equal(sampler.replay([ro])[0], ro.mu), name
         assert torch.equal(replay(model, ro, decoder=step), ro.mu), name  # a fresh sampler, any switches: the record rules
@@ -65,9 +67,9 @@ def test_slots_bound_the_batch_and_rows_enter_freed_slots():
     rec = ro.schedule.rows
     late = []
     for e in rec.log:
-        if e[0] == "enter":
-            assert 0 <= e[3] < 3  # a slot
-            late += [e[2]] if e[1] > 0 else []
+        if isinstance(e, Enter):
+            assert 0 <= e.slot < 3
+            late += [e.seq] if e.step > 0 else []
     assert late, "no row waited for a slot"
     plan = RowPlan(rec.layout, recorded=rec)
     k, widths, positions = 0, [], set()
@@ -87,7 +89,7 @@ def _alone(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
     layout = row_layout([prompt], n, C, None, share_prompts=False, compact=False, check_every=1)
     rec = planned_record(layout, lambda b: 10**9)  # never finished: the row runs its n draws
     schedule = Schedule(prompt_lens=[len(prompt)], memory_block=C, capacity=len(prompt) + n,
-                        num_steps=len(prompt) + n - 1, encoder_calls=[(e[2], e[3]) for e in rec.log if e[0] == "enc"],
+                        num_steps=len(prompt) + n - 1, encoder_calls=[(e.start, e.end) for e in rec.log if isinstance(e, Encode)],
                         processing=Processing(temperature=1.0), dtype="fp32", pad_id=0, rows=rec)
     ro = Rollout(torch.tensor([prompt + completion]), torch.zeros(1, n), torch.ones(1, n, dtype=torch.bool), [n],
                  ["length"], schedule)
@@ -119,7 +121,7 @@ def test_mu_is_the_real_sampling_distribution_of_a_forked_prompt():
     processing = Processing(temperature=0.7, top_k=30, top_p=0.9)
     p = SamplingParams(processing, max_new_tokens=2)
     ro = generate(model, [[5, 6, 7, 8, 9]] * n, p, seeds=list(range(n)), pad_id=0, rows=RowSwitches(slots=64))
-    assert sum(e[0] == "fork" for e in ro.schedule.rows.log) == 1
+    assert sum(isinstance(e, Fork) for e in ro.schedule.rows.log) == 1
     drawn, mu = ro.tokens[:, 5], ro.mu[:, 0]
     for token in drawn.unique():
         assert mu[drawn == token].unique().numel() == 1
@@ -185,4 +187,7 @@ def test_switches_and_their_errors():
     # a planned call without device: G rows wait for slots freed by finished rows
     layout = row_layout([[1, 2]] * 6, 5, 2, slots=2, share_prompts=True, compact=True, check_every=1)
     rec = planned_record(layout, lambda b: 3 + b)
-    assert [e[2] for e in rec.log if e[0] == "enter"] == [6, 0, 1, 2, 3, 4, 5]  # the entry, then rows in order
+    assert [e.seq for e in rec.log if isinstance(e, Enter)] == [6, 0, 1, 2, 3, 4, 5]  # the entry, then rows in order
+    # the record travels as JSON (the NCCL checks, a replay on other ranks) and comes back typed
+    back = record_from_json(json.loads(json.dumps(record_to_json(rec))))
+    assert back == rec and {type(e) for e in back.log} >= {Enter, Fork, Leave, Encode}

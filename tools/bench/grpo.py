@@ -12,7 +12,7 @@ the clipped surrogate on random advantages (a random model's rewards are all 0: 
 the same), AdamW. Variants, each from the same initial weights, timed in interleaved rounds
 (best of --repeats per phase, one thread, process CPU time by default, tools/bench/harness.py):
 
-- off: the baseline arm: the lockstep plan for the rollout (rollout/rows.py LOCKSTEP), the first
+- off: the baseline arm: the lockstep plan for the rollout (model/plan.py LOCKSTEP), the first
   minibatch replayed (grpo.skip_onpolicy_replay false) and the learner's padded dense schedule
   (dense_logprobs with compaction and sharing off);
 - on: what the trainer runs: shared prompts and compaction in the rollout, the replay and the
@@ -45,9 +45,9 @@ from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.learner.grpo import grpo_loss  # noqa: E402
 from rlt_mega.learner.logprob import dense_logprobs, dense_rows, hybrid_logprobs  # noqa: E402
 from rlt_mega.model import build_model  # noqa: E402
-from rlt_mega.model.rows import RowPlan  # noqa: E402
+from rlt_mega.model.rows import DensePlan  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams  # noqa: E402
-from rlt_mega.rollout.rows import LOCKSTEP, RowSwitches  # noqa: E402
+from rlt_mega.model.plan import LOCKSTEP, RowSwitches  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +95,7 @@ def learner_row_steps(rollouts: list, variant: Variant) -> float:
     for ro in rollouts:
         rows = dense_rows(ro, variant.dense_compact, variant.dense_share_prompts)
         T = ro.schedule.num_steps
-        total += ro.batch_size * T if rows is None else RowPlan(rows, T, torch.device("cpu")).active
+        total += ro.batch_size * T if rows is None else DensePlan(rows, T, torch.device("cpu")).active
     return total / len(rollouts)
 
 

@@ -34,7 +34,7 @@ from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.model import build_model  # noqa: E402
-from rlt_mega.model.rows import DenseRows, RowPlan, head_rows  # noqa: E402
+from rlt_mega.model.rows import DenseRows, DensePlan, head_rows  # noqa: E402
 
 
 def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:
@@ -83,7 +83,7 @@ def main() -> None:
     print("| variant | decoder row-steps | x padded | encoder s | decoder fwd s | backward s | step s | step x padded |")
     print("|---|---|---|---|---|---|---|---|")
     for k, rows in variants.items():
-        steps = B * T if rows is None else RowPlan(rows, T, torch.device("cpu")).active
+        steps = B * T if rows is None else DensePlan(rows, T, torch.device("cpu")).active
         t, ref = best[k], best["padded"]
         print(f"| {k} | {steps} | {B * T / steps:.2f} | {t['encoder']:.2f} | {t['decoder_forward']:.2f} | "
               f"{t['backward']:.2f} | {t['step']:.2f} | {ref['step'] / t['step']:.2f} |")

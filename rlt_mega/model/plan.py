@@ -1,6 +1,8 @@
-"""The row schedule of a rollout call (DESIGN sections 2-3: a schedule may change its batch as it
-goes, every change is recorded and the replay repeats it): shared prompts, compaction and
-continuous batching, as a pure host-side plan that every stage of a replica derives alike.
+"""The row schedule (DESIGN sections 2-3: a schedule may change its batch as it goes, every
+change is recorded and the replay repeats it): shared prefixes, compaction and continuous
+batching, as a pure host-side plan that every stage of a replica derives alike. The sampler's
+rollout and replay run it step by step (rollout/executor.py); the learner's dense step runs the
+same plan position by position (model/rows.py ``DensePlan``).
 
 Sequences: the call's R rows are sequences 0 .. R-1; with shared prompts every distinct prompt
 that two or more rows hold is an *entry*, sequence R + u. An entry runs through its prompt once
@@ -30,6 +32,10 @@ replay derives the same plan from the recorded flags and checks that its log equ
 recorded one, so it repeats every fork, leave, entry and encoder call with the batch
 composition of the rollout (a row's values depend on its batch-mates only through GEMM shapes,
 and those are repeated).
+
+Events are typed (``Fork``, ``Leave``, ``Check``, ``Enter``, ``Encode``, ``End``: ``EVENTS``), and
+so are the sources a step's batch is built from (``FromBatch``, ``FromParked``, ``Fresh``). A
+new event is one dataclass here, the plan's rule that emits it, and the executor's handling.
 
 Encoder calls before step k: the prefill [0, C * floor(min P / C)) of the fresh sequences that
 enter at k, and for every sequence at position t whose memory block [t + 1 - C, t + 1)
@@ -77,6 +83,7 @@ class RowLayout:
     slots: int
     compact: bool
     check_every: int
+    lengths: Optional[tuple[int, ...]] = None  # per row: the positions it needs (None: P + max_new_tokens - 1)
 
     @property
     def num_rows(self) -> int:
@@ -95,6 +102,8 @@ class RowLayout:
         """The position of the sequence's last decoder step: an entry's fork, a row's last draw."""
         if seq >= self.num_rows:
             return self.seq_len(seq) - 1
+        if self.lengths is not None:
+            return self.lengths[seq] - 1
         return self.prompt_lens[seq] + self.max_new_tokens - 2
 
     def initial(self) -> list[int]:
@@ -102,23 +111,26 @@ class RowLayout:
         R, seen, out = self.num_rows, set(), []
         for b, u in enumerate(self.entry_of):
             s = b if u < 0 else R + u
-            if s not in seen:
+            if s not in seen and (s >= R or self.last_position(s) >= 0):
                 seen.add(s)
                 out.append(s)
         return out
 
 
 def row_layout(prompts: Sequence[Sequence[int]], max_new_tokens: int, memory_block: int, slots: Optional[int],
-               share_prompts: bool, compact: bool, check_every: int) -> RowLayout:
-    """Groups identical prompts (two rows or more) into entries when ``share_prompts``.
-    slots None: one per row and entry (no row ever waits)."""
+               share_prompts: bool, compact: bool, check_every: int, groups: Optional[Sequence] = None,
+               lengths: Optional[Sequence[int]] = None) -> RowLayout:
+    """Groups identical prefixes (two rows or more) into entries when ``share_prompts``: rows whose
+    ``prompts`` are token for token the same or, given ``groups`` (one id a row), rows of one id.
+    slots None: one per row and entry (no row ever waits). lengths: see ``RowLayout``."""
     R = len(prompts)
-    groups: dict[tuple, list[int]] = {}
-    for b, p in enumerate(prompts):
-        groups.setdefault(tuple(p), []).append(b)
+    ids = [tuple(p) for p in prompts] if groups is None else list(groups)
+    members: dict = {}
+    for b, g in enumerate(ids):
+        members.setdefault(g, []).append(b)
     entry_of, entry_rows = [-1] * R, []
     if share_prompts:
-        for rows in groups.values():
+        for rows in members.values():
             if len(rows) > 1:
                 for b in rows:
                     entry_of[b] = len(entry_rows)
@@ -128,7 +140,70 @@ def row_layout(prompts: Sequence[Sequence[int]], max_new_tokens: int, memory_blo
     if slots < 1:
         raise ValueError(f"sampling.slots={slots}: must be >= 1")
     return RowLayout(tuple(len(p) for p in prompts), tuple(entry_of), tuple(entry_rows), max_new_tokens,
-                     memory_block, slots, compact, check_every)
+                     memory_block, slots, compact, check_every, None if lengths is None else tuple(lengths))
+
+
+# ---------------------------------------------------------------------- events (``step``: before which step)
+@dataclass(frozen=True)
+class Fork:  # after step ``step`` the entry (sequence ``entry``) hands its state to its ``rows``
+    step: int
+    entry: int
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Leave:  # sequence ``seq`` leaves the batch (``why``: fork, length, finished)
+    step: int
+    seq: int
+    why: str
+
+
+@dataclass(frozen=True)
+class Check:  # the finish flags read: ``rows`` newly finished
+    step: int
+    rows: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Enter:  # sequence ``seq`` takes slot ``slot``
+    step: int
+    seq: int
+    slot: int
+
+
+@dataclass(frozen=True)
+class Encode:  # an encoder call over positions [start, end) of ``seqs``
+    step: int
+    start: int
+    end: int
+    seqs: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class End:  # the call is over
+    step: int
+
+
+EVENTS = {e.__name__: e for e in (Fork, Leave, Check, Enter, Encode, End)}
+
+
+# ---------------------------------------------------------------------- where a step's batch row comes from
+@dataclass(frozen=True)
+class FromBatch:  # row ``row`` of the previous step's batch (a row that stays, or a fork's entry)
+    row: int
+
+
+@dataclass(frozen=True)
+class FromParked:  # entry ``entry``'s parked state (its fork's, kept while its rows wait)
+    entry: int
+
+
+@dataclass(frozen=True)
+class Fresh:  # a sequence starting at position 0
+    pass
+
+
+Source = FromBatch | FromParked | Fresh
 
 
 @dataclass
@@ -147,7 +222,7 @@ class StepPlan:
     k: int
     seqs: list[int]  # the batch, in slot order
     positions: list[int]  # each sequence's position at this step
-    build: Optional[list[tuple[str, int]]]  # per batch row: ("batch", row at k - 1), ("parked", u), ("fresh", 0)
+    build: Optional[list[Source]]  # per batch row: where its state comes from
     park: list[tuple[int, int]]  # (entry u, its row at k - 1): state kept for rows still waiting
     unpark: list[int]  # entries whose parked state is no longer needed (after the build)
     calls: list[EncoderCall]
@@ -163,7 +238,7 @@ class RowRecord:
 
     layout: RowLayout
     checks: dict[int, list[int]]
-    log: list[tuple]
+    log: list  # the events, in order
     num_steps: int  # decoder steps of the call (sequential, whatever the batch size)
     row_steps: int  # sum over steps of the batch size (the decoder's work)
 
@@ -184,7 +259,7 @@ class RowPlan:
         self.parked: set[int] = set()
         self.done: set[int] = set()  # rows known finished
         self.flags: dict[int, list[int]] = {}  # check step -> rows newly known finished there
-        self.log: list[tuple] = []
+        self.log: list = []
         self.num_steps = 0
         self.row_steps = 0
         self.prev: Optional[StepPlan] = None
@@ -252,7 +327,7 @@ class RowPlan:
                     self.waiting.append(b)
                 else:
                     self.done.add(b)
-            self.log.append(("fork", k - 1, u, list(rows)))
+            self.log.append(Fork(k - 1, u, tuple(rows)))
         # 2. length
         for s in self.batch():
             if s < R and self.pos[s] + 1 > L.last_position(s):
@@ -263,7 +338,7 @@ class RowPlan:
             newly = self._check_flags(k)
             self.done.update(newly)
             if newly:
-                self.log.append(("check", k, list(newly)))
+                self.log.append(Check(k, tuple(newly)))
             if L.compact:
                 for s in self.batch():
                     if s in self.done:
@@ -272,22 +347,21 @@ class RowPlan:
             if all(s in self.done for s in self.batch()) and not self.waiting and not self.pending:
                 return self._finish(k)
         # 4. free slots
-        entering: dict[int, tuple[str, int]] = {}
+        entering: dict[int, Source] = {}
         for i in range(L.slots):
             if self.slots[i] is not None:
                 continue
             if self.waiting:
                 b = self.waiting.popleft()
                 u = R + L.entry_of[b]
-                src = ("batch", prev_rows[u]) if u in prev_rows and u in self._forks else ("parked", u)
-                entering[b] = src
+                entering[b] = FromBatch(prev_rows[u]) if u in prev_rows and u in self._forks else FromParked(u)
             elif self.pending:
                 b = self.pending.popleft()
-                entering[b] = ("fresh", 0)
+                entering[b] = Fresh()
             else:
                 break
             self.slots[i] = b
-            self.log.append(("enter", k, b, i))
+            self.log.append(Enter(k, b, i))
         for u in self._forks:  # rows of this fork still waiting: keep its state
             if any(L.entry_of[b] == u - R for b in self.waiting):
                 park.append((u, prev_rows[u]))
@@ -299,14 +373,14 @@ class RowPlan:
         # positions
         for s in seqs:
             if s in entering:
-                self.pos[s] = 0 if entering[s][0] == "fresh" else L.prompt_lens[s]
+                self.pos[s] = 0 if isinstance(entering[s], Fresh) else L.prompt_lens[s]
             else:
                 self.pos[s] += 1
         same = self.prev is not None and not entering and seqs == self.prev.seqs
-        build = None if same else [entering.get(s, ("batch", prev_rows.get(s, -1))) for s in seqs]
+        build = None if same else [entering.get(s, FromBatch(prev_rows.get(s, -1))) for s in seqs]
         unpark = [u for u in sorted(self.parked) if not any(L.entry_of[b] == u - R for b in self.waiting)]
         self.parked.difference_update(unpark)
-        calls = self._calls(k, seqs, [s for s in seqs if entering.get(s, ("",))[0] == "fresh"])
+        calls = self._calls(k, seqs, [s for s in seqs if isinstance(entering.get(s), Fresh)])
         # forks after this step, and the targets of its draws
         expand, targets, target_pos = [], [], []
         for i, s in enumerate(seqs):
@@ -332,7 +406,7 @@ class RowPlan:
         i = self.slots.index(s)
         self.slots[i] = None
         del self.pos[s]
-        self.log.append(("leave", k, s, why))
+        self.log.append(Leave(k, s, why))
 
     def _calls(self, k: int, seqs: list[int], fresh: list[int]) -> list[EncoderCall]:
         C = self.layout.memory_block
@@ -353,7 +427,7 @@ class RowPlan:
             rows = blocks[start]
             calls.append(EncoderCall(start, start + C, rows, [seqs[i] for i in rows]))
         for c in calls:
-            self.log.append(("enc", k, c.start, c.end, list(c.seqs)))
+            self.log.append(Encode(k, c.start, c.end, tuple(c.seqs)))
         return calls
 
     def _cover(self, s: int) -> int:
@@ -365,7 +439,7 @@ class RowPlan:
 
     def _finish(self, k: int) -> None:
         self.prev, self.over = None, True
-        self.log.append(("end", k))
+        self.log.append(End(k))
         return None
 
     def record(self) -> RowRecord:
@@ -388,7 +462,7 @@ def planned_record(layout: RowLayout, finish_step) -> RowRecord:
 
 def record_to_json(record: RowRecord) -> dict:
     return {"layout": dataclasses.asdict(record.layout), "checks": {str(k): v for k, v in record.checks.items()},
-            "log": [list(e) for e in record.log], "num_steps": record.num_steps, "row_steps": record.row_steps}
+            "log": [{"event": type(e).__name__, **dataclasses.asdict(e)} for e in record.log], "num_steps": record.num_steps, "row_steps": record.row_steps}
 
 
 def record_from_json(d: dict) -> RowRecord:
@@ -396,10 +470,13 @@ def record_from_json(d: dict) -> RowRecord:
     for key in ("prompt_lens", "entry_of"):
         lay[key] = tuple(lay[key])
     lay["entry_rows"] = tuple(tuple(r) for r in lay["entry_rows"])
-    log = [tuple(_tuples(x) for x in e) for e in d["log"]]
+    if lay.get("lengths") is not None:
+        lay["lengths"] = tuple(lay["lengths"])
+    log = [_event(dict(e)) for e in d["log"]]
     return RowRecord(RowLayout(**lay), {int(k): list(v) for k, v in d["checks"].items()}, log, d["num_steps"],
                      d["row_steps"])
 
 
-def _tuples(x):
-    return list(x) if isinstance(x, list) else x
+def _event(d: dict):
+    cls = EVENTS[d.pop("event")]
+    return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
