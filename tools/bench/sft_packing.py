@@ -1,12 +1,12 @@
 """Packed SFT against one pair a row, side by side in one run (a measurement, not a test: it
 asserts nothing). Timing conventions: tools/bench/harness.py.
 
-    PYTHONPATH=. python tools/bench/sft_packing.py                        # GSM8K pairs if found
+    PYTHONPATH=. python tools/bench/sft_packing.py --data DIR             # GSM8K pairs (DIR/train.jsonl), BPE
     PYTHONPATH=. python tools/bench/sft_packing.py --seq-len 512 --tokenizer path/to/tokenizer.json
     PYTHONPATH=. python tools/bench/sft_packing.py --data my_pairs.jsonl --pairs 256 --repeats 3
 
-The same ``--pairs`` prompt/answer pairs (GSM8K train pairs, from --data or the local copy
-when there is one; generated arithmetic problems otherwise) are trained through the engine's
+The same ``--pairs`` prompt/answer pairs (GSM8K train pairs from --data, tokenised by a BPE
+trained on them; generated arithmetic problems without --data) are trained through the engine's
 full step (forward, backward, AdamW) in two ways, in interleaved rounds:
 
 - unpacked: ``--batch`` pairs a batch, each a row padded to the batch's longest (the SFT path
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 from pathlib import Path
 
 import torch
@@ -37,29 +38,42 @@ from rlt_mega.data.arithmetic import generate_problems
 from rlt_mega.data.packing import PackedPairs
 from rlt_mega.data.pairs import pair_ids
 from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.data.tokenizer_train import train_bpe
 from rlt_mega.loss import count_tokens
 from rlt_mega.model import build_model
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
 from rlt_mega.train.sft import sft_batch
 
-GSM8K = [Path(__file__).resolve().parents[2] / ".." / "shared" / "data" / "gsm8k" / "train.jsonl",
-         Path("/work/shared/data/gsm8k/train.jsonl")]
-
-
 def load_pairs(path, num: int) -> tuple[list[tuple[str, str]], str]:
-    for candidate in ([Path(path)] if path else GSM8K):
-        if candidate.is_file():
-            with open(candidate) as f:
-                records = [json.loads(line) for _, line in zip(range(num), f)]
-            return [(r["question"], r["answer"]) for r in records], str(candidate)
-    return [(r["question"], r["answer"]) for r in generate_problems(num, seed=0)], "generated arithmetic problems"
+    """``num`` question/answer pairs of ``path`` (a jsonl, or a directory with train.jsonl: GSM8K's
+    layout); without a path, generated arithmetic problems."""
+    if not path:
+        return [(r["question"], r["answer"]) for r in generate_problems(num, seed=0)], "generated arithmetic problems"
+    file = Path(path) / "train.jsonl" if Path(path).is_dir() else Path(path)
+    if not file.is_file():
+        raise SystemExit(f"--data {path}: no such file (pass a jsonl of question/answer records, or a directory "
+                         "holding train.jsonl)")
+    with open(file) as f:
+        records = [json.loads(line) for _, line in zip(range(num), f)]
+    return [(r["question"], r["answer"]) for r in records], str(file)
+
+
+def bpe_tokenizer(pairs: list[tuple[str, str]], vocab: int, folder: str):
+    """A byte-level BPE of ``vocab`` ids trained on the pairs (realistic token counts: about 3-4 bytes
+    a token on GSM8K), saved in ``folder`` and loaded as any tokenizer.json is."""
+    path = Path(folder) / "tokenizer.json"
+    train_bpe((q + "\n" + a for q, a in pairs), vocab).save(str(path))
+    return load_tokenizer(str(path))
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--data", default=None, help="a jsonl of question/answer records (default: GSM8K train)")
-    parser.add_argument("--tokenizer", default="byte")
+    parser.add_argument("--data", default=None, help="a jsonl of question/answer records, or a directory with "
+                        "train.jsonl (GSM8K's); default: generated arithmetic problems")
+    parser.add_argument("--tokenizer", default="bpe", help="bpe (trained on the pairs, --vocab ids), byte, or a "
+                        "tokenizer.json")
+    parser.add_argument("--vocab", type=int, default=4096)
     parser.add_argument("--pairs", type=int, default=32)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--batch", type=int, default=4)
@@ -71,8 +85,9 @@ def main() -> None:
     args = parser.parse_args()
     clock = setup(args)
 
-    tok = load_tokenizer(args.tokenizer)
     raw, source = load_pairs(args.data, args.pairs)
+    folder = tempfile.TemporaryDirectory()
+    tok = bpe_tokenizer(raw, args.vocab, folder.name) if args.tokenizer == "bpe" else load_tokenizer(args.tokenizer)
     ids, num_prompt = [], []
     for q, a in raw:
         p, ans = pair_ids(tok, q, a)
