@@ -263,7 +263,7 @@ class TrainConfig:
     # cluster jobs; the schedule still spans train.steps and train.resume=auto continues.
     stop_after: Optional[int] = None
     # The dense schedule's decoder positions as captured CUDA graphs of the fused step
-    # (model/cuda_graphs.py): a GPU feature (the decoder is launch-bound there); off on a CPU.
+    # (parallel/cuda_graphs.py: the same decoder step, captured): a GPU feature (the decoder is launch-bound there); off on a CPU.
     cuda_graphs: bool = False
     # Deterministic kernels (rlt_mega/determinism.py): torch.use_deterministic_algorithms,
     # CUBLAS_WORKSPACE_CONFIG, deterministic attention backward, NCCL_NVLS_ENABLE=0. Bit-exact
