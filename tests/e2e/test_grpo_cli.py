@@ -88,7 +88,6 @@ def test_grpo_refuses_a_bad_reward(tmp_path, prompts, capsys):
     assert "reward 'nowhere'" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(gsm8k_dir() is None, reason="no local GSM8K copy (../shared/data/gsm8k)")
 def test_grpo_on_real_gsm8k_records(tmp_path):
     """The GSM8K data path of configs/grpo_gsm8k.yaml (a local copy instead of the hub), on a
     tiny untrained model: real prompts, the GSM8K reward, held-out accuracy."""

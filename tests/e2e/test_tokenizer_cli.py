@@ -16,14 +16,13 @@ from rlt_mega.data.tokenizer import load_tokenizer
 from helpers import gsm8k_dir
 from unit.test_tokenizers import chat_tokenizers  # noqa: F401 (a fixture; tests/ is on sys.path)
 
-GSM8K = gsm8k_dir()  # the local copy (train.jsonl, test.jsonl), when there is one
+GSM8K = gsm8k_dir()  # tests/data/gsm8k
 
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-@pytest.mark.skipif(GSM8K is None or not (GSM8K / "train.jsonl").is_file(), reason="no local GSM8K copy")
 def test_bpe_trained_on_gsm8k_round_trips_every_test_question(tmp_path, capsys):
     """The CLI on the whole GSM8K train split (vocabulary 1024); every test question round-trips
     exactly through rlt_mega's tokenizer and through transformers' AutoTokenizer, and the

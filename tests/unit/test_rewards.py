@@ -3,7 +3,6 @@
 import json
 import logging
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
@@ -11,7 +10,7 @@ from rlt_mega.rollout.rewards import extract_answer, gold_answer, gsm8k_reward, 
 
 from helpers import gsm8k_dir
 
-GSM8K_TEST = (gsm8k_dir() or Path("missing")) / "test.jsonl"
+GSM8K_TEST = gsm8k_dir() / "test.jsonl"
 
 CASES = [
     ("#### 72", Fraction(72)),
