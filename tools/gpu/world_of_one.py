@@ -94,6 +94,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--smoke", action="store_true", help="the CPU (gloo) at tiny shapes")
+    ap.add_argument("--inject", action="store_true", help="self-test: one resumed weight one ulp off; must fail")
     args = ap.parse_args()
     import torch
     import torch.distributed as dist
@@ -151,6 +152,10 @@ def main() -> int:
     phase("resume_1_step", lambda: {"loss": _pretrain(resume_cfg, dims).get("train/loss")})
     full = load_file(str(tmp / "full" / "ckpt" / "step_00000003" / "model.safetensors"))
     resumed = load_file(str(tmp / "split" / "ckpt" / "step_00000003" / "model.safetensors"))
+    if args.inject:
+        k0 = next(iter(resumed))
+        flat = resumed[k0].view(-1)
+        flat[0] = torch.nextafter(flat[0], torch.tensor(float("inf"), dtype=flat.dtype))
     differ = [k for k in full if not torch.equal(full[k], resumed.get(k, torch.empty(0)))]
     phases["resume_1_step"]["weights_equal_to_uninterrupted"] = not differ
     if differ or full.keys() != resumed.keys():
