@@ -15,7 +15,8 @@
 #
 # One line per part (passed / failed (reason) / skipped (why)); the JSON summary goes to --out,
 # by default $OUT/gpu_check.json when $OUT is set, else into a fresh temporary directory (never
-# the repository). Exit status 0 when no part failed.
+# the repository), each part's output beside it in gpu_check_logs/. Exit status 0 when no part
+# failed.
 # --smoke: tiny shapes on whatever device there is (the CPU here), with the smoke budgets: the
 # script end to end, the CUDA-only parts reporting "skipped: no CUDA" (tests/e2e/test_gpu_check.py).
 set -uo pipefail
@@ -59,6 +60,9 @@ for part in $PARTS; do
   [ -f "$TMP/$part.json" ] && tail -n 1 "$TMP/$part.stdout"  # the part's line
 done
 BUDGETS="${BUDGETS%,}}"
-mkdir -p "$(dirname "$RESULT")"
+mkdir -p "$(dirname "$RESULT")/gpu_check_logs"
+for part in $PARTS; do  # each part's output, beside the JSON (what to read when one fails)
+  cat "$TMP/$part.stdout" "$TMP/$part.stderr" 2>/dev/null | tail -c 200000 > "$(dirname "$RESULT")/gpu_check_logs/$part.log"
+done
 "$PY" "$ROOT/tools/gpu_check.py" --summarise "$TMP" --mode "$MODE" --budgets "$BUDGETS" --parts "$PARTS" --out "$RESULT" | tail -n 1
 "$PY" -c "import json, sys; sys.exit(0 if json.load(open(sys.argv[1]))['ok'] else 1)" "$RESULT"
