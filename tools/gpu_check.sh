@@ -41,8 +41,8 @@ if [ "$MODE" = gpu ]; then
   declare -A BUDGET=([exactness]=50 [grpo_onpolicy]=40 [fused_cuda_graph]=45 [world_of_one]=75 [sdpa]=30
                      [sync_audit]=25 [gradients]=20 [qwen2]=25 [versions]=25 [bench]=60 [bench_loose]=50)
 else
-  declare -A BUDGET=([exactness]=60 [grpo_onpolicy]=60 [fused_cuda_graph]=45 [world_of_one]=120 [sdpa]=40
-                     [sync_audit]=60 [gradients]=40 [qwen2]=50 [versions]=60 [bench]=60 [bench_loose]=60)
+  declare -A BUDGET=([exactness]=60 [grpo_onpolicy]=60 [fused_cuda_graph]=75 [world_of_one]=150 [sdpa]=40
+                     [sync_audit]=60 [gradients]=60 [qwen2]=75 [versions]=90 [bench]=60 [bench_loose]=60)
 fi
 PARTS="${GPU_CHECK_PARTS:-exactness grpo_onpolicy fused_cuda_graph world_of_one sdpa sync_audit gradients qwen2 versions}"
 for part in $PARTS; do
