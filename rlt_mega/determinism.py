@@ -22,7 +22,7 @@ computation twice gives the same bits. On a CPU that holds without help. On CUDA
   all-reduces of a rollout and its replay agree (parallel/dims.py sets it before
   init_process_group).
 
-What it costs (tools/gpu_check.sh measures the learner step both ways on a GPU): the
+What it costs (GPU_CHECK_PARTS="bench bench_loose" tools/gpu_check.sh measures it on a GPU): the
 deterministic attention backward and index/scatter kernels are slower, the pinned cuBLAS
 workspace can rule out a faster GEMM algorithm, and without NVLS an all-reduce on an NVSwitch
 system uses the ring/tree algorithms. A run that does not need bit-exact reproducibility can set

@@ -88,9 +88,27 @@ class P2P:
             raise ValueError("a pipeline of several stages needs its channel groups (ParallelDims.p2p_groups)")
         self.pending: deque = deque()  # (work, tensor) of sends in flight, oldest first
         self.local: dict[str, deque] = defaultdict(deque)
-        self.wait_s = 0.0  # time blocked in receives (for the bubble measurement)
+        self._wait_s = 0.0  # seconds blocked in receives, summed so far (wait_s)
+        self._waits: list = []  # CUDA: (start, end) events around each wait, not yet summed
         self.log: Optional[list] = None
         self.policy = tag_policy()  # read once: every rank of a run uses one policy
+
+    @property
+    def wait_s(self) -> float:
+        """Time blocked in receives since it was last set (the bubble measurement). On the CPU
+        (gloo) ``work.wait()`` blocks the host: host time. On CUDA (NCCL) it returns at once and
+        makes the compute stream wait for the communication stream, so the host time reads ~0:
+        the stream's stall is measured instead, by CUDA events recorded before and after each
+        wait, summed here (reading it waits for the last event)."""
+        if self._waits:
+            self._waits[-1][1].synchronize()
+            self._wait_s += sum(a.elapsed_time(b) for a, b in self._waits) / 1000.0
+            self._waits.clear()
+        return self._wait_s
+
+    @wait_s.setter
+    def wait_s(self, value: float) -> None:
+        self._wait_s, self._waits = value, []
 
     @classmethod
     def for_pipeline(cls, dims) -> "P2P":
@@ -142,9 +160,16 @@ class P2P:
         work, buf = handle
         if work is None:  # a message to oneself: buf is the stream's name
             return self.local[buf].popleft()
-        t0 = time.perf_counter()
-        work.wait()
-        self.wait_s += time.perf_counter() - t0
+        if self.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            work.wait()
+            end.record()
+            self._waits.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            work.wait()
+            self._wait_s += time.perf_counter() - t0
         return buf
 
     def recv(self, shape: tuple, dtype: torch.dtype, stage: int, stream: str) -> torch.Tensor:

@@ -19,7 +19,7 @@ from typing import Optional
 from rlt_mega.config import ConfigError, load_config
 from rlt_mega.plan.costmodel import estimate, format_report
 from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.planner import Hardware, explain, plan_layouts, plan_to_dict
+from rlt_mega.plan.planner import Hardware, explain, format_rows_curve, plan_layouts, plan_to_dict, rows_curve
 
 HELP = "cost model of a configuration, or the parallel layouts that fit a cluster"
 
@@ -38,7 +38,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     cluster.add_argument("--nodes", type=int)
     cluster.add_argument("--gpus-per-node", type=int, default=8)
     cluster.add_argument("--gpu-mem-gb", type=float, default=80.0)
-    cluster.add_argument("--global-batch", type=int, default=512, help="sequences per optimizer step")
+    cluster.add_argument("--global-batch", type=int, default=512,
+                         help="sequences per optimizer step (at least this many: see --max-global-batch)")
+    cluster.add_argument("--max-global-batch", type=int, default=4096,
+                         help="the most sequences per step the planner may use, when more rows per decoder "
+                              "step (a larger micro-batch) pay; set it to --global-batch for a fixed batch")
     cluster.add_argument("--top", type=int, default=10, help="layouts to list")
     defaults = Hardware()
     for name, help_text in (("usable_fraction", "fraction of GPU memory the step may use"),
@@ -89,21 +93,24 @@ def run_plan(args, out=None) -> int:
             return 0
         hw = _hardware(args)
         plans, considered = plan_layouts(cfg.model, hw, cfg.data.seq_len, args.global_batch,
-                                         dtype=cfg.train.dtype)
+                                         dtype=cfg.train.dtype, max_global_batch=args.max_global_batch)
     except ConfigError as exc:
         sys.stderr.write(f"rlt-mega plan: error: {exc}\n")
         return 2
     if args.json:
+        curve = rows_curve(plans)
         out.write(json.dumps({"hardware": vars(hw), "considered": considered, "fit": len(plans),
-                              "plans": [plan_to_dict(p) for p in plans[:args.top]]}, indent=2) + "\n")
+                              "plans": [plan_to_dict(p) for p in plans[:args.top]], "rows_curve": curve},
+                             indent=2) + "\n")
         return 0
     out.write(f"{hw.nodes} x {hw.gpus_per_node} GPUs of {hw.gpu_mem_gb:g} GB; T={cfg.data.seq_len}, "
-              f"{args.global_batch} sequences per step, {cfg.train.dtype}: {len(plans)} of {considered} "
-              "layouts fit\n")
+              f"{args.global_batch} to {args.max_global_batch} sequences per step, {cfg.train.dtype}: "
+              f"{len(plans)} of {considered} layouts fit\n")
     for i, p in enumerate(plans[:args.top], 1):
         out.write(f"{i:>3}. {p.describe():<62} {p.step_time:9.2f} s/step {p.tokens_per_s:>12,.0f} tok/s "
                   f"{p.peak_memory / 1e9:6.1f} GB\n")
     out.write(explain(plans, cfg.model, hw) + "\n")
+    out.write(format_rows_curve(rows_curve(plans)) + "\n")
     return 0
 
 

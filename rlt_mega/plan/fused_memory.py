@@ -69,7 +69,7 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
     W, Wkv = wgrad_positions(B, T), min(KV_CHUNK, T)
     slots = checkpoint_slots(B, T) if _checkpointed(layout) else T
     out = dict.fromkeys((*PURPOSES, "kv_grads"), 0)
-    for _ in range(n):
+    if n:  # every layer's buffers are the same: one layer's, times n below
         one = 1 if _checkpointed(layout) else slots  # qk, cq, gu: one slot when checkpointed
         for width, rows in (((h + h_kv) * Dh, one), (h * Dh, one), (2 * F, one), (F, slots)):  # qk cq gu f
             out["saved"] += _aligned(rows * B * width * a) if grad else 0  # (a run without backward keeps none)
@@ -82,6 +82,7 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
             out["kv_grads"] += 2 * _aligned(B * h_kv * Dh * T * st) + 2 * _aligned(BH * Dh * S * st)
             for keys in (T, S):  # self, memory: q and do rows, p and ds rows
                 out["kv_rows"] += 2 * _aligned(BH * Wkv * g * Dh * st) + 2 * _aligned(BH * Wkv * g * keys * st)
+    out = {k: n * v for k, v in out.items()}
     if stage == 0 and grad:  # the recurrence input: a0 and r0, and u's gradient
         out["saved"] += _aligned(T * B * d * a) + _aligned(T * B * st)
         out["input_grads"] += _aligned(T * B * d * a)

@@ -20,9 +20,17 @@ The step-time model is a roofline with stated, configurable assumptions (``Hardw
 
 Layouts: tp divides the GPUs of a node (and the head counts and ffn), pp divides L,
 dp = world / (tp pp); ZeRO-3 only without PP and ZeRO-2/3 only with dp > 1 (docs/engines.md: the
-combinations we support); micro-batch sizes are powers of two dividing the per-replica batch,
-all micro-batches in flight when pp > 1 (the ring holds them all until the backward), else
-gradient accumulation.
+combinations we support); all micro-batches in flight when pp > 1 (the ring holds them all until
+the backward), else gradient accumulation; the engine's loss keeps no logits for the backward (Layout.keep_logits).
+
+Rows per decoder step: a decoder tick runs B rows (the micro-batch) through the stage's weights,
+so its arithmetic intensity is about 2B / (bytes per weight) FLOP per weight byte, against a
+ridge of ~185 on an H100/H200 in bf16: at a few rows the decoder reads its weights for almost no
+work. So the micro-batch B is searched in powers of two up to ``MAX_ROWS``, beyond the
+per-replica share of ``global_batch`` when that is smaller: the sequences per step then grow
+(up to ``max_global_batch``) and the memory limit is what stops B. Layouts are ranked by
+tokens/s (with a fixed batch: by step time); ``rows_curve`` gives the predicted MFU against
+rows per step for a layout.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from rlt_mega.plan.params import rank_param_counts, stage_layers
 
 DECODER_OPS_FORWARD = 50  # aten operators per decoder layer and position (forward)
 DECODER_OPS_BACKWARD = 120
+MAX_ROWS = 1024  # the largest micro-batch (rows per decoder step) the planner tries
 
 
 @dataclass
@@ -172,10 +181,29 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
+def _shapes(pp: int, per_replica: int, B: int) -> list[tuple[int, int]]:
+    """(micro-batches in flight M, accumulation) for B rows per micro-batch: the per-replica
+    batch when B divides it, else (B above it) the smallest step of B rows that fills the
+    pipeline (M = 1, or M = pp)."""
+    if B <= per_replica:
+        if per_replica % B:
+            return []
+        num_micro = per_replica // B
+        if pp == 1:
+            return [(1, num_micro)]
+        return [(m, num_micro // m) for m in _divisors(num_micro) if m >= min(pp, num_micro)]
+    return [(1, 1)] if pp == 1 else sorted({(1, 1), (pp, 1)})
+
+
 def candidate_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int,
-                      dtype: str = "bf16") -> list[Layout]:
-    """Every layout of the enumeration in the module docstring."""
+                      dtype: str = "bf16", max_global_batch: Optional[int] = None) -> list[Layout]:
+    """Every layout of the enumeration in the module docstring: sequences per step from
+    ``global_batch`` up to ``max_global_batch`` (default: exactly ``global_batch``)."""
     world = hw.world_size
+    most = max_global_batch or global_batch
+    if most < global_batch:
+        raise ConfigError(f"--max-global-batch {most} is below --global-batch {global_batch}: raise it "
+                          "(or leave it out to keep the batch fixed)")
     k = 2 ** round(math.log2(max(1.0, math.sqrt(seq_len))))
     ckpts = [CheckpointingConfig(decoder=dm, decoder_k=k, encoder=enc)
              for dm in ("none", "every_k", "step") for enc in (False, True)]
@@ -195,13 +223,10 @@ def candidate_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch
             for zero in (0, 1, 2, 3):
                 if (zero == 3 and pp > 1) or (zero > 0 and dp == 1):
                     continue
-                for B in (b for b in (2 ** i for i in range(12)) if per_replica % b == 0):
-                    num_micro = per_replica // B
-                    if pp == 1:
-                        shapes = [(1, num_micro)]
-                    else:  # in flight M (a divisor of the micro-batch count), the rest accumulated
-                        shapes = [(m, num_micro // m) for m in _divisors(num_micro) if m >= min(pp, num_micro)]
-                    for M, accum in shapes:
+                for B in (2 ** i for i in range(int(math.log2(MAX_ROWS)) + 1)):
+                    for M, accum in _shapes(pp, per_replica, B):
+                        if dp * M * accum * B > most:
+                            continue
                         for ck in ckpts:
                             out.append(Layout(seq_len=seq_len, micro_batch_size=B, micro_batches=M,
                                               grad_accum=accum, tp=tp, pp=pp, dp=dp, zero_stage=zero,
@@ -209,23 +234,54 @@ def candidate_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch
     return out
 
 
+def evaluate(cfg: ModelConfig, lay: Layout, hw: Hardware, mem: Optional[float] = None) -> Plan:
+    """The plan of one layout: its step time by component, peak memory (``mem`` when known),
+    tokens/s and MFU."""
+    mem = peak_memory(cfg, lay) if mem is None else mem
+    parts = step_time(cfg, lay, hw)
+    flops = sum(r.forward + r.backward for r in flop_rows(cfg, lay.seq_len, None, "flash")) * lay.sequences_per_step
+    peak = (hw.peak_tflops_fp32 if lay.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
+    return Plan(lay, parts["total"], mem, parts, lay.tokens_per_step / parts["total"],
+                flops / parts["total"] / (peak * hw.world_size))
+
+
 def plan_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int,
-                 dtype: str = "bf16", top: Optional[int] = None) -> tuple[list[Plan], int]:
-    """Layouts that fit, fastest first, and the number of candidates considered."""
-    candidates = candidate_layouts(cfg, hw, seq_len, global_batch, dtype)
+                 dtype: str = "bf16", top: Optional[int] = None,
+                 max_global_batch: Optional[int] = None) -> tuple[list[Plan], int]:
+    """Layouts that fit, highest tokens/s first (ties: less memory), and the number of
+    candidates considered."""
+    candidates = candidate_layouts(cfg, hw, seq_len, global_batch, dtype, max_global_batch)
     plans = []
     for lay in candidates:
         mem = peak_memory(cfg, lay)
-        if mem > hw.capacity_bytes:
-            continue
-        parts = step_time(cfg, lay, hw)
-        tokens = lay.tokens_per_step
-        flops = sum(r.forward + r.backward for r in flop_rows(cfg, seq_len, None, "flash")) * lay.sequences_per_step
-        peak = (hw.peak_tflops_fp32 if dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
-        plans.append(Plan(lay, parts["total"], mem, parts, tokens / parts["total"],
-                          flops / parts["total"] / (peak * hw.world_size)))
-    plans.sort(key=lambda p: (p.step_time, p.peak_memory))
+        if mem <= hw.capacity_bytes:
+            plans.append(evaluate(cfg, lay, hw, mem))
+    plans.sort(key=lambda p: (-p.tokens_per_s, p.peak_memory))
     return (plans[:top] if top else plans), len(candidates)
+
+
+def rows_curve(plans: list[Plan]) -> list[dict]:
+    """Predicted MFU against rows per decoder step: for each micro-batch B among the layouts
+    that fit (``plans``), the best of them. Where the list ends is the memory limit."""
+    best: dict[int, Plan] = {}
+    for p in plans:
+        B = p.layout.micro_batch_size
+        if B not in best or p.tokens_per_s > best[B].tokens_per_s:
+            best[B] = p
+    return [{"rows": B, "mfu": p.mfu, "tokens_per_s": p.tokens_per_s, "peak_gb": p.peak_memory / 1e9,
+             "sequences_per_step": p.layout.sequences_per_step, "layout": p.describe()}
+            for B, p in sorted(best.items())]
+
+
+def format_rows_curve(curve: list[dict]) -> str:
+    lines = ["Rows per decoder step (the micro-batch B): the best layout that fits at each, predicted MFU",
+             "     B    MFU     tokens/s  seq/step  peak GB  layout"]
+    for r in curve:
+        lines.append(f"  {r['rows']:>4} {r['mfu']:6.2%} {r['tokens_per_s']:>12,.0f} {r['sequences_per_step']:>9} "
+                     f"{r['peak_gb']:8.1f}  {r['layout']}")
+    if curve:
+        lines.append(f"  (B = {2 * curve[-1]['rows']} fits no layout: the memory limit)")
+    return "\n".join(lines)
 
 
 def explain(plans: list[Plan], cfg: ModelConfig, hw: Hardware) -> str:

@@ -1,7 +1,13 @@
-"""tools/gpu_check.sh in its CPU smoke mode: the driver runs parts in their own subprocesses
-and writes the JSON summary (two cheap parts, a missing one reported), and every part's code
-runs end to end at tiny shapes on the CPU, the CUDA-only parts reporting "skipped: no CUDA"."""
+"""tools/gpu_check.sh in its CPU smoke mode, and that every part can fail.
 
+The driver runs every default part in its own subprocess under the smoke budgets (the CUDA-only
+checks reporting "skipped: no CUDA"), prints one line per part and writes the JSON summary where
+--out says. That run injects a one-ulp difference into world_of_one's resumed weights: the part
+must fail with that reason (the rest of its phases having run), the others pass, the script exit 1.
+Every other part is made to fail the same way (GPU_CHECK_INJECT, or its pure verdict fed what a
+GPU would measure where the CPU cannot: a sync per step, an unstable backend)."""
+
+import importlib.util
 import json
 import os
 import subprocess
@@ -15,37 +21,72 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_check  # noqa: E402
 
+_spec = importlib.util.spec_from_file_location("gpu_cuda_graphs", ROOT / "tools" / "gpu" / "cuda_graphs.py")
+cuda_graphs = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(cuda_graphs)
 
-def test_the_driver_runs_parts_in_subprocesses_and_summarises(tmp_path):
+
+def test_the_smoke_run_passes_every_part_and_reports_an_injected_failure(tmp_path):
     out = tmp_path / "summary.json"
-    env = dict(os.environ, GPU_CHECK_PARTS="gradients fused_cuda_graph", PYTHON=sys.executable, OMP_NUM_THREADS="1")
+    env = dict(os.environ, PYTHON=sys.executable, OMP_NUM_THREADS="1", GPU_CHECK_INJECT="world_of_one")
+    env.pop("GPU_CHECK_PARTS", None)
     done = subprocess.run(["bash", str(ROOT / "tools" / "gpu_check.sh"), "--smoke", "--out", str(out)],
-                          capture_output=True, text=True, env=env, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert done.returncode == 1, done.stdout + done.stderr[-3000:]
     summary = json.loads(out.read_text())
-    assert summary["mode"] == "smoke" and summary["ok"] and set(summary["parts"]) == {"gradients", "fused_cuda_graph"}
-    assert summary["parts"]["gradients"]["status"] == "ok"
-    assert summary["parts"]["fused_cuda_graph"]["status"].startswith("skipped")
+    assert summary["mode"] == "smoke" and list(summary["parts"]) == gpu_check.DEFAULT_PARTS
+    assert summary["failed"] == ["world_of_one"]
+    lines = done.stdout.splitlines()
+    assert [l.split(":")[0] for l in lines[:len(gpu_check.DEFAULT_PARTS)]] == gpu_check.DEFAULT_PARTS
+    w1 = summary["parts"]["world_of_one"]
+    assert "resumed run's step-3 weights differ" in w1["status"] and "GRPO" not in w1["status"]
+    assert w1["phases"]["init"]["megatron_initialized"] and w1["phases"]["channels_and_objects"]["channel_groups"] == 13
+    assert w1["phases"]["grpo_step"]["onpolicy_max_dev"] == 0.0
+    assert "world_of_one: failed (" in done.stdout
+    for name, part in summary["parts"].items():
+        if name == "world_of_one":
+            continue
+        status = part["status"]
+        if name == "sync_audit" and not torch.cuda.is_available():
+            assert status.startswith("skipped: no CUDA"), part
+        else:
+            assert status == "ok", (name, part)
+        assert part["wall_seconds"] < summary["budgets"][name], (name, part["wall_seconds"])
     assert summary["parts"]["fused_cuda_graph"]["check"] == "cuda_graphs"  # tools/gpu/cuda_graphs.py answered
+    assert all(all(c["equal"]) for c in summary["parts"]["exactness"]["cases"].values())
     missing = gpu_check.summarise(tmp_path, "smoke", {"qwen2": 30}, ["qwen2"])
     assert not missing["ok"] and "over its 30 s budget" in missing["parts"]["qwen2"]["status"]
 
 
-@pytest.mark.parametrize("name", [p for p in gpu_check.PARTS if p not in ("gradients", "fused_cuda_graph")])
-def test_every_part_runs_at_tiny_shapes(name, monkeypatch, tmp_path):
+@pytest.mark.parametrize("name", ["exactness", "grpo_onpolicy", "gradients", "qwen2", "versions", "fused_cuda_graph"])
+def test_an_injected_difference_fails_the_part(name, monkeypatch, tmp_path):
     monkeypatch.setenv("GPU_CHECK_TMP", str(tmp_path))
+    monkeypatch.setenv(gpu_check.INJECT_ENV, name)
     try:
         result = gpu_check.run_part(name, smoke=True)
     finally:
-        torch.use_deterministic_algorithms(True)  # the suite's mode (bench_loose turns it off)
-    status = result["status"]
-    assert status == "ok" or status.startswith("skipped"), result
-    if name in ("sync_audit",) and not torch.cuda.is_available():
-        assert status == "skipped: no CUDA"
-    if name == "versions":
-        assert result["deterministic"] is True  # run_part set train.deterministic's kernels first
-    if name == "exactness":
-        assert all(all(c["equal"]) and len(c["equal"]) == 3 for c in result["cases"].values())
-        assert len(result["cases"]) == 2 * 2 * 2 * 2 * 2  # C, B, top_p, dtype, decoder path
-    if name == "grpo_onpolicy":
-        assert result["fp32"]["onpolicy_max_dev"] == 0.0 and result["bf16"]["onpolicy_max_dev"] == 0.0
+        torch.use_deterministic_algorithms(True)  # the suite's mode (the versions injection turns warn_only on)
+    assert result["status"].startswith("fail"), result
+
+
+def test_the_cuda_only_verdicts_fail_on_what_a_gpu_could_measure():
+    clean = {"syncs_short": 10, "syncs_long": 14, "steps_extra": 32, "checks_extra": 4}
+    events, steps = {"syncs": 30, "steps": 60}, 60
+    assert gpu_check.sync_verdict(clean, events, 3) == "ok"
+    assert gpu_check.sync_verdict({**clean, "syncs_long": 15}, events, 3).startswith("fail: 1 syncs in 32")
+    assert gpu_check.sync_verdict(clean, {"syncs": steps + 1, "steps": steps}, 3).startswith("fail")
+    assert gpu_check.sync_verdict(clean, events, gpu_check.DENSE_STEP_SYNCS + 1).startswith("fail")
+    stable = {"supported": True, "bit_stable": True, "rel_diff_vs_math": 1e-3}
+    results = {"enc/bfloat16/grad/efficient": stable, "enc/bfloat16/grad/math": stable}
+    uses = {"enc/bfloat16/grad": "efficient"}
+    assert gpu_check.sdpa_verdict(results, uses, ["enc"], True) == "ok"
+    unstable = {**results, "enc/bfloat16/grad/efficient": {**stable, "bit_stable": False}}
+    assert gpu_check.sdpa_verdict(unstable, uses, ["enc"], True).startswith("fail: not bit-stable")
+    math_only = {**results, "enc/bfloat16/grad/efficient": {"supported": False, "why": "mask"}}
+    assert "no non-math backend" in gpu_check.sdpa_verdict(math_only, {"enc/bfloat16/grad": "math"}, ["enc"], True)
+    assert "default dispatch uses math" in gpu_check.sdpa_verdict(results, {"enc/bfloat16/grad": "math"}, ["enc"], True)
+    assert gpu_check.bench_verdict({"rollout_tokens_per_s": float("nan")}).startswith("fail")
+    assert cuda_graphs.verdict({"graphs_vs_module": 0.0, "graphs_vs_fused": 2e-5, "checkpointed_vs_not": 0.0}) \
+        .startswith("fail: graphs_vs_fused")
+    assert cuda_graphs.verdict({"graphs_vs_module": float("nan"), "graphs_vs_fused": 0.0,
+                                "checkpointed_vs_not": 0.0}).startswith("fail")

@@ -259,6 +259,8 @@ def test_cuda_graphs_settings_are_checked():
         load_config(None, ["model.fused_decoder=false"])
     with pytest.raises(ConfigError, match="parallel.pp=2"):
         load_config(None, ["train.cuda_graphs=true", "parallel.pp=2"])
+    with pytest.raises(ConfigError, match="parallel.tp=2: the captured bodies would hold NCCL all-reduces"):
+        load_config(None, ["train.cuda_graphs=true", "parallel.tp=2"])
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs the model on a CUDA device"):
             install_cuda_graphs(build_model(cfg_of(), seed=0))

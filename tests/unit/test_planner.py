@@ -14,7 +14,8 @@ from rlt_mega.model.rlt import param_counts
 from rlt_mega.plan.cli import main as plan_main
 from rlt_mega.plan.costmodel import estimate
 from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.planner import Hardware, explain, plan_layouts, step_time
+from rlt_mega.config import ConfigError
+from rlt_mega.plan.planner import Hardware, evaluate, explain, format_rows_curve, plan_layouts, rows_curve, step_time
 
 ROOT = Path(__file__).resolve().parents[2]
 RLT_48 = ROOT / "configs" / "rlt_48x48.yaml"
@@ -94,3 +95,32 @@ def test_plan_errors_are_one_line(capsys):
     assert plan_main(["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "train.stpes=3"]) == 2
     err = capsys.readouterr().err
     assert "did you mean 'steps'" in err
+
+
+def test_rows_per_decoder_step_are_searched_past_the_batch_up_to_the_memory_limit(rlt48):
+    hw = Hardware(nodes=1, gpus_per_node=8, gpu_mem_gb=80)
+    plans, _ = plan_layouts(rlt48.model, hw, 2048, global_batch=8, max_global_batch=256)
+    assert any(p.layout.sequences_per_step > 8 for p in plans)  # more rows per step than the batch gives
+    assert all(8 <= p.layout.sequences_per_step <= 256 for p in plans)
+    speeds = [p.tokens_per_s for p in plans]
+    assert speeds == sorted(speeds, reverse=True)
+    curve = rows_curve(plans)
+    rows = [r["rows"] for r in curve]
+    assert rows == sorted(rows) and rows[0] == 1 and len(rows) > 3
+    assert not any(p.layout.micro_batch_size > rows[-1] for p in plans)  # the curve ends at the memory limit
+    assert "fits no layout: the memory limit" in format_rows_curve(curve)
+    with pytest.raises(ConfigError, match="--max-global-batch 4 is below --global-batch 8"):
+        plan_layouts(rlt48.model, hw, 2048, global_batch=8, max_global_batch=4)
+
+
+def test_rlt_48x48_ships_the_planners_first_choice_for_its_cluster():
+    """The cluster the file names (8 x 8 H100 80 GB, the planner's default hardware, its default
+    batch range); the file's layout is the first plan's, and costs what the plan says."""
+    cfg = load_config(RLT_48)
+    assert "--nodes 8 --gpus-per-node 8 --gpu-mem-gb 80" in RLT_48.read_text()
+    hw = Hardware(nodes=8, gpus_per_node=8, gpu_mem_gb=80)
+    plans, _ = plan_layouts(cfg.model, hw, cfg.data.seq_len, 512, dtype=cfg.train.dtype, max_global_batch=4096)
+    shipped = evaluate(cfg.model, Layout.from_config(cfg, world_size=64), hw)
+    assert shipped.describe() == plans[0].describe()  # decoder_k aside, which ckpt=none does not use
+    assert shipped.tokens_per_s == pytest.approx(plans[0].tokens_per_s)
+    assert shipped.peak_memory == pytest.approx(plans[0].peak_memory)
