@@ -269,33 +269,34 @@ def part_exactness(smoke: bool) -> dict:
     device = _device()
     batch_sizes, Cs, new = ((3, 1), (2, 1), 6) if smoke else ((64, 8, 1), (16, 1), 24)
     cases, failed, skipped = {}, [], []
-    for C in Cs:
-        cfg = _model_cfg(smoke, n_layers=2 if smoke else 4, memory_block=C)
-        model = build_model(cfg, device, seed=0)
-        for fused in (True, False):
+    models = {C: build_model(_model_cfg(smoke, n_layers=2 if smoke else 4, memory_block=C), device, seed=0) for C in Cs}
+    # the step at every C and B, then the reference; top-p on in bf16 and off in fp32 (both
+    # dtypes and both processings at every shape, in half the cases)
+    for fused in (True, False):
+        for C in Cs:
+            model = models[C]
             for B in (batch_sizes if fused else batch_sizes[1:2]):
-                prompts = _ragged_prompts(B, cfg.vocab_size, 3, 12 if smoke else 40, seed=B)
-                for dtype in ("bf16", "fp32"):
-                    for top_p in (0.95, 1.0):
-                        key = f"C={C}/B={B}/top_p={top_p}/{dtype}/{'step' if fused else 'reference'}"
-                        if _over_budget():
-                            skipped.append(key)
-                            continue
-                        sampler = Sampler(model, decoder=None if fused else ReferenceDecoder())
-                        params = SamplingParams(Processing(temperature=1.0, top_p=top_p), max_new_tokens=new,
-                                                stop_token_ids=(7,))
-                        with torch.no_grad():
-                            ro = sampler.generate([prompts], params, [list(range(B))], pad_id=0, dtype=dtype)[0]
-                            mu = ro.mu.clone()
-                            if _inject("exactness") and not cases:  # one ulp off in one recorded log-prob
-                                flat = mu.view(-1)
-                                i = int(ro.mask.reshape(-1).nonzero()[0])
-                                flat[i] = torch.nextafter(flat[i], torch.tensor(-float("inf"), dtype=flat.dtype, device=device))
-                            equal = [bool(torch.equal(sampler.replay([ro])[0], mu)) for _ in range(2)]
-                        cases[key] = {"equal": equal, "tokens": ro.num_completion_tokens(),
-                                      "steps": ro.schedule.num_steps}
-                        if not all(equal):
-                            failed.append(key)
+                prompts = _ragged_prompts(B, model.cfg.vocab_size, 3, 12 if smoke else 40, seed=B)
+                for dtype, top_p in (("bf16", 0.95), ("fp32", 1.0)):
+                    key = f"C={C}/B={B}/top_p={top_p}/{dtype}/{'step' if fused else 'reference'}"
+                    if _over_budget():
+                        skipped.append(key)
+                        continue
+                    sampler = Sampler(model, decoder=None if fused else ReferenceDecoder())
+                    params = SamplingParams(Processing(temperature=1.0, top_p=top_p), max_new_tokens=new,
+                                            stop_token_ids=(7,))
+                    with torch.no_grad():
+                        ro = sampler.generate([prompts], params, [list(range(B))], pad_id=0, dtype=dtype)[0]
+                        mu = ro.mu.clone()
+                        if _inject("exactness") and not cases:  # one ulp off in one recorded log-prob
+                            flat = mu.view(-1)
+                            i = int(ro.mask.reshape(-1).nonzero()[0])
+                            flat[i] = torch.nextafter(flat[i], torch.tensor(-float("inf"), dtype=flat.dtype, device=device))
+                        equal = [bool(torch.equal(sampler.replay([ro])[0], mu)) for _ in range(2)]
+                    cases[key] = {"equal": equal, "tokens": ro.num_completion_tokens(),
+                                  "steps": ro.schedule.num_steps}
+                    if not all(equal):
+                        failed.append(key)
     status = "ok" if not failed else f"fail: replay differs from mu in {failed}"
     return {"status": status, "cases": cases, "over_budget": skipped}
 
@@ -600,7 +601,8 @@ def part_fused_cuda_graph(smoke: bool) -> dict:
     args += ["--smoke"] if smoke and not _torch().cuda.is_available() else []
     args += ["--inject"] if _inject("fused_cuda_graph") else []
     done = subprocess.run([sys.executable, str(FUSED_GRAPH_CHECK), *args], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
     return _json_tail(done)
 
 
@@ -621,7 +623,8 @@ def part_world_of_one(smoke: bool) -> dict:
            "--master_port", str(free_port()), str(WORLD_OF_ONE), "--out", str(out)]
     cmd += ["--smoke"] if smoke else []
     cmd += ["--inject"] if _inject("world_of_one") else []
-    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
     if not out.exists():
         return {"status": f"fail: exit {done.returncode}, no result", "stderr": done.stderr[-3000:]}
     return json.loads(out.read_text())

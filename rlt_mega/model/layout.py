@@ -36,6 +36,17 @@ from typing import Optional, Union
 import torch
 
 
+def to_device(values, device, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """Host values (a list, nested lists or a CPU tensor) -> a tensor on ``device`` without a host
+    sync: on CUDA through pinned memory with a non-blocking copy (the caching host allocator keeps
+    the pinned block until the copy is done), since a pageable copy blocks the host until the
+    stream drains. Every index tensor a schedule event builds comes through here."""
+    t = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _slot_ptr(buf: torch.Tensor, i: int) -> int:
     """The address of buf[i] (without creating the view)."""
     return buf.data_ptr() + i * buf.stride(0) * buf.element_size()

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.model.documents import Documents
+from rlt_mega.model.layout import to_device
 from rlt_mega.model.rows import DenseRows
 
 
@@ -79,10 +80,10 @@ class PromptPack:
                 own_lists.append(own)
             self.groups.append(_group(start, P, own_lists, device))
         self.total = len(src)
-        self.src = torch.tensor(src, dtype=torch.long, device=device)
-        self.positions = torch.tensor([positions], dtype=torch.long, device=device)  # (1, total)
+        self.src = to_device(src, device)
+        self.positions = to_device([positions], device)  # (1, total)
         # positions no row reads take the appended zero row (index total)
-        self.unpack_index = torch.tensor([self.total if j < 0 else j for j in unpack], dtype=torch.long, device=device)
+        self.unpack_index = to_device([self.total if j < 0 else j for j in unpack], device)
         self.B, self.T = B, T
         self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 

@@ -42,6 +42,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlt_mega.model import plan as schedule
+from rlt_mega.model.layout import to_device
 
 DENSE_ROWS = "dense_rows"  # the batch dict's key of a DenseRows
 
@@ -187,11 +188,10 @@ class DensePlan:
                 r = rep[e.entry]
                 others = [phys[b] for b in e.rows if b != r and layout.last_position(b) >= layout.prompt_lens[b]]
                 if others:
-                    forks.setdefault(e.step + 1, []).append(KVCopy(e.step + 1, phys[r], torch.tensor(others,
-                                                                                                   device=device)))
+                    forks.setdefault(e.step + 1, []).append(KVCopy(e.step + 1, phys[r], to_device(others, device)))
         self.B, self.T, self.device = B, T, device
-        self.perm = torch.tensor(order, device=device)
-        self.inverse = torch.tensor([phys[b] for b in range(B)], device=device)
+        self.perm = to_device(order, device)
+        self.inverse = to_device([phys[b] for b in range(B)], device)
         self.identity = order == list(range(B))
         self.steps: list[Optional[RowStep]] = []
         self.active = 0  # row-positions the plan runs (B * T without it)
@@ -211,10 +211,10 @@ class DensePlan:
             if readers:  # (n, B): reader_matrix[k, b] = 1 where caller row b's output is compact row k
                 reader_matrix = torch.zeros(n + 1, B)
                 reader_matrix[src, torch.arange(B)] = 1.0
-                reader_matrix = reader_matrix[:n].to(device)
-            self.steps.append(RowStep(n, None if prefix else torch.tensor(active, device=device, dtype=torch.long),
-                                      torch.tensor([order[j] for j in active], device=device, dtype=torch.long),
-                                      src.to(device), reader_matrix, forks.get(t, [])))
+                reader_matrix = to_device(reader_matrix[:n], device)
+            self.steps.append(RowStep(n, None if prefix else to_device(active, device),
+                                      to_device([order[j] for j in active], device),
+                                      to_device(src, device), reader_matrix, forks.get(t, [])))
 
     def step(self, t: int) -> Optional[RowStep]:
         return self.steps[t] if t < len(self.steps) else None

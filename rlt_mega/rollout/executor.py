@@ -35,6 +35,7 @@ import torch
 
 from rlt_mega.model.cache import KVCache, RowsView
 from rlt_mega.model.dense_decode import compute_dtype_of
+from rlt_mega.model.layout import to_device
 from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits
@@ -91,6 +92,7 @@ class _Run:
     high: int = -1  # the furthest position a step of the run reached so far
     calls: list = field(default_factory=list)
     call_rows: list = field(default_factory=list)  # the step's encoder calls' rows ((n,) long, None: all)
+    call_seqs: list = field(default_factory=list)  # their sequences ((n,) long)
 
 
 def _buffers(run: _Run):
@@ -221,19 +223,18 @@ class RowExecutor:
             run.pos += 1
         else:
             self._rebuild(run, sp)
-            run.pos = torch.as_tensor(sp.positions, dtype=torch.long, device=device)
-            run.seqs = torch.as_tensor(sp.seqs, dtype=torch.long, device=device)
+            run.pos = to_device(sp.positions, device)
+            run.seqs = to_device(sp.seqs, device)
         for u in sp.unpark:
             run.parked.pop(u, None)
         if sp.expand is None:  # one target per row: the batch's own sequences and positions
             run.targets, run.target_pos, run.expand = run.seqs, run.pos, None
         else:  # a fork after this step: its G rows' draws come from its one distribution
-            run.targets = torch.as_tensor(sp.targets, dtype=torch.long, device=device)
-            run.target_pos = torch.as_tensor(sp.target_positions, dtype=torch.long, device=device)
-            run.expand = torch.as_tensor(sp.expand, dtype=torch.long, device=device)
-        run.call_rows = [None if len(c.rows) == len(sp.seqs) else torch.as_tensor(c.rows, dtype=torch.long,
-                                                                                  device=device)
-                         for c in sp.calls]
+            run.targets = to_device(sp.targets, device)
+            run.target_pos = to_device(sp.target_positions, device)
+            run.expand = to_device(sp.expand, device)
+        run.call_rows = [None if len(c.rows) == len(sp.seqs) else to_device(c.rows, device) for c in sp.calls]
+        run.call_seqs = [to_device(c.seqs, device) for c in sp.calls]
         run.sp, run.num_rows = sp, len(sp.seqs)
         run.high = max(run.high, max(sp.positions))
 
@@ -258,9 +259,8 @@ class RowExecutor:
         if self.comms.is_first_stage:
             parked = sorted({src.entry for src in sp.build if isinstance(src, FromParked)})
             offset = {u: old + n for n, u in enumerate(parked)}
-            index = torch.as_tensor([src.row if isinstance(src, FromBatch) else offset[src.entry]
-                                     if isinstance(src, FromParked) else old + len(parked) for src in sp.build],
-                                    dtype=torch.long, device=device)
+            index = to_device([src.row if isinstance(src, FromBatch) else offset[src.entry]
+                               if isinstance(src, FromParked) else old + len(parked) for src in sp.build], device)
             parts = [run.z[:old]] if old else []
             parts += [run.parked[u][1] for u in parked] + [self.model.initial_state(1).to(self.act_dtype)]
             run.z = torch.cat(parts).index_select(0, index)
@@ -271,8 +271,7 @@ class RowExecutor:
         c = step.block[2]
         call, rows = run.sp.calls[c], run.call_rows[c]
         if comms.is_first_stage:
-            seqs = torch.as_tensor(call.seqs, dtype=torch.long, device=run.work.tokens.device)
-            h = model.embed(run.work.tokens.index_select(0, seqs)[:, call.start:call.end])  # (n, C, d)
+            h = model.embed(run.work.tokens.index_select(0, run.call_seqs[c])[:, call.start:call.end])  # (n, C, d)
         else:
             h = ins[0]
         cache = RowsView(run.enc, rows, run.work.plan.layout.slots, len(call.rows))

@@ -35,6 +35,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
+from rlt_mega.model.layout import to_device
 from rlt_mega.model.rlt import RLT
 from rlt_mega.precision import precision
 from rlt_mega.rollout.comms import Comms
@@ -118,8 +119,8 @@ def completion_positions(prompt_lens: Sequence[int], completion_lens: Sequence[i
     step (B, N) = P_b - 1 + j (clamped into range where masked), mask (B, N)."""
     N = max(completion_lens) if len(completion_lens) else 0
     j = torch.arange(N, device=device)
-    P = torch.as_tensor(list(prompt_lens), device=device)
-    n = torch.as_tensor(list(completion_lens), device=device)
+    P = to_device(list(prompt_lens), device)
+    n = to_device(list(completion_lens), device)
     mask = j[None, :] < n[:, None]
     step = torch.where(mask, P[:, None] - 1 + j[None, :], torch.zeros_like(mask, dtype=torch.long))
     return step, mask
@@ -150,17 +151,17 @@ class _Draw:
         device = tokens.device
         self.tokens, self.params, self.decode, self.pad_id = tokens, params, decode, pad_id
         self.prompt_lens = list(seq_lens)
-        self.prompt_t = torch.as_tensor(self.prompt_lens, dtype=torch.long, device=device)  # (S,)
+        self.prompt_t = to_device(self.prompt_lens, device)  # (S,)
         self.u = draw_uniforms(generators, params.max_new_tokens, device)  # (S, max_new_tokens)
         S = tokens.shape[0]
         self.num_rows = num_rows
         self.is_row = torch.arange(S, device=device) < num_rows
         self.num_new = torch.zeros(S, dtype=torch.long, device=device)  # tokens drawn per row
         self.reason = torch.zeros(S, dtype=torch.long, device=device)  # index into _REASONS
-        self.stop_ids = torch.as_tensor(list(params.stop_token_ids), dtype=torch.long, device=device)
+        self.stop_ids = to_device(list(params.stop_token_ids), device)
         budgets = list(params.row_budgets)
         budgets += [params.max_new_tokens] * (S - len(budgets))  # (the entries': unused)
-        self.budget = torch.as_tensor(budgets, dtype=torch.long, device=device)  # (S,)
+        self.budget = to_device(budgets, device)  # (S,)
         self._sampling: Optional[torch.Tensor] = None
         self.checked = [0] * S  # completion tokens already searched for stop strings (host)
         # A stop string of n bytes spans at most n tokens when every token decodes to at least
@@ -307,9 +308,10 @@ class Sampler:
                                 self.rows.share_prompts, self.rows.compact, self.check_every)
             capacity = max(layout.prompt_lens) + p.max_new_tokens
             _check_model_fits(self.model, capacity)
-            rows = torch.full((len(prompts), capacity), pad_id, dtype=torch.long, device=self.device)
+            rows = torch.full((len(prompts), capacity), pad_id, dtype=torch.long)
             for b, x in enumerate(prompts):
                 rows[b, :len(x)] = torch.as_tensor(list(x), dtype=torch.long)
+            rows = to_device(rows, self.device)
             tokens = _seq_tokens(layout, rows, capacity, pad_id)
             seq_lens = [layout.seq_len(s) for s in range(layout.num_seqs)]
             gens = make_generators(list(batch_seeds) + [0] * (layout.num_seqs - layout.num_rows), self.device)
