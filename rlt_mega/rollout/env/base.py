@@ -1,0 +1,122 @@
+"""The environment interface (``grpo.env``: a built-in name or ``module:Class``) and the episode
+that runs one for one row under the limits of a run (rollout/turns.py is the sampler's side).
+
+An ``Environment`` declares its triggers (stop strings; ``triggered`` may refine them) and answers
+a triggered model turn with a ``Turn``: an observation (text, tokenized here once), or the end of
+the episode. ``start`` makes a row's state from its prompt record. The limits (``EnvLimits``):
+turns per episode, observation tokens per turn and per episode (longer observations are cut,
+counted as truncated), and a time limit per call (past it: an error observation, counted)."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+from rlt_mega.rollout.turns import Response
+
+
+@dataclass(frozen=True)
+class Turn:
+    """An environment's answer: ``observation`` appended to the row (text), or ``done``."""
+
+    observation: str = ""
+    done: bool = False
+    tool_call: bool = False
+    error: bool = False
+
+
+class Environment:
+    """Subclass and override ``step`` (and ``start``, ``triggered``, ``triggers`` as needed)."""
+
+    triggers: tuple[str, ...] = ()  # a model turn containing one of these hands over
+    trigger_ids: tuple[int, ...] = ()  # ... or one of these token ids
+
+    def start(self, record: dict) -> Any:
+        """A row's episode state from its prompt's record (the dataset row)."""
+        return None
+
+    def triggered(self, text: str) -> bool:
+        return any(t in text for t in self.triggers)
+
+    def step(self, state: Any, text: str) -> Turn:
+        """The answer to the model's turn ``text`` (its text since the last observation)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class EnvLimits:
+    max_turns: int = 8
+    max_turn_tokens: int = 32  # observation tokens per turn
+    max_episode_tokens: int = 256  # observation tokens per episode
+    time_limit_s: float = 2.0  # per call
+
+    def __post_init__(self) -> None:
+        for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"environment limit {name}={getattr(self, name)}: must be >= 1")
+        if not self.time_limit_s > 0:
+            raise ValueError(f"environment time limit {self.time_limit_s}: must be > 0 seconds")
+
+
+class Calls:
+    """Runs an environment's calls under the time limit on a worker thread. A call past the limit
+    is abandoned (Python cannot stop a thread) and a fresh worker takes the next calls."""
+
+    def __init__(self, time_limit_s: float) -> None:
+        self.time_limit_s = time_limit_s
+        self.pool = concurrent.futures.ThreadPoolExecutor(1)
+
+    def __call__(self, fn: Callable[[], Turn]) -> Optional[Turn]:
+        """fn() or None (it raised, or ran out of time)."""
+        future = self.pool.submit(fn)
+        try:
+            return future.result(timeout=self.time_limit_s)
+        except concurrent.futures.TimeoutError:
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            self.pool = concurrent.futures.ThreadPoolExecutor(1)
+            return None
+        except Exception:  # an environment bug is an error observation, counted, never a dead run
+            return None
+
+
+class EnvEpisode:
+    """One row's episode (rollout/turns.py ``Episode``): the environment's turns, the
+    observations tokenized once (``encode``: text -> ids, no BOS), cut to the limits."""
+
+    ERROR = "error>>"
+
+    def __init__(self, env: Environment, record: dict, encode: Callable[[str], list[int]], limits: EnvLimits,
+                 calls: Calls) -> None:
+        self.env, self.encode, self.limits, self.calls = env, encode, limits, calls
+        self.state = env.start(record)
+        self.turns = 0
+        self.tokens = 0
+
+    def triggered(self, ids: Sequence[int], text: str) -> bool:
+        return any(i in self.env.trigger_ids for i in ids) or self.env.triggered(text)
+
+    def respond(self, ids: Sequence[int], text: str) -> Response:
+        if self.turns >= self.limits.max_turns:
+            return Response(done=True, truncated=True)
+        self.turns += 1
+        turn = self.calls(lambda: self.env.step(self.state, text))
+        if turn is None:
+            turn = Turn(observation=self.ERROR, tool_call=True, error=True)
+        if turn.done:
+            return Response(done=True, tool_call=turn.tool_call, error=turn.error)
+        obs = list(self.encode(turn.observation)) if turn.observation else []
+        cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - self.tokens)
+        self.tokens += min(len(obs), cap)
+        return Response(ids=tuple(obs[:cap]), tool_call=turn.tool_call, error=turn.error, truncated=len(obs) > cap)
+
+
+class Environments:
+    """A run's environment: ``episodes(records)`` makes one episode per row."""
+
+    def __init__(self, env: Environment, encode: Callable[[str], list[int]], limits: EnvLimits) -> None:
+        self.env, self.encode, self.limits = env, encode, limits
+        self.calls = Calls(limits.time_limit_s)
+
+    def episodes(self, records: Sequence[dict]) -> list[EnvEpisode]:
+        return [EnvEpisode(self.env, r, self.encode, self.limits, self.calls) for r in records]
