@@ -272,7 +272,7 @@ class _Draw:
         budget = self.budget[:R].tolist()
         for (b, _, _), r in zip(asked, responses):
             st = self.stats[b]
-            st.turns += 1
+            st.turns += int(not r.done)
             st.tool_calls += int(r.tool_call)
             st.tool_errors += int(r.error)
             st.truncated |= r.truncated
@@ -507,12 +507,13 @@ def _replay_values(ro: Rollout, work: RowWork, res: RowResult) -> Optional[torch
 def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
              pad_id: int, dtype: str = "fp32", decode: Optional[Callable[[list[int]], str]] = None,
              device: torch.device | str | None = None, check_every: int = DEFAULT_CHECK_EVERY,
-             rows: RowSwitches = RowSwitches(), decoder=None) -> Rollout:
+             rows: RowSwitches = RowSwitches(), decoder=None, episodes: Optional[Sequence[Episode]] = None) -> Rollout:
     """One batch on one process (``Sampler`` for several, or under parallelism)."""
     if device is not None and torch.device(device) != next(model.parameters()).device:
         raise ValueError(f"generate on {device}: the model is on {next(model.parameters()).device}")
     sampler = Sampler(model, check_every=check_every, rows=rows, decoder=decoder)
-    return sampler.generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
+    return sampler.generate([prompts], params, [seeds], pad_id, dtype, decode,
+                            None if episodes is None else [episodes])[0]
 
 
 def replay(model: RLT, rollout: Rollout, decoder=None) -> torch.Tensor:

@@ -45,7 +45,7 @@ class Episode(Protocol):
 class EpisodeStats:
     """One row's episode, as the metrics count it (``env/*``)."""
 
-    turns: int = 0  # the environment's answers
+    turns: int = 0  # the environment's answers that continued the episode (an observation)
     tool_calls: int = 0
     tool_errors: int = 0
     observation_tokens: int = 0  # inserted (after every cap)
