@@ -33,6 +33,7 @@ from rlt_mega.parallel.engine import param_groups
 from rlt_mega.parallel.gather import gather_full
 from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate, replay
+from rlt_mega.rollout.env import EnvLimits, Environment, Environments, Turn
 from rlt_mega.rollout.rewards import score
 from rlt_mega.model.decoder import StepRunner
 from rlt_mega.model.plan import LOCKSTEP, RowSwitches
@@ -55,18 +56,46 @@ GROUPED = [[[1, 2, 3]] * 4 + [[6, 7, 8, 9, 10]] + [[3, 5, 7, 9, 11, 13]] * 4,
            [[8, 9, 10, 11, 12, 13, 14]] * 4 + [[4, 4]] * 4]
 
 
-def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None) -> dict:
+class Letters(Environment):
+    """Triggered often by a random model (letters decoded from ids mod 26); answers 1-4 tokens, so
+    insertions start and end at every offset of a memory block; ends the episode on a 'z'."""
+
+    triggers = tuple("aeiou")
+
+    def step(self, state, text):
+        if "z" in text:
+            return Turn(done=True)
+        return Turn(observation="x" * (1 + sum(map(ord, text)) % 4), tool_call=True)
+
+
+def letters(ids) -> str:
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def letter_ids(text) -> list[int]:
+    return [ord(c) - 97 + 26 for c in text]
+
+
+def _episodes(batches):
+    return [Environments(Letters(), letter_ids, EnvLimits(max_turns=4)).episodes([{}] * len(b)) for b in batches]
+
+
+def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None,
+                 env: bool = False) -> dict:
     """Two ragged batches in flight (temperature 0.7, top-p 0.9, a stop token); bf16 as DeepSpeed
     runs it (bf16 parameters). rows: the plan's options (model/plan.py), with grouped prompts;
     None: the lockstep plan on ragged prompts. ``steps``: the model's decoder step's calls during
-    the rollout and the replays (the step that ran, not only its values)."""
+    the rollout and the replays (the step that ran, not only its values). env: an environment's
+    observations inserted (a check every step, rollout/turns.py)."""
     cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
     full = _bf16(build_model(cfg.model, "cpu", seed=7), dtype)
     mine = _bf16(shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims), dtype)
     switches = LOCKSTEP if rows is None else RowSwitches(**rows)
-    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, rows=switches, check_every=2 if rows else 8)
-    params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=9, stop_token_ids=(0,))
+    every = 1 if env else 2 if rows else 8
+    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, rows=switches, check_every=every)
+    params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=14 if env else 9,
+                            stop_token_ids=(0,))
     batches = RAGGED if rows is None else GROUPED
     seeds = [[11 + 10 * j + b for b in range(len(batch))] for j, batch in enumerate(batches)]
     steps = {"rollout": 0, "replay": 0}
@@ -79,7 +108,8 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
 
     StepRunner.step = counted
     try:
-        rollouts = sampler.generate(batches, params, seeds, pad_id=0, dtype=dtype)
+        rollouts = sampler.generate(batches, params, seeds, pad_id=0, dtype=dtype, decode=letters,
+                                    episodes=_episodes(batches) if env else None)
         phase[0] = "replay"
         replays, again = sampler.replay(rollouts), sampler.replay(rollouts)
     finally:
@@ -89,7 +119,8 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
            "decoder": sorted({ro.schedule.decoder for ro in rollouts})}
     out["events"] = sorted({type(e).__name__ for ro in rollouts for e in ro.schedule.rows.log})
     for ro, rp, rp2, batch, s in zip(rollouts, replays, again, batches, seeds):
-        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=2 if rows else 8)
+        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=every,
+                       decode=letters, episodes=_episodes([batch])[0] if env else None)
         out["num_tokens"] += ro.num_completion_tokens()
         if rp is not None:
             out["exact"] &= bool(torch.equal(rp, ro.mu))
