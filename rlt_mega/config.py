@@ -422,12 +422,12 @@ class GRPOConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     reward: str = "gsm8k"  # "gsm8k" or "module:function" taking (completion text, answer record)
-    # An environment inside the rollouts (rollout/env/, rollout/turns.py): "" none, "calculator"
+    # An environment inside the rollouts (rollout/env/, rollout/turns.py): null none, "calculator"
     # (GSM8K's <<expression=value>>), "chat" (scripted user turns, a record's "turns") or
     # "module:Class". Its observations are inserted after each trigger and forced (no loss); it
     # needs sampling.check_every: 1. Limits: turns per episode, observation tokens per turn and
     # per episode (cut beyond), seconds per call (past it: an error observation).
-    env: str = ""
+    env: Optional[str] = None
     max_turns: int = 8
     max_turn_tokens: int = 32
     max_episode_tokens: int = 256

@@ -114,10 +114,11 @@ def docs_in(windows):
 
 class FrequentTool(Environment):
     """A tool environment a random byte-level model calls often (grpo.env=helpers:FrequentTool):
-    any of a few common bytes triggers it; it answers one to four digits, or ends the episode
-    when the turn holds a '7'."""
+    a model turn of four characters (or a space) triggers it; it answers one to four digits, or
+    ends the episode when the turn holds a '7'."""
 
-    triggers = tuple("aeiouAEIOU ")
+    def triggered(self, text):
+        return len(text) >= 4 or " " in text
 
     def step(self, state, text):
         if "7" in text:

@@ -332,10 +332,10 @@ class GRPOJob:
             mine = [self.eval_records[i] for i in indices]
             accuracy, sampled = 0.0, {}
             if mine:
-                accuracy, _ = greedy_accuracy(sampler, self.tokenizer, mine, self.cfg, self.cfg.train.dtype)
+                accuracy, _ = greedy_accuracy(sampler, self.tokenizer, mine, self.cfg, self.cfg.train.dtype, self.envs)
             if self.cfg.eval.samples:
                 names = metric_names(self.cfg.eval.samples, self.cfg.eval.k)
-                sums = (sampled_scores(sampler, self.tokenizer, mine, indices, self.cfg, self.cfg.train.dtype)
+                sums = (sampled_scores(sampler, self.tokenizer, mine, indices, self.cfg, self.cfg.train.dtype, self.envs)
                         if mine else dict.fromkeys(names, 0.0))
                 sampled = dict(zip(names, dims.sum_over_dp([sums[k] for k in names])))
             correct, total = dims.sum_over_dp([accuracy * len(mine), float(len(mine))])

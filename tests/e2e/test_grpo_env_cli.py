@@ -2,6 +2,8 @@
 completions, the on-policy replay stays torch.equal to mu (grpo.verify_onpolicy), the env/*
 metrics are logged, and a run resumed in the middle ends where the uninterrupted one does."""
 
+import json
+
 from safetensors.torch import load_file
 
 from rlt_mega.cli import main
@@ -29,6 +31,14 @@ def test_grpo_with_an_environment_is_exact_and_resumes_exactly(tmp_path, prompts
         assert r["ratio/onpolicy_max_dev"] == 0.0
         assert r["env/turns"] > 0.1 and r["env/observation_tokens_max"] <= 9  # 3 turns x 3 tokens
     assert any(r["env/truncated"] > 0 for r in records)
+    # rlt-mega eval with the environment: its observations are in the completions
+    common = grpo_args(tmp_path, prompts, "full", *ENV)[1:]
+    out = tmp_path / "eval.jsonl"
+    assert main(["eval", *common, "--data", str(prompts), "--limit", "6", "--output", str(out)]) == 0
+    with_env = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    assert main(["eval", *common, "grpo.env=", "--data", str(prompts), "--limit", "6", "--output", str(out)]) == 0
+    without = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
+    assert len(with_env) == len(without) == 6 and with_env != without
 
 
 def test_an_environment_needs_a_check_every_step(tmp_path, prompts, capsys):  # noqa: F811
