@@ -65,7 +65,10 @@ def greedy_accuracy(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequenc
     if len(records) == 0:
         raise ValueError("greedy accuracy of an empty set of records")
     questions = [r["question"] for r in records]
-    completions = generate_texts(model, tokenizer, questions, sampling_params(cfg, tokenizer, greedy=True),
+    params = sampling_params(cfg, tokenizer, greedy=True)
+    if envs is not None:
+        params = dataclasses.replace(params, stop_token_ids=envs.stop_ids(params.stop_token_ids))
+    completions = generate_texts(model, tokenizer, questions, params,
                                  seeds=[0] * len(questions), batch_size=cfg.sampling.batch_size, dtype=dtype,
                                  episodes=None if envs is None else envs.episodes(records))
     correct, _ = score(completions, [r["answer"] for r in records], list(range(len(records))), gsm8k_reward)
@@ -89,6 +92,8 @@ def sampled_scores(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequence
                           "(e.g. 1.0), or eval.samples=0 for the greedy accuracy only")
     base = sampling_params(cfg, tokenizer)
     params = dataclasses.replace(base, processing=dataclasses.replace(base.processing, temperature=temperature))
+    if envs is not None:
+        params = dataclasses.replace(params, stop_token_ids=envs.stop_ids(params.stop_token_ids))
     questions = [r["question"] for r in records for _ in range(n)]
     seeds = [cfg.train.seed * 1_000_003 + 2 ** 40 + i * n + j for i in indices for j in range(n)]
     completions = generate_texts(model, tokenizer, questions, params, seeds=seeds, batch_size=cfg.sampling.batch_size,

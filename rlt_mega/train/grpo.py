@@ -104,6 +104,8 @@ class GRPOJob:
         self.objective = GRPOObjective(settings=loss_settings(cfg))
         self._t_generate = 0.0
         self.envs = environments(cfg, tokenizer)
+        if self.envs is not None:
+            self.params = dataclasses.replace(self.params, stop_token_ids=self.envs.stop_ids(self.params.stop_token_ids))
 
     # ------------------------------------------------------------------ one step
     def _batches(self, items: list, k: int) -> list[list]:
@@ -430,8 +432,10 @@ def environments(cfg: Config, tokenizer: Tokenizer) -> Optional[Environments]:
         env = resolve_env(g.env)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    return Environments(env, tokenizer.encode, EnvLimits(g.max_turns, g.max_turn_tokens, g.max_episode_tokens,
-                                                         g.env_time_limit))
+    limits = EnvLimits(g.max_turns, g.max_turn_tokens, g.max_episode_tokens, g.env_time_limit)
+    if tokenizer.use_chat_template:  # turns laid out by the template; its turn end hands over
+        return Environments(env, tokenizer.encode, limits, tokenizer.chat_turn, tokenizer.turn_end_id)
+    return Environments(env, tokenizer.encode, limits)
 
 
 def engine_config(cfg: Config) -> EngineConfig:

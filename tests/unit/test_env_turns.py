@@ -224,8 +224,8 @@ def test_scripted_chat_turns_and_bad_input():
     env = Chat()
     state = env.start({"turns": ["hi", "bye"]})
     assert env.triggered("well <end>") and not env.triggered("well")
-    assert env.step(state, "x<end>").observation == "\nUser: hi\nAssistant:"
-    assert env.step(state, "y<end>").observation == "\nUser: bye\nAssistant:"
+    assert env.step(state, "x<end>") == Turn(observation="hi", role="user")
+    assert env.step(state, "y<end>") == Turn(observation="bye", role="user")
     assert env.step(state, "z<end>").done
     with pytest.raises(ValueError, match="turns"):
         env.start({"question": "q"})
@@ -236,3 +236,34 @@ def test_scripted_chat_turns_and_bad_input():
                          episodes=[Environments(Echo(), encode, EnvLimits()).episodes([{}])])
     with pytest.raises(ValueError, match="max_turns"):
         EnvLimits(max_turns=0)
+
+
+def test_chat_turns_are_laid_out_by_the_chat_template(tmp_path):
+    """Under data.chat_template the assistant's turn-end token hands over (and no longer stops the
+    row), and the user turn is the template's text, tokenized once: the transcript reads as the
+    template renders the conversation."""
+    from rlt_mega import cli
+    from rlt_mega.data.arithmetic import generate_problems
+    from rlt_mega.data.chat import CHATML, render
+    from rlt_mega.data.tokenizer import load_tokenizer
+
+    data = tmp_path / "p.jsonl"
+    data.write_text("".join(json.dumps(p) + "\n" for p in generate_problems(20, 0)))
+    assert cli.main(["tokenizer", "train", "--data", str(data), "--vocab-size", "300", "--chat-template", "chatml",
+                     str(tmp_path / "tok")]) == 0
+    tok = load_tokenizer(str(tmp_path / "tok"), chat_template=True)
+    envs = Environments(Chat(), tok.encode, EnvLimits(), tok.chat_turn, tok.turn_end_id)
+    assert tok.turn_end_id in tok.stop_ids and envs.stop_ids(tok.stop_ids) == (tok.eos_id,)
+    ep = envs.episodes([{"turns": ["and 2 + 2?"]}])[0]
+    prompt = tok.encode(tok.chat_prompt("1 + 1?"))
+    answer = tok.encode("2") + [tok.turn_end_id]
+    assert not ep.triggered(answer[:-1], "2") and ep.triggered(answer, "2")
+    r = ep.respond(answer, "2")
+    messages = [{"role": "user", "content": "1 + 1?"}, {"role": "assistant", "content": "2"},
+                {"role": "user", "content": "and 2 + 2?"}]
+    assert tok.tok.decode(prompt + answer + list(r.ids), skip_special_tokens=False) == \
+        render(CHATML, messages, True, tok.special_tokens)
+    assert ep.respond(answer, "4").done  # after the last scripted turn
+    plain = Environments(Chat(), lambda t: [ord(c) for c in t], EnvLimits()).episodes([{"turns": ["hi"]}])[0]
+    assert plain.triggered([], "ok <end>") and not plain.triggered([tok.turn_end_id], "ok")
+    assert "".join(map(chr, plain.respond([], "ok <end>").ids)) == "\nUser: hi\nAssistant:"

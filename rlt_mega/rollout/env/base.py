@@ -24,6 +24,9 @@ class Turn:
     done: bool = False
     tool_call: bool = False
     error: bool = False
+    # None: inline text (the calculator's); "user", "tool": a turn of that role, laid out by the
+    # tokenizer's chat template (data.chat_template), else as "\nUser: ...\nAssistant:"
+    role: Optional[str] = None
 
 
 class Environment:
@@ -31,6 +34,9 @@ class Environment:
 
     triggers: tuple[str, ...] = ()  # a model turn containing one of these hands over
     trigger_ids: tuple[int, ...] = ()  # ... or one of these token ids
+    # Answers with whole turns (Turn.role): under a chat template the end of the assistant's
+    # turn (its turn-end token, then no longer a stop token) is the trigger.
+    turns: bool = False
 
     def start(self, record: dict) -> Any:
         """A row's episode state from its prompt's record (the dataset row)."""
@@ -87,13 +93,17 @@ class EnvEpisode:
     ERROR = "error>>"
 
     def __init__(self, env: Environment, record: dict, encode: Callable[[str], list[int]], limits: EnvLimits,
-                 calls: Calls) -> None:
+                 calls: Calls, chat_turn: Optional[Callable[[str, str], str]] = None,
+                 turn_end_id: Optional[int] = None) -> None:
         self.env, self.encode, self.limits, self.calls = env, encode, limits, calls
+        self.chat_turn, self.turn_end_id = chat_turn, turn_end_id
         self.state = env.start(record)
         self.turns = 0
         self.tokens = 0
 
     def triggered(self, ids: Sequence[int], text: str) -> bool:
+        if self.chat_turn is not None and self.env.turns:
+            return self.turn_end_id in ids
         return any(i in self.env.trigger_ids for i in ids) or self.env.triggered(text)
 
     def respond(self, ids: Sequence[int], text: str) -> Response:
@@ -105,7 +115,11 @@ class EnvEpisode:
             turn = Turn(observation=self.ERROR, tool_call=True, error=True)
         if turn.done:
             return Response(done=True, tool_call=turn.tool_call, error=turn.error)
-        obs = list(self.encode(turn.observation)) if turn.observation else []
+        text = turn.observation
+        if turn.role is not None:
+            text = (self.chat_turn(turn.role, text) if self.chat_turn is not None else
+                    f"\n{turn.role.capitalize()}: {text}\nAssistant:")
+        obs = list(self.encode(text)) if text else []
         cap = min(self.limits.max_turn_tokens, self.limits.max_episode_tokens - self.tokens)
         self.tokens += min(len(obs), cap)
         return Response(ids=tuple(obs[:cap]), tool_call=turn.tool_call, error=turn.error, truncated=len(obs) > cap)
@@ -114,9 +128,18 @@ class EnvEpisode:
 class Environments:
     """A run's environment: ``episodes(records)`` makes one episode per row."""
 
-    def __init__(self, env: Environment, encode: Callable[[str], list[int]], limits: EnvLimits) -> None:
+    def __init__(self, env: Environment, encode: Callable[[str], list[int]], limits: EnvLimits,
+                 chat_turn: Optional[Callable[[str, str], str]] = None, turn_end_id: Optional[int] = None) -> None:
+        """chat_turn, turn_end_id: the tokenizer's chat layout (``Tokenizer.chat_turn``), for
+        environments that answer with turns."""
         self.env, self.encode, self.limits = env, encode, limits
+        self.chat_turn, self.turn_end_id = (chat_turn, turn_end_id) if env.turns else (None, None)
         self.calls = Calls(limits.time_limit_s)
 
     def episodes(self, records: Sequence[dict]) -> list[EnvEpisode]:
-        return [EnvEpisode(self.env, r, self.encode, self.limits, self.calls) for r in records]
+        return [EnvEpisode(self.env, r, self.encode, self.limits, self.calls, self.chat_turn, self.turn_end_id)
+                for r in records]
+
+    def stop_ids(self, ids: Sequence[int]) -> tuple[int, ...]:
+        """The sampling's stop tokens less the turn end that hands over to the environment."""
+        return tuple(i for i in ids if self.chat_turn is None or i != self.turn_end_id)

@@ -1,7 +1,8 @@
 """A multi-turn conversation whose user turns are scripted per prompt: the record's ``turns``
-(a list of strings). The model ends its turn with ``end_of_turn``; the environment answers with
-the next scripted user turn, laid out as ``"\\nUser: {turn}\\nAssistant:"``, and ends the episode
-after the last one. The template for users' own environments (tests use it too)."""
+(a list of strings). The model ends its turn (``end_of_turn``, or under a chat template the
+template's turn-end token); the environment answers with the next scripted user turn (laid out
+by the template, or as ``"\\nUser: {turn}\\nAssistant:"``) and ends the episode after the last one.
+The template for users' own environments (tests use it too)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from rlt_mega.rollout.env.base import Environment, Turn
 
 class Chat(Environment):
     end_of_turn = "<end>"
+    turns = True
 
     @property
     def triggers(self) -> tuple[str, ...]:
@@ -26,4 +28,4 @@ class Chat(Environment):
             return Turn(done=True)
         turn = state["turns"][state["next"]]
         state["next"] += 1
-        return Turn(observation=f"\nUser: {turn}\nAssistant:")
+        return Turn(observation=turn, role="user")
