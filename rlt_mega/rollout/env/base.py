@@ -9,7 +9,7 @@ counted as truncated), and a time limit per call (past it: an error observation,
 
 from __future__ import annotations
 
-import concurrent.futures
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -66,24 +66,27 @@ class EnvLimits:
 
 
 class Calls:
-    """Runs an environment's calls under the time limit on a worker thread. A call past the limit
-    is abandoned (Python cannot stop a thread) and a fresh worker takes the next calls."""
+    """Runs an environment's calls under the time limit, each on a daemon thread: a call past
+    the limit is abandoned (Python cannot stop a thread; a daemon one does not hold the process
+    at exit, as a thread pool's worker would)."""
 
     def __init__(self, time_limit_s: float) -> None:
         self.time_limit_s = time_limit_s
-        self.pool = concurrent.futures.ThreadPoolExecutor(1)
 
     def __call__(self, fn: Callable[[], Turn]) -> Optional[Turn]:
         """fn() or None (it raised, or ran out of time)."""
-        future = self.pool.submit(fn)
-        try:
-            return future.result(timeout=self.time_limit_s)
-        except concurrent.futures.TimeoutError:
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            self.pool = concurrent.futures.ThreadPoolExecutor(1)
-            return None
-        except Exception:  # an environment bug is an error observation, counted, never a dead run
-            return None
+        box: list = []
+
+        def run() -> None:
+            try:
+                box.append(fn())
+            except Exception:  # an environment bug is an error observation, counted, never a dead run
+                pass
+
+        thread = threading.Thread(target=run, name="rlt-env-call", daemon=True)
+        thread.start()
+        thread.join(self.time_limit_s)
+        return box[0] if box else None
 
 
 class EnvEpisode:
