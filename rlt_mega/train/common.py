@@ -96,9 +96,9 @@ def sampled_scores(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequence
         params = dataclasses.replace(params, stop_token_ids=envs.stop_ids(params.stop_token_ids))
     questions = [r["question"] for r in records for _ in range(n)]
     seeds = [cfg.train.seed * 1_000_003 + 2 ** 40 + i * n + j for i in indices for j in range(n)]
+    episodes = None if envs is None else envs.episodes([r for r in records for _ in range(n)])
     completions = generate_texts(model, tokenizer, questions, params, seeds=seeds, batch_size=cfg.sampling.batch_size,
-                                 dtype=dtype,
-                                 episodes=None if envs is None else envs.episodes([r for r in records for _ in range(n)]))
+                                 dtype=dtype, episodes=episodes)
     totals = dict.fromkeys(metric_names(n, ks), 0.0)
     for p, record in enumerate(records):
         answers = [extract_answer(c) for c in completions[p * n:(p + 1) * n]]

@@ -105,7 +105,8 @@ class GRPOJob:
         self._t_generate = 0.0
         self.envs = environments(cfg, tokenizer)
         if self.envs is not None:
-            self.params = dataclasses.replace(self.params, stop_token_ids=self.envs.stop_ids(self.params.stop_token_ids))
+            stops = self.envs.stop_ids(self.params.stop_token_ids)  # a turn end that hands over does not stop
+            self.params = dataclasses.replace(self.params, stop_token_ids=stops)
 
     # ------------------------------------------------------------------ one step
     def _batches(self, items: list, k: int) -> list[list]:
@@ -337,7 +338,8 @@ class GRPOJob:
                 accuracy, _ = greedy_accuracy(sampler, self.tokenizer, mine, self.cfg, self.cfg.train.dtype, self.envs)
             if self.cfg.eval.samples:
                 names = metric_names(self.cfg.eval.samples, self.cfg.eval.k)
-                sums = (sampled_scores(sampler, self.tokenizer, mine, indices, self.cfg, self.cfg.train.dtype, self.envs)
+                sums = (sampled_scores(sampler, self.tokenizer, mine, indices, self.cfg, self.cfg.train.dtype,
+                                       self.envs)
                         if mine else dict.fromkeys(names, 0.0))
                 sampled = dict(zip(names, dims.sum_over_dp([sums[k] for k in names])))
             correct, total = dims.sum_over_dp([accuracy * len(mine), float(len(mine))])

@@ -25,7 +25,8 @@ FOUR = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "pp": 2
 ENV = {"grpo": {"env": "tests.distributed.grpo_scenarios:EveryThird"},
        "sampling": {"check_every": 1, "max_new_tokens": 10}}
 TWO += [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "zero_stage": 1},
-                                                   "grpo": {**ENV["grpo"], "kl_coef": 0.1}, "sampling": ENV["sampling"]}),
+                                                   "grpo": {**ENV["grpo"], "kl_coef": 0.1},
+                                                   "sampling": ENV["sampling"]}),
         ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
                                                    "train": {"grad_accum": 2}, **ENV})]
 SCENARIOS = {2: TWO, 4: FOUR}

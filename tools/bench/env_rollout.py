@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import time
@@ -62,8 +63,6 @@ def main() -> None:
     prompts, budgets, stats = gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=0)
     with open(os.path.join(args.data, "train.jsonl")) as f:
         answers = [json.loads(line)["answer"] for line in f]
-    import re
-
     annotations = [a for ans in answers for a in re.findall(r"<<([^<>=]*)=", ans)]
     per_solution = len(annotations) / len(answers)
     gap = args.gap or max(1, round(stats["completion_mean"] / (per_solution + 1)))
@@ -78,7 +77,9 @@ def main() -> None:
         sampler = Sampler(model, check_every=check_every)
         times, inserted = [], 0
         for _ in range(args.repeats):
-            episodes = [[PacedCalculator(gap, rng.sample(annotations, 8), args.vocab) for _ in prompts]] if env else None
+            episodes = None
+            if env:
+                episodes = [[PacedCalculator(gap, rng.sample(annotations, 8), args.vocab) for _ in prompts]]
             t0 = time.perf_counter()
             ro = sampler.generate([prompts], params, [seeds], pad_id=0, decode=lambda ids: "", episodes=episodes)[0]
             replayed = sampler.replay([ro])[0]
@@ -88,7 +89,8 @@ def main() -> None:
         return statistics.median(times), inserted
 
     print(f"# {args.prompts} GSM8K prompts x G={args.group} = {len(prompts)} rows, completions of "
-          f"{stats['completion_mean']:.0f} tokens (mean), d={args.d_model}, {args.layers} layers, C={args.memory_block}; "
+          f"{stats['completion_mean']:.0f} tokens (mean), d={args.d_model}, {args.layers} layers, "
+          f"C={args.memory_block}; "
           f"GSM8K: {per_solution:.2f} annotations per solution -> a tool call every {gap} tokens")
     base, _ = arm(8, False)
     every, _ = arm(1, False)
