@@ -168,11 +168,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         records = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)[1]
     records = [records[i] for i in range(min(len(records), args.limit or len(records)))]
-    accuracy, completions = greedy_accuracy(model, tokenizer, records, cfg, cfg.train.dtype)
+    from rlt_mega.train.grpo import environments
+
+    # With grpo.env (e.g. calculator) the completions run with the environment's turns.
+    envs = environments(cfg, tokenizer)
+    if envs is not None and cfg.sampling.check_every != 1:
+        raise ConfigError(f"grpo.env={cfg.grpo.env!r} needs sampling.check_every: 1 (got {cfg.sampling.check_every})")
+    sampler = model  # the Sampler of the model, with sampling.check_every
+    accuracy, completions = greedy_accuracy(sampler, tokenizer, records, cfg, cfg.train.dtype, envs)
     if cfg.eval.samples:  # pass@k, maj@k, mean@n of eval.samples completions per problem
         from rlt_mega.train.common import sampled_scores
 
-        sums = sampled_scores(model, tokenizer, records, list(range(len(records))), cfg, cfg.train.dtype)
+        sums = sampled_scores(sampler, tokenizer, records, list(range(len(records))), cfg, cfg.train.dtype, envs)
         for name, total in sums.items():
             sys.stdout.write(f"{name.removeprefix('eval/')}: {total / len(records):.4f}\n")
     if args.output:

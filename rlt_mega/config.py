@@ -422,6 +422,16 @@ class GRPOConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     reward: str = "gsm8k"  # "gsm8k" or "module:function" taking (completion text, answer record)
+    # An environment inside the rollouts (rollout/env/, rollout/turns.py): null none, "calculator"
+    # (GSM8K's <<expression=value>>), "chat" (scripted user turns, a record's "turns") or
+    # "module:Class". Its observations are inserted after each trigger and forced (no loss); it
+    # needs sampling.check_every: 1. Limits: turns per episode, observation tokens per turn and
+    # per episode (cut beyond), seconds per call (past it: an error observation).
+    env: Optional[str] = None
+    max_turns: int = 8
+    max_turn_tokens: int = 32
+    max_episode_tokens: int = 256
+    env_time_limit: float = 2.0
     eval_every: int = 10  # GRPO steps between held-out greedy accuracy checks; 0: first and last only
     eval_size: int = 200  # held-out prompts in each check
     # The first minibatch of a step learns with the rollout's own parameters, so its replay is
@@ -465,6 +475,10 @@ class GRPOConfig:
                f"grpo.overlong_buffer={self.overlong_buffer} and grpo.overlong_penalty={self.overlong_penalty} "
                "must be >= 0")
         _check(self.eval_every >= 0 and self.eval_size >= 0, "grpo.eval_every and grpo.eval_size must be >= 0")
+        _check(self.max_turns >= 1 and self.max_turn_tokens >= 1 and self.max_episode_tokens >= 1,
+               f"grpo.max_turns={self.max_turns}, grpo.max_turn_tokens={self.max_turn_tokens} and "
+               f"grpo.max_episode_tokens={self.max_episode_tokens} must be >= 1")
+        _check(self.env_time_limit > 0, f"grpo.env_time_limit={self.env_time_limit}: must be > 0 seconds")
 
 
 @dataclass

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from rlt_mega.config import ModelConfig
 from rlt_mega.parallel.dims import ParallelDims, free_port
+from rlt_mega.rollout.env import Environment, Turn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -107,3 +108,17 @@ def docs_in(windows):
     stream = torch.cat([w.reshape(-1) for w in windows]).tolist()
     text = byte_level().tok.decode(stream, skip_special_tokens=False)
     return [d for d in text.split("<|eos|>")[1:-1]]
+
+
+class FrequentTool(Environment):
+    """A tool environment a random byte-level model calls often (grpo.env=helpers:FrequentTool):
+    a model turn of four characters (or a space) triggers it; it answers one to four digits, or
+    ends the episode when the turn holds a '7'."""
+
+    def triggered(self, text):
+        return len(text) >= 4 or " " in text
+
+    def step(self, state, text):
+        if "7" in text:
+            return Turn(done=True)
+        return Turn(observation=str(sum(map(ord, text)) % 10 ** (1 + len(text) % 4)), tool_call=True)

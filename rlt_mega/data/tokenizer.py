@@ -77,6 +77,19 @@ class Tokenizer:
         end = self.turn_end_id
         return self.encode(prompt), (ids[:ids.index(end) + 1] if end in ids else ids + [self.eos_id])
 
+    def chat_turn(self, role: str, content: str) -> str:
+        """What the template puts after an assistant's turn-end token (which the model wrote) up
+        to the next assistant answer: the rest of that turn, a ``role`` turn holding ``content``
+        (an environment's user or tool turn) and the generation prompt."""
+        st, first = self.special_tokens, [{"role": "user", "content": "U"}, {"role": "assistant", "content": "A"}]
+        before = render(self.chat_template, first, False, st)
+        after = render(self.chat_template, first + [{"role": role, "content": content}], True, st)
+        end = self.tok.id_to_token(self.turn_end_id)
+        if not after.startswith(before) or end not in before:
+            raise TokenizerError(f"tokenizer {self.name}: its chat template does not append a {role!r} turn after "
+                                 "an assistant's turn-end token; multi-turn environments need one that does")
+        return before[before.rindex(end) + len(end):] + after[len(before):]
+
     def _turn_end(self) -> int:
         """The first special token the template puts after an assistant's answer (e.g.
         <|im_end|>); end-of-text when it puts none."""

@@ -81,6 +81,7 @@ def dense_logprobs_and_entropy(logits: torch.Tensor, rollout: Rollout,
     s = rollout.schedule
     device = rollout.tokens.device
     step, mask = completion_positions(s.prompt_lens, rollout.completion_lens, device)  # (B, N)
+    mask = mask & rollout.mask.to(device).bool()  # the sampled tokens (an inserted observation has no value)
     rows = torch.arange(rollout.batch_size, device=device)[:, None].expand_as(step)
     picked = logits[rows[mask], step[mask]]  # (M, V_local), M = number of completion tokens
     if gather_vocab is not None:

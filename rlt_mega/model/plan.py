@@ -184,7 +184,15 @@ class End:  # the call is over
     step: int
 
 
-EVENTS = {e.__name__: e for e in (Fork, Leave, Check, Enter, Encode, End)}
+@dataclass(frozen=True)
+class Force:  # from step ``step`` on, row ``seq``'s positions [start, start + len(ids)) are forced to ``ids``
+    step: int  # (an environment's observation, tokenized once: no mu, no loss); read at the check ``step``
+    seq: int
+    start: int
+    ids: tuple[int, ...]
+
+
+EVENTS = {e.__name__: e for e in (Fork, Leave, Check, Enter, Encode, End, Force)}
 
 
 # ---------------------------------------------------------------------- where a step's batch row comes from
@@ -241,6 +249,7 @@ class RowRecord:
     log: list  # the events, in order
     num_steps: int  # decoder steps of the call (sequential, whatever the batch size)
     row_steps: int  # sum over steps of the batch size (the decoder's work)
+    forces: dict[int, list[Force]] = dataclasses.field(default_factory=dict)  # check step -> insertions there
 
 
 class RowPlan:
@@ -259,6 +268,7 @@ class RowPlan:
         self.parked: set[int] = set()
         self.done: set[int] = set()  # rows known finished
         self.flags: dict[int, list[int]] = {}  # check step -> rows newly known finished there
+        self.forces: dict[int, list[Force]] = {}  # check step -> the insertions decided there
         self.log: list = []
         self.num_steps = 0
         self.row_steps = 0
@@ -300,6 +310,12 @@ class RowPlan:
         """The rows' finish flags (R,) read at check k (host values)."""
         self.flags[k] = [b for b, f in enumerate(finished) if f and b not in self.done]
 
+    def force(self, k: int, row: int, start: int, ids: Sequence[int]) -> None:
+        """At check k (host values, before ``set_flags``): row ``row``'s positions from ``start``
+        are forced to ``ids`` (an observation). The plan's batches do not change (the row stays at
+        its own position and budget); the event is logged so that the replay repeats it."""
+        self.forces.setdefault(k, []).append(Force(k, row, start, tuple(int(i) for i in ids)))
+
     def _check_flags(self, k: int) -> Optional[list[int]]:
         if self.recorded is not None:
             return self.recorded.checks.get(k, [])
@@ -337,6 +353,7 @@ class RowPlan:
         if k > 0 and k % L.check_every == 0:
             newly = self._check_flags(k)
             self.done.update(newly)
+            self.log += (self.recorded.forces if self.recorded is not None else self.forces).get(k, [])
             if newly:
                 self.log.append(Check(k, tuple(newly)))
             if L.compact:
@@ -444,7 +461,7 @@ class RowPlan:
 
     def record(self) -> RowRecord:
         return RowRecord(self.layout, {k: v for k, v in self.flags.items() if v}, list(self.log), self.num_steps,
-                         self.row_steps)
+                         self.row_steps, {k: list(v) for k, v in self.forces.items()})
 
 
 def planned_record(layout: RowLayout, finish_step) -> RowRecord:
@@ -462,7 +479,8 @@ def planned_record(layout: RowLayout, finish_step) -> RowRecord:
 
 def record_to_json(record: RowRecord) -> dict:
     return {"layout": dataclasses.asdict(record.layout), "checks": {str(k): v for k, v in record.checks.items()},
-            "log": [{"event": type(e).__name__, **dataclasses.asdict(e)} for e in record.log], "num_steps": record.num_steps, "row_steps": record.row_steps}
+            "log": [_event_json(e) for e in record.log], "num_steps": record.num_steps, "row_steps": record.row_steps,
+            "forces": {str(k): [_event_json(e) for e in v] for k, v in record.forces.items()}}
 
 
 def record_from_json(d: dict) -> RowRecord:
@@ -473,8 +491,13 @@ def record_from_json(d: dict) -> RowRecord:
     if lay.get("lengths") is not None:
         lay["lengths"] = tuple(lay["lengths"])
     log = [_event(dict(e)) for e in d["log"]]
+    forces = {int(k): [_event(dict(e)) for e in v] for k, v in d["forces"].items()}
     return RowRecord(RowLayout(**lay), {int(k): list(v) for k, v in d["checks"].items()}, log, d["num_steps"],
-                     d["row_steps"])
+                     d["row_steps"], forces)
+
+
+def _event_json(e) -> dict:
+    return {"event": type(e).__name__, **dataclasses.asdict(e)}
 
 
 def _event(d: dict):

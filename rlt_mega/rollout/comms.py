@@ -71,6 +71,15 @@ class Comms:
             dist.broadcast(tokens, src=self.tp_src, group=self.tp_group)
         return tokens
 
+    def once_in_tp(self, fn: Callable[[], Any]) -> Any:
+        """fn() run on TP rank 0 only (an environment's responses: host work that need not be
+        deterministic, e.g. under a time limit) and its picklable result handed to every TP rank."""
+        if self.tp == 1:
+            return fn()
+        box = [fn() if dist.get_rank() == self.tp_src else None]
+        dist.broadcast_object_list(box, src=self.tp_src, group=self.tp_group)
+        return box[0]
+
     def share_results(self, obj: Any) -> Any:
         """The last stage's ``obj`` (picklable, CPU tensors) on every stage of the pipeline."""
         if self.num_stages == 1:

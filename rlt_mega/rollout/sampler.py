@@ -41,6 +41,7 @@ from rlt_mega.precision import precision
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.executor import RowExecutor, RowResult, RowWork
 from rlt_mega.rollout.processing import Processing, draw_uniforms, make_generators, sample
+from rlt_mega.rollout.turns import Episode, EpisodeStats, forced_mask
 from rlt_mega.model.plan import RowLayout, RowPlan, RowRecord, RowSwitches, row_layout
 
 DEFAULT_CHECK_EVERY = 8
@@ -85,14 +86,17 @@ class Schedule:
 class Rollout:
     """A sampled batch. tokens (B, num_steps + 1): prompt, completion, then pad. mu (B, N),
     N = max completion length: mu[b, j] is the fp32 log-prob the completion's j-th token was
-    drawn with (at position P_b + j, by step P_b + j - 1); 0 where mask (B, N) is False."""
+    drawn with (at position P_b + j, by step P_b + j - 1); 0 where mask (B, N) is False. mask: the
+    sampled tokens (an environment's observations inside a completion are not: rollout/turns.py);
+    episodes: each row's environment episode, with an environment (else None)."""
 
     tokens: torch.Tensor
     mu: torch.Tensor
     mask: torch.Tensor
     completion_lens: list[int]
-    finish_reasons: list[str]  # "stop_token", "stop_string" or "length"
+    finish_reasons: list[str]  # "stop_token", "stop_string", "length" or "env" (the episode ended)
     schedule: Schedule
+    episodes: Optional[list[EpisodeStats]] = None
 
     @property
     def batch_size(self) -> int:
@@ -126,14 +130,23 @@ def completion_positions(prompt_lens: Sequence[int], completion_lens: Sequence[i
     return step, mask
 
 
-def _completion_values(lp: torch.Tensor, prompt_lens: Sequence[int], completion_lens: Sequence[int]):
-    """lp (R, capacity) per position -> (values (R, N), mask (R, N)): the j-th completion token
-    of row b sits at position P_b + j."""
-    step, mask = completion_positions(prompt_lens, completion_lens, lp.device)
-    return torch.where(mask, lp.gather(1, step + 1), torch.zeros((), device=lp.device)), mask
+def _sampled_mask(prompt_lens: Sequence[int], completion_lens: Sequence[int], record: RowRecord, device):
+    """(R, N) bool: the completion tokens that were drawn (not an inserted observation's)."""
+    step, mask = completion_positions(prompt_lens, completion_lens, device)
+    if not record.forces:
+        return mask
+    return mask & ~forced_mask(prompt_lens, completion_lens, record.forces, mask.shape, device)
 
 
-_REASONS = ("", "stop_token", "stop_string", "length")  # finish codes on the device: 0 while running
+def _completion_values(lp: torch.Tensor, prompt_lens: Sequence[int], completion_lens: Sequence[int],
+                       mask: torch.Tensor) -> torch.Tensor:
+    """lp (R, capacity) per position -> values (R, N), 0 where not ``mask``: the j-th completion
+    token of row b sits at position P_b + j."""
+    step, _ = completion_positions(prompt_lens, completion_lens, lp.device)
+    return torch.where(mask, lp.gather(1, step + 1), torch.zeros((), device=lp.device))
+
+
+_REASONS = ("", "stop_token", "stop_string", "length", "env")  # finish codes on the device: 0 while running
 
 
 class _Draw:
@@ -147,11 +160,18 @@ class _Draw:
     changes no log-prob of the completion (positions are causal, rows independent)."""
 
     def __init__(self, tokens: torch.Tensor, seq_lens: Sequence[int], params: SamplingParams, generators: list,
-                 decode: Optional[Callable[[list[int]], str]], pad_id: int, num_rows: int) -> None:
+                 decode: Optional[Callable[[list[int]], str]], pad_id: int, num_rows: int, plan: RowPlan,
+                 episodes: Optional[Sequence[Episode]] = None, once: Callable = lambda fn: fn()) -> None:
         device = tokens.device
         self.tokens, self.params, self.decode, self.pad_id = tokens, params, decode, pad_id
         self.prompt_lens = list(seq_lens)
         self.prompt_t = to_device(self.prompt_lens, device)  # (S,)
+        # Positions < forced_end are forced (the prompt, then each observation inserted so far).
+        self.forced_end = self.prompt_t.clone()  # (S,)
+        self.plan, self.episodes, self.once = plan, episodes, once
+        self.stats = None if episodes is None else [EpisodeStats() for _ in range(num_rows)]
+        self.turn_start = [0] * num_rows  # completion index where each row's current model turn began
+        self.turn_seen = [0] * num_rows  # completion tokens already offered to the episode
         self.u = draw_uniforms(generators, params.max_new_tokens, device)  # (S, max_new_tokens)
         S = tokens.shape[0]
         self.num_rows = num_rows
@@ -169,7 +189,7 @@ class _Draw:
         self.lookback = max((len(x.encode("utf-8")) for x in params.stop_strings), default=0) + 3
 
     def choose_rows(self, targets, positions, logprobs):
-        sampling = self.is_row[targets] & (self.prompt_t[targets] <= positions + 1) & (self.reason[targets] == 0)
+        sampling = self.is_row[targets] & (self.forced_end[targets] <= positions + 1) & (self.reason[targets] == 0)
         draw_index = self.num_new[targets].clamp(max=self.u.shape[1] - 1)
         drawn = sample(logprobs, self.u[targets, draw_index])
         self._sampling = sampling
@@ -194,14 +214,21 @@ class _Draw:
     def check(self, t: int) -> None:
         """Stop strings in the tokens drawn since the last check (one read of the newest
         tokens): a row ends at the first token whose completion text contains one (a stop token
-        at that same token takes precedence; a budget does not)."""
+        at that same token takes precedence; a budget does not); then the environments' turns."""
+        self._stop_strings()
+        if self.episodes is not None:
+            self._turns(t + 1)
+
+    def _stop_strings(self) -> None:
         if not self.params.stop_strings:
             return
         num_new, reason = self.num_new[:self.num_rows].tolist(), self.reason[:self.num_rows].tolist()
         rows = [b for b in range(len(num_new)) if num_new[b] > self.checked[b]]
         if not rows:
             return
-        starts = {b: self.prompt_lens[b] + max(0, self.checked[b] - self.lookback) for b in rows}
+        # (an observation is never searched: a row's window starts at its current model turn)
+        starts = {b: self.prompt_lens[b] + max(0, self.checked[b] - self.lookback,
+                                                self.turn_start[b] if self.episodes is not None else 0) for b in rows}
         lo = min(starts.values())
         hi = max(self.prompt_lens[b] + num_new[b] for b in rows)
         window = self.tokens[:self.num_rows, lo:hi].tolist()
@@ -218,6 +245,58 @@ class _Draw:
                 continue
             self.num_new[b], self.reason[b], self.checked[b] = length, 2, length
             self.tokens[b, P + length:] = self.pad_id
+
+    def _turns(self, k: int) -> None:
+        """At check k (the step after the draws it reads: check_every = 1): the rows whose model
+        turn triggered their episode get its response (computed once, on TP rank 0, and shared:
+        ``once``); an observation is written into the row's next positions and forced (a
+        ``Force`` event of the plan), trimmed to the row's token budget less one sampled token."""
+        R = self.num_rows
+        num_new, reason = self.num_new[:R].tolist(), self.reason[:R].tolist()
+        rows = [b for b in range(R) if reason[b] == 0 and num_new[b] > self.turn_seen[b]]
+        if not rows:
+            return
+        lo = min(self.prompt_lens[b] + self.turn_start[b] for b in rows)
+        hi = max(self.prompt_lens[b] + num_new[b] for b in rows)
+        window = self.tokens[:R, lo:hi].tolist()
+        asked = []
+        for b in rows:
+            P = self.prompt_lens[b]
+            ids = window[b][P + self.turn_start[b] - lo:P + num_new[b] - lo]
+            self.turn_seen[b] = num_new[b]
+            text = self.decode(ids)
+            if self.episodes[b].triggered(ids, text):
+                asked.append((b, ids, text))
+        if not asked:
+            return
+        responses = self.once(lambda: [self.episodes[b].respond(ids, text) for b, ids, text in asked])
+        budget = self.budget[:R].tolist()
+        for (b, _, _), r in zip(asked, responses):
+            st = self.stats[b]
+            st.turns += int(not r.done)
+            st.tool_calls += int(r.tool_call)
+            st.tool_errors += int(r.error)
+            st.truncated |= r.truncated
+            if r.done:
+                self.reason[b] = 4
+                continue
+            room = budget[b] - num_new[b] - 1  # positions left for the observation, one draw after it
+            ids = list(r.ids[:max(room, 0)])
+            if len(ids) < len(r.ids):
+                st.truncated = True
+            if room <= 0:
+                self.reason[b] = 3
+                continue
+            if not ids:
+                continue
+            start = self.prompt_lens[b] + num_new[b]
+            self.tokens[b, start:start + len(ids)] = to_device(ids, self.tokens.device)
+            self.plan.force(k, b, start, ids)
+            n = num_new[b] + len(ids)
+            self.forced_end[b] = start + len(ids)
+            self.num_new[b] = n
+            self.turn_start[b] = self.turn_seen[b] = self.checked[b] = n
+            st.observation_tokens += len(ids)
 
 
 def _first_stop(decode: Callable[[list[int]], str], ids: list[int], first_new: int,
@@ -288,11 +367,14 @@ class Sampler:
 
     def generate(self, batches: Sequence[Sequence[Sequence[int]]], params: SamplingParams | Sequence[SamplingParams],
                  seeds: Sequence[Sequence[int]], pad_id: int, dtype: str = "fp32",
-                 decode: Optional[Callable[[list[int]], str]] = None) -> list[Rollout]:
+                 decode: Optional[Callable[[list[int]], str]] = None,
+                 episodes: Optional[Sequence[Sequence[Episode]]] = None) -> list[Rollout]:
         """Samples one completion per prompt of each batch (the module docstring). seeds: one per
         prompt; a request's draws come from its own generator, so they do not depend on its
         batch-mates. params: one for all batches or one per batch. decode: token ids -> text,
-        needed for stop strings. Every stage returns the rollouts."""
+        needed for stop strings and episodes. episodes: one environment episode per prompt of
+        each batch (rollout/turns.py; they need check_every = 1 and run on the last stage). Every
+        stage returns the rollouts."""
         if isinstance(params, SamplingParams):
             params = [params] * len(batches)
         if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
@@ -300,10 +382,16 @@ class Sampler:
                              "give at least one batch and one of each per batch")
         for prompts, p, batch_seeds in zip(batches, params, seeds):
             _check_request(prompts, p, batch_seeds, decode)
+        if episodes is not None:
+            if self.check_every != 1:
+                raise ValueError(f"environment turns need check_every=1 (got {self.check_every}): an observation "
+                                 "goes in right after its trigger (set sampling.check_every: 1)")
+            if decode is None or [len(e) for e in episodes] != [len(b) for b in batches]:
+                raise ValueError("episodes need a decode function and one episode per prompt of each batch")
         if len({p.processing for p in params}) != 1:
             raise ValueError("batches sampled together must share one logits processing")
         works, choosers = [], []
-        for prompts, p, batch_seeds in zip(batches, params, seeds):
+        for i, (prompts, p, batch_seeds) in enumerate(zip(batches, params, seeds)):
             layout = row_layout(prompts, p.max_new_tokens, self.model.cfg.memory_block, self.rows.slots or None,
                                 self.rows.share_prompts, self.rows.compact, self.check_every)
             capacity = max(layout.prompt_lens) + p.max_new_tokens
@@ -315,8 +403,10 @@ class Sampler:
             tokens = _seq_tokens(layout, rows, capacity, pad_id)
             seq_lens = [layout.seq_len(s) for s in range(layout.num_seqs)]
             gens = make_generators(list(batch_seeds) + [0] * (layout.num_seqs - layout.num_rows), self.device)
-            chooser = _Draw(tokens, seq_lens, p, gens, decode, pad_id, num_rows=layout.num_rows)
-            works.append(RowWork(tokens, RowPlan(layout), chooser))
+            plan = RowPlan(layout)
+            chooser = _Draw(tokens, seq_lens, p, gens, decode, pad_id, layout.num_rows, plan,
+                            None if episodes is None else episodes[i], self.comms.once_in_tp)
+            works.append(RowWork(tokens, plan, chooser))
             choosers.append(chooser)
         with torch.no_grad(), precision(dtype, self.device):
             results = self.executor.run(works, params[0].processing)
@@ -389,13 +479,15 @@ def _rollout(res: RowResult, work: RowWork, chooser: _Draw, processing: Processi
     completion_lens = chooser.num_new[:R].tolist()
     finish_reasons = [_REASONS[r] or "length" for r in chooser.reason[:R].tolist()]
     T = max(P + n for P, n in zip(layout.prompt_lens, completion_lens))
-    mu, mask = _completion_values(res.lp[:R], layout.prompt_lens, completion_lens)
+    record = plan.record()
+    mask = _sampled_mask(layout.prompt_lens, completion_lens, record, res.lp.device)
+    mu = _completion_values(res.lp[:R], layout.prompt_lens, completion_lens, mask)
     schedule = Schedule(prompt_lens=list(layout.prompt_lens), memory_block=memory_block,
                         capacity=work.tokens.shape[1], num_steps=T - 1,
                         encoder_calls=[(c[1], c[2]) for c in res.encoder_calls], processing=processing,
-                        dtype=dtype, pad_id=pad_id, rows=plan.record(), decoder=res.decoder)
+                        dtype=dtype, pad_id=pad_id, rows=record, decoder=res.decoder)
     return Rollout(tokens=work.tokens[:R, :T].clone(), mu=mu, mask=mask, completion_lens=completion_lens,
-                   finish_reasons=finish_reasons, schedule=schedule)
+                   finish_reasons=finish_reasons, schedule=schedule, episodes=chooser.stats)
 
 
 def _replay_values(ro: Rollout, work: RowWork, res: RowResult) -> Optional[torch.Tensor]:
@@ -410,18 +502,20 @@ def _replay_values(ro: Rollout, work: RowWork, res: RowResult) -> Optional[torch
                            f"{list(s.encoder_calls)}")
     if res.lp is None:
         return None
-    return _completion_values(res.lp[:record.layout.num_rows], s.prompt_lens, ro.completion_lens)[0]
+    return _completion_values(res.lp[:record.layout.num_rows], s.prompt_lens, ro.completion_lens,
+                              ro.mask.to(res.lp.device).bool())
 
 
 def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],
              pad_id: int, dtype: str = "fp32", decode: Optional[Callable[[list[int]], str]] = None,
              device: torch.device | str | None = None, check_every: int = DEFAULT_CHECK_EVERY,
-             rows: RowSwitches = RowSwitches(), decoder=None) -> Rollout:
+             rows: RowSwitches = RowSwitches(), decoder=None, episodes: Optional[Sequence[Episode]] = None) -> Rollout:
     """One batch on one process (``Sampler`` for several, or under parallelism)."""
     if device is not None and torch.device(device) != next(model.parameters()).device:
         raise ValueError(f"generate on {device}: the model is on {next(model.parameters()).device}")
     sampler = Sampler(model, check_every=check_every, rows=rows, decoder=decoder)
-    return sampler.generate([prompts], params, [seeds], pad_id, dtype, decode)[0]
+    return sampler.generate([prompts], params, [seeds], pad_id, dtype, decode,
+                            None if episodes is None else [episodes])[0]
 
 
 def replay(model: RLT, rollout: Rollout, decoder=None) -> torch.Tensor:

@@ -11,7 +11,9 @@ from rlt_mega.data.pairs import prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.model import RLT
 from rlt_mega.rollout import Processing, Sampler, SamplingParams
+from rlt_mega.rollout.env import Environments
 from rlt_mega.rollout.rewards import gsm8k_reward, score
+from rlt_mega.rollout.turns import Episode
 
 
 def sampling_params(cfg: Config, tokenizer: Tokenizer, greedy: bool = False) -> SamplingParams:
@@ -32,11 +34,13 @@ def max_new_tokens_for(model: RLT, prompts: Sequence[Sequence[int]], params: Sam
 
 def generate_texts(model: RLT | Sampler, tokenizer: Tokenizer, questions: Sequence[str], params: SamplingParams,
                    seeds: Sequence[int], batch_size: int, dtype: str = "fp32",
-                   on_batch: Optional[Callable[[int], None]] = None) -> list[str]:
+                   on_batch: Optional[Callable[[int], None]] = None,
+                   episodes: Optional[Sequence[Episode]] = None) -> list[str]:
     """Completions (decoded, end-of-text stripped) for each question, generated in batches of
     similar prompt length (the batch advances in lockstep, so mixing lengths costs steps).
     ``model``: a model on one process, or the Sampler of a model replica (every rank of the
-    replica calls with the same questions)."""
+    replica calls with the same questions). episodes: one environment episode per question (its
+    observations are part of the completion's text)."""
     sampler = model if isinstance(model, Sampler) else Sampler(model)
     prompts = [prompt_ids(tokenizer, q) for q in questions]
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
@@ -45,7 +49,8 @@ def generate_texts(model: RLT | Sampler, tokenizer: Tokenizer, questions: Sequen
         idx = order[start:start + batch_size]
         batch = [prompts[i] for i in idx]
         rollout = sampler.generate([batch], max_new_tokens_for(sampler.model, batch, params), [[seeds[i] for i in idx]],
-                                   pad_id=tokenizer.pad_id, dtype=dtype, decode=tokenizer.decode)[0]
+                                   pad_id=tokenizer.pad_id, dtype=dtype, decode=tokenizer.decode,
+                                   episodes=None if episodes is None else [[episodes[i] for i in idx]])[0]
         for row, i in enumerate(idx):
             out[i] = tokenizer.decode(rollout.completion(row))
         if on_batch is not None:
@@ -54,19 +59,24 @@ def generate_texts(model: RLT | Sampler, tokenizer: Tokenizer, questions: Sequen
 
 
 def greedy_accuracy(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequence[dict], cfg: Config,
-                    dtype: str = "fp32") -> tuple[float, list[str]]:
-    """Fraction of records whose greedy completion's answer equals the gold ``#### N``."""
+                    dtype: str = "fp32", envs: Optional[Environments] = None) -> tuple[float, list[str]]:
+    """Fraction of records whose greedy completion's answer equals the gold ``#### N`` (with
+    ``envs``: with the environment's turns, e.g. the calculator)."""
     if len(records) == 0:
         raise ValueError("greedy accuracy of an empty set of records")
     questions = [r["question"] for r in records]
-    completions = generate_texts(model, tokenizer, questions, sampling_params(cfg, tokenizer, greedy=True),
-                                 seeds=[0] * len(questions), batch_size=cfg.sampling.batch_size, dtype=dtype)
+    params = sampling_params(cfg, tokenizer, greedy=True)
+    if envs is not None:
+        params = dataclasses.replace(params, stop_token_ids=envs.stop_ids(params.stop_token_ids))
+    completions = generate_texts(model, tokenizer, questions, params,
+                                 seeds=[0] * len(questions), batch_size=cfg.sampling.batch_size, dtype=dtype,
+                                 episodes=None if envs is None else envs.episodes(records))
     correct, _ = score(completions, [r["answer"] for r in records], list(range(len(records))), gsm8k_reward)
     return sum(correct) / len(correct), completions
 
 
 def sampled_scores(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequence[dict], indices: Sequence[int],
-                   cfg: Config, dtype: str = "fp32") -> dict[str, float]:
+                   cfg: Config, dtype: str = "fp32", envs: Optional[Environments] = None) -> dict[str, float]:
     """pass@k, maj@k and mean@n (rlt_mega/rollout/evaluation.py) SUMMED over ``records``: n =
     eval.samples completions each at eval.temperature (sampling.temperature when null), with
     sampling's top-k/top-p. ``indices``: the records' positions in the evaluated set, which seed their
@@ -82,10 +92,13 @@ def sampled_scores(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequence
                           "(e.g. 1.0), or eval.samples=0 for the greedy accuracy only")
     base = sampling_params(cfg, tokenizer)
     params = dataclasses.replace(base, processing=dataclasses.replace(base.processing, temperature=temperature))
+    if envs is not None:
+        params = dataclasses.replace(params, stop_token_ids=envs.stop_ids(params.stop_token_ids))
     questions = [r["question"] for r in records for _ in range(n)]
     seeds = [cfg.train.seed * 1_000_003 + 2 ** 40 + i * n + j for i in indices for j in range(n)]
+    episodes = None if envs is None else envs.episodes([r for r in records for _ in range(n)])
     completions = generate_texts(model, tokenizer, questions, params, seeds=seeds, batch_size=cfg.sampling.batch_size,
-                                 dtype=dtype)
+                                 dtype=dtype, episodes=episodes)
     totals = dict.fromkeys(metric_names(n, ks), 0.0)
     for p, record in enumerate(records):
         answers = [extract_answer(c) for c in completions[p * n:(p + 1) * n]]

@@ -56,6 +56,7 @@ from rlt_mega.parallel.engine import Engine, EngineConfig
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.model.plan import RowSwitches
+from rlt_mega.rollout.env import EnvLimits, Environments, resolve_env
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
@@ -102,6 +103,10 @@ class GRPOJob:
         self.batch_rows = self.minibatch_rows // batches_per_minibatch(cfg)
         self.objective = GRPOObjective(settings=loss_settings(cfg))
         self._t_generate = 0.0
+        self.envs = environments(cfg, tokenizer)
+        if self.envs is not None:
+            stops = self.envs.stop_ids(self.params.stop_token_ids)  # a turn end that hands over does not stop
+            self.params = dataclasses.replace(self.params, stop_token_ids=stops)
 
     # ------------------------------------------------------------------ one step
     def _batches(self, items: list, k: int) -> list[list]:
@@ -116,6 +121,7 @@ class GRPOJob:
         rows = [r for r in records for _ in range(g.group_size)]  # the G completions of a prompt are contiguous
         prompts = [prompt_ids(self.tokenizer, r["question"]) for r in rows]
         seeds = request_seeds(self.cfg.train.seed, done, dims.dp_rank, len(rows), round_)
+        episodes = None if self.envs is None else self.envs.episodes(rows)  # one per row, from its record
         with self.timers("generate"):
             t0 = time.perf_counter()
             rollouts: list[list[Rollout]] = []  # [minibatch][batch]
@@ -124,7 +130,8 @@ class GRPOJob:
                 params = [max_new_tokens_for(sampler.model, b, self.params) for b in batches]
                 rollouts.append(sampler.generate(batches, params, self._batches(seeds, k),
                                                  pad_id=self.tokenizer.pad_id, dtype=self.cfg.train.dtype,
-                                                 decode=self.tokenizer.decode))
+                                                 decode=self.tokenizer.decode,
+                                                 episodes=None if episodes is None else self._batches(episodes, k)))
             self._t_generate += time.perf_counter() - t0
         flat = [ro for mb in rollouts for ro in mb]
         with self.timers("score"):
@@ -328,10 +335,11 @@ class GRPOJob:
             mine = [self.eval_records[i] for i in indices]
             accuracy, sampled = 0.0, {}
             if mine:
-                accuracy, _ = greedy_accuracy(sampler, self.tokenizer, mine, self.cfg, self.cfg.train.dtype)
+                accuracy, _ = greedy_accuracy(sampler, self.tokenizer, mine, self.cfg, self.cfg.train.dtype, self.envs)
             if self.cfg.eval.samples:
                 names = metric_names(self.cfg.eval.samples, self.cfg.eval.k)
-                sums = (sampled_scores(sampler, self.tokenizer, mine, indices, self.cfg, self.cfg.train.dtype)
+                sums = (sampled_scores(sampler, self.tokenizer, mine, indices, self.cfg, self.cfg.train.dtype,
+                                       self.envs)
                         if mine else dict.fromkeys(names, 0.0))
                 sampled = dict(zip(names, dims.sum_over_dp([sums[k] for k in names])))
             correct, total = dims.sum_over_dp([accuracy * len(mine), float(len(mine))])
@@ -394,6 +402,9 @@ def grpo_config(cfg: Config) -> Config:
     if cfg.data.pack:
         raise ConfigError("data.pack=true packs SFT pairs; a GRPO row is one rollout (prompt and completion): "
                           "remove data.pack")
+    if g.env and cfg.sampling.check_every != 1:
+        raise ConfigError(f"grpo.env={g.env!r} needs sampling.check_every: 1 (got {cfg.sampling.check_every}): an "
+                          "observation goes in at the check right after its trigger")
     rows = g.prompts_per_step * g.group_size // g.minibatches
     if rows % accum:
         raise ConfigError(f"train.grad_accum={accum} does not divide a GRPO minibatch of {rows} rows "
@@ -411,6 +422,22 @@ def grpo_config(cfg: Config) -> Config:
         raise ConfigError(f"{exc} (under GRPO train.micro_batch_size is derived: a minibatch's {rows} rows / "
                           f"train.grad_accum={accum} = {micro})") from None
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro))
+
+
+def environments(cfg: Config, tokenizer: Tokenizer) -> Optional[Environments]:
+    """grpo.env's environment with the run's limits (None: no environment); observations are
+    tokenized once, with the run's tokenizer (no BOS)."""
+    g = cfg.grpo
+    if not g.env:
+        return None
+    try:
+        env = resolve_env(g.env)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    limits = EnvLimits(g.max_turns, g.max_turn_tokens, g.max_episode_tokens, g.env_time_limit)
+    if tokenizer.use_chat_template:  # turns laid out by the template; its turn end hands over
+        return Environments(env, tokenizer.encode, limits, tokenizer.chat_turn, tokenizer.turn_end_id)
+    return Environments(env, tokenizer.encode, limits)
 
 
 def engine_config(cfg: Config) -> EngineConfig:

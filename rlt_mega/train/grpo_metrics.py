@@ -46,6 +46,15 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
     mins: dict[str, float] = {"ratio_min": INF, "first_ratio_min": INF}
     maxs: dict[str, float] = {"ratio_max": -INF, "first_ratio_max": -INF, "diff_max": -INF,
                               "t_generate": t_generate, "t_learn": t_learn}
+    with_env = any(ro.episodes is not None for ro in rollouts)  # the same on every rank (grpo.env)
+    if with_env:
+        episodes = [e for ro in rollouts for e in ro.episodes]
+        sums.update({"env_turns": src * sum(e.turns for e in episodes),
+                     "env_tool_calls": src * sum(e.tool_calls for e in episodes),
+                     "env_tool_errors": src * sum(e.tool_errors for e in episodes),
+                     "env_observation_tokens": src * sum(e.observation_tokens for e in episodes),
+                     "env_truncated": src * sum(e.truncated for e in episodes)})
+        maxs["env_observation_tokens_max"] = max((e.observation_tokens for e in episodes), default=0)
     learner = {k: 0.0 for k in ("tokens", "ratio_sum", "clipped", "support_miss", "kl_sum", "diff_sum",
                                 "miss_dense_sum", "first_tokens", "first_kl_sum",
                                 "entropy_sum")}
@@ -102,4 +111,10 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
     out.update({name: r[name] for name in totals or {}})
     if with_reference:
         out["kl/reference"] = r["kl_sum"] / tokens
+    if with_env:  # per sampled row, tool errors per tool call; the max over every row of the step
+        out.update({"env/turns": r["env_turns"] / rows, "env/tool_calls": r["env_tool_calls"] / rows,
+                    "env/tool_errors": r["env_tool_errors"] / max(r["env_tool_calls"], 1.0),
+                    "env/observation_tokens": r["env_observation_tokens"] / rows,
+                    "env/observation_tokens_max": r["env_observation_tokens_max"],
+                    "env/truncated": r["env_truncated"] / rows})
     return out

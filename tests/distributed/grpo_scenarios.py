@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 
 import torch
 
@@ -33,12 +34,13 @@ from rlt_mega.parallel.engine import param_groups
 from rlt_mega.parallel.gather import gather_full
 from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate, replay
+from rlt_mega.rollout.env import EnvLimits, Environment, Environments, Turn
 from rlt_mega.rollout.rewards import score
 from rlt_mega.model.decoder import StepRunner
 from rlt_mega.model.plan import LOCKSTEP, RowSwitches
 from rlt_mega.train.common import max_new_tokens_for, sampling_params
-from rlt_mega.train.grpo import (batches_per_minibatch, build_trainer, engine_config, grpo_config, loss_settings,
-                                 request_seeds)
+from rlt_mega.train.grpo import (batches_per_minibatch, build_trainer, engine_config, environments, grpo_config,
+                                 loss_settings, request_seeds)
 from tests.distributed.scenarios import max_diff
 
 MODEL = dict(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64, memory_block=2,
@@ -55,18 +57,46 @@ GROUPED = [[[1, 2, 3]] * 4 + [[6, 7, 8, 9, 10]] + [[3, 5, 7, 9, 11, 13]] * 4,
            [[8, 9, 10, 11, 12, 13, 14]] * 4 + [[4, 4]] * 4]
 
 
-def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None) -> dict:
+class Letters(Environment):
+    """Triggered often by a random model (letters decoded from ids mod 26); answers 1-4 tokens, so
+    insertions start and end at every offset of a memory block; ends the episode on a 'z'."""
+
+    triggers = tuple("aeiou")
+
+    def step(self, state, text):
+        if "z" in text:
+            return Turn(done=True)
+        return Turn(observation="x" * (1 + sum(map(ord, text)) % 4), tool_call=True)
+
+
+def letters(ids) -> str:
+    return "".join(chr(97 + i % 26) for i in ids)
+
+
+def letter_ids(text) -> list[int]:
+    return [ord(c) - 97 + 26 for c in text]
+
+
+def _episodes(batches):
+    return [Environments(Letters(), letter_ids, EnvLimits(max_turns=4)).episodes([{}] * len(b)) for b in batches]
+
+
+def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None,
+                 env: bool = False) -> dict:
     """Two ragged batches in flight (temperature 0.7, top-p 0.9, a stop token); bf16 as DeepSpeed
     runs it (bf16 parameters). rows: the plan's options (model/plan.py), with grouped prompts;
     None: the lockstep plan on ragged prompts. ``steps``: the model's decoder step's calls during
-    the rollout and the replays (the step that ran, not only its values)."""
+    the rollout and the replays (the step that ran, not only its values). env: an environment's
+    observations inserted (a check every step, rollout/turns.py)."""
     cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
     full = _bf16(build_model(cfg.model, "cpu", seed=7), dtype)
     mine = _bf16(shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims), dtype)
     switches = LOCKSTEP if rows is None else RowSwitches(**rows)
-    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, rows=switches, check_every=2 if rows else 8)
-    params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=9, stop_token_ids=(0,))
+    every = 1 if env else 2 if rows else 8
+    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, rows=switches, check_every=every)
+    params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=14 if env else 9,
+                            stop_token_ids=(0,))
     batches = RAGGED if rows is None else GROUPED
     seeds = [[11 + 10 * j + b for b in range(len(batch))] for j, batch in enumerate(batches)]
     steps = {"rollout": 0, "replay": 0}
@@ -79,7 +109,8 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
 
     StepRunner.step = counted
     try:
-        rollouts = sampler.generate(batches, params, seeds, pad_id=0, dtype=dtype)
+        rollouts = sampler.generate(batches, params, seeds, pad_id=0, dtype=dtype, decode=letters,
+                                    episodes=_episodes(batches) if env else None)
         phase[0] = "replay"
         replays, again = sampler.replay(rollouts), sampler.replay(rollouts)
     finally:
@@ -89,7 +120,8 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
            "decoder": sorted({ro.schedule.decoder for ro in rollouts})}
     out["events"] = sorted({type(e).__name__ for ro in rollouts for e in ro.schedule.rows.log})
     for ro, rp, rp2, batch, s in zip(rollouts, replays, again, batches, seeds):
-        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=2 if rows else 8)
+        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=every,
+                       decode=letters, episodes=_episodes([batch])[0] if env else None)
         out["num_tokens"] += ro.num_completion_tokens()
         if rp is not None:
             out["exact"] &= bool(torch.equal(rp, ro.mu))
@@ -113,14 +145,26 @@ def odd(completion: str, answer) -> float:
     return sum(ord(c) % 2 for c in completion) / max(len(completion), 1)
 
 
-def grpo_cfg(parallel: dict, train: dict | None = None, grpo: dict | None = None) -> Config:
+class EveryThird(Environment):
+    """A tool called after every third character of the model's turn, answering '12' (GRPO
+    scenarios with an environment: grpo.env=tests.distributed.grpo_scenarios:EveryThird)."""
+
+    def triggered(self, text):
+        return len(text) >= 3
+
+    def step(self, state, text):
+        return Turn(observation="12", tool_call=True)
+
+
+def grpo_cfg(parallel: dict, train: dict | None = None, grpo: dict | None = None,
+             sampling: dict | None = None) -> Config:
     return from_dict({
         "model": MODEL,
         "data": {"tokenizer": "byte", "seq_len": 32},
         "optim": {"lr": 3e-3, "warmup_steps": 0, "schedule": "constant", "weight_decay": 0.1, "grad_clip": 0.5},
         "train": {"seed": 3, "steps": 1, "checkpointing": {"decoder": "none", "encoder": False}, **(train or {})},
         "parallel": parallel,
-        "sampling": {"temperature": 1.0, "max_new_tokens": 6},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 6, **(sampling or {})},
         # verify_onpolicy: the skipped first-minibatch replay is run all the same and must be torch.equal to mu
         "grpo": {"prompts_per_step": 2, "group_size": 4, "minibatches": 2, "eval_size": 0, "eps_high": 0.28,
                  "verify_onpolicy": True, **(grpo or {})},
@@ -148,6 +192,9 @@ class OneProcessGRPO:
         cfg, g = self.cfg, self.cfg.grpo
         settings = loss_settings(cfg)
         params = sampling_params(cfg, self.tok)
+        envs = environments(cfg, self.tok)
+        if envs is not None:
+            params = dataclasses.replace(params, stop_token_ids=envs.stop_ids(params.stop_token_ids))
         order = RecordOrder(len(recs), cfg.train.seed, cfg.data.shuffle)
         global_idx = order.take(g.prompts_per_step * self.dp)
         rows_per_rank = g.prompts_per_step * g.group_size
@@ -159,9 +206,10 @@ class OneProcessGRPO:
             rows = [recs[i] for i in global_idx[r::self.dp] for _ in range(g.group_size)]
             prompts = [prompt_ids(self.tok, x["question"]) for x in rows]
             seeds = request_seeds(cfg.train.seed, 0, r, len(rows))
-            batches = [(prompts[a:a + size], seeds[a:a + size]) for a in range(0, len(rows), size)]
+            batches = [(prompts[a:a + size], seeds[a:a + size], rows[a:a + size]) for a in range(0, len(rows), size)]
             rollouts = [generate(self.model, p, max_new_tokens_for(self.model, p, params), s, pad_id=self.tok.pad_id,
-                                 dtype=cfg.train.dtype, decode=self.tok.decode) for p, s in batches]
+                                 dtype=cfg.train.dtype, decode=self.tok.decode, check_every=cfg.sampling.check_every,
+                                 episodes=None if envs is None else envs.episodes(x)) for p, s, x in batches]
             texts = [self.tok.decode(ro.completion(b)) for ro in rollouts for b in range(ro.batch_size)]
             rewards, _ = score(texts, [x["answer"] for x in rows], list(range(len(rows))), odd)
             adv = group_advantages(torch.tensor(rewards), g.group_size, g.advantage, g.advantage_eps)
@@ -233,11 +281,11 @@ def _prompt_packs():
 
 
 def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict | None = None,
-                           persistence_threshold: int | None = None) -> dict:
+                           persistence_threshold: int | None = None, sampling: dict | None = None) -> dict:
     """One GRPO step (two minibatches) of the distributed trainer against ``OneProcessGRPO``.
     ``persistence_threshold`` (ZeRO-3): DeepSpeed's stage3_param_persistence_threshold, 0 to
     partition every parameter of the tiny model (else all stay whole and nothing is tested)."""
-    cfg = grpo_config(grpo_cfg(parallel, train, grpo))
+    cfg = grpo_config(grpo_cfg(parallel, train, grpo, sampling))
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
     recs = records()
     with _zero3_persistence(persistence_threshold):

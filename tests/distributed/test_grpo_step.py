@@ -6,7 +6,8 @@ ZeRO-1, TP=2 (with the k3 KL to a reference built in the same layout), PP=2 (gra
 the KL) and DP=2 ZeRO-3 with every parameter partitioned; on four: TP=2 x PP=2 (the KL) and
 PP=2 x DP=2 ZeRO-2. The trainer's learner runs compaction and shared prompts (the defaults),
 the reference the padded dense schedule (the encoder too: with shared prompts the trainer's
-encodes each batch's prompt pack, every pipeline stage included); PP=2 once more with both off."""
+encodes each batch's prompt pack, every pipeline stage included); PP=2 once more with both off. With an
+environment (observations inserted and masked out of the loss): TP=2 with the KL, PP=2."""
 
 import pytest
 
@@ -19,6 +20,15 @@ FOUR = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "pp": 2
                                                    "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
         ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 2, "micro_batches": 2},
                                                    "train": {"grad_accum": 2}})]
+# An environment inside the rollouts (observations inserted, masked out of the loss): TP=2 with
+# the KL, PP=2 with grad_accum 2
+ENV = {"grpo": {"env": "tests.distributed.grpo_scenarios:EveryThird"},
+       "sampling": {"check_every": 1, "max_new_tokens": 10}}
+TWO += [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "zero_stage": 1},
+                                                   "grpo": {**ENV["grpo"], "kl_coef": 0.1},
+                                                   "sampling": ENV["sampling"]}),
+        ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
+                                                   "train": {"grad_accum": 2}, **ENV})]
 SCENARIOS = {2: TWO, 4: FOUR}
 
 
@@ -39,6 +49,9 @@ def check_grpo_step(r: dict, args: dict) -> None:
     assert r["param_diff"] < 5e-5, r["param_worst"]
     if args.get("grpo", {}).get("kl_coef"):
         assert r["scalars"]["kl/reference"] > 0.0
+    if args.get("grpo", {}).get("env"):  # observations went in, the step matched all the same
+        assert r["scalars"]["env/turns"] > 0.5 and r["scalars"]["env/observation_tokens"] > 1.0
+        return
     steps, padded = r["row_steps"]  # the learner ran fewer decoder row-steps than the padded schedule
     assert steps < 0.8 * padded, r["row_steps"]
     # the encoder's prompt packs (on every stage under PP): fewer positions than the padded batch

@@ -20,7 +20,11 @@ ROWS = [(REPLAY, {"parallel": {"tp": 2}, "rows": SLOTS}),
         (REPLAY, {"parallel": {"pp": 2}, "dtype": "bf16", "model": {"memory_block": 1}, "rows": SLOTS})]
 FOUR = [(REPLAY, {"parallel": {"tp": 2, "pp": 2}, "model": {"memory_block": 3}, "rows": SLOTS}),
         (REPLAY, {"parallel": {"tp": 2, "pp": 2}, "dtype": "bf16", "rows": {}})]
-SCENARIOS = {2: LOCKSTEP + ROWS, 4: FOUR}
+ENV = [(REPLAY, {"parallel": {"tp": 2}, "model": {"memory_block": 3}, "rows": SLOTS, "env": True}),
+       (REPLAY, {"parallel": {"pp": 2}, "model": {"memory_block": 3}, "rows": {}, "env": True}),
+       (REPLAY, {"parallel": {"pp": 2}, "dtype": "bf16", "rows": SLOTS, "env": True})]
+FOUR_ENV = [(REPLAY, {"parallel": {"tp": 2, "pp": 2}, "model": {"memory_block": 3}, "rows": SLOTS, "env": True})]
+SCENARIOS = {2: LOCKSTEP + ROWS + ENV, 4: FOUR + FOUR_ENV}
 
 
 def check(rs: list[dict], args: dict) -> None:
@@ -31,6 +35,7 @@ def check(rs: list[dict], args: dict) -> None:
         assert r["decoder"] == ["fused"] and r["steps"]["rollout"] > 0 and r["steps"]["replay"] > 0
         if "rows" in args:
             assert {"Fork", "Enter", "Leave", "Encode"} <= set(r["events"])
+        assert ("Force" in r["events"]) == bool(args.get("env"))  # observations inserted, replayed
         assert r["exact"] and r["exact_again"]
         assert r["calls_equal_one_process"]
         if args.get("dtype") != "bf16":  # bf16 rounding may move a draw; fp32 must not
@@ -43,11 +48,11 @@ def check(rs: list[dict], args: dict) -> None:
                 assert r["mu_diff_one_process"] == 0.0
 
 
-@pytest.mark.parametrize("name,args", LOCKSTEP + ROWS)
+@pytest.mark.parametrize("name,args", LOCKSTEP + ROWS + ENV)
 def test_replay_is_bit_exact_on_every_rank_of_two(ranks, name, args):
     check(ranks(2).each(name, args), args)
 
 
-@pytest.mark.parametrize("name,args", FOUR)
+@pytest.mark.parametrize("name,args", FOUR + FOUR_ENV)
 def test_replay_is_bit_exact_on_every_rank_of_four(ranks, name, args):
     check(ranks(4).each(name, args), args)
