@@ -430,6 +430,18 @@ class GRPOConfig:
     # is not torch.equal to mu (train/grpo.py, ``onpolicy_values``).
     skip_onpolicy_replay: bool = True
     verify_onpolicy: bool = False
+    # Bounded staleness (train/async_grpo.py): step k learns from the samples of its data drawn
+    # by the policy of step max(0, k - max_staleness), a fixed pipeline (reproducible, resumed
+    # exactly: the queue is in every rank's checkpoint); 0 is synchronous GRPO, bit for bit.
+    max_staleness: int = 0
+    # Off-policy correction of stale samples (learner/correction.py): "none" (ratio against mu),
+    # "token_tis" (ratio against the step's proximal policy, weight min(pi_old / mu, is_cap)),
+    # "token_mask" (weight 0 where pi_old / mu leaves [is_band_low, is_band_high]) or
+    # "seq_mask" (a row whose geometric-mean pi_old / mu leaves the band gets weight 0).
+    is_correction: str = "none"
+    is_cap: float = 2.0
+    is_band_low: float = 0.5
+    is_band_high: float = 2.0
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1")
@@ -465,6 +477,17 @@ class GRPOConfig:
                f"grpo.overlong_buffer={self.overlong_buffer} and grpo.overlong_penalty={self.overlong_penalty} "
                "must be >= 0")
         _check(self.eval_every >= 0 and self.eval_size >= 0, "grpo.eval_every and grpo.eval_size must be >= 0")
+        _check(self.max_staleness >= 0, f"grpo.max_staleness={self.max_staleness}: must be >= 0 (0: synchronous)")
+        corrections = ("none", "token_tis", "token_mask", "seq_mask")
+        _check(self.is_correction in corrections,
+               f"grpo.is_correction={self.is_correction!r}: expected one of {', '.join(corrections)}")
+        _check(self.is_correction == "none" or self.max_staleness > 0,
+               f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 has "
+               "none (the ratio against mu is exact): set grpo.max_staleness >= 1 or grpo.is_correction=none")
+        _check(self.is_cap > 0, f"grpo.is_cap={self.is_cap}: the truncation of the IS weight must be > 0")
+        _check(0 < self.is_band_low <= 1 <= self.is_band_high,
+               f"grpo.is_band_low={self.is_band_low}, grpo.is_band_high={self.is_band_high}: the band of kept "
+               "ratios must hold 1 (0 < low <= 1 <= high)")
 
 
 @dataclass

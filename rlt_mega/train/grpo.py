@@ -47,6 +47,7 @@ from rlt_mega.config import Config, ConfigError, given
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.pairs import RecordOrder, prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
+from rlt_mega.learner.correction import Correction
 from rlt_mega.learner.grpo import group_advantages
 from rlt_mega.learner.objective import GRPOObjective, GRPOPart, LossSettings, grpo_batch
 from rlt_mega.log import get_logger
@@ -58,6 +59,7 @@ from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.model.plan import RowSwitches
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
+from rlt_mega.train.async_grpo import Generated, StalenessPipeline
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
 from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
@@ -101,6 +103,7 @@ class GRPOJob:
         self.minibatch_rows = self.rows_per_step // g.minibatches
         self.batch_rows = self.minibatch_rows // batches_per_minibatch(cfg)
         self.objective = GRPOObjective(settings=loss_settings(cfg))
+        self.pipeline = StalenessPipeline(g.max_staleness, (dims.dp, dims.tp, dims.pp, dims.rank))
         self._t_generate = 0.0
 
     # ------------------------------------------------------------------ one step
@@ -185,10 +188,11 @@ class GRPOJob:
         return bool(rnd.group_keep[k * groups:(k + 1) * groups].any())
 
     def _minibatch(self, rounds: list[Round], k: int, advantages: list[torch.Tensor],
-                   replays: dict[int, list]) -> list[dict]:
+                   replays: dict[int, list], proximal: Optional[dict[int, list]] = None) -> list[dict]:
         """Minibatch k as the engine's batches: batch j holds batch (k, j) of every round that
         kept one of its rows (round 0's, carrying no loss, if none did: the engine steps over a
-        fixed number of batches)."""
+        fixed number of batches). proximal: minibatch k's replays under the step's starting
+        parameters, by round (a stale step under grpo.is_correction), else None."""
         g = self.cfg.grpo
         batches = []
         for j in range(len(rounds[0].rollouts[k])):
@@ -199,7 +203,8 @@ class GRPOJob:
                     continue
                 adv = self._batches(list(advantages[r].unbind(0)), k)[j]
                 ref = None if (rnd.refs is None or g.kl_in_reward) else rnd.refs[k][j]
-                parts.append(GRPOPart(rnd.rollouts[k][j], replays[r][j], torch.stack(adv), ref, torch.stack(keep)))
+                parts.append(GRPOPart(rnd.rollouts[k][j], replays[r][j], torch.stack(adv), ref, torch.stack(keep),
+                                      None if proximal is None else proximal[r][j]))
             if not parts:  # no round kept a row of this batch: round 0's, carrying no loss
                 r = min(replays)
                 ro = rounds[r].rollouts[k][j]
@@ -207,6 +212,17 @@ class GRPOJob:
                                       torch.zeros(ro.batch_size, dtype=torch.bool)))
             batches.append(grpo_batch(parts))
         return batches
+
+    def _proximal(self, rounds: list[Round]) -> list[dict[int, list]]:
+        """[minibatch][round] the replays of a stale step's rollouts under the parameters it
+        starts with (the proximal policy of learner/correction.py), taken before its first update;
+        None on a rank without the loss (under pipeline parallelism only the last stage has them)."""
+        policy = self.sampler()
+        out = []
+        for k in range(self.cfg.grpo.minibatches):
+            used = [r for r, rnd in enumerate(rounds) if self._learns_from(rnd, k)] or [0]
+            out.append({r: policy.replay(rounds[r].rollouts[k]) for r in used})
+        return out
 
     def _onpolicy_values(self, rounds: list[Round], used: list[int], done: int) -> dict[int, list]:
         """The hybrid's values on the step's first minibatch (epoch 0, minibatch 0): mu itself.
@@ -246,13 +262,23 @@ class GRPOJob:
     def step(self, done: int) -> dict[str, float]:
         g, dims = self.cfg.grpo, self.dims
         self._t_generate = 0.0
-        rounds, sampling = self._sample(done)
+        # The staleness pipeline (train/async_grpo.py): sample with version ``done`` every data
+        # step up to done + max_staleness not yet queued, then learn data step ``done``.
+        for data_step in self.pipeline.to_sample(done):
+            self.pipeline.push(Generated(data_step, done, *self._sample(data_step)))
+        generated = self.pipeline.pop(done)
+        rounds, sampling, lag = generated.rounds, generated.sampling, generated.lag(done)
         if self.reference is not None:
             with self.timers("reference"):
                 self._reference(rounds)
         with self.timers("advantages"):
             advantages = [group_advantages(rnd.rewards().float(), g.group_size, g.advantage, g.advantage_eps)
                           for rnd in rounds]
+
+        proximal = None
+        if lag and g.is_correction != "none":
+            with self.timers("proximal"):  # every minibatch under the step's starting parameters
+                proximal = self._proximal(rounds)
 
         self.objective.records = []
         step_stats = []
@@ -264,14 +290,17 @@ class GRPOJob:
                 t0 = time.perf_counter()
                 with self.timers("replay"):
                     used = [r for r, rnd in enumerate(rounds) if self._learns_from(rnd, k)] or [0]
-                    if epoch == 0 and k == 0 and g.skip_onpolicy_replay:
+                    if epoch == 0 and k == 0 and proximal is not None:
+                        replays = {r: proximal[k][r] for r in used}  # the same parameters: the same values
+                    elif epoch == 0 and k == 0 and g.skip_onpolicy_replay and lag == 0:
                         replays = self._onpolicy_values(rounds, used, done)
                     else:
                         # Fresh caches under the current parameters (after the previous update); a
                         # round's minibatch is replayed as it was sampled, its batches together.
                         policy = self.sampler()
                         replays = {r: policy.replay(rounds[r].rollouts[k]) for r in used}
-                batches = self._minibatch(rounds, k, advantages, replays)
+                batches = self._minibatch(rounds, k, advantages, replays,
+                                          None if proximal is None else proximal[k])
                 with self.timers("update"):
                     stats = self.engine.train_step(batches, self.objective)
                 t_learn += time.perf_counter() - t0
@@ -297,7 +326,11 @@ class GRPOJob:
         scalars = reduce_step_metrics(dims, scores, sum(rnd.failures for rnd in rounds), flat, self.objective.records,
                                       first_records=first_records, epochs=1, t_generate=self._t_generate,
                                       t_learn=t_learn, with_reference=self.reference is not None and not g.kl_in_reward,
-                                      learned=learned, per_row=per_row, totals=totals)
+                                      learned=learned, per_row=per_row, totals=totals,
+                                      with_correction=proximal is not None)
+        # One lag a step in the colocated pipeline: the ratio's figures are those of that lag.
+        scalars.update({"async/staleness_mean": float(lag), "async/staleness_max": float(lag),
+                        **{f"async/lag{lag}/ratio_{s}": scalars[f"ratio/{s}"] for s in ("min", "mean", "max")}})
         scalars.update({
             "train/loss": sum(s.loss for s in step_stats) / len(step_stats),
             "train/grad_norm": max(s.grad_norm for s in step_stats),
@@ -354,6 +387,13 @@ class GRPOJob:
         self.state = GRPOState(**state["state"])
         self.order.load_state_dict(state["data"])
 
+    def rank_state_dict(self) -> dict:
+        """This rank's own state: the staleness queue (train/async_grpo.py)."""
+        return {"pipeline": self.pipeline.state_dict()}
+
+    def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
+        self.pipeline.load_state_dict(None if state is None else state["pipeline"], step)
+
 
 # ---------------------------------------------------------------------- what GRPO derives
 def onpolicy_deviation(replay: torch.Tensor, mu: torch.Tensor) -> float:
@@ -383,7 +423,8 @@ def loss_settings(cfg: Config) -> LossSettings:
     return LossSettings(eps_low=g.gspo_eps_low if gspo else g.eps_low, eps_high=g.gspo_eps_high if gspo else g.eps_high,
                         kl_coef=0.0 if g.kl_in_reward else g.kl_coef, loss=g.policy_loss, clip_ratio_c=g.clip_ratio_c,
                         kl_estimator=g.kl_estimator, loss_agg=g.loss_agg,
-                        loss_agg_length=g.loss_agg_length or cfg.sampling.max_new_tokens, entropy_coef=g.entropy_coef)
+                        loss_agg_length=g.loss_agg_length or cfg.sampling.max_new_tokens, entropy_coef=g.entropy_coef,
+                        correction=Correction(g.is_correction, g.is_cap, g.is_band_low, g.is_band_high))
 
 
 def grpo_config(cfg: Config) -> Config:
