@@ -18,11 +18,15 @@ and the max_staleness it was written with when its queue is not empty.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
 
 from rlt_mega.config import ConfigError
+from rlt_mega.parallel.roles import RoleChannel
 from rlt_mega.train.grpo_rounds import Round
 
 
@@ -34,6 +38,9 @@ class Generated:
     version: int
     rounds: list[Round]
     sampling: dict[str, float]  # dynamic sampling's counts
+    t_generate: float = 0.0  # seconds the sampling took
+    idle: float = 0.0  # seconds the sampler waited for weights before it (roles)
+    order: Optional[dict] = None  # the data order's state after it (roles: the learner follows it)
 
     def lag(self, learner_step: int) -> int:
         return learner_step - self.version
@@ -80,3 +87,98 @@ class StalenessPipeline:
         if queue and queue[0].step != step:
             raise ConfigError(f"the checkpoint at step {step} queues data step {queue[0].step} first: it is damaged")
         self.queue = deque(queue)
+
+
+# ---------------------------------------------------------------------- where samples come from
+class ColocatedSource:
+    """The job samples on its own ranks, with its parameters at the start of each step."""
+
+    def __init__(self, sample: Callable[[int, int], Generated]) -> None:
+        self.sample = sample  # (data step, version) -> Generated
+
+    def fill(self, pipeline: StalenessPipeline, done: int) -> float:
+        """Samples what the step needs -> seconds the learner idled meanwhile."""
+        t0 = time.perf_counter()
+        for data_step in pipeline.to_sample(done):
+            pipeline.push(self.sample(data_step, done))
+        return time.perf_counter() - t0
+
+    def sampler_idle_fraction(self, item: Generated, step_seconds: float, fill_seconds: float) -> float:
+        """The sampler (the same ranks) idles while the step learns."""
+        return 1.0 - fill_seconds / max(step_seconds, 1e-9)
+
+    def after_step(self, done: int, params: list[torch.Tensor]) -> float:
+        return 0.0
+
+    def complete(self, pipeline: StalenessPipeline, done: int) -> None:
+        """Before a save: the queue holds data steps done .. done + s - 1 already."""
+
+    def close(self, pipeline: StalenessPipeline, done: int) -> None:
+        pass
+
+
+class RemoteSource:
+    """The learner's end of the roles (grpo.sampler_replicas): data steps arrive from the
+    sampler (parallel/roles.py) in order; weights are published after every step a sampler
+    still needs (version v samples data step v + s, for data steps below ``end`` + s)."""
+
+    def __init__(self, channel: RoleChannel, max_staleness: int, end: int, on_receive: Callable[[Generated], None]
+                 ) -> None:
+        self.channel, self.max_staleness, self.end, self.on_receive = channel, max_staleness, end, on_receive
+        self._published = None
+        self._received = -1  # the last data step received
+
+    def start(self, params: list[torch.Tensor]) -> None:
+        """Version 0, which the sampler waits for before its first data step."""
+        self._published, _ = self.channel.publish(params, None)
+
+    def _receive_through(self, pipeline: StalenessPipeline, step: int) -> float:
+        waited = 0.0
+        while self._received < step:
+            item, w = self.channel.recv(self.channel.samplers[0])
+            waited += w
+            self._received = item.step
+            self.on_receive(item)
+            pipeline.push(item)
+        return waited
+
+    def fill(self, pipeline: StalenessPipeline, done: int) -> float:
+        return self._receive_through(pipeline, done)
+
+    def sampler_idle_fraction(self, item: Generated, step_seconds: float, fill_seconds: float) -> float:
+        """Of the sampler's time for this data step: waiting for weights / (that + sampling)."""
+        return item.idle / max(item.idle + item.t_generate, 1e-9)
+
+    def after_step(self, done: int, params: list[torch.Tensor]) -> float:
+        """``done`` steps are done: publishes version ``done`` if a data step below end + s needs it."""
+        if done >= self.end:
+            return 0.0
+        self._published, seconds = self.channel.publish(params, self._published)
+        return seconds
+
+    def complete(self, pipeline: StalenessPipeline, done: int) -> None:
+        self._receive_through(pipeline, done + self.max_staleness - 1)
+
+    def close(self, pipeline: StalenessPipeline, done: int) -> None:
+        """At the end: whatever the sampler still sends (its last data steps) is received."""
+        self._receive_through(pipeline, self.end + self.max_staleness - 1)
+        if self._published is not None:
+            self._published[0].wait()
+
+
+def run_sampler(job, channel: RoleChannel, end: int) -> None:
+    """A sampler rank's loop: data step j, for j below end + s, sampled by version max(0, j - s)
+    (received from the learner just before it is first needed) and sent to the learner.
+    ``job``: a GRPOJob on this rank (its sampling phases, its model, its data order)."""
+    s = job.cfg.grpo.max_staleness
+    params = list(job.engine.sampling_module().parameters())
+    version, idle = -1, 0.0
+    for data_step in range(end + s):
+        while version < max(0, data_step - s):
+            idle += channel.receive_weights(params)
+            version += 1
+            item = job.sample_step(data_step, version)
+        item.idle = idle
+        channel.send(item)
+        idle = 0.0
+    channel.flush()

@@ -37,11 +37,13 @@ is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactne
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from rlt_mega.config import Config, ConfigError, given
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
@@ -52,20 +54,23 @@ from rlt_mega.learner.grpo import group_advantages
 from rlt_mega.learner.objective import GRPOObjective, GRPOPart, LossSettings, grpo_batch
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Timers
-from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
+from rlt_mega.checkpoint import CheckpointManager
+from rlt_mega.determinism import configure as configure_determinism
+from rlt_mega.parallel.dims import ParallelDims, init_distributed, micro_batch_plan
+from rlt_mega.parallel.roles import RoleChannel
 from rlt_mega.parallel.engine import Engine, EngineConfig
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.model.plan import RowSwitches
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
-from rlt_mega.train.async_grpo import Generated, StalenessPipeline
+from rlt_mega.train.async_grpo import ColocatedSource, Generated, RemoteSource, StalenessPipeline, run_sampler
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
 from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
 from rlt_mega.train.grpo_metrics import reduce_step_metrics
 from rlt_mega.train.grpo_rounds import Round, keep_all, keep_informative, row_keep, row_kl_sums
-from rlt_mega.train.loop import Interval, Trainer
+from rlt_mega.train.loop import Interval, StopAfter, Trainer
 from rlt_mega.train.supervised import phase_timers
 
 log = get_logger(__name__)
@@ -104,6 +109,9 @@ class GRPOJob:
         self.batch_rows = self.minibatch_rows // batches_per_minibatch(cfg)
         self.objective = GRPOObjective(settings=loss_settings(cfg))
         self.pipeline = StalenessPipeline(g.max_staleness, (dims.dp, dims.tp, dims.pp, dims.rank))
+        # Where samples come from: this job's own ranks, or a sampler role (set by run_roles).
+        self.source: ColocatedSource | RemoteSource = ColocatedSource(self.sample_step)
+        self._done = 0  # steps done (what a save's queue continues from)
         self._t_generate = 0.0
 
     # ------------------------------------------------------------------ one step
@@ -141,6 +149,13 @@ class GRPOJob:
             penalties = overlong_penalties(lengths, self.cfg.sampling.max_new_tokens, g.overlong_buffer,
                                            g.overlong_penalty)
         return Round(rows, rollouts, scores, penalties, failures)
+
+    def sample_step(self, data_step: int, version: int) -> Generated:
+        """Data step ``data_step``'s samples with the current parameters (policy ``version``)."""
+        self._t_generate = 0.0
+        rounds, sampling = self._sample(data_step)
+        return Generated(data_step, version, rounds, sampling, t_generate=self._t_generate,
+                         order=self.order.state_dict())
 
     def _sample(self, done: int) -> tuple[list[Round], dict[str, float]]:
         """The step's rounds (one, or dynamic sampling's), their kept groups marked."""
@@ -261,11 +276,11 @@ class GRPOJob:
 
     def step(self, done: int) -> dict[str, float]:
         g, dims = self.cfg.grpo, self.dims
-        self._t_generate = 0.0
-        # The staleness pipeline (train/async_grpo.py): sample with version ``done`` every data
-        # step up to done + max_staleness not yet queued, then learn data step ``done``.
-        for data_step in self.pipeline.to_sample(done):
-            self.pipeline.push(Generated(data_step, done, *self._sample(data_step)))
+        t_step = time.perf_counter()
+        # The staleness pipeline (train/async_grpo.py): colocated, sample with version ``done``
+        # every data step up to done + max_staleness not yet queued; with a sampler role, receive
+        # data step ``done``. Then learn data step ``done``.
+        t_fill = self.source.fill(self.pipeline, done)
         generated = self.pipeline.pop(done)
         rounds, sampling, lag = generated.rounds, generated.sampling, generated.lag(done)
         if self.reference is not None:
@@ -324,13 +339,19 @@ class GRPOJob:
             per_row["kl/reward_penalty"] = src * sum(float(rnd.kl_penalties.sum()) for rnd in rounds)
         totals = {k: src * v for k, v in sampling.items()} if g.dynamic_sampling else {}  # over every replica
         scalars = reduce_step_metrics(dims, scores, sum(rnd.failures for rnd in rounds), flat, self.objective.records,
-                                      first_records=first_records, epochs=1, t_generate=self._t_generate,
+                                      first_records=first_records, epochs=1,
                                       t_learn=t_learn, with_reference=self.reference is not None and not g.kl_in_reward,
-                                      learned=learned, per_row=per_row, totals=totals,
+                                      learned=learned, per_row=per_row, totals=totals, t_generate=generated.t_generate,
                                       with_correction=proximal is not None)
-        # One lag a step in the colocated pipeline: the ratio's figures are those of that lag.
+        # One lag a step (the pipeline is fixed): the ratio's figures are those of that lag.
         scalars.update({"async/staleness_mean": float(lag), "async/staleness_max": float(lag),
                         **{f"async/lag{lag}/ratio_{s}": scalars[f"ratio/{s}"] for s in ("min", "mean", "max")}})
+        self._done = done + 1
+        sync = self.source.after_step(self._done, list(self.engine.sampling_module().parameters()))
+        seconds = time.perf_counter() - t_step
+        scalars.update({"async/learner_idle_fraction": t_fill / max(seconds, 1e-9),
+                        "async/sampler_idle_fraction": self.source.sampler_idle_fraction(generated, seconds, t_fill),
+                        "async/weight_sync_s": sync})
         scalars.update({
             "train/loss": sum(s.loss for s in step_stats) / len(step_stats),
             "train/grad_norm": max(s.grad_norm for s in step_stats),
@@ -388,11 +409,15 @@ class GRPOJob:
         self.order.load_state_dict(state["data"])
 
     def rank_state_dict(self) -> dict:
-        """This rank's own state: the staleness queue (train/async_grpo.py)."""
+        """This rank's own state: the staleness queue (train/async_grpo.py), complete (with a
+        sampler role, the data steps it still owes are received first, so that the checkpoint
+        resumes as the colocated run's would)."""
+        self.source.complete(self.pipeline, self._done)
         return {"pipeline": self.pipeline.state_dict()}
 
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
         self.pipeline.load_state_dict(None if state is None else state["pipeline"], step)
+        self._done = step
 
 
 # ---------------------------------------------------------------------- what GRPO derives
@@ -482,6 +507,13 @@ def run(cfg: Config) -> dict:
     except ValueError as exc:
         raise ConfigError(f"grpo.reward: {exc}") from None
     cfg = grpo_config(cfg)
+    if cfg.grpo.sampler_replicas:
+        stats = DataStats()
+        train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
+                                                   ["question", "answer"], stats, seed=cfg.train.seed)
+        result = run_roles(cfg, tokenizer, reward_fn, train_recs, eval_recs)
+        result["data/skipped"] = stats.total
+        return result
     with launch(cfg, engine_config(cfg)) as dims:
         stats = DataStats()
         train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
@@ -495,6 +527,12 @@ def build_trainer(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_
                   eval_recs) -> Trainer:
     """The loop with the GRPO job on this rank of ``dims``; ``cfg`` is ``grpo_config``'s.
     train.init_from (e.g. the export of an SFT run), when set, is applied by the builders."""
+    job = build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs)
+    return Trainer(cfg, dims, job.engine, job, job.timers)
+
+
+def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs,
+              eval_recs) -> GRPOJob:
     engine = build_engine(cfg, dims, engine_config(cfg))
     every, comms = cfg.sampling.check_every, Comms.from_dims(dims)
     rows = RowSwitches(slots=cfg.sampling.slots)
@@ -509,5 +547,46 @@ def build_trainer(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_
              "minibatches of %d batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,
              cfg.grpo.group_size, dims.dp, cfg.grpo.minibatches, batches_per_minibatch(cfg), cfg.grpo.epochs)
     timers = phase_timers()
-    job = GRPOJob(cfg, dims, engine, policy, tokenizer, train_recs, eval_recs, reward_fn, timers, reference)
-    return Trainer(cfg, dims, engine, job, timers)
+    return GRPOJob(cfg, dims, engine, policy, tokenizer, train_recs, eval_recs, reward_fn, timers, reference)
+
+
+def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs, eval_recs) -> dict:
+    """GRPO with a sampler role (grpo.sampler_replicas, docs/design.md "Bounded staleness"):
+    world rank 0 runs the loop, rank 1 samples (train/async_grpo.py, ``run_sampler``); both
+    build the model from the same config, so the sampler's layout is the learner's. A
+    checkpoint holds the learner's queue complete, so it resumes colocated exactly (resuming
+    with the roles is not implemented: refused). ``cfg`` is ``grpo_config``'s."""
+    p, g = cfg.parallel, cfg.grpo
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1 + g.sampler_replicas:
+        raise ConfigError(f"grpo.sampler_replicas={g.sampler_replicas} runs on {1 + g.sampler_replicas} processes "
+                          f"(one learner, the samplers), but the launcher started {world}: launch "
+                          f"{1 + g.sampler_replicas} (torchrun --nproc-per-node {1 + g.sampler_replicas})")
+    if p.tp > 1 or p.pp > 1 or p.zero_stage > 0:
+        raise ConfigError(f"grpo.sampler_replicas: the learner with roles is one process in this version, and a "
+                          f"sampler replica must have the learner's layout; parallel.tp={p.tp}, pp={p.pp}, "
+                          f"zero_stage={p.zero_stage} asks for more: set them to 1, 1, 0, or grpo.sampler_replicas=0")
+    if CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep).resolve(cfg.train.resume) is not None:
+        raise ConfigError(f"train.resume={cfg.train.resume!r} finds a checkpoint in {cfg.checkpoint.dir}: resuming "
+                          "with grpo.sampler_replicas is not implemented; resume it colocated "
+                          "(grpo.sampler_replicas=0, one process: its queue is in the checkpoint, the run continues "
+                          "exactly), or start in another checkpoint.dir")
+    configure_determinism(cfg.train.deterministic)
+    _, device = init_distributed(p.backend, cfg.train.device, deterministic=cfg.train.deterministic)
+    try:
+        channel = RoleChannel(g.sampler_replicas, device)
+        dims = ParallelDims.single(cfg.model, device)
+        end = StopAfter(cfg.train.stop_after).end(0, cfg.train.steps)
+        if not channel.is_learner:
+            run_sampler(build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs), channel, end)
+            return {"role": "sampler"}
+        trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs)
+        job = trainer.job
+        job.source = RemoteSource(channel, g.max_staleness, end, lambda item: job.order.load_state_dict(item.order))
+        job.source.start(list(job.engine.sampling_module().parameters()))
+        result = trainer.run()
+        job.source.close(job.pipeline, job._done)
+        return result
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
