@@ -177,7 +177,7 @@ def run_sampler(job, channel: RoleChannel, end: int) -> None:
         while version < max(0, data_step - s):
             idle += channel.receive_weights(params)
             version += 1
-            item = job.sample_step(data_step, version)
+        item = job.sample_step(data_step, version)
         item.idle = idle
         channel.send(item)
         idle = 0.0

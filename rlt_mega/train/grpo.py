@@ -577,16 +577,17 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
         channel = RoleChannel(g.sampler_replicas, device)
         dims = ParallelDims.single(cfg.model, device)
         end = StopAfter(cfg.train.stop_after).end(0, cfg.train.steps)
-        if not channel.is_learner:
+        if channel.is_learner:
+            trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs)
+            job = trainer.job
+            job.source = RemoteSource(channel, g.max_staleness, end, lambda it: job.order.load_state_dict(it.order))
+            job.source.start(list(job.engine.sampling_module().parameters()))
+            result = trainer.run()
+            job.source.close(job.pipeline, job._done)
+        else:
             run_sampler(build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs), channel, end)
-            return {"role": "sampler"}
-        trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs)
-        job = trainer.job
-        job.source = RemoteSource(channel, g.max_staleness, end, lambda item: job.order.load_state_dict(item.order))
-        job.source.start(list(job.engine.sampling_module().parameters()))
-        result = trainer.run()
-        job.source.close(job.pipeline, job._done)
+            result = {"role": "sampler"}
+        dist.barrier()  # on success only: after a failure the launcher stops the other rank
         return result
     finally:
-        dist.barrier()
         dist.destroy_process_group()

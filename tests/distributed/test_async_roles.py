@@ -1,10 +1,10 @@
 """Sampler and learner roles (grpo.sampler_replicas = 1, gloo, 2 processes) against the
 colocated run in this process (tests/distributed/async_scenarios.py): with max_staleness 0 the
 final parameters (the last checkpoint's) and every logged loss are torch.equal to the
-colocated run's; with max_staleness 1 as well (the same fixed pipeline, the sampler sampling
-the next step while the learner learns), and a roles checkpoint taken mid-run (train.stop_after)
-resumes colocated to the uninterrupted run's parameters bit for bit (the learner drains the
-sampler's queued steps into it). Also the roles' metrics and the layouts they refuse."""
+colocated run's; with max_staleness 1 (the same fixed pipeline, the sampler sampling the next
+step while the learner learns) the roles' steps and their checkpoint, resumed colocated, give
+the uninterrupted colocated run bit for bit (the learner drains the sampler's queued steps into
+the checkpoint). Also the roles' metrics and the layouts they refuse. Two 2-process launches."""
 
 import json
 
@@ -43,27 +43,37 @@ def run_two(tmp_path, grpo: dict, train: dict, name: str):
     return out, result(res, "async_scenarios.roles_run", args, 0)
 
 
-@pytest.mark.parametrize("s", [0, 1])
-def test_roles_equal_the_colocated_run(tmp_path, s):
-    roles, out = run_two(tmp_path, {"max_staleness": s}, {"steps": 3}, "roles")
+def check_metrics(lines: list[dict], s: int) -> None:
+    assert [x["async/staleness_max"] for x in lines] == [min(k, s) for k in range(len(lines))]
+    for x in lines:
+        assert 0.0 <= x["async/learner_idle_fraction"] <= 1.0 and 0.0 <= x["async/sampler_idle_fraction"] <= 1.0
+        assert x["async/weight_sync_s"] >= 0.0
+
+
+def test_synchronous_roles_equal_the_colocated_run(tmp_path):
+    roles, out = run_two(tmp_path, {"max_staleness": 0}, {"steps": 3}, "roles")
     assert out["step"] == 3
-    colocated({"max_staleness": s}, {"steps": 3}, tmp_path / "colocated")
+    colocated({"max_staleness": 0}, {"steps": 3}, tmp_path / "colocated")
     a, b = final_params(roles), final_params(tmp_path / "colocated")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     lines, ref = logged(roles), logged(tmp_path / "colocated")
     assert [x["train/loss"] for x in lines] == [x["train/loss"] for x in ref] and len(lines) == 3
     assert [x["reward/mean"] for x in lines] == [x["reward/mean"] for x in ref]
-    assert [x["async/staleness_max"] for x in lines] == [min(k, s) for k in range(3)]
-    for x in lines:
-        assert 0.0 <= x["async/learner_idle_fraction"] <= 1.0 and 0.0 <= x["async/sampler_idle_fraction"] <= 1.0
-        assert x["async/weight_sync_s"] >= 0.0
-    if s == 0:  # resumed colocated from a roles checkpoint after step 2: the uninterrupted run
-        return
-    cut, _ = run_two(tmp_path, {"max_staleness": s}, {"steps": 3, "stop_after": 2}, "cut")
-    colocated({"max_staleness": s}, {"steps": 3}, cut)
-    c = final_params(cut)
+    check_metrics(lines, 0)
+
+
+def test_stale_roles_equal_the_colocated_run_and_resume_colocated(tmp_path):
+    """max_staleness 1: two steps with the roles (the sampler samples data step k + 1 while the
+    learner learns k), a checkpoint (train.stop_after), the last step colocated from it: the
+    uninterrupted colocated run's losses and parameters, bit for bit."""
+    cut, out = run_two(tmp_path, {"max_staleness": 1}, {"steps": 3, "stop_after": 2}, "cut")
+    assert out["step"] == 2
+    check_metrics(logged(cut), 1)
+    colocated({"max_staleness": 1}, {"steps": 3}, cut)
+    colocated({"max_staleness": 1}, {"steps": 3}, tmp_path / "colocated")
+    a, c = final_params(tmp_path / "colocated"), final_params(cut)
     assert all(torch.equal(a[n], c[n]) for n in a)
-    assert [x["train/loss"] for x in logged(cut)] == [x["train/loss"] for x in ref]
+    assert [x["train/loss"] for x in logged(cut)] == [x["train/loss"] for x in logged(tmp_path / "colocated")]
 
 
 def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):
