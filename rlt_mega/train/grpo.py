@@ -3,7 +3,9 @@ prompts with its learner's layout (one process, or TP x PP, the pipeline's sampl
 learns from them through the engine (local, or DeepSpeed ZeRO over the data-parallel group).
 The loop is the one of every job (train/loop.py); this module is the job and its set-up.
 
-One step, as named phases (each timed into the metrics):
+One step, as named phases (each timed into the metrics), after the staleness pipeline
+(train/async_grpo.py, grpo.max_staleness) has sampled what the step needs (colocated) or
+received it (a sampler role, grpo.sampler_replicas) and handed it the data step to learn:
 
     generate    prompts_per_step x group_size completions per replica, each minibatch as
                 grad_accum (x pipeline pieces) rollout batches sampled together (in flight in
@@ -12,6 +14,8 @@ One step, as named phases (each timed into the metrics):
     score       rewards, once per replica (a reward function that raises scores 0, counted)
     advantages  group advantages (grpo / dr_grpo)
     reference   frozen-reference log-probs (only with grpo.kl_coef > 0), by replay
+    proximal    a stale step under grpo.is_correction: every minibatch replayed with the step's
+                starting parameters, the proximal policy (learner/correction.py)
     replay      per minibatch: the rollouts' own schedule with the current parameters (skipped on
                 the first minibatch, whose value is mu bit for bit: grpo.skip_onpolicy_replay,
                 grpo.verify_onpolicy, ``GRPOJob._onpolicy_values``)
