@@ -115,7 +115,7 @@ class GRPOJob:
         self.pipeline = StalenessPipeline(g.max_staleness, (dims.dp, dims.tp, dims.pp, dims.rank))
         # Where samples come from: this job's own ranks, or a sampler role (set by run_roles).
         self.source: ColocatedSource | RemoteSource = ColocatedSource(self.sample_step)
-        self._done = 0  # steps done (what a save's queue continues from)
+        self.steps_done = 0  # steps done (what a save's queue continues from)
         self._t_generate = 0.0
 
     # ------------------------------------------------------------------ one step
@@ -350,8 +350,8 @@ class GRPOJob:
         # One lag a step (the pipeline is fixed): the ratio's figures are those of that lag.
         scalars.update({"async/staleness_mean": float(lag), "async/staleness_max": float(lag),
                         **{f"async/lag{lag}/ratio_{s}": scalars[f"ratio/{s}"] for s in ("min", "mean", "max")}})
-        self._done = done + 1
-        sync = self.source.after_step(self._done, list(self.engine.sampling_module().parameters()))
+        self.steps_done = done + 1
+        sync = self.source.after_step(self.steps_done, list(self.engine.sampling_module().parameters()))
         seconds = time.perf_counter() - t_step
         scalars.update({"async/learner_idle_fraction": t_fill / max(seconds, 1e-9),
                         "async/sampler_idle_fraction": self.source.sampler_idle_fraction(generated, seconds, t_fill),
@@ -416,12 +416,12 @@ class GRPOJob:
         """This rank's own state: the staleness queue (train/async_grpo.py), complete (with a
         sampler role, the data steps it still owes are received first, so that the checkpoint
         resumes as the colocated run's would)."""
-        self.source.complete(self.pipeline, self._done)
+        self.source.complete(self.pipeline, self.steps_done)
         return {"pipeline": self.pipeline.state_dict()}
 
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
         self.pipeline.load_state_dict(None if state is None else state["pipeline"], step)
-        self._done = step
+        self.steps_done = step
 
 
 # ---------------------------------------------------------------------- what GRPO derives
@@ -587,7 +587,7 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
             job.source = RemoteSource(channel, g.max_staleness, end, lambda it: job.order.load_state_dict(it.order))
             job.source.start(list(job.engine.sampling_module().parameters()))
             result = trainer.run()
-            job.source.close(job.pipeline, job._done)
+            job.source.close(job.pipeline, job.steps_done)
         else:
             run_sampler(build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs), channel, end)
             result = {"role": "sampler"}
