@@ -8,6 +8,7 @@ Layout under ``checkpoint.dir``::
         trainer.pt          the trainer loop's state (steps, the last checkpoint's step) and the
                             job's (counters, data position)
         rng_rank{r}.pt      every rank's RNG state
+        job_rank{r}.pt      every rank's own job state (GRPO: its staleness queue, train/async_grpo.py)
         config.yaml         the run's config
         manifest.json       size and sha256 of every file above, written last
     latest                  the name of the newest complete checkpoint, replaced atomically

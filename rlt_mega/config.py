@@ -440,6 +440,23 @@ class GRPOConfig:
     # is not torch.equal to mu (train/grpo.py, ``onpolicy_values``).
     skip_onpolicy_replay: bool = True
     verify_onpolicy: bool = False
+    # Bounded staleness (train/async_grpo.py): step k learns from the samples of its data drawn
+    # by the policy of step max(0, k - max_staleness), a fixed pipeline (reproducible, resumed
+    # exactly: the queue is in every rank's checkpoint); 0 is synchronous GRPO, bit for bit.
+    max_staleness: int = 0
+    # Off-policy correction of stale samples (learner/correction.py): "none" (ratio against mu),
+    # "token_tis" (ratio against the step's proximal policy, weight min(pi_old / mu, is_cap)),
+    # "token_mask" (weight 0 where pi_old / mu leaves [is_band_low, is_band_high]) or
+    # "seq_mask" (a row whose geometric-mean pi_old / mu leaves the band gets weight 0).
+    is_correction: str = "none"
+    is_cap: float = 2.0
+    is_band_low: float = 0.5
+    is_band_high: float = 2.0
+    # Sampler and learner roles in one job (train/async_grpo.py, parallel/roles.py): world rank 0
+    # learns, the next sampler_replicas ranks sample (weights broadcast to them, rollouts sent
+    # back); 0: colocated. This version: one sampler replica, a one-process learner (tp = pp = 1,
+    # no ZeRO), so the sampler's layout is the learner's by construction.
+    sampler_replicas: int = 0
 
     def __post_init__(self) -> None:
         _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1")
@@ -479,6 +496,20 @@ class GRPOConfig:
                f"grpo.max_turns={self.max_turns}, grpo.max_turn_tokens={self.max_turn_tokens} and "
                f"grpo.max_episode_tokens={self.max_episode_tokens} must be >= 1")
         _check(self.env_time_limit > 0, f"grpo.env_time_limit={self.env_time_limit}: must be > 0 seconds")
+        _check(self.max_staleness >= 0, f"grpo.max_staleness={self.max_staleness}: must be >= 0 (0: synchronous)")
+        corrections = ("none", "token_tis", "token_mask", "seq_mask")
+        _check(self.is_correction in corrections,
+               f"grpo.is_correction={self.is_correction!r}: expected one of {', '.join(corrections)}")
+        _check(self.is_correction == "none" or self.max_staleness > 0,
+               f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 has "
+               "none (the ratio against mu is exact): set grpo.max_staleness >= 1 or grpo.is_correction=none")
+        _check(self.sampler_replicas in (0, 1),
+               f"grpo.sampler_replicas={self.sampler_replicas}: 0 (colocated) or 1 (one sampler rank beside one "
+               "learner rank); more sampler replicas are not implemented")
+        _check(self.is_cap > 0, f"grpo.is_cap={self.is_cap}: the truncation of the IS weight must be > 0")
+        _check(0 < self.is_band_low <= 1 <= self.is_band_high,
+               f"grpo.is_band_low={self.is_band_low}, grpo.is_band_high={self.is_band_high}: the band of kept "
+               "ratios must hold 1 (0 < low <= 1 <= high)")
 
 
 @dataclass

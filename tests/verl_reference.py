@@ -1,6 +1,8 @@
 """verl 0.9.1's own ``verl/trainer/ppo/core_algos.py``, loaded for tests as an independent
 implementation of the GRPO toolbox (agg_loss, compute_policy_loss_vanilla, ..._gspo,
-compute_grpo_outcome_advantage, compute_rloo_outcome_advantage, kl_penalty).
+compute_grpo_outcome_advantage, compute_rloo_outcome_advantage, kl_penalty), and its
+``rollout_corr_helper.py`` (the off-policy corrections: compute_rollout_correction_weights,
+compute_rollout_rejection_mask).
 
 ``import verl`` pulls ray (verl/protocol.py) and verl pins transformers<5.11, so verl is NOT
 installed into the venv: ``pip install --no-deps --target`` puts its source in a cache folder
@@ -11,7 +13,9 @@ core_algos imports besides torch and numpy are stand-ins made here, stated plain
   folders (their ``__init__`` files import ray and the trainers), so the real submodules load;
 - ``verl.utils.device``: get_device_name() = "cpu" (verl probes the accelerator);
 - ``verl.trainer.config.AlgoConfig``, ``verl.workers.config.ActorConfig``: empty classes (used
-  as type hints and in one isinstance check);
+  as type hints and in one isinstance check); ``verl.protocol.DataProto``,
+  ``RolloutCorrectionConfig``, ``PolicyLossConfig``: empty classes (type hints of
+  rollout_corr_helper);
 - ``omegaconf.DictConfig`` and ``tensordict.TensorDict``: empty classes (type hints only);
 - ``transformers.PreTrainedTokenizer`` is the real one.
 
@@ -59,14 +63,13 @@ def _module(name: str, **attrs) -> types.ModuleType:
     return mod
 
 
-_CORE = None
+_LOADED: dict[str, types.ModuleType] = {}
 
 
-def core_algos():
-    """verl's core_algos module (loaded once)."""
-    global _CORE
-    if _CORE is not None:
-        return _CORE
+def _load(name: str) -> types.ModuleType:
+    """verl's module ``name`` over the stand-ins (loaded once); the stand-ins are removed after."""
+    if name in _LOADED:
+        return _LOADED[name]
     root = _source_dir() / "verl"
     saved = {k: v for k, v in sys.modules.items() if k == "verl" or k.startswith("verl.")
              or k in ("omegaconf", "tensordict")}
@@ -84,16 +87,30 @@ def core_algos():
             is_cuda_available=False, is_npu_available=False)
     _module("verl.trainer.config", AlgoConfig=type("AlgoConfig", (), {}))
     _module("verl.workers.config", ActorConfig=type("ActorConfig", (), {}))
+    # rollout_corr_helper's imports besides torch_functional: type hints only
+    _module("verl.protocol", DataProto=type("DataProto", (), {}))
+    _module("verl.trainer.config.algorithm", RolloutCorrectionConfig=type("RolloutCorrectionConfig", (), {}))
+    _module("verl.workers.config.actor", PolicyLossConfig=type("PolicyLossConfig", (), {}))
     groupwise = importlib.import_module("verl.utils.groupwise")
     utils.as_torch_index, utils.group_mean_std = groupwise.as_torch_index, groupwise.group_mean_std
     try:
-        _CORE = importlib.import_module("verl.trainer.ppo.core_algos")
+        _LOADED[name] = importlib.import_module(name)
     finally:  # leave no stand-in behind for other tests
         for k in [k for k in sys.modules if k == "verl" or k.startswith("verl.") or k in ("omegaconf", "tensordict")]:
             if k not in saved:
                 del sys.modules[k]
         sys.modules.update(saved)
-    return _CORE
+    return _LOADED[name]
+
+
+def core_algos():
+    """verl's core_algos module."""
+    return _load("verl.trainer.ppo.core_algos")
+
+
+def rollout_corr_helper():
+    """verl's rollout_corr_helper module (off-policy IS weights and rejection masks)."""
+    return _load("verl.trainer.ppo.rollout_corr_helper")
 
 
 def actor_config(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **global_batch_info):

@@ -32,7 +32,7 @@ def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, ma
               eps_low: float = 0.2, eps_high: float = 0.2, ref_logp: Optional[torch.Tensor] = None,
               kl_coef: float = 0.0, *, loss: str = "clip", clip_ratio_c: Optional[float] = None,
               kl_estimator: str = "k3", loss_agg: str = "token_mean", entropy: Optional[torch.Tensor] = None,
-              entropy_coef: float = 0.0) -> LossOutput:
+              entropy_coef: float = 0.0, is_weights: Optional[torch.Tensor] = None) -> LossOutput:
     """The policy loss (+ kl_coef * KL to the reference - entropy_coef * entropy), aggregated.
 
     logp (B, N): the policy's log-probs (the hybrid: value = replay, gradient = dense);
@@ -40,6 +40,9 @@ def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, ma
     carry loss (a row the step leaves out has none); entropy (B, N): the policy's token
     entropy under the rollout's processing (with grad, for the bonus). ``loss`` names the
     policy loss, eps_low / eps_high its clip range (GSPO's own narrow one under "gspo").
+    is_weights (B, N), detached: the off-policy correction's weights of the policy loss
+    (learner/correction.py; mu is then the proximal policy's log-probs, which may be -inf:
+    such a token counts as a support miss).
     The loss is ``aggregation.loss_sum`` of the per-token losses; whoever accumulates the step
     divides it by the step's global ``loss_count`` (the engines do, rlt_mega/loss.py).
 
@@ -50,7 +53,7 @@ def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, ma
     if ref_logp is None and kl_coef:
         raise ValueError("kl_coef is set but no reference log-probs were given")
     mask = mask.bool()
-    miss = mask & torch.isneginf(logp)
+    miss = mask & (torch.isneginf(logp) | torch.isneginf(mu))
     # Replace -inf (and whatever sits in padding) before any arithmetic, so that neither the
     # value nor the gradient ever sees inf - inf.
     invalid = miss | ~mask
@@ -58,6 +61,8 @@ def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, ma
     safe_mu = torch.where(invalid, torch.zeros_like(mu), mu)
     clip = ClipRange(eps_low, eps_high, clip_ratio_c)
     per_token, ratio, is_clipped = policy_loss(loss)(safe_logp, safe_mu, miss, advantages, mask, clip)  # (B, N)
+    if is_weights is not None:
+        per_token = per_token * is_weights  # the policy term only (verl weights pg_losses alone)
     valid = mask & ~miss
     zeros = torch.zeros_like(safe_logp)
     kl = zeros

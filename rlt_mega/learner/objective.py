@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.learner.aggregation import loss_count
+from rlt_mega.learner.correction import Correction, is_weights
 from rlt_mega.learner.grpo import grpo_loss
 from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_rows, hybrid_logprobs,
                                      mismatch_metrics)
@@ -50,6 +51,9 @@ class GRPOPart:
     advantages: torch.Tensor  # (B,)
     ref: Optional[torch.Tensor] = None  # (B, N)
     rows: Optional[torch.Tensor] = None  # (B,) bool; None: every row carries loss
+    # (B, N) the proximal policy's log-probs (a stale sample under grpo.is_correction: the
+    # replay with the step's starting parameters); None: the ratio is against mu, no correction
+    proximal: Optional[torch.Tensor] = None
 
     def loss_mask(self) -> torch.Tensor:
         """(B, N) bool: the completion tokens that carry loss."""
@@ -87,6 +91,7 @@ class LossSettings:
     loss_agg: str = "token_mean"
     loss_agg_length: int = 0
     entropy_coef: float = 0.0
+    correction: Correction = Correction()
 
 
 class GRPOObjective(LogitsLoss):
@@ -115,12 +120,29 @@ class GRPOObjective(LogitsLoss):
             dense, entropy = dense_logprobs_and_entropy(rows, ro, vocab.gather)  # (B, N) each
             logp = hybrid_logprobs(dense, part.replay)
             kl_coef = s.kl_coef if part.ref is not None else 0.0
-            out = grpo_loss(logp, ro.mu, part.advantages, part.loss_mask(), s.eps_low, s.eps_high,
+            old, weights = ro.mu, None
+            if part.proximal is not None:
+                old, weights = part.proximal, is_weights(part.proximal, ro.mu, part.loss_mask(), s.correction)
+            out = grpo_loss(logp, old, part.advantages, part.loss_mask(), s.eps_low, s.eps_high,
                             ref_logp=part.ref, kl_coef=kl_coef, loss=s.loss, clip_ratio_c=s.clip_ratio_c,
                             kl_estimator=s.kl_estimator, loss_agg=s.loss_agg,
-                            entropy=entropy if s.entropy_coef else entropy.detach(), entropy_coef=s.entropy_coef)
+                            entropy=entropy if s.entropy_coef else entropy.detach(), entropy_coef=s.entropy_coef,
+                            is_weights=weights)
             record = {k: float(v) for k, v in out.metrics.items()}
+            if weights is not None:
+                record.update(correction_metrics(part.proximal, ro.mu, part.loss_mask(), weights))
             record.update(mismatch_metrics(ro.mu, dense, part.replay, ro.mask))
             self.records.append(record)
             total = out.loss if total is None else total + out.loss
         return total
+
+
+def correction_metrics(proximal: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, weights: torch.Tensor
+                       ) -> dict[str, float]:
+    """Sums (reduce, then divide) of the behaviour ratio pi_old / mu and the correction's weights."""
+    mask = mask.bool()
+    rho = torch.exp(torch.where(mask, proximal - mu, torch.zeros_like(mu)))[mask]
+    w = weights[mask]
+    return {"rho_sum": float(rho.sum()), "rho_min": float(rho.min()) if rho.numel() else 1.0,
+            "rho_max": float(rho.max()) if rho.numel() else 1.0, "is_weight_sum": float(w.sum()),
+            "is_rejected": float((w == 0).sum())}

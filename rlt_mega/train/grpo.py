@@ -3,7 +3,9 @@ prompts with its learner's layout (one process, or TP x PP, the pipeline's sampl
 learns from them through the engine (local, or DeepSpeed ZeRO over the data-parallel group).
 The loop is the one of every job (train/loop.py); this module is the job and its set-up.
 
-One step, as named phases (each timed into the metrics):
+One step, as named phases (each timed into the metrics), after the staleness pipeline
+(train/async_grpo.py, grpo.max_staleness) has sampled what the step needs (colocated) or
+received it (a sampler role, grpo.sampler_replicas) and handed it the data step to learn:
 
     generate    prompts_per_step x group_size completions per replica, each minibatch as
                 grad_accum (x pipeline pieces) rollout batches sampled together (in flight in
@@ -12,6 +14,8 @@ One step, as named phases (each timed into the metrics):
     score       rewards, once per replica (a reward function that raises scores 0, counted)
     advantages  group advantages (grpo / dr_grpo)
     reference   frozen-reference log-probs (only with grpo.kl_coef > 0), by replay
+    proximal    a stale step under grpo.is_correction: every minibatch replayed with the step's
+                starting parameters, the proximal policy (learner/correction.py)
     replay      per minibatch: the rollouts' own schedule with the current parameters (skipped on
                 the first minibatch, whose value is mu bit for bit: grpo.skip_onpolicy_replay,
                 grpo.verify_onpolicy, ``GRPOJob._onpolicy_values``)
@@ -37,21 +41,27 @@ is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactne
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 
 from rlt_mega.config import Config, ConfigError, given
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.pairs import RecordOrder, prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
+from rlt_mega.learner.correction import Correction
 from rlt_mega.learner.grpo import group_advantages
 from rlt_mega.learner.objective import GRPOObjective, GRPOPart, LossSettings, grpo_batch
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Timers
-from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
+from rlt_mega.checkpoint import CheckpointManager
+from rlt_mega.determinism import configure as configure_determinism
+from rlt_mega.parallel.dims import ParallelDims, init_distributed, micro_batch_plan
+from rlt_mega.parallel.roles import RoleChannel
 from rlt_mega.parallel.engine import Engine, EngineConfig
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
@@ -59,12 +69,13 @@ from rlt_mega.model.plan import RowSwitches
 from rlt_mega.rollout.env import EnvLimits, Environments, resolve_env
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
+from rlt_mega.train.async_grpo import ColocatedSource, Generated, RemoteSource, StalenessPipeline, run_sampler
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
 from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
 from rlt_mega.train.grpo_metrics import reduce_step_metrics
 from rlt_mega.train.grpo_rounds import Round, keep_all, keep_informative, row_keep, row_kl_sums
-from rlt_mega.train.loop import Interval, Trainer
+from rlt_mega.train.loop import Interval, StopAfter, Trainer
 from rlt_mega.train.supervised import phase_timers
 
 log = get_logger(__name__)
@@ -102,6 +113,10 @@ class GRPOJob:
         self.minibatch_rows = self.rows_per_step // g.minibatches
         self.batch_rows = self.minibatch_rows // batches_per_minibatch(cfg)
         self.objective = GRPOObjective(settings=loss_settings(cfg))
+        self.pipeline = StalenessPipeline(g.max_staleness, (dims.dp, dims.tp, dims.pp, dims.rank))
+        # Where samples come from: this job's own ranks, or a sampler role (set by run_roles).
+        self.source: ColocatedSource | RemoteSource = ColocatedSource(self.sample_step)
+        self.steps_done = 0  # steps done (what a save's queue continues from)
         self._t_generate = 0.0
         self.envs = environments(cfg, tokenizer)
         if self.envs is not None:
@@ -145,6 +160,13 @@ class GRPOJob:
             penalties = overlong_penalties(lengths, self.cfg.sampling.max_new_tokens, g.overlong_buffer,
                                            g.overlong_penalty)
         return Round(rows, rollouts, scores, penalties, failures)
+
+    def sample_step(self, data_step: int, version: int) -> Generated:
+        """Data step ``data_step``'s samples with the current parameters (policy ``version``)."""
+        self._t_generate = 0.0
+        rounds, sampling = self._sample(data_step)
+        return Generated(data_step, version, rounds, sampling, t_generate=self._t_generate,
+                         order=self.order.state_dict())
 
     def _sample(self, done: int) -> tuple[list[Round], dict[str, float]]:
         """The step's rounds (one, or dynamic sampling's), their kept groups marked."""
@@ -192,10 +214,11 @@ class GRPOJob:
         return bool(rnd.group_keep[k * groups:(k + 1) * groups].any())
 
     def _minibatch(self, rounds: list[Round], k: int, advantages: list[torch.Tensor],
-                   replays: dict[int, list]) -> list[dict]:
+                   replays: dict[int, list], proximal: Optional[dict[int, list]] = None) -> list[dict]:
         """Minibatch k as the engine's batches: batch j holds batch (k, j) of every round that
         kept one of its rows (round 0's, carrying no loss, if none did: the engine steps over a
-        fixed number of batches)."""
+        fixed number of batches). proximal: minibatch k's replays under the step's starting
+        parameters, by round (a stale step under grpo.is_correction), else None."""
         g = self.cfg.grpo
         batches = []
         for j in range(len(rounds[0].rollouts[k])):
@@ -206,7 +229,8 @@ class GRPOJob:
                     continue
                 adv = self._batches(list(advantages[r].unbind(0)), k)[j]
                 ref = None if (rnd.refs is None or g.kl_in_reward) else rnd.refs[k][j]
-                parts.append(GRPOPart(rnd.rollouts[k][j], replays[r][j], torch.stack(adv), ref, torch.stack(keep)))
+                parts.append(GRPOPart(rnd.rollouts[k][j], replays[r][j], torch.stack(adv), ref, torch.stack(keep),
+                                      None if proximal is None else proximal[r][j]))
             if not parts:  # no round kept a row of this batch: round 0's, carrying no loss
                 r = min(replays)
                 ro = rounds[r].rollouts[k][j]
@@ -214,6 +238,17 @@ class GRPOJob:
                                       torch.zeros(ro.batch_size, dtype=torch.bool)))
             batches.append(grpo_batch(parts))
         return batches
+
+    def _proximal(self, rounds: list[Round]) -> list[dict[int, list]]:
+        """[minibatch][round] the replays of a stale step's rollouts under the parameters it
+        starts with (the proximal policy of learner/correction.py), taken before its first update;
+        None on a rank without the loss (under pipeline parallelism only the last stage has them)."""
+        policy = self.sampler()
+        out = []
+        for k in range(self.cfg.grpo.minibatches):
+            used = [r for r, rnd in enumerate(rounds) if self._learns_from(rnd, k)] or [0]
+            out.append({r: policy.replay(rounds[r].rollouts[k]) for r in used})
+        return out
 
     def _onpolicy_values(self, rounds: list[Round], used: list[int], done: int) -> dict[int, list]:
         """The hybrid's values on the step's first minibatch (epoch 0, minibatch 0): mu itself.
@@ -252,14 +287,24 @@ class GRPOJob:
 
     def step(self, done: int) -> dict[str, float]:
         g, dims = self.cfg.grpo, self.dims
-        self._t_generate = 0.0
-        rounds, sampling = self._sample(done)
+        t_step = time.perf_counter()
+        # The staleness pipeline (train/async_grpo.py): colocated, sample with version ``done``
+        # every data step up to done + max_staleness not yet queued; with a sampler role, receive
+        # data step ``done``. Then learn data step ``done``.
+        t_fill = self.source.fill(self.pipeline, done)
+        generated = self.pipeline.pop(done)
+        rounds, sampling, lag = generated.rounds, generated.sampling, generated.lag(done)
         if self.reference is not None:
             with self.timers("reference"):
                 self._reference(rounds)
         with self.timers("advantages"):
             advantages = [group_advantages(rnd.rewards().float(), g.group_size, g.advantage, g.advantage_eps)
                           for rnd in rounds]
+
+        proximal = None
+        if lag and g.is_correction != "none":
+            with self.timers("proximal"):  # every minibatch under the step's starting parameters
+                proximal = self._proximal(rounds)
 
         self.objective.records = []
         step_stats = []
@@ -271,14 +316,17 @@ class GRPOJob:
                 t0 = time.perf_counter()
                 with self.timers("replay"):
                     used = [r for r, rnd in enumerate(rounds) if self._learns_from(rnd, k)] or [0]
-                    if epoch == 0 and k == 0 and g.skip_onpolicy_replay:
+                    if epoch == 0 and k == 0 and proximal is not None:
+                        replays = {r: proximal[k][r] for r in used}  # the same parameters: the same values
+                    elif epoch == 0 and k == 0 and g.skip_onpolicy_replay and lag == 0:
                         replays = self._onpolicy_values(rounds, used, done)
                     else:
                         # Fresh caches under the current parameters (after the previous update); a
                         # round's minibatch is replayed as it was sampled, its batches together.
                         policy = self.sampler()
                         replays = {r: policy.replay(rounds[r].rollouts[k]) for r in used}
-                batches = self._minibatch(rounds, k, advantages, replays)
+                batches = self._minibatch(rounds, k, advantages, replays,
+                                          None if proximal is None else proximal[k])
                 with self.timers("update"):
                     stats = self.engine.train_step(batches, self.objective)
                 t_learn += time.perf_counter() - t0
@@ -302,9 +350,19 @@ class GRPOJob:
             per_row["kl/reward_penalty"] = src * sum(float(rnd.kl_penalties.sum()) for rnd in rounds)
         totals = {k: src * v for k, v in sampling.items()} if g.dynamic_sampling else {}  # over every replica
         scalars = reduce_step_metrics(dims, scores, sum(rnd.failures for rnd in rounds), flat, self.objective.records,
-                                      first_records=first_records, epochs=1, t_generate=self._t_generate,
+                                      first_records=first_records, epochs=1,
                                       t_learn=t_learn, with_reference=self.reference is not None and not g.kl_in_reward,
-                                      learned=learned, per_row=per_row, totals=totals)
+                                      learned=learned, per_row=per_row, totals=totals, t_generate=generated.t_generate,
+                                      with_correction=proximal is not None)
+        # One lag a step (the pipeline is fixed): the ratio's figures are those of that lag.
+        scalars.update({"async/staleness_mean": float(lag), "async/staleness_max": float(lag),
+                        **{f"async/lag{lag}/ratio_{s}": scalars[f"ratio/{s}"] for s in ("min", "mean", "max")}})
+        self.steps_done = done + 1
+        sync = self.source.after_step(self.steps_done, list(self.engine.sampling_module().parameters()))
+        seconds = time.perf_counter() - t_step
+        scalars.update({"async/learner_idle_fraction": t_fill / max(seconds, 1e-9),
+                        "async/sampler_idle_fraction": self.source.sampler_idle_fraction(generated, seconds, t_fill),
+                        "async/weight_sync_s": sync})
         scalars.update({
             "train/loss": sum(s.loss for s in step_stats) / len(step_stats),
             "train/grad_norm": max(s.grad_norm for s in step_stats),
@@ -362,6 +420,17 @@ class GRPOJob:
         self.state = GRPOState(**state["state"])
         self.order.load_state_dict(state["data"])
 
+    def rank_state_dict(self) -> dict:
+        """This rank's own state: the staleness queue (train/async_grpo.py), complete (with a
+        sampler role, the data steps it still owes are received first, so that the checkpoint
+        resumes as the colocated run's would)."""
+        self.source.complete(self.pipeline, self.steps_done)
+        return {"pipeline": self.pipeline.state_dict()}
+
+    def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
+        self.pipeline.load_state_dict(None if state is None else state["pipeline"], step)
+        self.steps_done = step
+
 
 # ---------------------------------------------------------------------- what GRPO derives
 def onpolicy_deviation(replay: torch.Tensor, mu: torch.Tensor) -> float:
@@ -391,7 +460,8 @@ def loss_settings(cfg: Config) -> LossSettings:
     return LossSettings(eps_low=g.gspo_eps_low if gspo else g.eps_low, eps_high=g.gspo_eps_high if gspo else g.eps_high,
                         kl_coef=0.0 if g.kl_in_reward else g.kl_coef, loss=g.policy_loss, clip_ratio_c=g.clip_ratio_c,
                         kl_estimator=g.kl_estimator, loss_agg=g.loss_agg,
-                        loss_agg_length=g.loss_agg_length or cfg.sampling.max_new_tokens, entropy_coef=g.entropy_coef)
+                        loss_agg_length=g.loss_agg_length or cfg.sampling.max_new_tokens, entropy_coef=g.entropy_coef,
+                        correction=Correction(g.is_correction, g.is_cap, g.is_band_low, g.is_band_high))
 
 
 def grpo_config(cfg: Config) -> Config:
@@ -468,6 +538,13 @@ def run(cfg: Config) -> dict:
     except ValueError as exc:
         raise ConfigError(f"grpo.reward: {exc}") from None
     cfg = grpo_config(cfg)
+    if cfg.grpo.sampler_replicas:
+        stats = DataStats()
+        train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
+                                                   ["question", "answer"], stats, seed=cfg.train.seed)
+        result = run_roles(cfg, tokenizer, reward_fn, train_recs, eval_recs)
+        result["data/skipped"] = stats.total
+        return result
     with launch(cfg, engine_config(cfg)) as dims:
         stats = DataStats()
         train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
@@ -481,6 +558,12 @@ def build_trainer(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_
                   eval_recs) -> Trainer:
     """The loop with the GRPO job on this rank of ``dims``; ``cfg`` is ``grpo_config``'s.
     train.init_from (e.g. the export of an SFT run), when set, is applied by the builders."""
+    job = build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs)
+    return Trainer(cfg, dims, job.engine, job, job.timers)
+
+
+def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs,
+              eval_recs) -> GRPOJob:
     engine = build_engine(cfg, dims, engine_config(cfg))
     every, comms = cfg.sampling.check_every, Comms.from_dims(dims)
     rows = RowSwitches(slots=cfg.sampling.slots)
@@ -495,5 +578,47 @@ def build_trainer(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_
              "minibatches of %d batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,
              cfg.grpo.group_size, dims.dp, cfg.grpo.minibatches, batches_per_minibatch(cfg), cfg.grpo.epochs)
     timers = phase_timers()
-    job = GRPOJob(cfg, dims, engine, policy, tokenizer, train_recs, eval_recs, reward_fn, timers, reference)
-    return Trainer(cfg, dims, engine, job, timers)
+    return GRPOJob(cfg, dims, engine, policy, tokenizer, train_recs, eval_recs, reward_fn, timers, reference)
+
+
+def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs, eval_recs) -> dict:
+    """GRPO with a sampler role (grpo.sampler_replicas, docs/design.md "Bounded staleness"):
+    world rank 0 runs the loop, rank 1 samples (train/async_grpo.py, ``run_sampler``); both
+    build the model from the same config, so the sampler's layout is the learner's. A
+    checkpoint holds the learner's queue complete, so it resumes colocated exactly (resuming
+    with the roles is not implemented: refused). ``cfg`` is ``grpo_config``'s."""
+    p, g = cfg.parallel, cfg.grpo
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != 1 + g.sampler_replicas:
+        raise ConfigError(f"grpo.sampler_replicas={g.sampler_replicas} runs on {1 + g.sampler_replicas} processes "
+                          f"(one learner, the samplers), but the launcher started {world}: launch "
+                          f"{1 + g.sampler_replicas} (torchrun --nproc-per-node {1 + g.sampler_replicas})")
+    if p.tp > 1 or p.pp > 1 or p.zero_stage > 0:
+        raise ConfigError(f"grpo.sampler_replicas: the learner with roles is one process in this version, and a "
+                          f"sampler replica must have the learner's layout; parallel.tp={p.tp}, pp={p.pp}, "
+                          f"zero_stage={p.zero_stage} asks for more: set them to 1, 1, 0, or grpo.sampler_replicas=0")
+    if CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep).resolve(cfg.train.resume) is not None:
+        raise ConfigError(f"train.resume={cfg.train.resume!r} finds a checkpoint in {cfg.checkpoint.dir}: resuming "
+                          "with grpo.sampler_replicas is not implemented; resume it colocated "
+                          "(grpo.sampler_replicas=0, one process: its queue is in the checkpoint, the run continues "
+                          "exactly), or start in another checkpoint.dir")
+    configure_determinism(cfg.train.deterministic)
+    _, device = init_distributed(p.backend, cfg.train.device, deterministic=cfg.train.deterministic)
+    try:
+        channel = RoleChannel(g.sampler_replicas, device)
+        dims = ParallelDims.single(cfg.model, device)
+        end = StopAfter(cfg.train.stop_after).end(0, cfg.train.steps)
+        if channel.is_learner:
+            trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs)
+            job = trainer.job
+            job.source = RemoteSource(channel, g.max_staleness, end, lambda it: job.order.load_state_dict(it.order))
+            job.source.start(list(job.engine.sampling_module().parameters()))
+            result = trainer.run()
+            job.source.close(job.pipeline, job.steps_done)
+        else:
+            run_sampler(build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs), channel, end)
+            result = {"role": "sampler"}
+        dist.barrier()  # on success only: after a failure the launcher stops the other rank
+        return result
+    finally:
+        dist.destroy_process_group()

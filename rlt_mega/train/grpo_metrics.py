@@ -21,13 +21,14 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                         records: Sequence[dict], first_records: int, epochs: int, t_generate: float, t_learn: float,
                         with_reference: bool, learned: Optional[Sequence[Rollout]] = None,
                         per_row: Optional[dict[str, float]] = None,
-                        totals: Optional[dict[str, float]] = None) -> dict[str, float]:
+                        totals: Optional[dict[str, float]] = None, with_correction: bool = False) -> dict[str, float]:
     """rewards: this replica's, one per row; rollouts: its micro-batches of the step; records:
     the objective's per-part metrics on a loss rank (empty elsewhere), the first
     ``first_records`` of them the on-policy minibatch (epoch 0, minibatch 0). learned: the
     rollout batches the learner ran, every epoch (default: rollouts, epochs times); per_row:
     replica sums (nonzero on the replica source only) reported per sampled row, by name;
-    totals: the same, reported summed over the replicas."""
+    totals: the same, reported summed over the replicas. with_correction: the records carry the
+    off-policy correction's sums (learner/objective.py, ``correction_metrics``)."""
     src = 1.0 if dims.is_replica_source else 0.0
     sums = {
         "rows": src * len(rewards),
@@ -43,8 +44,8 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
         **(per_row or {}),
         **(totals or {}),
     }
-    mins: dict[str, float] = {"ratio_min": INF, "first_ratio_min": INF}
-    maxs: dict[str, float] = {"ratio_max": -INF, "first_ratio_max": -INF, "diff_max": -INF,
+    mins: dict[str, float] = {"ratio_min": INF, "first_ratio_min": INF, "rho_min": INF}
+    maxs: dict[str, float] = {"ratio_max": -INF, "first_ratio_max": -INF, "diff_max": -INF, "rho_max": -INF,
                               "t_generate": t_generate, "t_learn": t_learn}
     with_env = any(ro.episodes is not None for ro in rollouts)  # the same on every rank (grpo.env)
     if with_env:
@@ -57,7 +58,7 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
         maxs["env_observation_tokens_max"] = max((e.observation_tokens for e in episodes), default=0)
     learner = {k: 0.0 for k in ("tokens", "ratio_sum", "clipped", "support_miss", "kl_sum", "diff_sum",
                                 "miss_dense_sum", "first_tokens", "first_kl_sum",
-                                "entropy_sum")}
+                                "entropy_sum", "rho_sum", "is_weight_sum", "is_rejected")}
     if dims.is_loss_rank:
         for i, m in enumerate(records):
             n = m["num_tokens"]
@@ -73,6 +74,12 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                 mins["ratio_min"] = min(mins["ratio_min"], m["ratio_min"])
                 maxs["ratio_max"] = max(maxs["ratio_max"], m["ratio_max"])
             maxs["diff_max"] = max(maxs["diff_max"], m["logprob_diff_max"])
+            if with_correction:
+                for key in ("rho_sum", "is_weight_sum", "is_rejected"):
+                    learner[key] += m[key]
+                if n:
+                    mins["rho_min"] = min(mins["rho_min"], m["rho_min"])
+                    maxs["rho_max"] = max(maxs["rho_max"], m["rho_max"])
             if i < first_records:
                 learner["first_tokens"] += n
                 # KL(mu || dense) on the on-policy minibatch only: later ones were sampled before an
@@ -117,4 +124,8 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                     "env/observation_tokens": r["env_observation_tokens"] / rows,
                     "env/observation_tokens_max": r["env_observation_tokens_max"],
                     "env/truncated": r["env_truncated"] / rows})
+    if with_correction:  # rho = pi_old / mu, the policy change since the samples were drawn
+        out.update({"is/rho_min": r["rho_min"] if r["rho_min"] != INF else 1.0, "is/rho_mean": r["rho_sum"] / tokens,
+                    "is/rho_max": r["rho_max"] if r["rho_max"] != -INF else 1.0,
+                    "is/weight_mean": r["is_weight_sum"] / tokens, "is/rejected_fraction": r["is_rejected"] / tokens})
     return out

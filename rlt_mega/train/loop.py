@@ -94,6 +94,9 @@ class Job(Protocol):
     def result(self) -> dict: ...
     def state_dict(self) -> dict: ...  # called on every rank at a save; rank 0's is kept
     def load_state_dict(self, state: dict) -> None: ...
+    def rank_state_dict(self) -> dict: ...  # this rank's own (GRPO: its staleness queue), in job_rank<r>.pt
+    # None: the checkpoint has no file for this rank; step: the checkpoint's step
+    def load_rank_state_dict(self, state: Optional[dict], step: int) -> None: ...
 
 
 class Trainer:
@@ -164,12 +167,13 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints
     def save(self) -> Path:
         """One atomic checkpoint: the engine's files, rank 0's trainer.pt (the loop's and the
-        job's state) and config.yaml, and every rank's RNG state (the data order is seeded,
+        job's state) and config.yaml, every rank's job_rank<r>.pt (the job's own per rank) and RNG state (the data order is seeded,
         but a user hook may draw numbers)."""
         step = self.state.step
         # On every rank, though only rank 0 writes it: a job's state may be a collective (a
         # streamed run gathers every data-parallel replica's stream position).
         job_state = self.job.state_dict()
+        rank_state = self.job.rank_state_dict()
 
         def write(tmp: Path) -> None:
             self.engine.save(tmp)
@@ -177,6 +181,7 @@ class Trainer:
                 torch.save({"loop": self.state.state_dict(), "job": job_state}, tmp / "trainer.pt")
                 save_config(self.cfg, tmp / "config.yaml")
             torch.save(rng_state(), tmp / f"rng_rank{self.dims.rank}.pt")
+            torch.save(rank_state, tmp / f"job_rank{self.dims.rank}.pt")
 
         path = self.ckpt.save(step, write, meta={"layout": self.engine.layout(), "job": self.job.name})
         self.state.last_checkpoint_step, self._last_path = step, path
@@ -201,6 +206,8 @@ class Trainer:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold the state of this {self.job.name} "
                                   f"run ({type(exc).__name__}: {exc})") from None
+        job_file = path / f"job_rank{self.dims.rank}.pt"
+        self.job.load_rank_state_dict(load_torch(job_file) if job_file.is_file() else None, self.state.step)
         rng_file = path / f"rng_rank{self.dims.rank}.pt"
         if rng_file.is_file():
             set_rng_state(load_torch(rng_file))

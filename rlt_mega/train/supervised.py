@@ -7,7 +7,7 @@ loss; a non-finite loss or gradient skips the step, and more than
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol
 
 import torch
 
@@ -116,6 +116,12 @@ class SupervisedJob:
     def load_state_dict(self, state: dict) -> None:
         self.state = SupervisedState(**state["state"])
         self.batches.load_state_dict(state["data"])
+
+    def rank_state_dict(self) -> dict:
+        return {}  # every rank's part of the data position is in state_dict
+
+    def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
+        pass
 
 
 def run(cfg: Config, data: DataFn) -> dict:

@@ -88,6 +88,12 @@ class FakeJob:
     def load_state_dict(self, state):
         self.count = state["count"]
 
+    def rank_state_dict(self):
+        return {}
+
+    def load_rank_state_dict(self, state, step):
+        pass
+
 
 def make(tmp_path, *overrides, fail_at=None):
     cfg = load_config(None, ["train.steps=10", "train.log_every=3", "train.eval_every=0", "checkpoint.every=4",

@@ -1,0 +1,184 @@
+"""Bounded staleness for GRPO (grpo.max_staleness = s), as a fixed pipeline.
+
+Policy version v is the policy after v GRPO steps. The samples of data step j (its prompts,
+seeds and order: exactly those synchronous GRPO draws at step j) are drawn by version
+max(0, j - s), and learner step k learns from data step k. So step k's staleness is
+min(k, s), fixed by k and s alone, never "whatever is ready": two runs are the same run, and
+s = 0 is synchronous GRPO (sample step k, learn it) through the same code, bit for bit.
+
+Colocated form (train/grpo.py): at the start of step k, with the parameters of version k, the
+job samples every data step not yet queued up to k + s (steps 0..s at the first step, one
+step after), then learns the queue's head, data step k. Between steps the queue holds data
+steps k + 1 .. k + s, drawn by versions that no longer exist, so it cannot be regenerated: it
+is part of every rank's checkpoint (``state_dict``: each rank keeps its own part of the
+rollouts, the mu of its pipeline stage, its replica's prompts), and a resumed run learns
+exactly what the uninterrupted one would have. A checkpoint resumes only under the layout
+and the max_staleness it was written with when its queue is not empty.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+
+from rlt_mega.config import ConfigError
+from rlt_mega.parallel.roles import RoleChannel
+from rlt_mega.train.grpo_rounds import Round
+
+
+@dataclass
+class Generated:
+    """Data step ``step``'s rounds (one, or dynamic sampling's), sampled by policy ``version``."""
+
+    step: int
+    version: int
+    rounds: list[Round]
+    sampling: dict[str, float]  # dynamic sampling's counts
+    t_generate: float = 0.0  # seconds the sampling took
+    idle: float = 0.0  # seconds the sampler waited for weights before it (roles)
+    order: Optional[dict] = None  # the data order's state after it (roles: the learner follows it)
+
+    def lag(self, learner_step: int) -> int:
+        return learner_step - self.version
+
+
+class StalenessPipeline:
+    """The queue of sampled data steps; ``layout`` names the rank's place (a queue resumes
+    only on the rank and layout that wrote it)."""
+
+    def __init__(self, max_staleness: int, layout: tuple) -> None:
+        self.max_staleness, self.layout = max_staleness, tuple(layout)
+        self.queue: deque[Generated] = deque()
+
+    def to_sample(self, done: int) -> range:
+        """The data steps to sample at the start of step ``done`` (with version ``done``)."""
+        start = self.queue[-1].step + 1 if self.queue else done
+        return range(start, done + self.max_staleness + 1)
+
+    def push(self, item: Generated) -> None:
+        self.queue.append(item)
+
+    def pop(self, done: int) -> Generated:
+        item = self.queue.popleft()
+        if item.step != done:  # the pipeline's invariant, not a user error
+            raise RuntimeError(f"GRPO step {done}: the staleness queue's head is data step {item.step}")
+        return item
+
+    def state_dict(self) -> dict:
+        return {"max_staleness": self.max_staleness, "layout": self.layout, "queue": list(self.queue)}
+
+    def load_state_dict(self, state: Optional[dict], step: int) -> None:
+        """``state`` None: the checkpoint has no queue for this rank (then none may be needed)."""
+        queue = [] if state is None else state["queue"]
+        if queue and (state["max_staleness"] != self.max_staleness or tuple(state["layout"]) != self.layout):
+            raise ConfigError(
+                f"the checkpoint at step {step} holds {len(queue)} sampled steps queued for grpo.max_staleness="
+                f"{state['max_staleness']} on layout {tuple(state['layout'])}; this run has max_staleness="
+                f"{self.max_staleness} on {self.layout}: resume with the checkpoint's, or start afresh")
+        if not queue and step > 0 and self.max_staleness > 0:
+            raise ConfigError(
+                f"the checkpoint at step {step} holds no sampled steps for grpo.max_staleness={self.max_staleness} "
+                "(it was written by a synchronous run, or this rank's file job_rank<r>.pt is missing): the queued "
+                "samples of older policies cannot be regenerated; resume with grpo.max_staleness=0 or start afresh")
+        if queue and queue[0].step != step:
+            raise ConfigError(f"the checkpoint at step {step} queues data step {queue[0].step} first: it is damaged")
+        self.queue = deque(queue)
+
+
+# ---------------------------------------------------------------------- where samples come from
+class ColocatedSource:
+    """The job samples on its own ranks, with its parameters at the start of each step."""
+
+    def __init__(self, sample: Callable[[int, int], Generated]) -> None:
+        self.sample = sample  # (data step, version) -> Generated
+
+    def fill(self, pipeline: StalenessPipeline, done: int) -> float:
+        """Samples what the step needs -> seconds the learner idled meanwhile."""
+        t0 = time.perf_counter()
+        for data_step in pipeline.to_sample(done):
+            pipeline.push(self.sample(data_step, done))
+        return time.perf_counter() - t0
+
+    def sampler_idle_fraction(self, item: Generated, step_seconds: float, fill_seconds: float) -> float:
+        """The sampler (the same ranks) idles while the step learns."""
+        return 1.0 - fill_seconds / max(step_seconds, 1e-9)
+
+    def after_step(self, done: int, params: list[torch.Tensor]) -> float:
+        return 0.0
+
+    def complete(self, pipeline: StalenessPipeline, done: int) -> None:
+        """Before a save: the queue holds data steps done .. done + s - 1 already."""
+
+    def close(self, pipeline: StalenessPipeline, done: int) -> None:
+        pass
+
+
+class RemoteSource:
+    """The learner's end of the roles (grpo.sampler_replicas): data steps arrive from the
+    sampler (parallel/roles.py) in order; weights are published after every step a sampler
+    still needs (version v samples data step v + s, for data steps below ``end`` + s)."""
+
+    def __init__(self, channel: RoleChannel, max_staleness: int, end: int, on_receive: Callable[[Generated], None]
+                 ) -> None:
+        self.channel, self.max_staleness, self.end, self.on_receive = channel, max_staleness, end, on_receive
+        self._published = None
+        self._received = -1  # the last data step received
+
+    def start(self, params: list[torch.Tensor]) -> None:
+        """Version 0, which the sampler waits for before its first data step."""
+        self._published, _ = self.channel.publish(params, None)
+
+    def _receive_through(self, pipeline: StalenessPipeline, step: int) -> float:
+        waited = 0.0
+        while self._received < step:
+            item, w = self.channel.recv(self.channel.samplers[0])
+            waited += w
+            self._received = item.step
+            self.on_receive(item)
+            pipeline.push(item)
+        return waited
+
+    def fill(self, pipeline: StalenessPipeline, done: int) -> float:
+        return self._receive_through(pipeline, done)
+
+    def sampler_idle_fraction(self, item: Generated, step_seconds: float, fill_seconds: float) -> float:
+        """Of the sampler's time for this data step: waiting for weights / (that + sampling)."""
+        return item.idle / max(item.idle + item.t_generate, 1e-9)
+
+    def after_step(self, done: int, params: list[torch.Tensor]) -> float:
+        """``done`` steps are done: publishes version ``done`` if a data step below end + s needs it."""
+        if done >= self.end:
+            return 0.0
+        self._published, seconds = self.channel.publish(params, self._published)
+        return seconds
+
+    def complete(self, pipeline: StalenessPipeline, done: int) -> None:
+        self._receive_through(pipeline, done + self.max_staleness - 1)
+
+    def close(self, pipeline: StalenessPipeline, done: int) -> None:
+        """At the end: whatever the sampler still sends (its last data steps) is received."""
+        self._receive_through(pipeline, self.end + self.max_staleness - 1)
+        if self._published is not None:
+            self._published[0].wait()
+
+
+def run_sampler(job, channel: RoleChannel, end: int) -> None:
+    """A sampler rank's loop: data step j, for j below end + s, sampled by version max(0, j - s)
+    (received from the learner just before it is first needed) and sent to the learner.
+    ``job``: a GRPOJob on this rank (its sampling phases, its model, its data order)."""
+    s = job.cfg.grpo.max_staleness
+    params = list(job.engine.sampling_module().parameters())
+    version, idle = -1, 0.0
+    for data_step in range(end + s):
+        while version < max(0, data_step - s):
+            idle += channel.receive_weights(params)
+            version += 1
+        item = job.sample_step(data_step, version)
+        item.idle = idle
+        channel.send(item)
+        idle = 0.0
+    channel.flush()

@@ -1,0 +1,76 @@
+"""GRPO with a sampler role (grpo.sampler_replicas = 1), run on two ranks by
+tests/distributed/test_async_roles.py through ``launch.run_ranks``: rank 0 learns, rank 1
+samples. The run writes its checkpoints and metrics.jsonl under ``out_dir``; the test compares
+them with a colocated run of the same config in the test's own process."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.train.grpo import grpo_config, run_roles
+from tests.distributed.grpo_scenarios import grpo_cfg, odd, records
+
+LAYOUT = {"prompts_per_step": 2, "group_size": 2, "minibatches": 1, "verify_onpolicy": False}
+
+
+def roles_config(grpo: dict, train: dict, out_dir: str, sampler_replicas: int):
+    cfg = grpo_cfg({}, {"log_every": 1, **train}, {**LAYOUT, "sampler_replicas": sampler_replicas, **grpo})
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=f"{out_dir}/ckpt"),
+                              logging=dataclasses.replace(cfg.logging, dir=f"{out_dir}/log"))
+    return grpo_config(cfg)
+
+
+def roles_run(grpo: dict, train: dict, out_dir: str) -> dict:
+    out = run_roles(roles_config(grpo, train, out_dir, 1), load_tokenizer("byte"), odd, records(24), [])
+    return {"step": out.get("step"), "role": out.get("role", "learner")}
+
+
+def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
+    """Bounded staleness on this layout (colocated, every rank): 3 steps uninterrupted; 2 steps,
+    a checkpoint and the last step resumed in a new trainer; and the one-process run of the same
+    config. Returns rank 0's logged losses, staleness and on-policy deviations of each run, and
+    every rank's digest of its parameters."""
+    import hashlib
+    import json
+    from pathlib import Path
+
+    import torch
+
+    from rlt_mega.parallel.dims import ParallelDims
+    from rlt_mega.train.grpo import build_trainer, engine_config
+
+    def config(name: str, stop_after=None, distributed: bool = True):
+        train = {"steps": 3, "resume": "auto", **({"stop_after": stop_after} if stop_after else {})}
+        cfg = roles_config(grpo, train, f"{out_dir}/{name}", 0)
+        if distributed:
+            cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
+        return cfg
+
+    def run(name: str, stop_after=None) -> dict:
+        cfg = config(name, stop_after)
+        dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
+        try:
+            trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, records(24), [])
+            trainer.run()
+            digest = hashlib.sha256()
+            for _, p in trainer.engine.sampling_module().named_parameters():
+                digest.update(p.detach().float().contiguous().numpy().tobytes())
+        finally:
+            dims.destroy()
+        return {"digest": digest.hexdigest()}
+
+    def logged(name: str) -> list[dict]:
+        path = Path(out_dir) / name / "log" / "metrics.jsonl"
+        keys = ("train/loss", "async/staleness_max", "ratio/onpolicy_max_dev", "reward/mean")
+        return [{k: x[k] for k in keys} for x in map(json.loads, path.read_text().splitlines()) if "train/loss" in x]
+
+    whole = run("whole")
+    run("cut", stop_after=2)
+    resumed = run("cut")
+    out = {"whole": whole["digest"], "resumed": resumed["digest"]}
+    if torch.distributed.get_rank() == 0:
+        cfg = config("single", distributed=False)
+        build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records(24), []).run()
+        out.update({"logged_whole": logged("whole"), "logged_cut": logged("cut"), "logged_single": logged("single")})
+    return out

@@ -1,0 +1,91 @@
+"""Sampler and learner roles (grpo.sampler_replicas = 1, gloo, 2 processes) against the
+colocated run in this process (tests/distributed/async_scenarios.py): with max_staleness 0 the
+final parameters (the last checkpoint's) and every logged loss are torch.equal to the
+colocated run's; with max_staleness 1 (the same fixed pipeline, the sampler sampling the next
+step while the learner learns) the roles' steps and their checkpoint, resumed colocated, give
+the uninterrupted colocated run bit for bit (the learner drains the sampler's queued steps into
+the checkpoint). Also the roles' metrics and the layouts they refuse. Two 2-process launches."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlt_mega.config import ConfigError
+from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.train.grpo import build_trainer, run_roles
+from tests.distributed.async_scenarios import roles_config
+from tests.distributed.grpo_scenarios import odd, records
+from tests.distributed.launch import result, run_ranks
+
+
+def colocated(grpo: dict, train: dict, out_dir) -> None:
+    cfg = roles_config(grpo, {"resume": "auto", **train}, str(out_dir), 0)
+    build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records(24), []).run()
+
+
+def final_params(out_dir) -> dict:
+    ckpt = out_dir / "ckpt"
+    return load_file(str(ckpt / (ckpt / "latest").read_text().strip() / "model.safetensors"))
+
+
+def logged(out_dir) -> list[dict]:
+    return [json.loads(x) for x in (out_dir / "log" / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
+
+
+def run_two(tmp_path, grpo: dict, train: dict, name: str):
+    out = tmp_path / name
+    args = {"grpo": grpo, "train": train, "out_dir": str(out)}
+    res = run_ranks(2, [("async_scenarios.roles_run", args)], tmp_path / f"{name}_ranks", timeout=300)
+    assert result(res, "async_scenarios.roles_run", args, 1)["role"] == "sampler"
+    return out, result(res, "async_scenarios.roles_run", args, 0)
+
+
+def check_metrics(lines: list[dict], s: int) -> None:
+    assert [x["async/staleness_max"] for x in lines] == [min(k, s) for k in range(len(lines))]
+    for x in lines:
+        assert 0.0 <= x["async/learner_idle_fraction"] <= 1.0 and 0.0 <= x["async/sampler_idle_fraction"] <= 1.0
+        assert x["async/weight_sync_s"] >= 0.0
+
+
+def test_synchronous_roles_equal_the_colocated_run(tmp_path):
+    roles, out = run_two(tmp_path, {"max_staleness": 0}, {"steps": 3}, "roles")
+    assert out["step"] == 3
+    colocated({"max_staleness": 0}, {"steps": 3}, tmp_path / "colocated")
+    a, b = final_params(roles), final_params(tmp_path / "colocated")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    lines, ref = logged(roles), logged(tmp_path / "colocated")
+    assert [x["train/loss"] for x in lines] == [x["train/loss"] for x in ref] and len(lines) == 3
+    assert [x["reward/mean"] for x in lines] == [x["reward/mean"] for x in ref]
+    check_metrics(lines, 0)
+
+
+def test_stale_roles_equal_the_colocated_run_and_resume_colocated(tmp_path):
+    """max_staleness 1: two steps with the roles (the sampler samples data step k + 1 while the
+    learner learns k), a checkpoint (train.stop_after), the last step colocated from it: the
+    uninterrupted colocated run's losses and parameters, bit for bit."""
+    cut, out = run_two(tmp_path, {"max_staleness": 1}, {"steps": 3, "stop_after": 2}, "cut")
+    assert out["step"] == 2
+    check_metrics(logged(cut), 1)
+    colocated({"max_staleness": 1}, {"steps": 3}, cut)
+    colocated({"max_staleness": 1}, {"steps": 3}, tmp_path / "colocated")
+    a, c = final_params(tmp_path / "colocated"), final_params(cut)
+    assert all(torch.equal(a[n], c[n]) for n in a)
+    assert [x["train/loss"] for x in logged(cut)] == [x["train/loss"] for x in logged(tmp_path / "colocated")]
+
+
+def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    cfg = roles_config({}, {"steps": 1}, str(tmp_path), 1)
+    with pytest.raises(ConfigError, match=r"runs on 2 processes .*the launcher started 3"):
+        run_roles(cfg, load_tokenizer("byte"), odd, records(24), [])
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    import dataclasses
+
+    tp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=2))
+    with pytest.raises(ConfigError, match=r"the learner's layout; parallel\.tp=2"):
+        run_roles(tp, load_tokenizer("byte"), odd, records(24), [])
+    with pytest.raises(ConfigError, match=r"grpo\.sampler_replicas=2: 0 \(colocated\) or 1"):
+        roles_config({}, {}, str(tmp_path), 2)

@@ -1,0 +1,165 @@
+"""Asynchronous GRPO benchmark (issue 29): the real GRPO job, sampler and learner roles
+(grpo.sampler_replicas = 1, two processes, gloo) with max_staleness 1 against max_staleness 0
+on the same two processes, and the colocated one-process job beside them (today's GRPO).
+Prints steps per second and their ratio, the learner's and the sampler's idle fractions and
+the weight-sync time per step (async/* in each run's metrics.jsonl), all over the steps after
+the first (start-up and the pipeline's fill); asserts nothing.
+
+Rows are GSM8K-shaped and long-tailed: --prompts questions x --group completions from the
+byte tokenizer on generated arithmetic questions; the model is random, so a completion ends at
+any of --stops stop strings (one byte each), which makes its length geometric (mean about
+260 / stops tokens), cut at --max-new-tokens: most rows end early, a few hold the call to the
+budget. Wall clock (the roles overlap in time): run it on a quiet machine, one thread a process.
+
+    PYTHONPATH=. python tools/bench/async_grpo.py                   # the figures
+    PYTHONPATH=. python tools/bench/async_grpo.py --quick           # tiny, 3 steps: a smoke test
+
+What a GPU cluster would see (the cost model, not measured here): with s = 1 a step takes
+max(sample, learn + sync) instead of sample + learn, so the ratio is (sample + learn) /
+max(sample, learn + sync): 2x when the two phases are equal, less as either dominates.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from rlt_mega.config import from_dict, load_config, to_dict  # noqa: E402
+from rlt_mega.parallel.dims import free_port  # noqa: E402
+
+
+def job_config(args, out: Path, s: int, roles: bool):
+    base = to_dict(load_config(args.config))
+    data = {
+        "model": {**base["model"], "vocab_size": 260},  # the byte tokenizer
+        "data": {"tokenizer": "byte", "seq_len": 64},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
+        "train": {"seed": 0, "steps": args.steps, "log_every": 1},
+        "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens,
+                     "stop_strings": [chr(ord("a") + i) for i in range(args.stops)]},
+        "grpo": {"prompts_per_step": args.prompts, "group_size": args.group, "eval_size": 0, "eval_every": 0,
+                 "max_staleness": s, "sampler_replicas": int(roles)},
+        "checkpoint": {"dir": str(out / "ckpt"), "every": 0},
+        "logging": {"dir": str(out / "log"), "progress": False},
+    }
+    return from_dict(data)
+
+
+def records(n: int) -> list[dict]:
+    import random
+
+    rng = random.Random(0)
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(1, 99), rng.randint(1, 99)
+        out.append({"question": f"What is {a} plus {b}?", "answer": f"#### {a + b}"})
+    return out
+
+
+def worker(args) -> None:
+    """One process of one arm (RANK/WORLD_SIZE set by ``launch``)."""
+    import torch
+
+    torch.set_num_threads(1)
+    from rlt_mega.data.tokenizer import load_tokenizer
+    from rlt_mega.parallel.dims import ParallelDims
+    from rlt_mega.rollout.rewards import resolve_reward
+    from rlt_mega.train.grpo import GRPOJob, build_trainer, grpo_config, run_roles
+
+    ends, step = [], GRPOJob.step
+
+    def timed(self, done):  # the learner's step ends, for steps per second in the steady state
+        out = step(self, done)
+        ends.append(time.perf_counter())
+        return out
+
+    GRPOJob.step = timed
+
+    out = Path(args.out)
+    cfg = grpo_config(job_config(args, out, args.s, args.roles))
+    recs, tok, reward = records(4096), load_tokenizer("byte"), resolve_reward("gsm8k")
+    if args.roles:
+        run_roles(cfg, tok, reward, recs, [])
+    else:
+        build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), tok, reward, recs, []).run()
+    if int(os.environ.get("RANK", "0")) == 0:
+        (out / "wall.json").write_text(json.dumps({"ends": ends}))
+
+
+def launch(args, name: str, s: int, roles: bool, base: Path) -> dict:
+    out = base / name
+    out.mkdir(parents=True)
+    nprocs = 2 if roles else 1
+    port = free_port()
+    cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--s", str(s)] + (["--roles"] if roles else [])
+    cmd += ["--config", args.config, "--steps", str(args.steps), "--prompts", str(args.prompts), "--group",
+            str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--stops", str(args.stops)]
+    procs = []
+    for rank in range(nprocs):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+                   RLT_LOG_LEVEL="WARNING")
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
+    if any(p.wait() != 0 for p in procs):
+        raise SystemExit(f"arm {name} failed")
+    lines = [json.loads(x) for x in (out / "log" / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
+    after_first = lines[1:] or lines
+
+    def mean(key: str) -> float:
+        return statistics.mean(x[key] for x in after_first)
+
+    ends = json.loads((out / "wall.json").read_text())["ends"]
+    # after the first step (start-up, and the first s + 1 data steps sampled before it learns)
+    return {"seconds": ends[-1] - ends[0], "steps": len(ends) - 1,
+            "learner_idle": mean("async/learner_idle_fraction"), "sampler_idle": mean("async/sampler_idle_fraction"),
+            "sync_s": mean("async/weight_sync_s"), "length": mean("completion/length_mean"),
+            "stopped": mean("completion/stopped_fraction")}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/small_cpu.yaml")
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=192)
+    ap.add_argument("--stops", type=int, default=4, help="one-byte stop strings (the tail's rate)")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--roles", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--s", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--out", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.quick:
+        args.config, args.steps, args.prompts, args.group, args.max_new_tokens = "configs/tiny_cpu.yaml", 3, 2, 2, 32
+    with tempfile.TemporaryDirectory() as tmp:
+        arms = {"colocated s=0 (1 process)": launch(args, "colocated", 0, False, Path(tmp)),
+                "roles s=0 (2 processes)": launch(args, "roles0", 0, True, Path(tmp)),
+                "roles s=1 (2 processes)": launch(args, "roles1", 1, True, Path(tmp))}
+    print(f"{args.config}, {args.prompts} x {args.group} rows a step, {args.steps} steps, max_new_tokens "
+          f"{args.max_new_tokens}, {args.stops} stop bytes")
+    for name, r in arms.items():
+        print(f"{name:28s} {r['steps'] / r['seconds']:.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
+              f"sampler idle {r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step  "
+              f"completion mean {r['length']:.1f} tokens, {r['stopped']:.0%} stopped")
+    r0, r1 = arms["roles s=0 (2 processes)"], arms["roles s=1 (2 processes)"]
+    ratio = (r1["steps"] / r1["seconds"]) / (r0["steps"] / r0["seconds"])
+    print(f"steps/s ratio, s=1 / s=0 on 2 processes: {ratio:.2f}x")
+
+
+if __name__ == "__main__":
+    main()
