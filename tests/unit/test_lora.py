@@ -126,3 +126,44 @@ def test_lora_config_errors():
     with pytest.raises(ConfigError, match="adapters are for the RLT"):
         from_dict({"model": {"arch": "dense", "lora": {"rank": 8}}})
     assert from_dict({"model": {"lora": {"rank": 16, "alpha": 32}}}).model.lora.scale == 2.0
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "bf16_parameters"])
+def test_rollout_on_merged_weights_replays_bit_for_bit(dtype):
+    """The sampler and the replay build the step's products from the merged weights: replay is
+    torch.equal to mu; the adapters move mu away from the base's."""
+    from rlt_mega.rollout import Processing, SamplingParams, generate, replay
+
+    model = adapted(cfg_of(vocab_size=64, memory_block=2), b_seed=9)
+    base = build_model(cfg_of(vocab_size=64, memory_block=2), seed=0)
+    if dtype == "bf16_parameters":
+        model, base = model.to(torch.bfloat16), base.to(torch.bfloat16)
+    run = "bf16" if dtype == "bf16" else "fp32"
+    params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=7)
+    prompts = [[1, 2, 3], [6, 7, 8, 9, 10], [3, 5, 7, 9, 11, 13]]
+    rollout = generate(model, prompts, params, seeds=[1, 2, 3], pad_id=0, dtype=run)
+    assert rollout.num_completion_tokens() > 0
+    assert torch.equal(replay(model, rollout), rollout.mu)
+    assert not torch.equal(replay(base, rollout), rollout.mu)
+
+
+def test_grpo_step_with_adapters_is_on_policy_exactly_and_trains_only_adapters():
+    """The real trainer (one process): the first minibatch's replay (verify_onpolicy) is
+    torch.equal to mu, the optimizer holds the adapters only, the base does not move."""
+    from rlt_mega.data.tokenizer import load_tokenizer
+    from rlt_mega.parallel.dims import ParallelDims
+    from rlt_mega.train.grpo import build_trainer, grpo_config
+    from tests.distributed.grpo_scenarios import grpo_cfg, odd, records
+
+    cfg = grpo_config(grpo_cfg({}, {}, {"skip_onpolicy_replay": False, "minibatches": 1}))
+    cfg.model.lora = LoraConfig(rank=4, alpha=8.0)
+    trainer = build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records(8), [])
+    model = trainer.engine.module
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    scalars = trainer.job.step(0)
+    assert scalars["ratio/onpolicy_max_dev"] == 0.0
+    optimized = {id(p) for group in trainer.engine.optimizer.param_groups for p in group["params"]}
+    names = {n for n, p in model.named_parameters() if id(p) in optimized}
+    assert names == {n for n in before if n.endswith(("lora_A", "lora_B"))}
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) != (n in names), n  # the adapters moved, nothing else
