@@ -1,0 +1,79 @@
+"""Low-rank adapters (model.lora, issue 30) under the distributed layouts: one GRPO step of the
+trainer against the one-process step of grpo_scenarios.OneProcessGRPO with the same adapters.
+Scenarios return numbers; tests/distributed/test_lora_parallel.py asserts."""
+
+from __future__ import annotations
+
+import torch
+
+from rlt_mega.config import LoraConfig
+from rlt_mega.data.tokenizer import load_tokenizer
+from rlt_mega.model.lora import adapter_state, adapters, apply_lora
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.parallel.engine import param_groups
+from rlt_mega.train.grpo import build_trainer, engine_config, grpo_config
+from tests.distributed.grpo_scenarios import OneProcessGRPO, grpo_cfg, odd, records
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+class OneProcessLoRA(OneProcessGRPO):
+    """The one-process GRPO step with the adapters of every layout (seeded by name), base frozen."""
+
+    def __init__(self, cfg, dp: int) -> None:
+        super().__init__(cfg, dp)  # the reference is the base (no adapters), as the trainer's
+        apply_lora(self.model, cfg.model.lora, cfg.train.seed)
+        o = cfg.optim
+        self.opt = torch.optim.AdamW(param_groups(self.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2),
+                                     eps=o.eps, foreach=False)
+
+
+def _whole(model, dims: ParallelDims) -> dict[str, torch.Tensor]:
+    """This rank's adapters, the tensor-parallel shards gathered (B of a column layer, A of a row layer)."""
+    out = {}
+    for name, a in adapters(model):
+        for which, p in (("lora_A", a.lora_A), ("lora_B", a.lora_B)):
+            t = p.detach().float()
+            split = a.shard_dim is not None and (which == "lora_B") == (a.shard_dim == 0)
+            if split and dims.tp > 1:
+                parts = [torch.empty_like(t) for _ in range(dims.tp)]
+                torch.distributed.all_gather(parts, t.contiguous(), group=dims.tp_group)
+                t = torch.cat(parts, dim=a.shard_dim)
+            out[f"{name}.{which}"] = t
+    return out
+
+
+def lora_grpo_step(parallel: dict, train: dict | None = None) -> dict:
+    cfg = grpo_config(grpo_cfg(parallel, train))
+    cfg.model.lora = LORA
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
+    recs = records()
+    trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, recs, [])
+    model = trainer.engine.module
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    lrs, original = [], trainer.engine.train_step
+
+    def spy(batches, loss):
+        stats = original(batches, loss)
+        lrs.append(stats.lr)
+        return stats
+
+    trainer.engine.train_step = spy
+    scalars = trainer.job.step(0)
+    ref_model = OneProcessLoRA(cfg, dims.dp)
+    ref = ref_model.step(recs, lrs)
+    mine, theirs = _whole(model, dims), adapter_state(ref_model.model)
+    start = adapter_state(OneProcessLoRA(cfg, dims.dp).model)
+    out = {
+        "onpolicy_dev": scalars["ratio/onpolicy_max_dev"],
+        "only_adapters_train": bool(trainable) and all(n.endswith(("lora_A", "lora_B")) for n in trainable),
+        "base_unchanged": all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen),
+        "adapters": len(mine),
+        "adapter_diff": max(float((mine[k] - theirs[k]).abs().max()) for k in mine),
+        "adapter_moved": max(float((theirs[k] - start[k]).abs().max()) for k in mine),
+        "ref_norm": ref["norm"],
+    }
+    trainer.engine.close()
+    dims.destroy()
+    return out
