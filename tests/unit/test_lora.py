@@ -167,3 +167,25 @@ def test_grpo_step_with_adapters_is_on_policy_exactly_and_trains_only_adapters()
     assert names == {n for n in before if n.endswith(("lora_A", "lora_B"))}
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]) != (n in names), n  # the adapters moved, nothing else
+
+
+def test_planner_counts_adapters_and_their_optimizer_memory():
+    """The planner's adapters: the module count at tp = pp = 1 and summed over a pipeline's
+    stages; Adam's moments and the master copy are the adapters' only."""
+    from rlt_mega.config import load_config
+    from rlt_mega.plan.costmodel import estimate
+    from rlt_mega.plan.layout import Layout
+    from rlt_mega.plan.params import rank_adapter_numels
+
+    for cfg in (cfg_of(), cfg_of(share_weights=False, lora=LoraConfig(rank=3, targets=["k", "up", "cross_o"]))):
+        assert sum(rank_adapter_numels(cfg)) == adapter_param_count(cfg)
+        assert sum(sum(rank_adapter_numels(cfg, 1, 2, s)) for s in range(2)) == adapter_param_count(cfg)
+    full = load_config("configs/rlt_48x48.yaml")
+    lora = load_config("configs/rlt_48x48.yaml", ["model.lora.rank=16", "model.lora.alpha=32"])
+    a, b = (estimate(c.model, Layout.from_config(c)) for c in (full, lora))
+    assert b["params"]["adapters"] == adapter_param_count(lora.model) and "adapters" not in a["params"]
+    ma, mb = a["per_rank"][0]["memory"], b["per_rank"][0]["memory"]
+    numels = rank_adapter_numels(lora.model, b["layout"]["tp"], b["layout"]["pp"], 0, b["layout"].get("pp_split"))
+    assert mb["optimizer_state_numel"] < 0.05 * ma["optimizer_state_numel"]
+    assert mb["optimizer_state_numel"] <= 2 * sum(numels)
+    assert b["peak_memory"] < a["peak_memory"]
