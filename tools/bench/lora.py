@@ -54,16 +54,28 @@ def sft_step(rank: int, seq_len: int):
 
 
 def grpo_step(rank: int, new_tokens: int):
+    """The real GRPO trainer at small_cpu's model on one process: arithmetic prompts, a reward
+    that differs between completions (the fraction of odd code points: a random model solves
+    nothing, and the compute does not depend on the reward)."""
+    from rlt_mega.config import from_dict
     from rlt_mega.data.tokenizer import load_tokenizer
     from rlt_mega.train.grpo import build_trainer, grpo_config
-    from tests.distributed.grpo_scenarios import grpo_cfg, odd, records
 
-    cfg = grpo_cfg({}, {}, {"minibatches": 2})
-    small = load_config("configs/small_cpu.yaml").model
-    cfg.model = dataclasses.replace(small, max_seq_len=64, lora=LoraConfig(rank=rank, alpha=2.0 * max(rank, 1)))
-    cfg.sampling.max_new_tokens = new_tokens
-    cfg = grpo_config(cfg)
-    trainer = build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records(64), [])
+    small = dataclasses.asdict(load_config("configs/small_cpu.yaml").model)
+    small.update(max_seq_len=96, lora={"rank": rank, "alpha": 2.0 * max(rank, 1)})
+    cfg = grpo_config(from_dict({
+        "model": small, "data": {"tokenizer": "byte", "seq_len": 64},
+        "optim": {"lr": 1e-3, "warmup_steps": 0, "schedule": "constant"},
+        "train": {"seed": 3, "steps": 100, "checkpointing": {"decoder": "none", "encoder": False}},
+        "sampling": {"temperature": 1.0, "max_new_tokens": new_tokens},
+        "grpo": {"prompts_per_step": 2, "group_size": 4, "minibatches": 2, "eval_size": 0},
+        "logging": {"progress": False}}))
+
+    def odd(completion: str, answer) -> float:
+        return sum(ord(c) % 2 for c in completion) / max(len(completion), 1)
+
+    records = [{"question": f"What is {i} + {2 * i}?", "answer": f"#### {3 * i}"} for i in range(64)]
+    trainer = build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records, [])
     counter = iter(range(10**6))
     return trainer.engine.module, (lambda: trainer.job.step(next(counter)))
 
@@ -87,11 +99,24 @@ def section(title: str, steps: dict, models: dict, repeats: int, clock, tokens: 
 
 
 def planner_lines(rank: int) -> None:
-    from rlt_mega.plan.cli import plan_report
+    from rlt_mega.plan.costmodel import estimate
+    from rlt_mega.plan.layout import Layout
 
-    print(f"\n## planner: configs/rlt_48x48.yaml, full against r={rank} adapters")
+    print(f"\n## planner (rlt-mega plan --config configs/rlt_48x48.yaml), full against r={rank} adapters")
+    reps = {}
     for label, over in (("full", []), (f"r{rank}", [f"model.lora.rank={rank}", f"model.lora.alpha={2 * rank}"])):
-        print(f"- {label}: {plan_report(load_config('configs/rlt_48x48.yaml', over))}")
+        cfg = load_config("configs/rlt_48x48.yaml", over)
+        rep = reps[label] = estimate(cfg.model, Layout.from_config(cfg))
+        m = rep["per_rank"][0]["memory"]
+        lay = rep["layout"]
+        print(f"- {label}: tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} ZeRO-{lay['zero_stage']}: trained params "
+              f"{rep['params'].get('adapters', rep['params']['total']):,}; stage 0 per rank: Adam "
+              f"{m['optimizer_states'] / 2**30:.3f} GiB, master {m['master_weights'] / 2**30:.3f} GiB, grads "
+              f"{m['gradients'] / 2**30:.3f} GiB; peak {rep['peak_memory'] / 2**30:.2f} GiB")
+    full, lora = reps["full"], reps[f"r{rank}"]
+    print(f"ratios r{rank}/full: optimizer state "
+          f"{lora['per_rank'][0]['memory']['optimizer_states'] / full['per_rank'][0]['memory']['optimizer_states']:.4f}"
+          f", peak memory {lora['peak_memory'] / full['peak_memory']:.3f}")
 
 
 def main() -> None:
