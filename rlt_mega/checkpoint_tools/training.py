@@ -112,6 +112,10 @@ def load_training_weights(path: str | Path, source: str = "auto"
         info = {"kind": "training_checkpoint", "path": str(step_dir.resolve()), "step": manifest.get("step"),
                 "layout": layout, "weights": "adapters merged into their base"}
         return dataclasses.replace(cfg, model=model_cfg), sd, info
+    if cfg.model.lora.enabled:
+        raise CheckpointFormatError(f"{step_dir}: a distributed checkpoint of a run with model.lora holds DeepSpeed's "
+                                    "adapter shards only, which export cannot read yet: resume it on its layout, or "
+                                    "train the adapters on one process to export them")
     source = weights_source(step_dir, source)
     model = empty_model(cfg.model)
     if source == "shards":

@@ -77,3 +77,54 @@ def lora_grpo_step(parallel: dict, train: dict | None = None) -> dict:
     trainer.engine.close()
     dims.destroy()
     return out
+
+
+def lora_checkpoint_round_trip(parallel: dict, shared: str) -> dict:
+    """A GRPO step, the engine's checkpoint (DeepSpeed's files without the frozen base), a new
+    engine of the same layout loading it (the adapters bit for bit), and one more training step
+    on fixed tokens on both (the same adapters after it: the optimizer state came back); a base
+    of another seed is refused."""
+    from pathlib import Path
+
+    from rlt_mega.checkpoint import CheckpointError
+
+    cfg = grpo_config(grpo_cfg(parallel))
+    cfg.model.lora = LORA
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
+    directory = Path(shared) / ("lora_" + "_".join(f"{k}{v}" for k, v in sorted(parallel.items())))
+    directory.mkdir(parents=True, exist_ok=True)
+
+    def trainer_of(seed: int = cfg.train.seed):
+        c = grpo_config(grpo_cfg(parallel, {"seed": seed}))
+        c.model.lora = LORA
+        return build_trainer(c, dims, load_tokenizer("byte"), odd, records(), [])
+
+    first = trainer_of()
+    first.job.step(0)
+    first.engine.save(directory)
+    dims.barrier()
+    saved = torch.load(next((directory / "deepspeed").glob("mp_rank_*model_states.pt")), weights_only=False)
+    module_keys = list(saved["module"].keys())
+    second = trainer_of()
+    second.engine.load(directory)
+    a, b = adapter_state(first.engine.module), adapter_state(second.engine.module)
+    loaded_equal = all(torch.equal(a[k], b[k]) for k in a)
+    g = torch.Generator().manual_seed(0)  # the same next step on both: one LM step on fixed tokens
+    x = torch.randint(1, 200, (cfg.train.micro_batch_size, 13), generator=g)
+    batch = {"inputs": x[:, :-1], "targets": x[:, 1:], "loss_mask": torch.ones(x.shape[0], 12)}
+    first.engine.train_step([dict(batch)] * cfg.train.grad_accum)
+    second.engine.train_step([dict(batch)] * cfg.train.grad_accum)
+    a, b = adapter_state(first.engine.module), adapter_state(second.engine.module)
+    stepped_equal = all(torch.equal(a[k], b[k]) for k in a)
+    first.engine.close()
+    second.engine.close()
+    other = trainer_of(seed=cfg.train.seed + 1)
+    try:
+        other.engine.load(directory)
+        refused = ""
+    except CheckpointError as exc:
+        refused = str(exc)
+    other.engine.close()
+    dims.destroy()
+    return {"module_keys": module_keys, "loaded_equal": loaded_equal, "stepped_equal": stepped_equal,
+            "refused": refused, "consolidated": (directory / "model.safetensors").exists()}

@@ -9,7 +9,9 @@ TWO = [("lora_scenarios.lora_grpo_step", {"parallel": {"zero_stage": 1}}),
        ("lora_scenarios.lora_grpo_step", {"parallel": {"tp": 2, "zero_stage": 1}}),
        ("lora_scenarios.lora_grpo_step", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
                                           "train": {"grad_accum": 2}})]
-SCENARIOS = {2: TWO}
+CHECKPOINTS = [("lora_scenarios.lora_checkpoint_round_trip", {"parallel": {"tp": 2, "zero_stage": 1},
+                                                                "shared": "{shared}"})]
+SCENARIOS = {2: TWO + CHECKPOINTS}
 
 
 @pytest.mark.parametrize("name,args", TWO)
@@ -19,3 +21,15 @@ def test_a_lora_grpo_step_on_two_ranks_matches_one_process(ranks, name, args):
         assert r["only_adapters_train"] and r["base_unchanged"]
         assert r["adapters"] > 0 and r["adapter_moved"] > 1e-3
         assert r["adapter_diff"] < 5e-5, r
+
+
+@pytest.mark.parametrize("name,args", CHECKPOINTS)
+def test_a_lora_checkpoint_holds_adapters_only_and_resumes_exactly(ranks, name, args):
+    """DeepSpeed's files hold the adapters (the frozen base excluded), no consolidated full
+    model; a resumed engine has the same adapters and takes the same next step; another base
+    is refused."""
+    for r in ranks(2).each(name, args):
+        assert r["module_keys"] and all(k.endswith(("lora_A", "lora_B")) for k in r["module_keys"]), r["module_keys"]
+        assert not r["consolidated"]
+        assert r["loaded_equal"] and r["stepped_equal"]
+        assert "trained on another base" in r["refused"]
