@@ -125,6 +125,8 @@ def test_lora_config_errors():
         from_dict({"model": {"lora": {"rank": -1}}})
     with pytest.raises(ConfigError, match="adapters are for the RLT"):
         from_dict({"model": {"arch": "dense", "lora": {"rank": 8}}})
+    with pytest.raises(ConfigError, match="parallel.zero_stage=3: adapters run with ZeRO 0-2"):
+        from_dict({"model": {"lora": {"rank": 8}}, "parallel": {"zero_stage": 3}})
     assert from_dict({"model": {"lora": {"rank": 16, "alpha": 32}}}).model.lora.scale == 2.0
 
 
