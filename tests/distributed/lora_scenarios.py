@@ -128,3 +128,58 @@ def lora_checkpoint_round_trip(parallel: dict, shared: str) -> dict:
     dims.destroy()
     return {"module_keys": module_keys, "loaded_equal": loaded_equal, "stepped_equal": stepped_equal,
             "refused": refused, "consolidated": (directory / "model.safetensors").exists()}
+
+
+def _set_b(model, seed: int, dims: ParallelDims) -> None:
+    """B of every adapter drawn whole (from a generator of its name) and cut to this rank's shard."""
+    import hashlib
+
+    for name, a in adapters(model):
+        g = torch.Generator().manual_seed(int.from_bytes(hashlib.blake2b(f"{seed}/{name}".encode(),
+                                                                         digest_size=6).digest(), "little"))
+        out = a.lora_B.shape[0] * (dims.tp if a.shard_dim == 0 else 1)
+        full = torch.randn(out, a.lora_B.shape[1], generator=g, dtype=torch.float64) * 0.2
+        if a.shard_dim == 0:
+            full = full.chunk(dims.tp)[dims.tp_rank]
+        with torch.no_grad():
+            a.lora_B.copy_(full)
+
+
+def lora_replay_exact(parallel: dict, dtype: str = "fp32") -> dict:
+    """The sampler ring of this layout on a model with trained-looking adapters (B != 0): replay
+    torch.equal to mu; the rollout's tokens and mu against one process sampling the same batches
+    with the same adapters (bf16: parameters in bf16, as DeepSpeed runs them)."""
+    from rlt_mega.config import from_dict
+    from rlt_mega.model.rlt import build_model
+    from rlt_mega.parallel.sharding import adapt_for_rank, shard_for_rank
+    from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate
+    from rlt_mega.model.plan import LOCKSTEP
+    from tests.distributed.grpo_scenarios import MODEL, RAGGED
+
+    cfg = from_dict({"model": {**MODEL, "lora": {"rank": 4, "alpha": 8.0}}, "data": {"seq_len": 32},
+                     "parallel": parallel})
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
+    one = ParallelDims.single(cfg.model, "cpu")
+    full = adapt_for_rank(build_model(cfg.model, "cpu", seed=7), one, seed=1)
+    mine = adapt_for_rank(shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims), dims, seed=1)
+    _set_b(full, 2, one)
+    _set_b(mine, 2, dims)
+    if dtype == "bf16":
+        full, mine = full.to(torch.bfloat16), mine.to(torch.bfloat16)
+    sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, rows=LOCKSTEP, check_every=8)
+    params = SamplingParams(Processing(temperature=0.7, top_p=0.9), max_new_tokens=9, stop_token_ids=(0,))
+    seeds = [[11 + 10 * j + b for b in range(len(batch))] for j, batch in enumerate(RAGGED)]
+    rollouts = sampler.generate(RAGGED, params, seeds, pad_id=0, dtype=dtype)
+    replays = sampler.replay(rollouts)
+    out = {"exact": True, "has_values": replays[0] is not None, "tokens_equal": True, "mu_diff": 0.0, "tokens": 0}
+    for ro, rp, batch, s in zip(rollouts, replays, RAGGED, seeds):
+        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=LOCKSTEP, check_every=8)
+        out["tokens"] += ro.num_completion_tokens()
+        if rp is not None:
+            out["exact"] &= bool(torch.equal(rp, ro.mu))
+        same = ro.tokens.shape == ref.tokens.shape and bool(torch.equal(ro.tokens, ref.tokens))
+        out["tokens_equal"] &= same
+        if same:
+            out["mu_diff"] = max(out["mu_diff"], float((ro.mu - ref.mu).abs().max()))
+    dims.destroy()
+    return out

@@ -11,7 +11,9 @@ TWO = [("lora_scenarios.lora_grpo_step", {"parallel": {"zero_stage": 1}}),
                                           "train": {"grad_accum": 2}})]
 CHECKPOINTS = [("lora_scenarios.lora_checkpoint_round_trip", {"parallel": {"tp": 2, "zero_stage": 1},
                                                                 "shared": "{shared}"})]
-SCENARIOS = {2: TWO + CHECKPOINTS}
+REPLAYS = [("lora_scenarios.lora_replay_exact", {"parallel": p, "dtype": dtype})
+           for p in ({"tp": 2}, {"pp": 2, "micro_batches": 2}) for dtype in ("fp32", "bf16")]
+SCENARIOS = {2: TWO + CHECKPOINTS + REPLAYS}
 
 
 @pytest.mark.parametrize("name,args", TWO)
@@ -33,3 +35,15 @@ def test_a_lora_checkpoint_holds_adapters_only_and_resumes_exactly(ranks, name, 
         assert not r["consolidated"]
         assert r["loaded_equal"] and r["stepped_equal"]
         assert "trained on another base" in r["refused"]
+
+
+@pytest.mark.parametrize("name,args", REPLAYS)
+def test_lora_replay_is_mu_under_tp_and_pp(ranks, name, args):
+    """Adapters with B != 0, split like their layers: the sampler ring's replay is torch.equal to
+    mu (fp32 and bf16), and the rollout agrees with one process on the merged weights."""
+    results = ranks(2).each(name, args)
+    assert any(r["has_values"] for r in results)
+    for r in results:
+        assert r["exact"] and r["tokens"] > 0
+        if args["dtype"] == "fp32":
+            assert r["tokens_equal"] and r["mu_diff"] < 1e-4, r
