@@ -30,6 +30,7 @@ setup(
             # (checkpoint_tools/hf_code) itself was also checked by hand with 4.57
             "transformers>=5.0",
             "lm_eval[hf]>=0.4.13",  # lm-evaluation-harness and its HF model class (accelerate, peft)
+            "peft>=0.17",  # tests/e2e/test_lora_cli.py loads `rlt-mega export --adapters` with peft (0.21.2 installed)
             "wandb>=0.31",  # logging.wandb; its offline runs are read back by tests/e2e/test_wandb.py
             "pytest>=8.0",
             "pytest-timeout>=2.2",

@@ -44,6 +44,41 @@ MAX_SEED = 2**32 - 1  # the data order seeds a generator with seed * 1_000_003 +
 _DEVICE = re.compile(r"^(auto|cpu|meta|mps|(cuda|xpu|hpu|npu)(:\d+)?)$")
 
 
+# What model.lora.targets may name: the shared blocks' projections (q, k, v, o, gate, up, down:
+# one adapter per block, used by the encoder and the decoder alike), the cross-attention's
+# (cross_q, cross_k, cross_v, cross_o) and the recurrence input's recur_proj.
+LORA_TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "cross_q", "cross_k", "cross_v", "cross_o", "recur_proj")
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (rlt_mega/model/lora.py): each target weight W runs as the merged
+    W + (alpha / rank) B A, the base frozen, only A and B trained. rank 0: none (full weights)."""
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0  # only 0: the step runs the merged weight, which has no dropout
+    targets: list = field(default_factory=lambda: list(LORA_TARGETS))
+
+    def __post_init__(self) -> None:
+        _check(self.rank >= 0, f"model.lora.rank={self.rank}: must be >= 0 (0: no adapters)")
+        _check(self.alpha > 0, f"model.lora.alpha={self.alpha}: must be positive")
+        _check(self.dropout == 0.0, f"model.lora.dropout={self.dropout}: adapters run merged into their base "
+                                    "weight (exact replay), which has no dropout; set model.lora.dropout=0")
+        bad = [t for t in self.targets if t not in LORA_TARGETS]
+        _check(not bad, f"model.lora.targets: unknown {bad}; choose among {list(LORA_TARGETS)}")
+        _check(self.rank == 0 or len(self.targets) > 0,
+               f"model.lora.rank={self.rank} with no model.lora.targets: name at least one of {list(LORA_TARGETS)}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 @dataclass
 class ModelConfig:
     """The RLT architecture (docs/design.md, "The model"). Encoder and decoder both have ``n_layers``.
@@ -75,6 +110,7 @@ class ModelConfig:
     # input-ignoring attractor (loss spikes above the uniform loss; see docs/stability.md).
     embed_init_std: Optional[float] = None
     max_seq_len: int = 2048
+    lora: LoraConfig = field(default_factory=LoraConfig)  # low-rank adapters (off: rank 0)
 
     def __post_init__(self) -> None:
         if self.n_kv_heads is None:
@@ -106,6 +142,9 @@ class ModelConfig:
         _check(self.rope_theta > 0, f"model.rope_theta={self.rope_theta}: must be positive")
         _check(self.norm_eps > 0, f"model.norm_eps={self.norm_eps}: must be positive")
         _check(self.max_seq_len >= 1, f"model.max_seq_len={self.max_seq_len}: must be positive")
+        _check(self.arch == "rlt" or not self.lora.enabled,
+               f"model.lora.rank={self.lora.rank} with model.arch={self.arch}: adapters are for the RLT; "
+               "set model.lora.rank=0")
         _check(self.init_std > 0, f"model.init_std={self.init_std}: must be positive")
         if self.embed_init_std is None:
             self.embed_init_std = self.init_std if self.tie_embeddings else 1.0
@@ -586,6 +625,10 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
+        _check(not (self.model.lora.enabled and self.parallel.zero_stage == 3),
+               f"model.lora.rank={self.model.lora.rank} with parallel.zero_stage=3: adapters run with ZeRO 0-2 "
+               "(their optimizer state is small: ZeRO-3's partitioned parameters buy nothing here); set "
+               "parallel.zero_stage=1")
         _check(not self.train.cuda_graphs or self.parallel.pp == 1,
                f"train.cuda_graphs=true with parallel.pp={self.parallel.pp}: the graphs capture the dense "
                "schedule's decoder loop, which a pipeline stage does not run (its positions arrive over the "

@@ -73,9 +73,17 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights", choices=training.WEIGHT_SOURCES, default="auto",
                    help="a distributed checkpoint's weights from its consolidated model.safetensors or from its "
                         "per-rank shards (auto: the consolidated file when there is one)")
+    what = p.add_mutually_exclusive_group()
+    what.add_argument("--merge", action="store_true",
+                      help="a checkpoint of a run with model.lora: the full export, adapters merged into their base")
+    what.add_argument("--adapters", action="store_true",
+                      help="a checkpoint of a run with model.lora: a peft adapter directory (adapter_config.json + "
+                           "adapter_model.safetensors) for the transformers export of its base")
 
 
 def run_export(a: argparse.Namespace) -> str:
+    if a.adapters or a.merge or _holds_adapters(a.src):
+        return _run_adapter_export(a)
     out = export_path(a.src, a.out_dir, dtype=a.dtype, max_shard_size=a.max_shard_size,
                       tokenizer=a.tokenizer, overwrite=a.overwrite, weights=a.weights)
     source = read_manifest(out).get("source") or {}
@@ -141,3 +149,37 @@ def main(name: str, argv: list[str] | None = None) -> int:
         return 2
     sys.stdout.write(text + "\n")
     return 0
+
+
+def _holds_adapters(src: str) -> bool:
+    from rlt_mega.checkpoint_tools.adapters import is_adapter_checkpoint
+
+    return training.is_training_checkpoint(Path(src)) and is_adapter_checkpoint(training.resolve(src))
+
+
+def _run_adapter_export(a: argparse.Namespace) -> str:
+    """--merge / --adapters: a checkpoint of a run with model.lora (adapters.safetensors)."""
+    from rlt_mega.checkpoint_tools.adapters import export_peft
+
+    if not _holds_adapters(a.src):
+        raise CheckpointError(f"{a.src}: not a training checkpoint with adapters (adapters.safetensors); "
+                              "--merge and --adapters are for runs with model.lora.rank > 0: drop the flag")
+    if not (a.merge or a.adapters):
+        raise CheckpointError(f"{a.src} holds adapters: export with --merge (a full export, adapters merged) or "
+                              "--adapters (a peft adapter directory)")
+    step_dir, cfg, _ = training.read_checkpoint(a.src)
+    if a.adapters:
+        if Path(a.out_dir).exists() and not a.overwrite:
+            raise FileExistsError(f"{a.out_dir} exists: choose another directory or pass --overwrite")
+        if Path(a.out_dir).exists():
+            import shutil
+
+            shutil.rmtree(a.out_dir)
+        base = cfg.train.init_from or None
+        out = export_peft(cfg, step_dir, Path(a.out_dir), base)
+        return (f"exported the adapters of {step_dir} -> {out} (peft LoRA, r={cfg.model.lora.rank}); load them with "
+                f"peft.PeftModel.from_pretrained onto the transformers export of the base "
+                f"({base or f'the model of train.seed={cfg.train.seed}: export it with --merge from step 0'})")
+    out = export_path(step_dir, a.out_dir, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer,
+                      overwrite=a.overwrite)
+    return f"exported {step_dir} with its adapters merged -> {out}; start a run from it with train.init_from={out}"

@@ -13,6 +13,7 @@ shards (shards.py), so any layout exports the same way.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any, Optional
 
@@ -22,6 +23,7 @@ from safetensors.torch import load_model
 
 from rlt_mega.checkpoint import MANIFEST, CheckpointError, CheckpointManager, verify
 from rlt_mega.config import Config, ConfigError, load_config
+from rlt_mega.checkpoint_tools.adapters import is_adapter_checkpoint, merged_export_state
 from rlt_mega.checkpoint_tools.export import check_tensors, empty_model, tied_aliases
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError
 from rlt_mega.checkpoint_tools.shards import DS_TAG, consolidate
@@ -105,6 +107,15 @@ def load_training_weights(path: str | Path, source: str = "auto"
     """
     step_dir, cfg, manifest = read_checkpoint(path)
     layout = layout_of(manifest)
+    if is_adapter_checkpoint(step_dir):  # a run with model.lora: its base with the adapters merged
+        sd, model_cfg = merged_export_state(cfg, step_dir)
+        info = {"kind": "training_checkpoint", "path": str(step_dir.resolve()), "step": manifest.get("step"),
+                "layout": layout, "weights": "adapters merged into their base"}
+        return dataclasses.replace(cfg, model=model_cfg), sd, info
+    if cfg.model.lora.enabled:
+        raise CheckpointFormatError(f"{step_dir}: a distributed checkpoint of a run with model.lora holds DeepSpeed's "
+                                    "adapter shards only, which export cannot read yet: resume it on its layout, or "
+                                    "train the adapters on one process to export them")
     source = weights_source(step_dir, source)
     model = empty_model(cfg.model)
     if source == "shards":

@@ -15,6 +15,7 @@ import torch
 from rlt_mega.checkpoint import CheckpointError, load_torch
 from rlt_mega.config import CheckpointConfig, ModelConfig
 from rlt_mega.log import get_logger
+from rlt_mega.model.lora import base_state, has_adapters, state_hash
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel import reshard
 from rlt_mega.parallel.dims import ParallelDims
@@ -43,8 +44,12 @@ class DeepSpeedCheckpoint:
         directory = Path(directory)
         client = {"universal_checkpoint_info": self.universal_info,
                   "rlt_master_groups": self.state.master_group_names()}
-        self.ds.save_checkpoint(str(directory), tag=DS_TAG, client_state=client, save_latest=False)
-        consolidate = self.checkpoint.consolidate
+        adapted = has_adapters(self.ds.module)
+        if adapted:  # model.lora: the adapters and their optimizer state only, with this rank's base hash
+            client["rlt_base_sha256"] = self._base_hash()
+        self.ds.save_checkpoint(str(directory), tag=DS_TAG, client_state=client, save_latest=False,
+                                exclude_frozen_parameters=adapted)
+        consolidate = self.checkpoint.consolidate and not adapted
         full = self.state.full_state_dict() if consolidate else None
         if self.dims.rank == 0:
             torch.save(engine_state, directory / "engine.pt")
@@ -75,6 +80,10 @@ class DeepSpeedCheckpoint:
         if not (directory / DS_TAG).is_dir():
             raise CheckpointError(f"checkpoint {directory} has no {DS_TAG}/ directory: it was not written by the "
                                   f"distributed engine; {reshard.weights_only_hint(directory)}")
+        if has_adapters(self.ds.module) and plan != reshard.SAME:
+            raise CheckpointError(f"checkpoint {directory} holds adapters (model.lora) of layout "
+                                  f"{reshard.format_layout(saved)}: adapter checkpoints resume on the layout they "
+                                  f"were written with ({reshard.format_layout(current)} here)")
         if plan == reshard.UNIVERSAL:
             self._load_universal(directory)
         else:
@@ -88,10 +97,19 @@ class DeepSpeedCheckpoint:
         return engine_state
 
     def _load_deepspeed(self, load_dir: Path, directory: Path) -> None:
-        load_path, _ = self.ds.load_checkpoint(str(load_dir), tag=DS_TAG, load_module_strict=True,
-                                               load_optimizer_states=True, load_lr_scheduler_states=False)
+        adapted = has_adapters(self.ds.module)  # the frozen base is not in the checkpoint: not strict
+        load_path, client = self.ds.load_checkpoint(str(load_dir), tag=DS_TAG, load_module_strict=not adapted,
+                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {directory / DS_TAG} on layout {self.layout()}")
+        if adapted and (client or {}).get("rlt_base_sha256") != self._base_hash():
+            raise CheckpointError(f"checkpoint {directory}: its adapters were trained on another base (sha256 of "
+                                  f"rank {self.dims.rank}'s part differs): resume with the run's own train.init_from "
+                                  "and train.seed (config.yaml of the checkpoint)")
+
+    def _base_hash(self) -> str:
+        """sha256 of this rank's part of the frozen base (model.lora)."""
+        return state_hash(base_state(self.ds.module))
 
     def _load_universal(self, directory: Path) -> None:
         """Rank 0 converts the checkpoint's ZeRO shards with DeepSpeed's ds_to_universal into a

@@ -33,6 +33,8 @@ from torch import nn
 from safetensors.torch import load_model, save_model
 
 from rlt_mega.checkpoint import CheckpointError, check_weights, load_torch
+from rlt_mega.parallel.adapter_files import load_adapters, save_adapters
+from rlt_mega.model.lora import base_state, has_adapters, state_hash
 from rlt_mega.config import CheckpointingConfig, OptimConfig, TrainConfig
 from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
 from rlt_mega.model.documents import forward_kwargs
@@ -153,6 +155,7 @@ class LocalEngine:
         if engine.cuda_graphs:  # (off: the model's default)
             install_cuda_graphs(model)
         self.optimizer, self.scheduler = build_optimizer(model, optim, engine.total_steps)
+        self._base_sha = None  # under adapters: the frozen base's hash, computed at the first save
 
     @property
     def module(self) -> nn.Module:
@@ -208,13 +211,25 @@ class LocalEngine:
         return {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
 
     def save(self, directory: Path) -> None:
-        save_model(self.model, str(directory / "model.safetensors"))
+        if has_adapters(self.model):  # the adapters only, and the hash of the frozen base
+            save_adapters(self.model, directory, self._base_hash())
+        else:
+            save_model(self.model, str(directory / "model.safetensors"))
         torch.save(self.state_dict(), directory / "engine.pt")
+
+    def _base_hash(self) -> str:
+        """sha256 of the frozen base under adapters (computed once: it never changes)."""
+        if self._base_sha is None:
+            self._base_sha = state_hash(base_state(self.model))
+        return self._base_sha
 
     def load(self, directory: Path) -> None:
         check_layout(directory, self.layout())
-        check_weights(directory / "model.safetensors", self.model)  # names the mismatch, one line
-        load_model(self.model, str(directory / "model.safetensors"), strict=True, device=str(self.device))
+        if has_adapters(self.model):
+            load_adapters(self.model, directory, self._base_hash())
+        else:
+            check_weights(directory / "model.safetensors", self.model)  # names the mismatch, one line
+            load_model(self.model, str(directory / "model.safetensors"), strict=True, device=str(self.device))
         state = load_torch(directory / "engine.pt", map_location=self.device)
         try:
             self.load_state_dict(state)

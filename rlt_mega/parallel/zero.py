@@ -57,16 +57,19 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 def pipeline_replicas(model: nn.Module, dims: ParallelDims) -> dict[str, object]:
     """Parameters that exist on more than one pipeline stage: name -> the process group over
     which their gradients are summed. The copy on the first stage is the owner (counted in the
-    gradient norm); the others are replicas."""
+    gradient norm); the others are replicas. Frozen parameters (the base under model.lora)
+    have no gradient to sum."""
     out = {}
     if dims.pp == 1:
         return out
-    names = dict(model.named_parameters())
+    names = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if "null_memory" in names:
         out["null_memory"] = dims.pp_group
     tied = getattr(model.cfg, "tie_embeddings", False)
     if tied and (dims.is_first_stage or dims.is_last_stage):
-        out["embed.weight" if dims.is_first_stage else "lm_head.weight"] = dims.embed_group
+        name = "embed.weight" if dims.is_first_stage else "lm_head.weight"
+        if name in names:
+            out[name] = dims.embed_group
     return out
 
 

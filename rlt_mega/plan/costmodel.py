@@ -17,6 +17,7 @@ from rlt_mega.plan.flops import flop_rows, summarize
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.memory import estimate_memory
 from rlt_mega.parallel.dims import check_tp
+from rlt_mega.model.lora import adapter_param_count
 from rlt_mega.plan.params import model_param_counts, rank_param_counts, stage_layers
 
 
@@ -53,7 +54,7 @@ def estimate(cfg: ModelConfig, layout: Layout) -> dict:
     return {
         "model": dataclasses.asdict(cfg),
         "layout": _layout_dict(layout),
-        "params": model_param_counts(cfg),
+        "params": {**model_param_counts(cfg), **({"adapters": adapter_param_count(cfg)} if cfg.lora.enabled else {})},
         "flops": {
             # per position, averaged over the sequence (attention grows with the position)
             "per_token": {part: {k: v / layout.seq_len for k, v in whole[part].items()}

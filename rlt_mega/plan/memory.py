@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.plan.fused_memory import fused_weight_bytes, fused_weight_numels, run_buffer_bytes, run_scratch_bytes
 from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.params import rank_param_counts, rank_tensor_numels, stage_layers
+from rlt_mega.plan.params import rank_adapter_numels, rank_param_counts, rank_tensor_numels, stage_layers
 
 
 @dataclass
@@ -183,8 +183,13 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     counts = rank_param_counts(cfg, tp, pp, stage, layout.pp_split)
     psi = counts["total"]
     first, last = stage == 0, stage == pp - 1
-    part = psi if zero == 0 else zero_partition_numel(
-        rank_tensor_numels(cfg, tp, pp, stage, layout.pp_split), dp, zero)
+    # What trains: every parameter, or (model.lora) only the adapters, the base frozen: the
+    # gradients, the master copy and Adam's moments are the adapters', the weights both.
+    adapter_numels = rank_adapter_numels(cfg, tp, pp, stage, layout.pp_split)
+    trained_numels = adapter_numels or rank_tensor_numels(cfg, tp, pp, stage, layout.pp_split)
+    trained = sum(trained_numels)
+    part = trained if zero == 0 else zero_partition_numel(trained_numels, dp, zero)
+    lora = bool(adapter_numels)
     buckets = layout.buckets
 
     # Weights, master copy, Adam moments, gradients after the backward.
@@ -195,9 +200,10 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
         weights = (part + gathered) * w
     else:
         weights = -(-psi // (2 * dp)) * 2 * dp * w if zero in (1, 2) else psi * w
+    weights += trained * w if lora else 0
     master = 0 if (zero == 0 and layout.dtype == "fp32") else 4 * part
     moments = 8 * part
-    grads_after = psi * w if zero in (0, 1) else part * w
+    grads_after = trained * w if zero in (0, 1) else part * w
     # DeepSpeed's contiguous-gradient reduce bucket (allocated whole, whatever the model size)
     # and, for ZeRO-3, the parameter prefetch bucket.
     zero_buffers = 0.0
@@ -233,7 +239,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
         copies = fused_weight_bytes(cfg, layout, stage)
         held, accumulators = copies["weights"], copies["accumulators"]
     embed_grad_params = counts["embed"] if not cfg.tie_embeddings else 0
-    grads_in_backward = (psi - embed_grad_params) * w  # shared weights: full, see docstring
+    grads_in_backward = (psi - embed_grad_params) * w if not lora else trained * w  # shared weights: full, see docstring
     static = weights + master + moments + zero_buffers + rope_tables
     after_decoder = static + held  # every phase below comes after the decoder's forward
     # a pipeline stage makes its round's accumulators at the round's start and hands them to the
@@ -250,7 +256,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
         # (the accumulators stand in for them); the head's have. Its own working buffers are in
         # the slab; the fold's backward then forms one weight-sized product at a time.
         tied = counts["embed"] if cfg.tie_embeddings else 0
-        grads_in_backward = (counts["lm_head"] + counts["final_norm"] + tied) * w
+        grads_in_backward = (counts["lm_head"] + counts["final_norm"] + tied) * w if not lora else 0.0
         dec_transient = 4 * max(fused_weight_numels(cfg, layout, stage).values()) / tok
     if not baseline:  # the baselines have no decoder
         phases["decoder_backward"] = (
@@ -263,18 +269,17 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     # By now the memory's backward has run: its saved tensors are gone; the gradients of the
     # embeddings and of the encoder output are alive.
     phases["encoder_backward"] = (
-        after_decoder + round_acc + psi * w
+        after_decoder + round_acc + trained * w
         + in_flight * tok * (act["encoder"] + act["tokens"] + logits_kept + retained + 2 * a * d)
         + tok * (rec["encoder"] + enc_transient))
     # The optimizer step. ZeRO-0: the full gradients and foreach Adam's sqrt(v) temporary.
     # ZeRO-1: DeepSpeed flattens this rank's partition of the (still full) gradients. ZeRO-2/3:
     # the gradient partition, its flat fp32 copy and Adam's temporary on the partition.
-    numels = rank_tensor_numels(cfg, tp, pp, stage, layout.pp_split)
-    adam_temp = 4 * (psi if layout.foreach_optimizer else 2 * max(numels))
+    adam_temp = 4 * (trained if layout.foreach_optimizer else 2 * max(trained_numels))
     if zero == 0:
-        step_extra = psi * w + adam_temp + (4 * psi if w != 4 else 0)
+        step_extra = trained * w + adam_temp + (4 * trained if w != 4 else 0)
     elif zero == 1:
-        step_extra = psi * w + part * w
+        step_extra = trained * w + part * w
     else:
         step_extra = part * w + 8 * part
     phases["optimizer_step"] = after_decoder + step_extra + in_flight * tok * (retained + logits_kept)

@@ -125,3 +125,35 @@ def rank_tensor_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 
         if not cfg.tie_embeddings or pp > 1:
             sizes.append(vocab_rows * d)
     return sizes
+
+
+def rank_adapter_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int = 0,
+                        pp_split: Optional[Sequence[int]] = None) -> list[int]:
+    """Sizes of the low-rank adapter tensors (model.lora: A and B of each target) on one rank of
+    pipeline stage ``stage``, split like their layers (column-parallel: A replicated, B split;
+    row-parallel: A split, B replicated). Empty without adapters; with tp = pp = 1 they sum to
+    model/lora.py's ``adapter_param_count``."""
+    lora = cfg.lora
+    if not lora.enabled:
+        return []
+    check_tp(cfg, tp)
+    layers = stage_layers(cfg.n_layers, pp, pp_split)[stage]
+    r, d, f = lora.rank, cfg.d_model, cfg.ffn_hidden
+    q, kv = cfg.n_heads * cfg.head_dim, cfg.n_kv_heads * cfg.head_dim
+    column = {"q": (q, d), "k": (kv, d), "v": (kv, d), "gate": (f, d), "up": (f, d),
+              "cross_q": (q, d), "cross_k": (kv, d), "cross_v": (kv, d)}
+    row = {"o": (d, q), "down": (d, f), "cross_o": (d, q)}
+    per_layer = []
+    for t in lora.targets:
+        if t in column:
+            out, inp = column[t]
+            per_layer += [r * inp, out // tp * r]
+        elif t in row:
+            out, inp = row[t]
+            per_layer += [r * (inp // tp), out * r]
+        if t in ("q", "k", "v", "o", "gate", "up", "down") and not cfg.share_weights:
+            per_layer += per_layer[-2:]  # the decoder's own blocks carry their own adapters
+    numels = per_layer * len(layers)
+    if stage == 0 and "recur_proj" in lora.targets:
+        numels += [r * d, d * r]
+    return numels

@@ -20,7 +20,7 @@ from rlt_mega.model import RLT, build_model
 from rlt_mega.parallel.build import build_stage
 from rlt_mega.parallel.dims import ParallelDims, resolve_device
 from rlt_mega.parallel.engine import Engine, EngineConfig, LocalEngine
-from rlt_mega.parallel.sharding import shard_for_rank
+from rlt_mega.parallel.sharding import adapt_for_rank, shard_for_rank
 
 log = get_logger(__name__)
 
@@ -50,6 +50,8 @@ def build_engine(cfg: Config, dims: ParallelDims, engine: Optional[EngineConfig]
     layout. ``engine``: the step's shape (default: train.* as written)."""
     engine = engine or EngineConfig.from_train(cfg.train)
     model = initial_model(cfg, dims)
+    if cfg.model.lora.enabled:  # adapters on this rank's stage and shard, the base frozen
+        adapt_for_rank(shard_for_rank(model, dims), dims, cfg.train.seed)
     if dims.distributed:
         from rlt_mega.parallel.distributed import DistributedEngine  # imports DeepSpeed's pieces when used
 
