@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rlt_mega.checkpoint import CheckpointError, load_torch
+from rlt_mega.checkpoint import CheckpointError, load_torch, safe_unpickling
 from rlt_mega.config import CheckpointConfig, ModelConfig
 from rlt_mega.log import get_logger
 from rlt_mega.model.rlt import build_model
@@ -75,6 +75,8 @@ class DeepSpeedCheckpoint:
         if not (directory / DS_TAG).is_dir():
             raise CheckpointError(f"checkpoint {directory} has no {DS_TAG}/ directory: it was not written by the "
                                   f"distributed engine; {reshard.weights_only_hint(directory)}")
+        for shard in sorted((directory / DS_TAG).glob("*.pt")):
+            load_torch(shard, map_location="cpu", mmap=True, deepspeed=True)  # names an untrusted file before DeepSpeed reads it
         if plan == reshard.UNIVERSAL:
             self._load_universal(directory)
         else:
@@ -88,8 +90,9 @@ class DeepSpeedCheckpoint:
         return engine_state
 
     def _load_deepspeed(self, load_dir: Path, directory: Path) -> None:
-        load_path, _ = self.ds.load_checkpoint(str(load_dir), tag=DS_TAG, load_module_strict=True,
-                                               load_optimizer_states=True, load_lr_scheduler_states=False)
+        with safe_unpickling(deepspeed=True):  # DeepSpeed's own torch.load calls too (weights_only=False there)
+            load_path, _ = self.ds.load_checkpoint(str(load_dir), tag=DS_TAG, load_module_strict=True,
+                                                   load_optimizer_states=True, load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {directory / DS_TAG} on layout {self.layout()}")
 
@@ -103,7 +106,8 @@ class DeepSpeedCheckpoint:
             try:
                 reshard.remove(scratch)
                 scratch.mkdir(parents=True)
-                reshard.to_universal(directory / DS_TAG, scratch / DS_TAG)
+                with safe_unpickling(deepspeed=True):  # the converter's torch.load calls (and its workers')
+                    reshard.to_universal(directory / DS_TAG, scratch / DS_TAG)
             except Exception as exc:  # reported on every rank below, raised here
                 error = exc
         failed = self.dims.all_reduce(torch.tensor([float(error is not None)], device=self.dims.device), op="max")
