@@ -24,6 +24,7 @@ Pruning keeps the newest ``keep`` complete checkpoints.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -120,6 +121,32 @@ def verify(path: Path) -> dict:
     return manifest
 
 
+def disk_full(exc: BaseException, path: Path) -> bool:
+    """Whether a failed write into ``path`` ran out of space: ENOSPC (or EDQUOT), or torch.save's
+    zip writer, which reports a short write as a RuntimeError ("unexpected pos"), on a device
+    that is now full."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        return "inline_container" in str(exc) and shutil.disk_usage(path).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def require_writable(path: str | Path, key: str) -> None:
+    """Creates ``path`` and writes a file in it, so that a directory a run cannot write is an
+    error naming ``key`` at start-up, not at the first save after hours of steps."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"{key}={path} is not writable ({exc.strerror}): choose a directory this run "
+                              f"can write") from None
+
+
 class CheckpointManager:
     """Atomic saves, the ``latest`` pointer, keeping the last K, and finding what to resume.
 
@@ -144,13 +171,21 @@ class CheckpointManager:
             self._remove_leftovers()  # the remains of interrupted saves (no process writes them now)
             tmp.mkdir()
         self.barrier()
-        write(tmp)
-        self.barrier()
-        if self.rank == 0:
-            self._seal(tmp, step, meta)
-            self._publish(tmp, final)
-            self._point(final)
-            self._prune(step)
+        try:
+            write(tmp)
+            self.barrier()
+            if self.rank == 0:
+                self._seal(tmp, step, meta)
+                self._publish(tmp, final)
+                self._point(final)
+                self._prune(step)
+        except (OSError, RuntimeError) as exc:
+            if not disk_full(exc, tmp):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # gives the space back; the last checkpoint is untouched
+            raise CheckpointError(f"no space left on device while saving checkpoint {final} (checkpoint.dir "
+                                  f"{self.root}); the last complete checkpoint is intact: free space there, lower "
+                                  "checkpoint.keep, or set checkpoint.dir to a larger disk, and resume") from None
         self.barrier()
         return final
 

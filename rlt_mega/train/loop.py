@@ -19,8 +19,8 @@ from typing import Optional, Protocol
 import torch
 from tqdm import tqdm
 
-from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch, rng_state,
-                                 set_rng_state)
+from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch, require_writable,
+                                 rng_state, set_rng_state)
 from rlt_mega.config import Config, save_config
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
@@ -103,6 +103,9 @@ class Trainer:
         self.save_every = Interval(cfg.checkpoint.every, at_end=True)  # relative to this process's last step
         self.stop = StopAfter(cfg.train.stop_after)
         self.state = LoopState()
+        require_writable(cfg.checkpoint.dir, "checkpoint.dir")  # before any step is computed (every rank writes)
+        if dims.rank == 0:  # the metrics' writer
+            require_writable(cfg.logging.dir, "logging.dir")
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=dims.rank, barrier=dims.barrier)
         self.metrics = Metrics.for_run(cfg, enabled=dims.rank == 0)
         self._last_path: Optional[Path] = None  # where the last checkpoint is (for messages)
