@@ -141,10 +141,21 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from rlt_mega.train.common import generate_texts, sampling_params
 
+    from rlt_mega.data.datasets import DataStats
+    from rlt_mega.data.pairs import fitting_prompts
+
     cfg, model, tokenizer = _inference_model(_load(args))
     questions = _read_questions(args.input)
     if not questions:
         raise ConfigError(f"no prompts in {args.input}")
+    stats = DataStats()
+    questions = [r["question"] for r in fitting_prompts([{"question": q} for q in questions], tokenizer,
+                                                         cfg.model.max_seq_len, stats, f"--input {args.input}")]
+    if stats.total:
+        log.warning("data: %s", stats.summary())
+    if not questions:
+        raise ConfigError(f"--input {args.input}: no prompt fits model.max_seq_len={cfg.model.max_seq_len}: "
+                          "raise model.max_seq_len or shorten the prompts")
     greedy = cfg.sampling.temperature == 0
     completions = generate_texts(model, tokenizer, questions, sampling_params(cfg, tokenizer, greedy),
                                  seeds=[cfg.train.seed * 1_000_003 + i for i in range(len(questions))],
@@ -158,6 +169,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from rlt_mega.data.datasets import DataStats, load_records, pair_of, train_eval_records
+    from rlt_mega.data.pairs import fitting_prompts
     from rlt_mega.train.common import greedy_accuracy
 
     cfg, model, tokenizer = _inference_model(_load(args))
@@ -168,6 +180,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         records = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)[1]
     records = [records[i] for i in range(min(len(records), args.limit or len(records)))]
+    records = fitting_prompts(records, tokenizer, cfg.model.max_seq_len, stats, "eval prompts")
+    if stats.total:
+        log.warning("data: %s", stats.summary())
+    if not records:
+        raise ConfigError(f"no evaluation record fits model.max_seq_len={cfg.model.max_seq_len} ({stats.summary()})")
     accuracy, completions = greedy_accuracy(model, tokenizer, records, cfg, cfg.train.dtype)
     if cfg.eval.samples:  # pass@k, maj@k, mean@n of eval.samples completions per problem
         from rlt_mega.train.common import sampled_scores

@@ -422,6 +422,9 @@ class GRPOConfig:
     overlong_buffer: int = 0
     overlong_penalty: float = 1.0
     reward: str = "gsm8k"  # "gsm8k" or "module:function" taking (completion text, answer record)
+    # A NaN or infinite reward scores 0 (a failure) and is counted (reward/nonfinite); this many
+    # steps in a row with one stop the run, naming the function (0: never stop).
+    max_nonfinite_reward_steps: int = 3
     eval_every: int = 10  # GRPO steps between held-out greedy accuracy checks; 0: first and last only
     eval_size: int = 200  # held-out prompts in each check
     # The first minibatch of a step learns with the rollout's own parameters, so its replay is
@@ -465,6 +468,8 @@ class GRPOConfig:
                f"grpo.overlong_buffer={self.overlong_buffer} and grpo.overlong_penalty={self.overlong_penalty} "
                "must be >= 0")
         _check(self.eval_every >= 0 and self.eval_size >= 0, "grpo.eval_every and grpo.eval_size must be >= 0")
+        _check(self.max_nonfinite_reward_steps >= 0,
+               f"grpo.max_nonfinite_reward_steps={self.max_nonfinite_reward_steps}: must be >= 0 (0: never stop)")
 
 
 @dataclass

@@ -109,3 +109,13 @@ def docs_in(windows):
     stream = torch.cat([w.reshape(-1) for w in windows]).tolist()
     text = byte_level().tok.decode(stream, skip_special_tokens=False)
     return [d for d in text.split("<|eos|>")[1:-1]]
+
+
+def nan_on_odd(completion: str, answer) -> float:
+    """A broken GRPO reward (grpo.reward=helpers:nan_on_odd): NaN for answers ending in an odd digit."""
+    return float("nan") if int(str(answer)[-1]) % 2 else 0.5
+
+
+def inf_reward(completion: str, answer) -> float:
+    """A broken GRPO reward (grpo.reward=helpers:inf_reward): +inf for every completion."""
+    return float("inf")

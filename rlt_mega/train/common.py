@@ -61,7 +61,7 @@ def greedy_accuracy(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequenc
     questions = [r["question"] for r in records]
     completions = generate_texts(model, tokenizer, questions, sampling_params(cfg, tokenizer, greedy=True),
                                  seeds=[0] * len(questions), batch_size=cfg.sampling.batch_size, dtype=dtype)
-    correct, _ = score(completions, [r["answer"] for r in records], list(range(len(records))), gsm8k_reward)
+    correct, _, _ = score(completions, [r["answer"] for r in records], list(range(len(records))), gsm8k_reward)
     return sum(correct) / len(correct), completions
 
 
