@@ -728,14 +728,55 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
+    last one silently: a second ``train:`` section would reset the first one's keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges are not duplicates
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise _DuplicateKey(key, first, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int, second: int) -> None:
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
+    """One line naming the file and the line of a YAML syntax error."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return ConfigError(f"config file {path} is not valid YAML: {problem}")
+    where = f"config file {path}, line {mark.line + 1}"
+    if "'\\t'" in problem:
+        return ConfigError(f"{where}: a tab in the indentation; YAML indents with spaces only")
+    return ConfigError(f"{where}, column {mark.column + 1}: not valid YAML ({problem})")
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_bytes())  # bytes: PyYAML detects the encoding itself
+        data = yaml.load(path.read_bytes(), Loader=_StrictLoader)  # bytes: PyYAML detects the encoding itself
+    except _DuplicateKey as exc:
+        raise ConfigError(f"config file {path}: '{exc.key}' is given twice in the same section, on lines {exc.first} "
+                          f"and {exc.second}: keep one") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        raise _yaml_error(path, exc) from None
     except RecursionError:
         raise ConfigError(f"config file {path} is not valid YAML: nested too deeply") from None
     if data is None:
