@@ -107,12 +107,14 @@ class Trainer:
         if dims.rank == 0:  # the metrics' writer
             require_writable(cfg.logging.dir, "logging.dir")
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=dims.rank, barrier=dims.barrier)
-        self.metrics = Metrics.for_run(cfg, enabled=dims.rank == 0)
+        self.metrics: Optional[Metrics] = None  # opened once resume() knows the step (Metrics' resumed_at)
         self._last_path: Optional[Path] = None  # where the last checkpoint is (for messages)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
-        self.resume()
+        resumed = self.resume()
+        self.metrics = Metrics.for_run(self.cfg, enabled=self.dims.rank == 0,
+                                       resumed_at=self.state.step if resumed is not None else None)
         if self.dims.rank == 0:
             log_dir = Path(self.cfg.logging.dir)
             log_dir.mkdir(parents=True, exist_ok=True)
