@@ -144,10 +144,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rlt_mega.data.datasets import DataStats
     from rlt_mega.data.pairs import fitting_prompts
 
-    cfg, model, tokenizer = _inference_model(_load(args))
+    if args.input != "-" and not os.path.isfile(args.input):  # before the model is loaded
+        raise ConfigError(f"--input {args.input}: no such file; give a file of prompts (one per line, or jsonl "
+                          "with 'question'), or '-' for stdin")
     questions = _read_questions(args.input)
     if not questions:
-        raise ConfigError(f"no prompts in {args.input}")
+        raise ConfigError(f"--input {args.input}: no prompts in it")
+    cfg, model, tokenizer = _inference_model(_load(args))
     stats = DataStats()
     questions = [r["question"] for r in fitting_prompts([{"question": q} for q in questions], tokenizer,
                                                          cfg.model.max_seq_len, stats, f"--input {args.input}")]

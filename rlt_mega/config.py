@@ -453,6 +453,9 @@ class GRPOConfig:
                f"grpo.gspo_eps_high={self.gspo_eps_high} >= 0")
         _check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
                f"grpo.clip_ratio_c={self.clip_ratio_c}: the dual-clip bound must be > 1 (e.g. 3), or null for none")
+        _check(self.clip_ratio_c is None or self.policy_loss == "clip",
+               f"grpo.clip_ratio_c={self.clip_ratio_c} is the dual clip of grpo.policy_loss=clip; GSPO (verl's "
+               "included) has no dual clip: set grpo.clip_ratio_c=null with grpo.policy_loss=gspo")
         modes = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
         _check(self.loss_agg in modes, f"grpo.loss_agg={self.loss_agg!r}: expected one of {', '.join(modes)}")
         _check(self.loss_agg_length is None or self.loss_agg_length >= 1,
@@ -487,6 +490,9 @@ class EvalConfig:
         _check(self.samples >= 0, f"eval.samples={self.samples}: must be >= 0 (0: greedy accuracy only)")
         _check(bool(self.k) and all(isinstance(k, int) and k >= 1 for k in self.k),
                f"eval.k={self.k}: expected a non-empty list of integers >= 1")
+        _check(self.samples > 0 or self.k == [1],
+               f"eval.k={self.k} has no effect with eval.samples=0 (greedy accuracy only): set eval.samples to n "
+               ">= every k for pass@k and maj@k, or leave eval.k out")
         _check(self.samples == 0 or max(self.k) <= self.samples,
                f"eval.k={self.k}: every k must be <= eval.samples={self.samples} (pass@k needs n >= k samples)")
         _check(self.temperature is None or self.temperature > 0,

@@ -30,8 +30,9 @@ steps, each epochs x minibatches optimizer steps).
 Metrics (TensorBoard + metrics.jsonl, from rank 0, reduced over every rank): reward, accuracy,
 ratio min/mean/max, clip fraction, support misses, max/mean |dense - replay|, KL(mu || dense),
 rollout and learner tokens/s, phase times, held-out greedy accuracy. ``ratio/onpolicy_max_dev``
-is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract
-(by construction when that replay is skipped: grpo.verify_onpolicy checks the contract itself).
+is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract;
+it is logged only when that replay ran (grpo.skip_onpolicy_replay=false or grpo.verify_onpolicy):
+skipped, the ratio would be mu - mu, 0 by construction, which reads as a check that passed.
 """
 
 from __future__ import annotations
@@ -300,6 +301,10 @@ class GRPOJob:
                                       first_records=first_records, epochs=1, t_generate=self._t_generate,
                                       t_learn=t_learn, with_reference=self.reference is not None and not g.kl_in_reward,
                                       learned=learned, per_row=per_row, totals=totals)
+        if g.skip_onpolicy_replay and not g.verify_onpolicy:
+            # the on-policy minibatch was not replayed: its ratios are mu - mu = 0 by construction,
+            # not a measurement; logged only when the replay ran (and was compared with mu)
+            del scalars["ratio/onpolicy_max_dev"]
         scalars.update({
             "train/loss": sum(s.loss for s in step_stats) / len(step_stats),
             "train/grad_norm": max(s.grad_norm for s in step_stats),
