@@ -305,9 +305,8 @@ class CheckpointManager:
 # is built (UntrustedCheckpointError). docs/checkpoints.md says what is trusted.
 def _numpy_globals() -> list:
     """numpy's RNG state in rng_rank*.pt: (name, uint32 array, pos, has_gauss, gauss)."""
-    from numpy._core.multiarray import _reconstruct
-
-    return [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+    reconstruct = np.zeros(1).__reduce__()[0]  # numpy's _reconstruct (numpy.core or numpy._core by version)
+    return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def _deepspeed_globals() -> list:
