@@ -75,8 +75,8 @@ class DeepSpeedCheckpoint:
         if not (directory / DS_TAG).is_dir():
             raise CheckpointError(f"checkpoint {directory} has no {DS_TAG}/ directory: it was not written by the "
                                   f"distributed engine; {reshard.weights_only_hint(directory)}")
-        for shard in sorted((directory / DS_TAG).glob("*.pt")):
-            load_torch(shard, map_location="cpu", mmap=True, deepspeed=True)  # names an untrusted file before DeepSpeed reads it
+        for shard in sorted((directory / DS_TAG).glob("*.pt")):  # an untrusted file named before DeepSpeed reads it
+            load_torch(shard, map_location="cpu", mmap=True, deepspeed=True)
         if plan == reshard.UNIVERSAL:
             self._load_universal(directory)
         else:

@@ -60,7 +60,8 @@ def test_overwrite_never_destroys_an_input(run, case, capsys):
 def test_the_message_through_the_command_line(run):
     proc = cli("export", str(run / "ckpt" / "step_00000001"), str(run / "ckpt"), "--overwrite")
     assert proc.returncode == 2 and proc.stderr.strip() == (
-        f"rlt-mega export: error: {run / 'ckpt'}: the output directory contains the input {run / 'ckpt' / 'step_00000001'}; "
+        f"rlt-mega export: error: {run / 'ckpt'}: the output directory contains the input "
+        f"{run / 'ckpt' / 'step_00000001'}; "
         "writing it would destroy what is read: choose an output directory outside the input"), proc.stderr[-3000:]
 
 

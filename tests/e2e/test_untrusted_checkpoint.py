@@ -32,7 +32,7 @@ def plant(file, marker):
     """Replaces ``file`` by a torch.save'd dict carrying the payload, keeping the rest of what
     it held, and rewrites the step's manifest to match."""
     state = torch.load(file, weights_only=False)  # our own file, written by the run above
-    state = {**state, "extra": Payload(marker)} if isinstance(state, dict) else {"value": state, "extra": Payload(marker)}
+    state = {**state, "extra": Payload(marker)}
     torch.save(state, file)
     step_dir = next(p for p in file.parents if p.name.startswith("step_"))
     manifest = json.loads((step_dir / "manifest.json").read_text())
