@@ -24,6 +24,8 @@ Pruning keeps the newest ``keep`` complete checkpoints.
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -120,6 +122,32 @@ def verify(path: Path) -> dict:
     return manifest
 
 
+def disk_full(exc: BaseException, path: Path) -> bool:
+    """Whether a failed write into ``path`` ran out of space: ENOSPC (or EDQUOT), or torch.save's
+    zip writer, which reports a short write as a RuntimeError ("unexpected pos"), on a device
+    that is now full."""
+    if isinstance(exc, OSError):
+        return exc.errno in (errno.ENOSPC, errno.EDQUOT)
+    try:
+        return "inline_container" in str(exc) and shutil.disk_usage(path).free < (1 << 20)
+    except OSError:
+        return False
+
+
+def require_writable(path: str | Path, key: str) -> None:
+    """Creates ``path`` and writes a file in it, so that a directory a run cannot write is an
+    error naming ``key`` at start-up, not at the first save after hours of steps."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-test-{os.getpid()}"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise CheckpointError(f"{key}={path} is not writable ({exc.strerror}): choose a directory this run "
+                              f"can write") from None
+
+
 class CheckpointManager:
     """Atomic saves, the ``latest`` pointer, keeping the last K, and finding what to resume.
 
@@ -144,13 +172,21 @@ class CheckpointManager:
             self._remove_leftovers()  # the remains of interrupted saves (no process writes them now)
             tmp.mkdir()
         self.barrier()
-        write(tmp)
-        self.barrier()
-        if self.rank == 0:
-            self._seal(tmp, step, meta)
-            self._publish(tmp, final)
-            self._point(final)
-            self._prune(step)
+        try:
+            write(tmp)
+            self.barrier()
+            if self.rank == 0:
+                self._seal(tmp, step, meta)
+                self._publish(tmp, final)
+                self._point(final)
+                self._prune(step)
+        except (OSError, RuntimeError) as exc:
+            if not disk_full(exc, tmp):
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)  # gives the space back; the last checkpoint is untouched
+            raise CheckpointError(f"no space left on device while saving checkpoint {final} (checkpoint.dir "
+                                  f"{self.root}); the last complete checkpoint is intact: free space there, lower "
+                                  "checkpoint.keep, or set checkpoint.dir to a larger disk, and resume") from None
         self.barrier()
         return final
 
@@ -263,13 +299,87 @@ class CheckpointManager:
 
 
 # ---------------------------------------------------------------------------- loading
-def load_torch(path: Path, map_location=None):
-    """torch.load of a checkpoint file (ours, so not weights_only), with a clear error."""
+# A checkpoint may come from anyone (a download, a shared directory), and a pickle can run any
+# code when it is read. So every .pt file rlt_mega reads is unpickled with torch's weights-only
+# unpickler, which builds tensors, plain containers and numbers, and beyond them only the types
+# listed here: what our own files and DeepSpeed's shards hold. Anything else is refused before it
+# is built (UntrustedCheckpointError). docs/checkpoints.md says what is trusted.
+def _numpy_globals() -> list:
+    """numpy's RNG state in rng_rank*.pt: (name, uint32 array, pos, has_gauss, gauss)."""
+    reconstruct = np.zeros(1).__reduce__()[0]  # numpy's _reconstruct (numpy.core or numpy._core by version)
+    return [reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+def _deepspeed_globals() -> list:
+    """The classes DeepSpeed pickles into its ZeRO optimizer shards (plain records: an enum, the
+    loss scaler's settings, a fragment's offset and size)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
+
+
+def trusted_globals(deepspeed: bool = False) -> list:
+    return _numpy_globals() + (_deepspeed_globals() if deepspeed else [])
+
+
+class UntrustedCheckpointError(CheckpointError):
+    """A checkpoint file that holds a type outside the allow-list: it is not unpickled."""
+
+
+# What torch's weights-only unpickler says when a file asks for something outside the list
+# (a GLOBAL, or an object to create, call or build); any other unpickling error is damage.
+_REFUSED = (re.compile(r"GLOBAL (\S+) (?:was not an allowed global|whose module)"),
+            re.compile(r"unrecognized function (.+?)(?: which belongs|$)", re.M),
+            re.compile(r"add_safe_globals`,? but got (.+)$", re.M))
+
+
+def refused_type(message: str) -> Optional[str]:
+    """The type or function a weights-only unpickling error refused, if that is the error."""
+    for pattern in _REFUSED:
+        found = pattern.search(message)
+        if found:
+            return found.group(1).strip()
+    return None
+
+
+@contextlib.contextmanager
+def safe_unpickling(deepspeed: bool = False):
+    """Every torch.load inside the block, ours or a library's (DeepSpeed's load_checkpoint,
+    ds_to_universal, zero_to_fp32 pass weights_only=False themselves), runs weights-only with
+    the allow-list: torch reads TORCH_FORCE_WEIGHTS_ONLY_LOAD at each call and it overrides an
+    explicit weights_only=False. Worker processes the block starts inherit both."""
+    previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        return torch.load(path, weights_only=False, map_location=map_location)
+        with torch.serialization.safe_globals(trusted_globals(deepspeed)):
+            yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = previous
+
+
+def untrusted(path: Path, kind: str) -> UntrustedCheckpointError:
+    return UntrustedCheckpointError(
+        f"checkpoint file {path} holds {kind}, which no rlt_mega or DeepSpeed checkpoint contains: refused, not "
+        "unpickled (a pickle can run code); use checkpoints only from sources you trust (docs/checkpoints.md)")
+
+
+def load_torch(path: Path, map_location=None, mmap: bool = False, deepspeed: bool = False):
+    """torch.load of a checkpoint file, weights-only with the allow-list above; a one-line
+    CheckpointError for a missing, damaged or untrusted file."""
+    try:
+        with safe_unpickling(deepspeed):
+            return torch.load(path, weights_only=True, map_location=map_location, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
     except Exception as exc:  # unpickling raises anything from a damaged file
+        kind = refused_type(str(exc))
+        if kind is not None:
+            raise untrusted(path, kind) from None
         raise CheckpointError(f"checkpoint file {path} cannot be read ({type(exc).__name__}: {exc})") from None
 
 

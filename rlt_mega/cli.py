@@ -141,10 +141,24 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from rlt_mega.train.common import generate_texts, sampling_params
 
-    cfg, model, tokenizer = _inference_model(_load(args))
+    from rlt_mega.data.datasets import DataStats
+    from rlt_mega.data.pairs import fitting_prompts
+
+    if args.input != "-" and not os.path.isfile(args.input):  # before the model is loaded
+        raise ConfigError(f"--input {args.input}: no such file; give a file of prompts (one per line, or jsonl "
+                          "with 'question'), or '-' for stdin")
     questions = _read_questions(args.input)
     if not questions:
-        raise ConfigError(f"no prompts in {args.input}")
+        raise ConfigError(f"--input {args.input}: no prompts in it")
+    cfg, model, tokenizer = _inference_model(_load(args))
+    stats = DataStats()
+    questions = [r["question"] for r in fitting_prompts([{"question": q} for q in questions], tokenizer,
+                                                         cfg.model.max_seq_len, stats, f"--input {args.input}")]
+    if stats.total:
+        log.warning("data: %s", stats.summary())
+    if not questions:
+        raise ConfigError(f"--input {args.input}: no prompt fits model.max_seq_len={cfg.model.max_seq_len}: "
+                          "raise model.max_seq_len or shorten the prompts")
     greedy = cfg.sampling.temperature == 0
     completions = generate_texts(model, tokenizer, questions, sampling_params(cfg, tokenizer, greedy),
                                  seeds=[cfg.train.seed * 1_000_003 + i for i in range(len(questions))],
@@ -158,6 +172,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
     from rlt_mega.data.datasets import DataStats, load_records, pair_of, train_eval_records
+    from rlt_mega.data.pairs import fitting_prompts
     from rlt_mega.train.common import greedy_accuracy
 
     cfg, model, tokenizer = _inference_model(_load(args))
@@ -168,14 +183,18 @@ def cmd_eval(args: argparse.Namespace) -> int:
     else:
         records = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)[1]
     records = [records[i] for i in range(min(len(records), args.limit or len(records)))]
+    records = fitting_prompts(records, tokenizer, cfg.model.max_seq_len, stats, "eval prompts")
+    if stats.total:
+        log.warning("data: %s", stats.summary())
+    if not records:
+        raise ConfigError(f"no evaluation record fits model.max_seq_len={cfg.model.max_seq_len} ({stats.summary()})")
     from rlt_mega.train.grpo import environments
 
     # With grpo.env (e.g. calculator) the completions run with the environment's turns.
     envs = environments(cfg, tokenizer)
     if envs is not None and cfg.sampling.check_every != 1:
         raise ConfigError(f"grpo.env={cfg.grpo.env!r} needs sampling.check_every: 1 (got {cfg.sampling.check_every})")
-    sampler = model  # the Sampler of the model, with sampling.check_every
-    accuracy, completions = greedy_accuracy(sampler, tokenizer, records, cfg, cfg.train.dtype, envs)
+    accuracy, completions = greedy_accuracy(model, tokenizer, records, cfg, cfg.train.dtype, envs)
     if cfg.eval.samples:  # pass@k, maj@k, mean@n of eval.samples completions per problem
         from rlt_mega.train.common import sampled_scores
 

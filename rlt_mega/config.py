@@ -471,6 +471,9 @@ class GRPOConfig:
     max_turn_tokens: int = 32
     max_episode_tokens: int = 256
     env_time_limit: float = 2.0
+    # A NaN or infinite reward scores 0 (a failure) and is counted (reward/nonfinite); this many
+    # steps in a row with one stop the run, naming the function (0: never stop).
+    max_nonfinite_reward_steps: int = 3
     eval_every: int = 10  # GRPO steps between held-out greedy accuracy checks; 0: first and last only
     eval_size: int = 200  # held-out prompts in each check
     # The first minibatch of a step learns with the rollout's own parameters, so its replay is
@@ -516,6 +519,9 @@ class GRPOConfig:
                f"grpo.gspo_eps_high={self.gspo_eps_high} >= 0")
         _check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
                f"grpo.clip_ratio_c={self.clip_ratio_c}: the dual-clip bound must be > 1 (e.g. 3), or null for none")
+        _check(self.clip_ratio_c is None or self.policy_loss == "clip",
+               f"grpo.clip_ratio_c={self.clip_ratio_c} is the dual clip of grpo.policy_loss=clip; GSPO (verl's "
+               "included) has no dual clip: set grpo.clip_ratio_c=null with grpo.policy_loss=gspo")
         modes = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
         _check(self.loss_agg in modes, f"grpo.loss_agg={self.loss_agg!r}: expected one of {', '.join(modes)}")
         _check(self.loss_agg_length is None or self.loss_agg_length >= 1,
@@ -549,6 +555,8 @@ class GRPOConfig:
         _check(0 < self.is_band_low <= 1 <= self.is_band_high,
                f"grpo.is_band_low={self.is_band_low}, grpo.is_band_high={self.is_band_high}: the band of kept "
                "ratios must hold 1 (0 < low <= 1 <= high)")
+        _check(self.max_nonfinite_reward_steps >= 0,
+               f"grpo.max_nonfinite_reward_steps={self.max_nonfinite_reward_steps}: must be >= 0 (0: never stop)")
 
 
 @dataclass
@@ -566,6 +574,9 @@ class EvalConfig:
         _check(self.samples >= 0, f"eval.samples={self.samples}: must be >= 0 (0: greedy accuracy only)")
         _check(bool(self.k) and all(isinstance(k, int) and k >= 1 for k in self.k),
                f"eval.k={self.k}: expected a non-empty list of integers >= 1")
+        _check(self.samples > 0 or self.k == [1],
+               f"eval.k={self.k} has no effect with eval.samples=0 (greedy accuracy only): set eval.samples to n "
+               ">= every k for pass@k and maj@k, or leave eval.k out")
         _check(self.samples == 0 or max(self.k) <= self.samples,
                f"eval.k={self.k}: every k must be <= eval.samples={self.samples} (pass@k needs n >= k samples)")
         _check(self.temperature is None or self.temperature > 0,
@@ -815,14 +826,55 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     return data
 
 
+class _StrictLoader(yaml.SafeLoader):
+    """PyYAML's safe loader that refuses a key given twice in one mapping (PyYAML keeps the
+    last one silently: a second ``train:`` section would reset the first one's keys)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":  # '<<' merges are not duplicates
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    first = seen.setdefault(key, key_node.start_mark.line + 1)
+                except TypeError:  # an unhashable key: the base class reports it
+                    continue
+                if first != key_node.start_mark.line + 1:
+                    raise _DuplicateKey(key, first, key_node.start_mark.line + 1)
+        return super().construct_mapping(node, deep)
+
+
+class _DuplicateKey(Exception):
+    def __init__(self, key, first: int, second: int) -> None:
+        super().__init__(key)
+        self.key, self.first, self.second = key, first, second
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
+    """One line naming the file and the line of a YAML syntax error."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    if mark is None:
+        return ConfigError(f"config file {path} is not valid YAML: {problem}")
+    where = f"config file {path}, line {mark.line + 1}"
+    if "'\\t'" in problem:
+        return ConfigError(f"{where}: a tab in the indentation; YAML indents with spaces only")
+    return ConfigError(f"{where}, column {mark.column + 1}: not valid YAML ({problem})")
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file {path} does not exist")
     try:
-        data = yaml.safe_load(path.read_bytes())  # bytes: PyYAML detects the encoding itself
+        data = yaml.load(path.read_bytes(), Loader=_StrictLoader)  # bytes: PyYAML detects the encoding itself
+    except _DuplicateKey as exc:
+        raise ConfigError(f"config file {path}: '{exc.key}' is given twice in the same section, on lines {exc.first} "
+                          f"and {exc.second}: keep one") from None
     except yaml.YAMLError as exc:
-        raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        raise _yaml_error(path, exc) from None
     except RecursionError:
         raise ConfigError(f"config file {path} is not valid YAML: nested too deeply") from None
     if data is None:

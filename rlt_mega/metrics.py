@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -38,8 +39,13 @@ def peak_memory_bytes(device: torch.device) -> float:
 
 
 class Metrics:
+    """``resumed_at``: the step of the checkpoint a run resumed from. What a previous process
+    logged past it (it died after the checkpoint) is dropped, so that no step is logged twice:
+    metrics.jsonl's rows of later steps are removed, and TensorBoard purges its events from
+    step resumed_at + 1 on (SummaryWriter's purge_step)."""
+
     def __init__(self, log_dir: str | Path, enabled: bool = True, wandb: Optional[WandbConfig] = None,
-                 run_config: Optional[dict] = None) -> None:
+                 run_config: Optional[dict] = None, resumed_at: Optional[int] = None) -> None:
         self.log_dir, self.enabled = Path(log_dir), enabled
         self._writer = None
         self._jsonl = None
@@ -48,15 +54,18 @@ class Metrics:
             from torch.utils.tensorboard import SummaryWriter  # imported lazily: slow import
 
             self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(str(self.log_dir))
+            purge = None if resumed_at is None else resumed_at + 1
+            if resumed_at is not None:
+                truncate_metrics(self.log_dir / "metrics.jsonl", resumed_at)
+            self._writer = SummaryWriter(str(self.log_dir), purge_step=purge)
             self._jsonl = open(self.log_dir / "metrics.jsonl", "a")
             if wandb is not None and wandb.enabled:
                 self._wandb = _start_wandb(wandb, self.log_dir, run_config)
 
     @classmethod
-    def for_run(cls, cfg: Config, enabled: bool) -> "Metrics":
+    def for_run(cls, cfg: Config, enabled: bool, resumed_at: Optional[int] = None) -> "Metrics":
         """A trainer's metrics: logging.dir, logging.wandb, and the Config as the wandb run's config."""
-        return cls(cfg.logging.dir, enabled, wandb=cfg.logging.wandb, run_config=to_dict(cfg))
+        return cls(cfg.logging.dir, enabled, wandb=cfg.logging.wandb, run_config=to_dict(cfg), resumed_at=resumed_at)
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         if not self.enabled:
@@ -89,6 +98,29 @@ def _start_wandb(cfg: WandbConfig, log_dir: Path, run_config: Optional[dict]):
                      config=run_config)
     log.info("wandb run %s (%s) in %s", run.name, cfg.mode, log_dir / "wandb")
     return run
+
+
+def truncate_metrics(path: Path, last_step: int) -> None:
+    """Drops the rows of ``path`` (metrics.jsonl) logged after ``last_step``, and a last line cut
+    short by a kill; rewritten atomically (a kill now leaves the old file or the new one)."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            row = json.loads(line)
+            keep = int(row["step"]) <= last_step
+        except (ValueError, KeyError, TypeError):  # a row cut short by the kill
+            keep = False
+        if keep:
+            kept.append(line)
+        elif line.strip():
+            dropped += 1
+    if dropped:
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text("".join(f"{line}\n" for line in kept))
+        os.replace(tmp, path)
+        log.info("%s: dropped %d rows logged after step %d by the run that resumed here", path, dropped, last_step)
 
 
 def read_metrics(log_dir: str | Path) -> list[dict]:

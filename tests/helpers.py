@@ -122,3 +122,13 @@ class FrequentTool(Environment):
         if "7" in text:
             return Turn(done=True)
         return Turn(observation=str(sum(map(ord, text)) % 10 ** (1 + len(text) % 4)), tool_call=True)
+
+
+def nan_on_odd(completion: str, answer) -> float:
+    """A broken GRPO reward (grpo.reward=helpers:nan_on_odd): NaN for answers ending in an odd digit."""
+    return float("nan") if int(str(answer)[-1]) % 2 else 0.5
+
+
+def inf_reward(completion: str, answer) -> float:
+    """A broken GRPO reward (grpo.reward=helpers:inf_reward): +inf for every completion."""
+    return float("inf")

@@ -5,8 +5,9 @@ compute_grpo_outcome_advantage, compute_rloo_outcome_advantage, kl_penalty), and
 compute_rollout_rejection_mask).
 
 ``import verl`` pulls ray (verl/protocol.py) and verl pins transformers<5.11, so verl is NOT
-installed into the venv: ``pip install --no-deps --target`` puts its source in a cache folder
-(RLT_VERL_DIR, default ~/.cache/rlt_mega/verl-0.9.1), and the package and the few modules
+installed into the venv's site-packages: launch/env.sh (run by launch/test.sh, the README's test
+command) puts its source beside it with ``pip install --no-deps --target $VENV/verl-0.9.1``
+(about 10 s; RLT_VERL_DIR names another folder), and the package and the few modules
 core_algos imports besides torch and numpy are stand-ins made here, stated plainly:
 
 - ``verl``, ``verl.utils``, ``verl.trainer``, ``verl.workers``: empty packages over the real
@@ -20,15 +21,14 @@ core_algos imports besides torch and numpy are stand-ins made here, stated plain
 - ``transformers.PreTrainedTokenizer`` is the real one.
 
 Everything core_algos computes (and verl.utils.torch_functional's masked_sum / masked_mean,
-verl.utils.groupwise) is verl's own code. When pip cannot fetch verl the tests that need it
-skip, saying so; the hand-computed cases beside them still run.
+verl.utils.groupwise) is verl's own code. Without that folder the tests that need it fail,
+saying how to install it: a comparison with verl never silently does not run.
 """
 
 from __future__ import annotations
 
 import importlib
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -39,13 +39,12 @@ VERSION = "0.9.1"
 
 
 def _source_dir() -> Path:
-    root = Path(os.environ.get("RLT_VERL_DIR", Path.home() / ".cache" / "rlt_mega" / f"verl-{VERSION}"))
+    root = Path(os.environ.get("RLT_VERL_DIR", Path(sys.prefix) / f"verl-{VERSION}"))
     if not (root / "verl" / "trainer" / "ppo" / "core_algos.py").is_file():
-        root.mkdir(parents=True, exist_ok=True)
-        proc = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(root),
-                               f"verl=={VERSION}"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            pytest.skip(f"verl=={VERSION} could not be fetched into {root} (pip: {proc.stderr.strip()[-300:]})")
+        pytest.fail(f"verl {VERSION}'s source is not in {root}: run `bash launch/test.sh` (launch/env.sh installs it), "
+                    f"or `pip install --no-deps --target {root} verl=={VERSION}`, or set RLT_VERL_DIR to such a folder")
+    if not (root / f"verl-{VERSION}.dist-info").is_dir():
+        pytest.fail(f"{root} holds another verl than {VERSION}: remove it and run `bash launch/test.sh` again")
     return root
 
 

@@ -14,7 +14,7 @@ from rlt_mega.checkpoint_tools import training
 from rlt_mega.checkpoint_tools.export import (
     DEFAULT_MAX_SHARD_SIZE, MANIFEST_NAME, export_state_dict, load_exported, read_manifest,
 )
-from rlt_mega.checkpoint_tools.files import CheckpointFormatError
+from rlt_mega.checkpoint_tools.files import CheckpointFormatError, check_output
 from rlt_mega.checkpoint_tools.hf_import import import_hf
 from rlt_mega.checkpoint_tools.inspect_ckpt import format_report, inspect_path
 
@@ -30,15 +30,18 @@ def export_path(src: str | Path, out_dir: str | Path, *, dtype: str = "auto",
     training.weights_source), or an export directory (re-exported, e.g. in bf16 or with other
     shard sizes). The optimizer state is never exported."""
     src = Path(src)
+    check_output(out_dir, [src], overwrite)  # before the weights are read
     if training.is_training_checkpoint(src):
         run_cfg, sd, source = training.load_training_weights(src, weights)
         return export_state_dict(sd, run_cfg.model, out_dir, tokenizer=tokenizer or training.tokenizer_of(run_cfg),
-                                 max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite)
+                                 max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite,
+                                 inputs=[src])
     if (src / MANIFEST_NAME).is_file():
         cfg, sd = load_exported(src)  # verified: shapes and sha256
         source = {"kind": "export", "path": str(src.resolve()), "from": read_manifest(src).get("source")}
         return export_state_dict(sd, cfg, out_dir, tokenizer=tokenizer if tokenizer else _tokenizer_of(src),
-                                 max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite)
+                                 max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite,
+                                 inputs=[src])
     raise CheckpointFormatError(f"{src}: nothing to export: expected a training checkpoint (step_N/ with "
                                 f"manifest.json, or checkpoint.dir) or an RLT export directory (with "
                                 f"{MANIFEST_NAME}); a Hugging Face checkpoint is converted with `rlt-mega import`")
@@ -69,7 +72,8 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="auto (as stored), fp32, bf16 or fp16")
     p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
     p.add_argument("--tokenizer", default=None, help="tokenizer directory, tokenizer.json or 'byte'")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it is an earlier export (never the input, nor a directory of other files)")
     p.add_argument("--weights", choices=training.WEIGHT_SOURCES, default="auto",
                    help="a distributed checkpoint's weights from its consolidated model.safetensors or from its "
                         "per-rank shards (auto: the consolidated file when there is one)")
@@ -105,7 +109,8 @@ def add_import_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-seq-len", type=int, default=None, help="default: the model's max_position_embeddings")
     p.add_argument("--max-shard-size", type=shard_size, default=DEFAULT_MAX_SHARD_SIZE, help="shard the safetensors above this size")
     p.add_argument("--no-tokenizer", action="store_true", help="do not copy the tokenizer files")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT_DIR if it is an earlier export (never the input, nor a directory of other files)")
 
 
 def run_import(a: argparse.Namespace) -> str:

@@ -43,14 +43,14 @@ from rlt_mega.model import RLT, build_model
 from rlt_mega.precision import parse_storage_dtype as parse_dtype
 from rlt_mega.checkpoint_tools import hf_dense, hf_files
 from rlt_mega.checkpoint_tools.files import (
-    CheckpointFormatError, SafetensorsDir, atomic_directory, dtype_name, read_json, save_safetensors,
+    EXPORT_MANIFEST, CheckpointFormatError, SafetensorsDir, atomic_directory, dtype_name, read_json, save_safetensors,
     tensor_sha256, write_json,
 )
 
 log = get_logger(__name__)
 
 CONFIG_NAME = "config.json"
-MANIFEST_NAME = "rlt_export.json"
+MANIFEST_NAME = EXPORT_MANIFEST
 MODEL_TYPE = "rlt"
 FORMAT = "rlt_mega.export"
 # 2: config.json also holds transformers' keys (hf_files.HF_CONFIG_KEYS), and the directory
@@ -162,8 +162,10 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out
                       tokenizer: Optional[str | Path] = None,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
                       dtype: Optional[str | torch.dtype] = None, source: Optional[dict] = None,
-                      overwrite: bool = False) -> Path:
-    """Writes a full single-process state dict of RLT(cfg) as an export directory (atomically)."""
+                      overwrite: bool = False, inputs: Iterable[str | Path] = ()) -> Path:
+    """Writes a full single-process state dict of RLT(cfg) as an export directory (atomically);
+    ``inputs``: the directories it was read from, which the output may not replace
+    (files.check_output)."""
     cast = parse_dtype(dtype)
     sd = _store_once(state_dict, cfg)
     check_tensors({n: tuple(t.shape) for n, t in sd.items()}, cfg, "the state dict to export")
@@ -174,7 +176,7 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out
                for n, t in sd.items()}
     out = Path(out_dir)
     float_dtypes = {t.dtype for t in sd.values() if t.is_floating_point()}
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, overwrite=overwrite, inputs=inputs) as tmp:
         files = save_safetensors(sd, tmp, max_shard_size)
         tok, tokenizer_read = hf_files.write_tokenizer(tokenizer, tmp, cfg)
         hf_files.check_vocab(tokenizer_read, cfg, str(out))

@@ -31,6 +31,8 @@ from typing import Any, Optional
 
 import torch
 
+from rlt_mega.checkpoint import (CheckpointError, UntrustedCheckpointError, load_torch, refused_type, safe_unpickling,
+                                 untrusted)
 from rlt_mega.config import ModelConfig
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError
 from rlt_mega.model import build_model
@@ -117,12 +119,14 @@ def _optim_name(mp: int, dp: int) -> str:
 
 
 def load_file(path: Path) -> dict:
-    """torch.load of a DeepSpeed file (memory-mapped: tensors are read when touched)."""
+    """A DeepSpeed file, weights-only with the allow-list (checkpoint.load_torch; memory-mapped:
+    tensors are read when touched). A file holding anything else is refused, not unpickled."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
-    except Exception as exc:  # a truncated zip, a pickle error...
-        raise CheckpointFormatError(f"{path}: cannot be read ({type(exc).__name__}: {exc}); it is probably "
-                                    "truncated or damaged") from None
+        return load_torch(path, map_location="cpu", mmap=True, deepspeed=True)
+    except UntrustedCheckpointError:
+        raise
+    except CheckpointError as exc:  # a truncated zip, a pickle error...
+        raise CheckpointFormatError(f"{exc}; it is probably truncated or damaged") from None
 
 
 # ------------------------------------------------------------------------------------------
@@ -237,9 +241,12 @@ def _zero_to_fp32(files: ShardFiles, mp: int) -> dict[str, torch.Tensor]:
             os.symlink(f.resolve(), view / f.name)
         out = io.StringIO()
         try:
-            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+            with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out), safe_unpickling(deepspeed=True):
                 sd = get_fp32_state_dict_from_zero_checkpoint(tmp, tag=DS_TAG)
         except Exception as exc:
+            kind = refused_type(str(exc))
+            if kind is not None:
+                raise untrusted(files.directory / DS_TAG, kind) from None
             raise CheckpointFormatError(f"{files.directory}: DeepSpeed's zero_to_fp32 cannot rebuild model-parallel "
                                         f"rank {mp} ({type(exc).__name__}: {exc})") from None
     return {n: t.float() for n, t in sd.items()}

@@ -167,6 +167,13 @@ def _local_file(source: str, split: str) -> Optional[Path]:
     return None
 
 
+def _has_split(source: str, split: str) -> bool:
+    """Whether ``source`` is a directory holding a file of ``split``."""
+    path = Path(source).expanduser()
+    return path.is_dir() and any((path / f"{stem}{ext}").is_file() for stem in _SPLIT_FILES[split]
+                                 for ext in (".jsonl", ".json", ".txt"))
+
+
 def _raw(source: str, split: str, cfg: DataConfig) -> datasets.Dataset:
     """Rows of one source before extraction: generated problems, a local file, or the hub."""
     if source == "generated":
@@ -225,8 +232,11 @@ def train_eval_records(cfg: DataConfig, extract: Extract, columns: list[str], st
     train = load_records(cfg.train, "train", cfg, extract, columns, stats)
     if cfg.eval is not None:
         return train, load_records(cfg.eval, "eval", cfg, extract, columns, stats)
-    if cfg.train == "generated" or Path(cfg.train).is_dir():
+    if cfg.train == "generated" or _has_split(cfg.train, "eval"):
         return train, load_records(cfg.train, "eval", cfg, extract, columns, stats)
+    if Path(cfg.train).expanduser().is_dir():  # a directory with only a train file: held out like a file's
+        log.info("data.train=%s has no %s file: holding out a seeded 2%% of its train records for evaluation "
+                 "(set data.eval to choose the eval data)", cfg.train, " or ".join(_SPLIT_FILES["eval"]))
     if len(train) < 2:
         raise DataError(f"{cfg.train}: too few records to hold out an eval split; set data.eval")
     parts = train.train_test_split(test_size=max(1, len(train) // 50), seed=seed)

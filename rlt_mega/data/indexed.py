@@ -67,8 +67,8 @@ def tokenizer_fingerprint(tokenizer: Tokenizer) -> str:
 # ------------------------------------------------------------------------------ reading
 def check_files(prefix: str) -> None:
     """Raises a DataError naming the file when the pair is incomplete or inconsistent: a
-    missing file, an index cut short or of another format, a ``.bin`` of another length than
-    its index says. Reads only the index header and its last entry."""
+    missing file, an index cut short or of another format, entries that contradict each other
+    (_check_entries), a ``.bin`` of another length than its index says."""
     bin_path, idx_path, _ = paths(prefix)
     if not idx_path.is_file():
         if bin_path.is_file():
@@ -98,12 +98,7 @@ def check_files(prefix: str) -> None:
         raise DataError(f"{idx_path} is {idx_size} bytes, its header announces {expected_idx}: the file is damaged")
     expected_bin = 0
     if num_seqs:
-        index = np.memmap(idx_path, mode="r", dtype=np.uint8)
-        last_len = int(index[_HEADER_BYTES + 4 * (num_seqs - 1):_HEADER_BYTES + 4 * num_seqs].view(np.int32)[0])
-        at = _HEADER_BYTES + 4 * num_seqs + 8 * (num_seqs - 1)
-        last_ptr = int(index[at:at + 8].view(np.int64)[0])
-        expected_bin = last_ptr + last_len * _DTYPE_SIZES[code]
-        del index
+        expected_bin = _check_entries(idx_path, num_seqs, num_docs, _DTYPE_SIZES[code])
     bin_size = bin_path.stat().st_size
     if bin_size < expected_bin:
         raise DataError(f"{bin_path} is truncated: {bin_size} bytes, {idx_path} expects {expected_bin}; copy it "
@@ -111,6 +106,36 @@ def check_files(prefix: str) -> None:
     if bin_size > expected_bin:
         raise DataError(f"{bin_path} is {bin_size} bytes, {idx_path} expects {expected_bin}: the two files come from "
                         "different runs; run rlt-mega preprocess again")
+
+
+def _check_entries(idx_path: Path, num_seqs: int, num_docs: int, itemsize: int) -> int:
+    """Checks the index entries against each other, vectorised (a few seconds for a 10B-token
+    index): lengths >= 0; documents back to back from byte 0 (pointer i+1 = pointer i + length i
+    x itemsize, as megatron-core's builder writes them); document indices from 0 to the
+    sequence count, non-decreasing. Returns the ``.bin`` size the entries imply."""
+    index = np.memmap(idx_path, mode="r", dtype=np.uint8)
+    at = _HEADER_BYTES
+    lengths = index[at:at + 4 * num_seqs].view(np.int32)
+    at += 4 * num_seqs
+    pointers = index[at:at + 8 * num_seqs].view(np.int64)
+    at += 8 * num_seqs
+    documents = index[at:at + 8 * num_docs].view(np.int64)
+    damaged = f"{idx_path} is damaged (its header is intact)"
+    fix = "copy it again or run rlt-mega preprocess again"
+    bad = np.flatnonzero(lengths < 0)
+    if bad.size:
+        raise DataError(f"{damaged}: entry {bad[0]} has length {lengths[bad[0]]}; {fix}")
+    ends = pointers + lengths.astype(np.int64) * itemsize  # (S,) byte after each sequence
+    if pointers[0] != 0:
+        raise DataError(f"{damaged}: the first entry starts at byte {pointers[0]}, not 0; {fix}")
+    bad = np.flatnonzero(pointers[1:] != ends[:-1])
+    if bad.size:
+        i = int(bad[0]) + 1
+        raise DataError(f"{damaged}: entry {i} starts at byte {pointers[i]}, entry {i - 1} ends at byte "
+                        f"{ends[i - 1]} (pointers and lengths disagree); {fix}")
+    if num_docs and (documents[0] != 0 or documents[-1] != num_seqs or np.any(np.diff(documents) < 0)):
+        raise DataError(f"{damaged}: its document indices are not a non-decreasing run from 0 to {num_seqs}; {fix}")
+    return int(ends[-1])
 
 
 class IndexedTokens:

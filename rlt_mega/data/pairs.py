@@ -14,6 +14,8 @@ the turn (data/chat.py).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import datasets
 import torch
 
@@ -25,6 +27,20 @@ def prompt_ids(tokenizer: Tokenizer, question: str) -> list[int]:
     if tokenizer.use_chat_template:
         return tokenizer.encode(tokenizer.chat_prompt(question))
     return [tokenizer.eos_id] + tokenizer.encode(question + "\n")
+
+
+TOO_LONG = "prompt longer than model.max_seq_len"
+
+
+def fitting_prompts(records: list[dict], tokenizer: Tokenizer, max_seq_len: int, stats: DataStats,
+                    source: str) -> list[dict]:
+    """The records whose prompt leaves room under ``max_seq_len`` for at least one generated
+    token; the others are skipped and counted in ``stats`` under ``source`` (like malformed
+    lines), at load, so that no batch that draws one fails later."""
+    kept = [r for r in records if len(prompt_ids(tokenizer, r["question"])) < max_seq_len]
+    if len(kept) < len(records):
+        stats.add(source, Counter({f"{TOO_LONG} ({max_seq_len} tokens)": len(records) - len(kept)}))
+    return kept
 
 
 def answer_ids(tokenizer: Tokenizer, answer: str) -> list[int]:

@@ -59,6 +59,8 @@ def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, ma
     invalid = miss | ~mask
     safe_logp = torch.where(invalid, torch.zeros_like(logp), logp)
     safe_mu = torch.where(invalid, torch.zeros_like(mu), mu)
+    if clip_ratio_c is not None and loss != "clip":
+        raise ValueError(f"clip_ratio_c is the dual clip of the 'clip' policy loss, not of {loss!r}")
     clip = ClipRange(eps_low, eps_high, clip_ratio_c)
     per_token, ratio, is_clipped = policy_loss(loss)(safe_logp, safe_mu, miss, advantages, mask, clip)  # (B, N)
     if is_weights is not None:

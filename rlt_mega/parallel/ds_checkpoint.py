@@ -12,7 +12,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rlt_mega.checkpoint import CheckpointError, load_torch
+from rlt_mega.checkpoint import CheckpointError, load_torch, safe_unpickling
 from rlt_mega.config import CheckpointConfig, ModelConfig
 from rlt_mega.log import get_logger
 from rlt_mega.model.lora import base_state, has_adapters, state_hash
@@ -84,6 +84,8 @@ class DeepSpeedCheckpoint:
             raise CheckpointError(f"checkpoint {directory} holds adapters (model.lora) of layout "
                                   f"{reshard.format_layout(saved)}: adapter checkpoints resume on the layout they "
                                   f"were written with ({reshard.format_layout(current)} here)")
+        for shard in sorted((directory / DS_TAG).glob("*.pt")):  # an untrusted file named before DeepSpeed reads it
+            load_torch(shard, map_location="cpu", mmap=True, deepspeed=True)
         if plan == reshard.UNIVERSAL:
             self._load_universal(directory)
         else:
@@ -98,8 +100,9 @@ class DeepSpeedCheckpoint:
 
     def _load_deepspeed(self, load_dir: Path, directory: Path) -> None:
         adapted = has_adapters(self.ds.module)  # the frozen base is not in the checkpoint: not strict
-        load_path, client = self.ds.load_checkpoint(str(load_dir), tag=DS_TAG, load_module_strict=not adapted,
-                                                    load_optimizer_states=True, load_lr_scheduler_states=False)
+        with safe_unpickling(deepspeed=True):  # DeepSpeed's own torch.load calls too (weights_only=False there)
+            load_path, client = self.ds.load_checkpoint(str(load_dir), tag=DS_TAG, load_module_strict=not adapted,
+                                                        load_optimizer_states=True, load_lr_scheduler_states=False)
         if load_path is None:
             raise CheckpointError(f"DeepSpeed could not load {directory / DS_TAG} on layout {self.layout()}")
         if adapted and (client or {}).get("rlt_base_sha256") != self._base_hash():
@@ -121,7 +124,8 @@ class DeepSpeedCheckpoint:
             try:
                 reshard.remove(scratch)
                 scratch.mkdir(parents=True)
-                reshard.to_universal(directory / DS_TAG, scratch / DS_TAG)
+                with safe_unpickling(deepspeed=True):  # the converter's torch.load calls (and its workers')
+                    reshard.to_universal(directory / DS_TAG, scratch / DS_TAG)
             except Exception as exc:  # reported on every rank below, raised here
                 error = exc
         failed = self.dims.all_reduce(torch.tensor([float(error is not None)], device=self.dims.device), op="max")

@@ -11,6 +11,7 @@ into reward 0, logged with the prompt id and counted, so one bad completion neve
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from fractions import Fraction
 from typing import Callable, Optional, Sequence
@@ -84,19 +85,29 @@ def resolve_reward(spec: str) -> RewardFn:
 
 
 def score(completions: Sequence[str], answers: Sequence[object], prompt_ids: Sequence[object],
-          reward_fn: RewardFn = gsm8k_reward) -> tuple[list[float], int]:
-    """Applies reward_fn to every (completion, answer) -> (rewards, number of failures).
-    A reward function that raises scores 0 for that completion; the error is logged with
-    the prompt id."""
+          reward_fn: RewardFn = gsm8k_reward) -> tuple[list[float], int, int]:
+    """Applies reward_fn to every (completion, answer) -> (rewards, failures, non-finite).
+    A reward function that raises, or returns NaN or an infinity, scores 0 for that completion
+    (a failure, never a success); each is logged with the function's name and the prompt id, and
+    counted (a non-finite value both as a failure and as non-finite)."""
     if not len(completions) == len(answers) == len(prompt_ids):
         raise ValueError(f"score: {len(completions)} completions, {len(answers)} answers and "
                          f"{len(prompt_ids)} prompt ids must have the same length")
-    rewards, failures = [], 0
+    name = getattr(reward_fn, "__qualname__", repr(reward_fn))
+    rewards, failures, nonfinite = [], 0, 0
     for completion, answer, pid in zip(completions, answers, prompt_ids):
         try:
-            rewards.append(float(reward_fn(completion, answer)))
+            value = float(reward_fn(completion, answer))
         except Exception as exc:  # a reward bug must not kill a long run; it is logged and counted
             failures += 1
             rewards.append(0.0)
-            log.warning("reward function failed on prompt %s (%s: %s); scored 0", pid, type(exc).__name__, exc)
-    return rewards, failures
+            log.warning("reward function %s failed on prompt %s (%s: %s); scored 0", name, pid,
+                        type(exc).__name__, exc)
+            continue
+        if not math.isfinite(value):
+            failures += 1
+            nonfinite += 1
+            log.warning("reward function %s returned %s on prompt %s; scored 0 (a failure)", name, value, pid)
+            value = 0.0
+        rewards.append(value)
+    return rewards, failures, nonfinite

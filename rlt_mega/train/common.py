@@ -71,7 +71,7 @@ def greedy_accuracy(model: RLT | Sampler, tokenizer: Tokenizer, records: Sequenc
     completions = generate_texts(model, tokenizer, questions, params,
                                  seeds=[0] * len(questions), batch_size=cfg.sampling.batch_size, dtype=dtype,
                                  episodes=None if envs is None else envs.episodes(records))
-    correct, _ = score(completions, [r["answer"] for r in records], list(range(len(records))), gsm8k_reward)
+    correct, _, _ = score(completions, [r["answer"] for r in records], list(range(len(records))), gsm8k_reward)
     return sum(correct) / len(correct), completions
 
 

@@ -34,8 +34,9 @@ steps, each epochs x minibatches optimizer steps).
 Metrics (TensorBoard + metrics.jsonl, from rank 0, reduced over every rank): reward, accuracy,
 ratio min/mean/max, clip fraction, support misses, max/mean |dense - replay|, KL(mu || dense),
 rollout and learner tokens/s, phase times, held-out greedy accuracy. ``ratio/onpolicy_max_dev``
-is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract
-(by construction when that replay is skipped: grpo.verify_onpolicy checks the contract itself).
+is max |ratio - 1| on the first minibatch of each step, exactly 0 by the exactness contract;
+it is logged only when that replay ran (grpo.skip_onpolicy_replay=false or grpo.verify_onpolicy):
+skipped, the ratio would be mu - mu, 0 by construction, which reads as a check that passed.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ import torch.distributed as dist
 
 from rlt_mega.config import Config, ConfigError, given
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
-from rlt_mega.data.pairs import RecordOrder, prompt_ids
+from rlt_mega.data.pairs import RecordOrder, fitting_prompts, prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.learner.correction import Correction
 from rlt_mega.learner.grpo import group_advantages
@@ -75,7 +76,7 @@ from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
 from rlt_mega.train.grpo_metrics import reduce_step_metrics
 from rlt_mega.train.grpo_rounds import Round, keep_all, keep_informative, row_keep, row_kl_sums
-from rlt_mega.train.loop import Interval, StopAfter, Trainer
+from rlt_mega.train.loop import Interval, StepFailed, StopAfter, Trainer
 from rlt_mega.train.supervised import phase_timers
 
 log = get_logger(__name__)
@@ -87,6 +88,7 @@ class GRPOState:
     completions: int = 0  # over every replica
     nonfinite_total: int = 0
     accuracy_before: Optional[float] = None
+    nonfinite_reward_in_a_row: int = 0  # steps whose reward function returned NaN or an infinity
 
 
 class GRPOJob:
@@ -150,16 +152,16 @@ class GRPOJob:
             self._t_generate += time.perf_counter() - t0
         flat = [ro for mb in rollouts for ro in mb]
         with self.timers("score"):
-            scores, failures = None, 0
+            scores, failures, nonfinite = None, 0, 0
             if dims.is_replica_source:
                 texts = [self.tokenizer.decode(ro.completion(b)) for ro in flat for b in range(ro.batch_size)]
                 ids = [f"step{done}/round{round_}/dp{dims.dp_rank}/row{i}" for i in range(len(rows))]
-                scores, failures = score(texts, [r["answer"] for r in rows], ids, self.reward_fn)
-            scores, failures = dims.share_in_replica((scores, failures))
+                scores, failures, nonfinite = score(texts, [r["answer"] for r in rows], ids, self.reward_fn)
+            scores, failures, nonfinite = dims.share_in_replica((scores, failures, nonfinite))
             lengths = [n for ro in flat for n in ro.completion_lens]
             penalties = overlong_penalties(lengths, self.cfg.sampling.max_new_tokens, g.overlong_buffer,
                                            g.overlong_penalty)
-        return Round(rows, rollouts, scores, penalties, failures)
+        return Round(rows, rollouts, scores, penalties, failures, nonfinite)
 
     def sample_step(self, data_step: int, version: int) -> Generated:
         """Data step ``data_step``'s samples with the current parameters (policy ``version``)."""
@@ -349,6 +351,7 @@ class GRPOJob:
         if g.kl_in_reward:
             per_row["kl/reward_penalty"] = src * sum(float(rnd.kl_penalties.sum()) for rnd in rounds)
         totals = {k: src * v for k, v in sampling.items()} if g.dynamic_sampling else {}  # over every replica
+        totals["reward/nonfinite"] = src * sum(rnd.nonfinite for rnd in rounds)
         scalars = reduce_step_metrics(dims, scores, sum(rnd.failures for rnd in rounds), flat, self.objective.records,
                                       first_records=first_records, epochs=1,
                                       t_learn=t_learn, with_reference=self.reference is not None and not g.kl_in_reward,
@@ -363,6 +366,10 @@ class GRPOJob:
         scalars.update({"async/learner_idle_fraction": t_fill / max(seconds, 1e-9),
                         "async/sampler_idle_fraction": self.source.sampler_idle_fraction(generated, seconds, t_fill),
                         "async/weight_sync_s": sync})
+        if g.skip_onpolicy_replay and not g.verify_onpolicy:
+            # the on-policy minibatch was not replayed: its ratios are mu - mu = 0 by construction,
+            # not a measurement; logged only when the replay ran (and was compared with mu)
+            del scalars["ratio/onpolicy_max_dev"]
         scalars.update({
             "train/loss": sum(s.loss for s in step_stats) / len(step_stats),
             "train/grad_norm": max(s.grad_norm for s in step_stats),
@@ -370,7 +377,21 @@ class GRPOJob:
             "train/nonfinite_skipped": float(self.state.nonfinite_total),
         })
         self.state.completions += sum(len(rnd.rows) for rnd in rounds) * dims.dp
+        self._check_rewards(scalars, done + 1)
         return scalars
+
+    def _check_rewards(self, scalars: dict[str, float], step: int) -> None:
+        """Counts the steps in a row whose reward function returned NaN or an infinity (the same
+        figure on every rank: reduced over replicas); too many stop the run naming the function."""
+        limit = self.cfg.grpo.max_nonfinite_reward_steps
+        bad = scalars["reward/nonfinite"] > 0
+        self.state.nonfinite_reward_in_a_row = self.state.nonfinite_reward_in_a_row + 1 if bad else 0
+        if limit and self.state.nonfinite_reward_in_a_row >= limit:
+            raise StepFailed(f"the reward function grpo.reward={self.cfg.grpo.reward} returned NaN or an infinity in "
+                             f"{self.state.nonfinite_reward_in_a_row} steps in a row up to step {step} "
+                             f"(grpo.max_nonfinite_reward_steps={limit}; {scalars['reward/nonfinite']:.0f} this step)",
+                             "Fix the reward function (its warnings name the prompts), or raise "
+                             "grpo.max_nonfinite_reward_steps (0: never stop).", scalars)
 
     def log_line(self, scalars: dict[str, float], seconds: float) -> dict[str, float]:
         return scalars
@@ -549,6 +570,13 @@ def run(cfg: Config) -> dict:
         stats = DataStats()
         train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
                                                    ["question", "answer"], stats, seed=cfg.train.seed)
+        train_recs, eval_recs = (fitting_prompts(recs, tokenizer, cfg.model.max_seq_len, stats, f"{name} prompts")
+                                 for recs, name in ((train_recs, "train"), (eval_recs, "eval")))
+        if len(train_recs) == 0:
+            raise ConfigError(f"no GRPO training prompt fits model.max_seq_len={cfg.model.max_seq_len} "
+                              f"({stats.summary()}): raise model.max_seq_len")
+        if stats.total:
+            log.warning("data: %s", stats.summary())
         result = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs).run()
         result["data/skipped"] = stats.total
         return result

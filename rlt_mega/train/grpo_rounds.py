@@ -38,6 +38,7 @@ class Round:
     scores: list[float]
     penalties: list[float]
     failures: int
+    nonfinite: int  # rewards that were NaN or infinite (scored 0, counted in failures too)
     group_keep: torch.Tensor = field(default_factory=lambda: torch.zeros(0, dtype=torch.bool))
     kl_penalties: Optional[torch.Tensor] = None  # (rows,) kl_coef * sum_t KL, under kl_in_reward
     refs: Optional[list[list[Optional[torch.Tensor]]]] = None  # [minibatch][batch] reference replays

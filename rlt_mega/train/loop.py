@@ -19,8 +19,8 @@ from typing import Optional, Protocol
 import torch
 from tqdm import tqdm
 
-from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch, rng_state,
-                                 set_rng_state)
+from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch, require_writable,
+                                 rng_state, set_rng_state)
 from rlt_mega.config import Config, save_config
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
@@ -106,13 +106,18 @@ class Trainer:
         self.save_every = Interval(cfg.checkpoint.every, at_end=True)  # relative to this process's last step
         self.stop = StopAfter(cfg.train.stop_after)
         self.state = LoopState()
+        require_writable(cfg.checkpoint.dir, "checkpoint.dir")  # before any step is computed (every rank writes)
+        if dims.rank == 0:  # the metrics' writer
+            require_writable(cfg.logging.dir, "logging.dir")
         self.ckpt = CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep, rank=dims.rank, barrier=dims.barrier)
-        self.metrics = Metrics.for_run(cfg, enabled=dims.rank == 0)
+        self.metrics: Optional[Metrics] = None  # opened once resume() knows the step (Metrics' resumed_at)
         self._last_path: Optional[Path] = None  # where the last checkpoint is (for messages)
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> dict:
-        self.resume()
+        resumed = self.resume()
+        self.metrics = Metrics.for_run(self.cfg, enabled=self.dims.rank == 0,
+                                       resumed_at=self.state.step if resumed is not None else None)
         if self.dims.rank == 0:
             log_dir = Path(self.cfg.logging.dir)
             log_dir.mkdir(parents=True, exist_ok=True)

@@ -211,7 +211,7 @@ class OneProcessGRPO:
                                  dtype=cfg.train.dtype, decode=self.tok.decode, check_every=cfg.sampling.check_every,
                                  episodes=None if envs is None else envs.episodes(x)) for p, s, x in batches]
             texts = [self.tok.decode(ro.completion(b)) for ro in rollouts for b in range(ro.batch_size)]
-            rewards, _ = score(texts, [x["answer"] for x in rows], list(range(len(rows))), odd)
+            rewards, _, _ = score(texts, [x["answer"] for x in rows], list(range(len(rows))), odd)
             adv = group_advantages(torch.tensor(rewards), g.group_size, g.advantage, g.advantage_eps)
             refs = [replay(self.reference, ro) for ro in rollouts] if g.kl_coef > 0 else [None] * len(rollouts)
             ranks.append((rollouts, adv.split(size), refs, rewards))

@@ -236,3 +236,41 @@ def test_resume_config_check(tmp_path, warnings):
     other.train.log_every = 1  # expected to change: not reported
     check_resume_config(tmp_path, other)
     assert len(warnings) == 1 and "optim.lr: 0.001 -> 0.0005" in warnings[0] and "log_every" not in warnings[0]
+
+
+# ------------------------------------------------------------------------ untrusted pickles
+class _Payload:
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_deepspeed_own_loader_is_weights_only_inside_safe_unpickling(tmp_path):
+    """DeepSpeed's checkpoint engine passes weights_only=False itself; inside safe_unpickling
+    torch forces the weights-only unpickler anyway, and the allow-list still loads a real
+    numpy RNG state."""
+    from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
+
+    from rlt_mega.checkpoint import rng_state, safe_unpickling
+
+    marker = tmp_path / "marker"
+    torch.save({"x": _Payload(marker)}, tmp_path / "bad.pt")
+    torch.save(rng_state(), tmp_path / "rng.pt")
+    with safe_unpickling(deepspeed=True):
+        with pytest.raises(Exception, match="exec"):
+            TorchCheckpointEngine().load(str(tmp_path / "bad.pt"))
+        assert TorchCheckpointEngine().load(str(tmp_path / "rng.pt"))["numpy"][0] == "MT19937"
+    assert not marker.exists()
+    assert "TORCH_FORCE_WEIGHTS_ONLY_LOAD" not in os.environ
+
+
+def test_load_torch_names_the_file_and_the_refused_type(tmp_path):
+    from rlt_mega.checkpoint import UntrustedCheckpointError, load_torch
+
+    marker = tmp_path / "marker"
+    torch.save({"x": _Payload(marker)}, tmp_path / "bad.pt")
+    with pytest.raises(UntrustedCheckpointError, match=f"checkpoint file {tmp_path / 'bad.pt'} holds exec"):
+        load_torch(tmp_path / "bad.pt")
+    assert not marker.exists()

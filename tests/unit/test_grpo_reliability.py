@@ -59,7 +59,7 @@ def test_cut_completions_failing_rewards_and_equal_groups(warnings):
         return float(len(set(completion)))  # differs between the completions of p0
 
     texts = [decode(rollout.completion(b)) for b in range(len(ids))]
-    rewards, failures = score(texts, ids, ids, reward)
+    rewards, failures, _ = score(texts, ids, ids, reward)
     assert seen == texts and all(len(t) == MAX_NEW for t in texts)  # cut, and still scored
     assert failures == G and rewards[G:] == [0.0] * G
     assert len({r for r in rewards[:G]}) > 1, "the test needs distinct rewards in group p0"

@@ -85,7 +85,7 @@ def test_score_turns_a_failing_reward_into_zero():
     logger = logging.getLogger("rlt_mega.rollout.rewards")
     logger.addHandler(collect)  # the package logger does not propagate to pytest's caplog
     try:
-        rewards, failures = score(["#### 3", "boom", "#### 4"], ["#### 3", "#### 3", "#### 5"],
+        rewards, failures, _ = score(["#### 3", "boom", "#### 4"], ["#### 3", "#### 3", "#### 5"],
                                   ["p0", "p1", "p2"], flaky)
     finally:
         logger.removeHandler(collect)
@@ -93,3 +93,10 @@ def test_score_turns_a_failing_reward_into_zero():
     assert rewards == [1.0, 0.0, 0.0] and failures == 1
     with pytest.raises(ValueError, match="same length"):
         score(["a"], [], ["p"])
+
+
+def test_a_nonfinite_reward_is_a_counted_failure_never_a_success():
+    values = iter([1.0, float("nan"), float("inf"), -float("inf")])
+    rewards, failures, nonfinite = score(["a", "b", "c", "d"], ["#### 1"] * 4, ["p0", "p1", "p2", "p3"],
+                                         lambda completion, answer: next(values))
+    assert rewards == [1.0, 0.0, 0.0, 0.0] and failures == 3 and nonfinite == 3
