@@ -26,14 +26,5 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
          "$VENV/bin/python" -c "import torch, megatron.core, deepspeed, transformers, rlt_mega"; exit 1; }
   echo "$WANT" > "$STAMP"
 fi
-# verl's own GRPO functions, which tests/unit/test_grpo_toolbox.py compares ours with: its source
-# only (verl pins transformers<5.11 and imports ray), beside the venv; tests/verl_reference.py
-# loads it and fails when it is missing. The version is tests/verl_reference.py's VERSION.
-VERL_DIR="${RLT_VERL_DIR:-$VENV/verl-0.9.1}"
-if [ ! -f "$VERL_DIR/verl/trainer/ppo/core_algos.py" ]; then
-  "$VENV/bin/python" -m pip install -q --no-deps --target "$VERL_DIR" "verl==0.9.1" \
-    2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
-fi
-export RLT_VERL_DIR="$VERL_DIR"
 export PATH="$VENV/bin:$PATH"
 export PYTHONUNBUFFERED=1
