@@ -320,8 +320,22 @@ def _deepspeed_globals() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
+def _queue_globals() -> list:
+    """The plain records of asynchronous GRPO's queue in job_rank*.pt (train/async_grpo.py): the
+    queued samples, their rollouts and recorded schedules (typed events, no callables)."""
+    from rlt_mega.model import plan
+    from rlt_mega.rollout.processing import Processing
+    from rlt_mega.rollout.sampler import Rollout, Schedule
+    from rlt_mega.rollout.turns import EpisodeStats
+    from rlt_mega.train.async_grpo import Generated
+    from rlt_mega.train.grpo_rounds import Round
+
+    return [*plan.EVENTS.values(), plan.FromBatch, plan.FromParked, plan.Fresh, plan.RowRecord, plan.RowLayout,
+            Processing, Rollout, Schedule, EpisodeStats, Generated, Round]
+
+
 def trusted_globals(deepspeed: bool = False) -> list:
-    return _numpy_globals() + (_deepspeed_globals() if deepspeed else [])
+    return _numpy_globals() + _queue_globals() + (_deepspeed_globals() if deepspeed else [])
 
 
 class UntrustedCheckpointError(CheckpointError):

@@ -366,7 +366,7 @@ class GRPOJob:
         scalars.update({"async/learner_idle_fraction": t_fill / max(seconds, 1e-9),
                         "async/sampler_idle_fraction": self.source.sampler_idle_fraction(generated, seconds, t_fill),
                         "async/weight_sync_s": sync})
-        if g.skip_onpolicy_replay and not g.verify_onpolicy:
+        if proximal is None and lag == 0 and g.skip_onpolicy_replay and not g.verify_onpolicy:
             # the on-policy minibatch was not replayed: its ratios are mu - mu = 0 by construction,
             # not a measurement; logged only when the replay ran (and was compared with mu)
             del scalars["ratio/onpolicy_max_dev"]

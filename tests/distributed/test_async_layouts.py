@@ -8,7 +8,7 @@ one-process run of the same config."""
 
 import pytest
 
-GRPO = {"max_staleness": 1, "is_correction": "token_tis", "minibatches": 2}
+GRPO = {"max_staleness": 1, "is_correction": "token_tis", "minibatches": 2, "verify_onpolicy": True}
 LAYOUTS = [{"tp": 2, "zero_stage": 1}, {"pp": 2, "zero_stage": 1, "micro_batches": 2}]
 ARGS = [{"parallel": p, "grpo": GRPO, "out_dir": f"{{shared}}/async/layout{i}"} for i, p in enumerate(LAYOUTS)]
 SCENARIOS = {2: [("async_scenarios.stale_layout", a) for a in ARGS]}

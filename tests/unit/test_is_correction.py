@@ -120,7 +120,7 @@ def test_a_proximal_support_miss_carries_no_loss():
 
 
 def test_a_stale_step_learns_against_its_proximal_policy():
-    trainer = trainer_for({"max_staleness": 1, "is_correction": "seq_mask", "minibatches": 2})
+    trainer = trainer_for({"max_staleness": 1, "is_correction": "seq_mask", "minibatches": 2, "verify_onpolicy": True})
     first = trainer.job.step(0)  # lag 0: no proximal replay, no is/ metrics
     assert "is/rho_mean" not in first and first["ratio/onpolicy_max_dev"] == 0.0
     stale = trainer.job.step(1)  # lag 1: the first minibatch's ratio is against pi_old, exactly 1
