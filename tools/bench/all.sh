@@ -7,6 +7,7 @@
 #
 #     bash tools/bench/all.sh                 # everything, ~10 minutes on 2 CPU cores
 #     bash tools/bench/all.sh training        # one of them
+# Those with --json write their results to docs/bench/; docs/performance.md is re-rendered from them.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../../launch/env.sh"
 cd "$ROOT"
@@ -33,8 +34,8 @@ want training && run training python tools/bench/training.py --only flops throug
 want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
 # The deferred-memory speed-up (rollout tokens/s across C), replay/rollout, hybrid/dense (small_cpu, batch 8, 128
 # new tokens, with the module path's figures beside the fused step's); the HF generate peer.
-want rollout && run rollout python tools/bench/rollout.py --repeats 4 --learner-repeats 2
-want peer && run peer python tools/bench/peer.py
+want rollout && run rollout python tools/bench/rollout.py --repeats 4 --learner-repeats 2 --json docs/bench/rollout.json
+want peer && run peer python tools/bench/peer.py --json docs/bench/peer.json
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
 want stability && run stability python tools/bench/stability.py --steps 40 --lr 1e-3
@@ -51,4 +52,5 @@ want data && run data python tools/bench/data.py
 # Packed SFT (issue 14; not in the default list: ~3 minutes): tokens/s of 32 GSM8K pairs packed into rows of 1024
 # against one pair a row.
 want sft_packing && run sft_packing python tools/bench/sft_packing.py --pairs 32 --seq-len 1024 --repeats 2
+python tools/docs/render_performance.py  # docs/performance.md from docs/bench/*.json
 echo; echo "==== all: $SECONDS s"
