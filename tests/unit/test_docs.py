@@ -51,3 +51,15 @@ def test_config_reference_lists_every_key(site):
     assert not missing, f"keys missing from the configuration reference: {missing}"
     # the words beside a field in config.py reach the page
     assert "C: memory is committed in blocks of C positions" in page
+
+
+def test_scale_up_tables_are_rendered_from_the_sweep_results(site):
+    import csv
+
+    page = html.unescape((site / "scale_up" / "index.html").read_text())
+    assert "<!-- scale-up tables" not in page
+    points = list(csv.DictReader((ROOT / "docs" / "scaleup" / "points.csv").open()))
+    assert points
+    for p in points:  # every point of the sweep, with its mean held-out loss
+        assert f"<td>{p['label']}</td>" in page, p["label"]
+        assert f"{float(p['eval_loss']):.3f} +- {float(p['eval_loss_std']):.3f}" in page, p["label"]
