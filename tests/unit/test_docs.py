@@ -63,3 +63,17 @@ def test_scale_up_tables_are_rendered_from_the_sweep_results(site):
     for p in points:  # every point of the sweep, with its mean held-out loss
         assert f"<td>{p['label']}</td>" in page, p["label"]
         assert f"{float(p['eval_loss']):.3f} +- {float(p['eval_loss_std']):.3f}" in page, p["label"]
+
+
+def test_demo_table_is_rendered_from_the_demo_results(site):
+    import json
+
+    page = html.unescape((site / "guide" / "demo" / "index.html").read_text())
+    assert "<!-- demo table" not in page
+    runs = sorted((ROOT / "docs" / "demo").glob("*.json"))
+    assert runs, "docs/demo/ holds no demo results"
+    for path in runs:
+        run = json.loads(path.read_text())
+        row = " | ".join(f"{a:.3f}" for _, a in run["eval_accuracy"])
+        assert "<td>" + row.replace(" | ", "</td>\n<td>") + "</td>" in page, path.name
+        assert run["machine"]["cpu"] in page and run["machine"]["date"] in page

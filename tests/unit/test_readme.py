@@ -75,3 +75,12 @@ def test_every_readme_command_names_what_exists():
 def test_a_broken_command_is_caught(line, problem):
     with pytest.raises(problem):
         check_command(line)
+
+
+def test_readme_links_and_figure_exist():
+    text = (ROOT / "README.md").read_text()
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    assert any(link.endswith(".png") for link in links), "README: the demo's figure is gone"
+    missing = [link for link in links if "://" not in link and not (ROOT / link).exists()]
+    assert not missing, f"README links to files that do not exist: {missing}"
+    assert len(text.encode()) <= 10_000, "README over 10 KB: move the detail into docs/"
