@@ -36,6 +36,10 @@ setup(
             "pytest-timeout>=2.2",
             "hypothesis>=6.100",
             "matplotlib>=3.7",
+            # the documentation site (mkdocs.yml), built with --strict by tests/unit/test_docs.py
+            "mkdocs>=1.6,<2",
+            "mkdocs-material>=9.5,<10",
+            "mkdocstrings[python]>=0.26,<2",
         ],
     },
     entry_points={"console_scripts": ["rlt-mega=rlt_mega.cli:main"]},

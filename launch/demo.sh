@@ -41,7 +41,7 @@ rlt-mega export $RUN/sft/checkpoints $RUN/sft/export
 echo "== 3. GRPO from the SFT model (TensorBoard logs: $RUN/grpo/tb)"
 rlt-mega grpo --config configs/demo_grpo.yaml data.train=$RUN/data train.init_from=$RUN/sft/export \
   checkpoint.dir=$RUN/grpo/checkpoints logging.dir=$RUN/grpo/tb "$@" ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
-python launch/demo_curves.py "$RUN/grpo/tb" "$RUN/grpo/curves.png"
+python launch/demo_curves.py "$RUN/grpo/tb" "$RUN/grpo/curves.png" --json "$RUN/grpo/curves.json" --run "$*"
 python - "$RUN/grpo/tb" <<'PY'
 import sys
 from rlt_mega.metrics import read_metrics

@@ -1,7 +1,10 @@
 """Prints the demo's GRPO curves (held-out greedy accuracy at each evaluation, the training
 reward at each step) and saves them as a PNG beside the TensorBoard logs.
 
-    python launch/demo_curves.py runs/demo/grpo/tb runs/demo/grpo/curves.png
+    python launch/demo_curves.py runs/demo/grpo/tb runs/demo/grpo/curves.png [--json curves.json --run "train.seed=1"]
+
+With --json the curves are also written as JSON with the machine (CPU model, cores, torch) and the
+date: docs/guide/demo.md's table is rendered from such files (docs/demo/*.json) when the docs are built.
 """
 
 from __future__ import annotations
@@ -15,6 +18,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("tb_dir")
     ap.add_argument("png")
+    ap.add_argument("--json", metavar="PATH", help="also write the curves, the machine and the date as JSON")
+    ap.add_argument("--run", default="", help="the demo's overrides, recorded in the JSON (e.g. train.seed=1)")
     args = ap.parse_args()
     rows = read_metrics(args.tb_dir)
     evals = [(r["step"], r["eval/accuracy"]) for r in rows if "eval/accuracy" in r]
@@ -44,6 +49,17 @@ def main() -> None:
     fig.tight_layout()
     fig.savefig(args.png, dpi=120)
     print(f"curves: {args.png}")
+    if args.json:
+        import json
+        import sys
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools" / "bench"))
+        from harness import machine
+
+        Path(args.json).write_text(json.dumps({"run": args.run, "machine": machine(), "eval_accuracy": evals,
+                                               "reward": rewards}, indent=1) + "\n")
+        print(f"curves: {args.json}")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
 #
 #     bash tools/bench/all.sh                 # everything, ~10 minutes on 2 CPU cores
 #     bash tools/bench/all.sh training        # one of them
+# Those with --json write their results to docs/bench/; docs/performance.md is re-rendered from them.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/../../launch/env.sh"
 cd "$ROOT"
@@ -28,13 +29,13 @@ SELECTED="${*:-training pipeline rollout peer rollout_parallel stability}"
 # tokens/s fused against module path; activation checkpointing at T=512.
 # Memory: no checkpointing against decoder-per-step + encoder-per-layer, one profiled step each,
 # two timing rounds (`--modes every_k=8+enc step+enc` adds the cheapest mode, ~90 s more).
-want training && run training python tools/bench/training.py --only flops throughput memory --modes step+enc --repeats 2
+want training && run training python tools/bench/training.py --only flops throughput memory --modes step+enc --repeats 2 --json docs/bench/training.json
 # The ring bubble: emulated stages and the tiny model; throughput layouts skipped.
-want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput
+want pipeline && run pipeline python tools/bench/pipeline.py --skip-throughput --json docs/bench/pipeline.json
 # The deferred-memory speed-up (rollout tokens/s across C), replay/rollout, hybrid/dense (small_cpu, batch 8, 128
 # new tokens, with the module path's figures beside the fused step's); the HF generate peer.
-want rollout && run rollout python tools/bench/rollout.py --repeats 4 --learner-repeats 2
-want peer && run peer python tools/bench/peer.py
+want rollout && run rollout python tools/bench/rollout.py --repeats 4 --learner-repeats 2 --json docs/bench/rollout.json
+want peer && run peer python tools/bench/peer.py --json docs/bench/peer.json
 want rollout_parallel && run rollout_parallel torchrun --nproc_per_node 2 tools/bench/rollout_parallel.py \
   --new-tokens 16 --repeats 1
 want stability && run stability python tools/bench/stability.py --steps 40 --lr 1e-3
@@ -44,11 +45,12 @@ want stability && run stability python tools/bench/stability.py --steps 40 --lr 
 want rollout_rows && run rollout_rows python tools/bench/rollout_rows.py --data "${GSM8K_DIR:-data/gsm8k}" --repeats 1
 # A whole GRPO step (generate, replay, update), every issue-12 switch on against off (not in the default
 # list: ~10 minutes of CPU time at 2 x 64 rows; the same GSM8K directory).
-want grpo && run grpo python tools/bench/grpo.py --data "${GSM8K_DIR:-data/gsm8k}" --repeats 1
+want grpo && run grpo python tools/bench/grpo.py --data "${GSM8K_DIR:-data/gsm8k}" --repeats 1 --json docs/bench/grpo.json
 # Pretraining data (issue 18; not in the default list: ~6 minutes on 200 MB): preprocess MB/s with
 # 1 and 2 workers, start-up time and peak RSS of the indexed against the in-memory path.
 want data && run data python tools/bench/data.py
 # Packed SFT (issue 14; not in the default list: ~3 minutes): tokens/s of 32 GSM8K pairs packed into rows of 1024
 # against one pair a row.
 want sft_packing && run sft_packing python tools/bench/sft_packing.py --pairs 32 --seq-len 1024 --repeats 2
+python tools/docs/render_performance.py  # docs/performance.md from docs/bench/*.json
 echo; echo "==== all: $SECONDS s"

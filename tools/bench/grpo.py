@@ -103,7 +103,9 @@ def main() -> None:
     ap = gsm8k_args(__doc__, repeats=1)
     ap.add_argument("--minibatches", type=int, default=2, help="calls (= learner minibatches) per GRPO step")
     ap.add_argument("--check-every", type=int, default=8)
+    harness.add_json_arg(ap)
     args = parse_gsm8k_args(ap)
+    res = harness.Results("grpo", args)
     clock = harness.setup(args)
     prompts, budgets, stats = gsm8k_call(args.data, args.prompts * args.minibatches, args.group, args.vocab, seed=0)
     rows = args.prompts * args.group
@@ -148,6 +150,18 @@ def main() -> None:
               f"{t['update']:.2f} | {data_tokens / learn:.1f} | {learn_ref / learn:.2f} | {variant_rows[k]:.0f} | "
               f"{variant_rows['off'] / variant_rows[k]:.2f} | {steps:.0f} | "
               f"{steps / lockstep_steps:.2f} |")
+        res.row(f"whole GRPO step, {rows} rows per call", variant=k, **{
+            "step s": round(t['step'], 2), "step x off": round(ref['step'] / t['step'], 2),
+            "completion tokens/s": round(completion / t['generate'], 1),
+            "rollout x off": round(ref['generate'] / t['generate'], 2), "learner tokens/s": round(data_tokens / learn, 1),
+            "learner x off": round(learn_ref / learn, 2), "sequential steps/call": round(steps)})
+    on = best["on"]
+    step_x, roll_x = ref["step"] / on["step"], ref["generate"] / on["generate"]
+    learn_x = (ref["replay"] + ref["update"]) / (on["replay"] + on["update"])
+    res.target("whole GRPO step", "step >= 2.5x every switch off", f"{step_x:.2f}x", step_x >= 2.5)
+    res.target("whole GRPO step: rollout", "completion tokens/s >= 3x", f"{roll_x:.2f}x", roll_x >= 3)
+    res.target("whole GRPO step: learner", "learner tokens/s >= 2x", f"{learn_x:.2f}x", learn_x >= 2)
+    res.write()
 
 
 if __name__ == "__main__":

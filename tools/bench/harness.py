@@ -27,8 +27,14 @@ allocator, and what activation checkpointing is meant to reduce.
 from __future__ import annotations
 
 import ctypes
+import datetime
+import json
+import os
+import platform
 import re
+import sys
 import time
+from pathlib import Path
 from typing import Callable, Hashable
 
 import torch
@@ -36,11 +42,55 @@ import torch
 CLOCKS = {"cpu": time.process_time, "wall": time.perf_counter}
 
 
+def add_json_arg(parser) -> None:
+    """--json PATH, for a benchmark that records its results in a :class:`Results`."""
+    parser.add_argument("--json", metavar="PATH",
+                        help="also write the results as JSON, with the machine and the date "
+                             "(tools/docs/render_performance.py renders docs/performance.md's tables from them)")
+
+
 def add_common_args(parser) -> None:
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (default 1: stable figures on a shared machine; 0: torch's default)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="cpu",
                         help="cpu: the process's CPU time (robust to neighbours); wall: elapsed time")
+
+
+def machine() -> dict:
+    """What a figure depends on: the CPU model, its cores, the torch version, the date (UTC)."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")}
+
+
+class Results:
+    """A benchmark's results as tables of rows (column -> value, in column order), written with the
+    machine, the command and the arguments to ``--json PATH`` by ``write``; the printed tables
+    stay the benchmark's own. ``target`` rows (what, target, measured, verdict) feed the summary
+    table of docs/performance.md."""
+
+    def __init__(self, name: str, args) -> None:
+        self.name, self.args, self.tables = name, args, {}
+
+    def row(self, table: str, **columns) -> None:
+        self.tables.setdefault(table, []).append(columns)
+
+    def target(self, what: str, target: str, measured: str, met: bool) -> None:
+        self.row("targets", what=what, target=target, measured=measured, verdict="met" if met else "missed")
+
+    def write(self) -> None:
+        if not getattr(self.args, "json", None):
+            return
+        out = {"bench": self.name, "command": " ".join(["python", *sys.argv]), "machine": machine(),
+               "args": {k: v for k, v in vars(self.args).items() if k != "json"}, "tables": self.tables}
+        path = Path(self.args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+        print(f"results: {path}")
 
 
 def setup(args) -> Callable[[], float]:

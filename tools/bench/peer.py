@@ -91,7 +91,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="interleaved rounds; each figure is the best")
     ap.add_argument("--quick", action="store_true", help="32 new tokens, 1 round, no module-path row")
     harness.add_common_args(ap)
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("peer", args)
     if args.quick:
         args.new_tokens, args.repeats = 32, 1
     clock = harness.setup(args)
@@ -133,12 +135,17 @@ def main() -> None:
     print(f"{'sampler':<22} {'tokens/s':>9} {'blocks/tok':>10} {'blocks/s':>9} {'vs Llama':>9} "
           f"{'greedy = HF':>12}")
     print(f"{'HF generate (Llama)':<22} {hf_tps:9.1f} {L:10d} {hf_tps * L:9.0f} {1.0:9.2f} {'-':>12}")
+    table = "sampler against HF generate()"
+    res.row(table, sampler="HF generate (Llama)", **{"tokens/s": round(hf_tps, 1), "blocks/tok": L,
+            "blocks/s": round(hf_tps * L), "vs Llama": 1.0, "greedy = HF": "-"})
     ratio = {}
     for C in blocks:
         tps = B * N / best[C]
         ratio[C] = tps * 2 * L / (hf_tps * L)
         agree = float((tokens[C] == tokens["hf"]).float().mean())
         print(f"{f'RLT sampler C={C}':<22} {tps:9.1f} {2 * L:10d} {tps * 2 * L:9.0f} {ratio[C]:9.2f} {agree:12.3f}")
+        res.row(table, sampler=f"RLT sampler C={C}", **{"tokens/s": round(tps, 1), "blocks/tok": 2 * L,
+                "blocks/s": round(tps * 2 * L), "vs Llama": round(ratio[C], 2), "greedy = HF": round(agree, 3)})
     if "module" in best:
         tps = B * N / best["module"]
         agree = float((tokens["module"] == tokens["hf"]).float().mean())
@@ -150,6 +157,9 @@ def main() -> None:
     C = base.memory_block if base.memory_block in ratio else blocks[-1]
     print(f"  sampler against HF: RLT blocks/s / Llama blocks/s at C={C}   {ratio[C]:6.2f}   target >= 1.0   "
           f"{'met' if ratio[C] >= 1.0 else 'MISSED'}")
+    res.target("sampler against HF generate()", "RLT blocks/s >= HF generate() of the same dense Llama",
+               f"{ratio[C]:.2f}x at C={C}", ratio[C] >= 1.0)
+    res.write()
 
 
 if __name__ == "__main__":

@@ -33,6 +33,8 @@ import time
 import torch
 import torch.multiprocessing as mp
 
+import harness
+
 from rlt_mega.parallel.dims import free_port
 
 COSTS_S = (0.004, 0.020)  # emulated time of one decoder op of one stage
@@ -241,7 +243,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per layout and repeat")
     parser.add_argument("--repeats", type=int, default=2, help="throughput: best of this many launches per layout")
     parser.add_argument("--skip-throughput", action="store_true")
+    harness.add_json_arg(parser)
     args = parser.parse_args()
+    res = harness.Results("pipeline", args)
     from rlt_mega.parallel.pipeline import simulate
 
     out = sys.stdout
@@ -266,7 +270,15 @@ def main() -> None:
                     (f"{'-':>{max(5, len(h))}}" if c is None else f"{c:>{max(5, len(h))}.3f}")
                     for c, h in zip(cells, head)]
             out.write(" ".join(text) + "\n")
+            res.row(f"ring bubble, forward + backward, T = {T_BUBBLE}", **{
+                h: (round(c, 4) if isinstance(c, float) else c) for h, c in zip(head, cells)})
+            if M == 8:
+                formula, emul = cells[2], measured[P][COSTS_S[-1]][M]
+                res.target(f"ring bubble P={P} M={M}", f"within 10% of (P-1)/(M*T+P-1) = {formula:.3f}",
+                           f"{emul:.3f} (real ranks, {COSTS_S[-1] * 1e3:.0f} ms emulated ops)",
+                           abs(emul - formula) <= 0.1 * formula)
     if args.skip_throughput:
+        res.write()
         return
     layouts = [("one process", 1, {}), ("TP=2", 2, {"tp": 2}), ("PP=2 (M=2)", 2, {"pp": 2, "micro_batches": 2}),
                ("DP=2", 2, {})]
@@ -280,6 +292,9 @@ def main() -> None:
     out.write(f"{'layout':<12} {'tokens/s':>10} {'relative':>9}\n")
     for name, _, _ in layouts:
         out.write(f"{name:<12} {best[name]:10.0f} {best[name] / base:9.2f}\n")
+        res.row("training throughput, d=128 L=4 T=32, gloo", layout=name, **{
+            "tokens/s": round(best[name]), "relative": round(best[name] / base, 2)})
+    res.write()
 
 
 if __name__ == "__main__":

@@ -75,7 +75,9 @@ def main() -> None:
                     help="32 new tokens, 2 rounds (1 for the learner), no bf16 or module-path columns")
     ap.add_argument("--device", default="cpu")
     harness.add_common_args(ap)
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("rollout", args)
     if args.quick:
         args.new_tokens, args.repeats, args.learner_repeats, args.no_module_path = 32, 2, 1, True
     clock = harness.setup(args)
@@ -136,6 +138,11 @@ def main() -> None:
                 f"{best['replay', C] / best['rollout', C]:>15.3f} {best['hybrid', C] / best['dense', C]:>13.3f} "
                 f"{1 + best['replay', C] / best['dense', C]:>15.3f} {best['dense', C]:>13.2f} "
                 f"{best['replay', C]:>9.2f}")
+        res.row("rollout and learner per memory block", C=C, **{
+            "rollout tok/s": round(tps[C], 1), f"vs C={args.blocks[0]}": round(tps[C] / tps[args.blocks[0]], 2),
+            "replay/rollout": round(best['replay', C] / best['rollout', C], 3),
+            "hybrid/dense": round(best['hybrid', C] / best['dense', C], 3),
+            "1+replay/dense": round(1 + best['replay', C] / best['dense', C], 3)})
         if not args.no_module_path:
             module_tps = rollout.num_completion_tokens() / best["module", C]
             line += f" {module_tps:>18.1f} {tps[C] / module_tps:>12.2f}"
@@ -157,6 +164,8 @@ def main() -> None:
         r = tps[16] / tps[1]
         print(f"  deferred-memory speed-up: tok/s C=16 / C=1  {r:6.2f}   target >= {TARGET_SPEEDUP}   "
               f"{verdict(r >= TARGET_SPEEDUP)}")
+        res.target("deferred-memory speed-up", f"rollout tok/s C=16 >= {TARGET_SPEEDUP}x C=1", f"{r:.2f}x",
+                   r >= TARGET_SPEEDUP)
     else:
         print("  deferred-memory speed-up: needs --blocks with 1 and 16")
     if not args.no_module_path and 1 in models and 16 in models:
@@ -173,6 +182,11 @@ def main() -> None:
     worst_implied = max(1 + best["replay", C] / best["dense", C] for C in models)
     print(f"     1 + replay / dense (worst C)   {worst_implied:6.3f}   target <= {TARGET_HYBRID}   "
           f"{verdict(worst_implied <= TARGET_HYBRID)}")
+    res.target("replay cost", f"replay <= {TARGET_REPLAY}x rollout", f"{worst_replay:.3f} (worst C)",
+               worst_replay <= TARGET_REPLAY)
+    res.target("hybrid-step cost", f"hybrid learner step <= {TARGET_HYBRID}x dense", f"{worst_hybrid:.3f} (worst C)",
+               worst_hybrid <= TARGET_HYBRID)
+    res.write()
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from typing import Callable
 
 import torch
 
-from harness import (add_common_args, best_of_rounds, describe, peak_rss, peak_tensor_bytes, round_ratios, setup,
+from harness import (Results, add_common_args, add_json_arg, best_of_rounds, describe, peak_rss, peak_tensor_bytes, round_ratios, setup,
                      timed_rounds)
 from rlt_mega.config import CheckpointingConfig, load_config
 from rlt_mega.model import build_model
@@ -76,7 +76,7 @@ def make_step(cfg_path: str, seq_len: int, batch: int, fused: bool = True, overr
     return model, cfg, lambda: engine.train_step(mb)
 
 
-def section_throughput(args, clock) -> None:
+def section_throughput(args, clock, res: Results) -> None:
     print("\n## training throughput (full step: forward, backward, AdamW; each config's own checkpointing)")
     print(f"{'config':<10} {'B x T':>9} {'checkpointing':>24} {'fused s':>8} {'module s':>9} {'fused tok/s':>11} "
           f"{'module tok/s':>12} {'ratio':>6}  (ratio: of the best times; per round: module / fused within "
@@ -98,9 +98,15 @@ def section_throughput(args, clock) -> None:
         print(f"{name:<10} {f'{B} x {T}':>9} {mode:>24} {best['fused']:8.2f} {best['module']:9.2f} "
               f"{B * T / best['fused']:11.0f} {B * T / best['module']:12.0f} {best['module'] / best['fused']:6.2f}  "
               f"per round {' '.join(f'{r:.2f}' for r in paired)}")
+        res.row("training throughput, fused against module path", config=name, **{
+            "B x T": f"{B} x {T}", "checkpointing": mode, "fused tok/s": round(B * T / best['fused']),
+            "module tok/s": round(B * T / best['module']), "ratio": round(best['module'] / best['fused'], 2)})
+        want = {"tiny_cpu": 2.0, "small_cpu": 2.5}[name]
+        res.target(f"fused training throughput, {name}", f"full step tok/s >= {want}x the module path",
+                   f"{best['module'] / best['fused']:.2f}x", best['module'] / best['fused'] >= want)
 
 
-def section_memory(args, clock) -> None:
+def section_memory(args, clock, res: Results) -> None:
     T, B = args.seq_len, args.batch
     runs = {label: make_step("configs/small_cpu.yaml", T, B, fused) for label, fused in PATHS.items()}
     for _, _, step in runs.values():
@@ -132,6 +138,10 @@ def section_memory(args, clock) -> None:
         print(f"{path:<7} {label:<14} {tensors[path, label] / 2**20:11.1f} {tensors[path, label] / tensors[ref]:8.2f} "
               f"{rss[path, label] / 2**20:8.1f} {rss[path, label] / rss[ref]:8.2f} {times[path, label]:7.2f} "
               f"{times[path, label] / times[ref]:8.2f}")
+        res.row(f"activation checkpointing, small_cpu, B={B}, T={T}", path=path, mode=label, **{
+            "tensors MiB": round(tensors[path, label] / 2**20, 1),
+            "vs none": round(tensors[path, label] / tensors[ref], 2),
+            "step s": round(times[path, label], 2), "time vs none": round(times[path, label] / times[ref], 2)})
     print("fused step's buffers (MiB) by checkpointing mode: saved = activation slots + attention outputs; "
           "wgrad_ring = the deferred weight gradients' output-gradient ring; kv_rows = the deferred K/V gradients' "
           "rows; kv = decoder and memory K/V with their gradients; backward scratch = the rings, K/V gradients and "
@@ -213,7 +223,7 @@ def products_only(model, B: int, T: int) -> tuple[Callable[[], object], float, i
     return run, flops, sum(2 * g.w.numel() * g.w.element_size() for g in gemms)  # a forward and a backward form
 
 
-def section_flops(args, clock) -> None:
+def section_flops(args, clock, res: Results) -> None:
     cfg = load_config("configs/small_cpu.yaml", ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=8",
                                                  "model.ffn_hidden=1408"])
     models = {label: build_model(cfg.model, seed=0) for label in PATHS}
@@ -253,12 +263,19 @@ def section_flops(args, clock) -> None:
           f"{'GEMM':>6} {'rest':>6}")
     rate = flops["encoder"] / best["encoder"]
     print(f"{'encoder':<16} {flops['encoder'] / 1e9:7.2f} {best['encoder']:7.2f} {rate / 1e9:8.1f} {rate / peak:8.1%}")
+    table = f"dense training FLOP rate, d=512 L={L} B={B} (peak {peak / 1e9:.1f} GFLOP/s, torch.mm 2048^3)"
+    res.row(table, part="encoder", **{"GFLOP/s": round(rate / 1e9, 1), "of peak": f"{rate / peak:.1%}"})
+    res.target("encoder FLOP rate", ">= 50% of the same run's torch.mm peak, d=512", f"{rate / peak:.1%}", rate >= 0.5 * peak)
     for label in PATHS:
         rate = flops["decoder"] / best[label]
         per = best[label] / (T * L) * 1e3
         g = share[label] * per
         print(f"{'decoder ' + label:<16} {flops['decoder'] / 1e9:7.2f} {best[label]:7.2f} {rate / 1e9:8.1f} "
               f"{rate / peak:8.1%} {per:23.3f} {g:6.3f} {per - g:6.3f}")
+        res.row(table, part=f"decoder {label}", **{"GFLOP/s": round(rate / 1e9, 1), "of peak": f"{rate / peak:.1%}"})
+        if label == "fused":
+            res.target("fused decoder FLOP rate", f">= 55% of the torch.mm peak (d=512, L={L}, B={B}, T={T})",
+                       f"{rate / peak:.1%}", rate >= 0.55 * peak)
     print(f"reference (module) / fused decoder time: {best['module'] / best['fused']:.2f}x (GEMM/rest split: the shares of "
           "one profiled run, whose per-operator overhead inflates the rest, applied to the unprofiled time)")
     # The ceiling of this shape on this machine: the per-position products as measured alone (each
@@ -272,6 +289,7 @@ def section_flops(args, clock) -> None:
           f"GFLOP, {product_flops / best['products'] / peak:.1%} of peak: {form_bytes / 2**20:.0f} MiB of weight forms "
           f"read per position at {stream / 1e9:.1f} GB/s), the rest of the FLOPs at peak, nothing between operators: "
           f"{floor:.2f} s = {ceiling:.1%} of peak; the fused path reaches {floor / best['fused']:.0%} of it")
+    res.row(table, part=f"ceiling at B={B}", **{"GFLOP/s": round(ceiling * peak / 1e9, 1), "of peak": f"{ceiling:.1%}"})
 
 
 def main() -> None:
@@ -287,13 +305,16 @@ def main() -> None:
                    help="flops section: B, of the encoder and the decoder (the target is at 8)")
     p.add_argument("--repeats", type=int, default=2, help="rounds; each figure is the best")
     add_common_args(p)
+    add_json_arg(p)
     args = p.parse_args()
+    res = Results("training", args)
     args.modes = ["none"] + [m for m in args.modes if m != "none"]
     clock = setup(args)
     print(describe(args))
     for name, fn in (("flops", section_flops), ("throughput", section_throughput), ("memory", section_memory)):
         if args.only is None or name in args.only:
-            fn(args, clock)
+            fn(args, clock, res)
+    res.write()
 
 
 if __name__ == "__main__":
