@@ -13,7 +13,7 @@ TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
 def test_a_two_family_two_length_sweep_on_parity(tmp_path, capsys):
     """An RLT and a dense model trained on running parity at 8 positions, evaluated at 8 and 24:
     every run's row has both accuracies at both lengths, the points their spread, the plot is
-    written, and --dry-run prints the estimate of each run with the --set overrides applied."""
+    written, and --dry-run prints the estimate of each run with the --set overrides and the --budgets applied."""
     spec = tmp_path / "sweep.yaml"
     spec.write_text(
         f"base: {TINY}\nout: {tmp_path / 'out'}\n"
@@ -36,7 +36,8 @@ def test_a_two_family_two_length_sweep_on_parity(tmp_path, capsys):
         assert "token_acc@24_std" in next(csv.DictReader(f))
     assert (sweep.out / "accuracy_vs_length.png").stat().st_size > 0
     assert "token acc @24" in capsys.readouterr().out
-    assert main([str(spec), "--dry-run", "--set", "model.d_model=64", "--set", "model.n_heads=4"]) == 0
+    assert main([str(spec), "--dry-run", "--set", "model.d_model=64", "--set", "model.n_heads=4",
+                 "--budgets", "5e8"]) == 0
     out = capsys.readouterr().out
-    assert out.count("model.d_model=64") == 2 and "planner:" in out and "ms/step" in out  # the RLT's step time
+    assert out.count("model.d_model=64") == 2 and out.count("budget=5e_08") == 4  # command and estimate and "planner:" in out and "ms/step" in out  # the RLT's step time
     assert "no step-time model for arch=dense" in out
