@@ -73,8 +73,9 @@ from rlt_mega.log import get_logger
 from rlt_mega.plan.flops import flop_rows, summarize
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.memory import estimate_memory
-from rlt_mega.plan.sweep_stats import (ACCURACY_KINDS, accuracy_lengths, aggregate, fit_families, fit_metric,  # noqa: F401
-                                       markdown, power_law_fit, report)
+from rlt_mega.plan.sweep_stats import power_law_fit  # noqa: F401 (re-exported)
+from rlt_mega.plan.sweep_stats import (ACCURACY_KINDS, accuracy_lengths, aggregate, fit_families, fit_metric,
+                                       markdown, report)
 
 log = get_logger(__name__)
 
@@ -550,14 +551,15 @@ def dry_run(sweeps: list[Sweep], out) -> None:
             total_flops += e["train_flops"]
             total_gpu_s += e["gpu_s"] if math.isfinite(e["gpu_s"]) else 0.0
             out.write(" ".join(command(sweep, run)) + "\n")
-            out.write(f"  # {run.name}: {e['params'] / 1e6:.3f} M params, {e['flops_per_token'] / 1e6:.3g} MFLOPs/token, "
-                      f"{e['steps']} steps, {e['train_flops']:.3g} training FLOPs, step {e['predicted_step_mb']:.0f} MB "
+            out.write(f"  # {run.name}: {e['params'] / 1e6:.3f} M params, {e['flops_per_token'] / 1e6:.3g} "
+                      f"MFLOPs/token, {e['steps']} steps, {e['train_flops']:.3g} training FLOPs, step "
+                      f"{e['predicted_step_mb']:.0f} MB "
                       "predicted; planner: " + (f"{e['gpu_step_s'] * 1e3:.3g} ms/step, {e['gpu_s']:.3g} s on one GPU\n"
                                                 if math.isfinite(e["gpu_s"]) else "no step-time model for "
                                                 f"arch={run.config.model.arch} (RLT only)\n"))
     out.write(f"{sum(len(s.runs) for s in sweeps)} runs, {total_flops:.3g} training FLOPs, planner: "
-              f"{total_gpu_s / 3600:.3g} GPU-hours for the RLT runs on its default GPU ({hw.peak_tflops_bf16:g} bf16 TFLOP/s, "
-              f"{hw.gpu_mem_gb:g} GB, one per run)\n")
+              f"{total_gpu_s / 3600:.3g} GPU-hours for the RLT runs on its default GPU "
+              f"({hw.peak_tflops_bf16:g} bf16 TFLOP/s, {hw.gpu_mem_gb:g} GB, one per run)\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:

@@ -1,8 +1,8 @@
 """The job of pretraining and SFT: each step fetches ``train.grad_accum`` batches and takes one
 optimizer step on the language-model loss (the dense schedule); evaluation is the held-out
-loss (and, with eval.lengths, the accuracy at each length: data/state_tasks.py); a non-finite loss or gradient skips the step, and more than
-``train.max_nonfinite_in_a_row`` in a row stop the run. The two differ only in their data
-(train/pretrain.py, train/sft.py)."""
+loss (and, with eval.lengths, the accuracy at each length: data/state_tasks.py); a non-finite
+loss or gradient skips the step, and more than ``train.max_nonfinite_in_a_row`` in a row stop
+the run. The two differ only in their data (train/pretrain.py, train/sft.py)."""
 
 from __future__ import annotations
 

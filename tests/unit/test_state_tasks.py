@@ -2,8 +2,6 @@
 brute-force computation written here from the task's definition, the seeding, and the per-length
 evaluation on a model that is perfect by construction and on one that is constant."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -50,7 +48,8 @@ def test_each_generator_against_brute_force_labels(name):
         assert ys == brute_labels(name, xs)
     if name == "flipflop":
         assert (inputs[:, 0] <= 1).all() and (inputs[:, -1] == 4).all()  # starts with a write, ends with a read
-        kinds = np.bincount(np.where(inputs[:, 1:-1] <= 1, 0, np.where(inputs[:, 1:-1] <= 3, 1, 2)).ravel(), minlength=3)
+        middle = inputs[:, 1:-1]
+        kinds = np.bincount(np.where(middle <= 1, 0, np.where(middle <= 3, 1, 2)).ravel(), minlength=3)
         assert kinds[0] > 0 and kinds[2] > 0 and kinds[1] > kinds[0]  # writes, reads and more ignores
     else:
         assert len(np.unique(inputs)) == num_symbols(name, TASK)  # every symbol drawn
@@ -124,7 +123,7 @@ def test_accuracy_table_shows_mean_and_spread_over_seeds():
              "flops_per_token": 1.0, "status": "ok", "token_acc@32": acc, "seq_acc@32": 0.0}
             for acc in (0.9, 1.0)]
     table = accuracy_table(rows)
-    assert "| rlt | 2 | 0.950 +- 0.071 | 0.000 +- 0.000 |" in table and math.isclose(0.05 * 2 ** 0.5, 0.0707, rel_tol=1e-3)
+    assert "| rlt | 2 | 0.950 +- 0.071 | 0.000 +- 0.000 |" in table  # sample std of (0.9, 1.0): 0.05 * sqrt(2)
 
 
 @pytest.mark.parametrize("overrides, message", [
