@@ -46,8 +46,8 @@ row also holds its last evaluation's per-position and whole-sequence accuracy at
 ``--dry-run`` prints each run's command and the cost model's and the planner's estimate for it
 (parameters, training FLOPs, steps, predicted step memory, the planner's step time on one GPU of
 its default hardware); ``--set KEY=VALUE`` adds overrides to every run (a cluster-scale version
-of a CPU sweep: width, depth, lengths), after the spec's own, and ``--budgets`` replaces its
-budgets, so ``--dry-run --set ... --budgets ...`` shows how the estimate scales before anything runs.
+of a CPU sweep: width, depth, lengths), after the spec's own, ``--budgets`` replaces its
+budgets and ``--out`` its directory, so ``--dry-run --set ... --budgets ...`` shows how the estimate scales before anything runs.
 """
 
 from __future__ import annotations
@@ -260,11 +260,15 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
             for i in range(len(values))]
 
 
-def load_sweep(path: str | Path, extra: Optional[list[str]] = None, budgets: Optional[list[float]] = None) -> Sweep:
-    """The sweep of a YAML file; ``extra`` overrides follow its own, ``budgets`` replace its own."""
+def load_sweep(path: str | Path, extra: Optional[list[str]] = None, budgets: Optional[list[float]] = None,
+               out: Optional[str] = None) -> Sweep:
+    """The sweep of a YAML file; ``extra`` overrides follow its own, ``budgets`` and ``out``
+    replace its own."""
     spec = read_yaml(path)
     if budgets:
         spec["budgets"] = budgets
+    if out:
+        spec["out"] = out
     return expand(spec, extra=extra)
 
 
@@ -579,12 +583,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="an override for every run, after the spec's (repeatable; e.g. --set model.d_model=512)")
     parser.add_argument("--budgets", type=float, nargs="+", metavar="FLOPS",
                         help="training FLOPs per run, replacing the spec's budgets (e.g. a cluster's: --budgets 1e17)")
+    parser.add_argument("--out", help="the runs' directory, replacing the spec's out (a run whose result exists there "
+                                      "is not run again: give --set variants their own)")
     parser.add_argument("--markdown", action="store_true", help="print the points and fits as Markdown tables")
     args = parser.parse_args(argv)
     if len(args.spec) > 1 and not args.combined:
         parser.error("several sweep files need --combined DIR (where their joint results go)")
     try:
-        sweeps = [load_sweep(spec, args.set, args.budgets) for spec in args.spec]
+        if args.out and len(args.spec) > 1:
+            raise ConfigError("--out names one sweep's directory: with several specs use --combined")
+        sweeps = [load_sweep(spec, args.set, args.budgets, args.out) for spec in args.spec]
     except ConfigError as exc:
         sys.stderr.write(f"sweep: error: {exc}\n")
         return 2

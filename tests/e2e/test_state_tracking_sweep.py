@@ -37,9 +37,9 @@ def test_a_two_family_two_length_sweep_on_parity(tmp_path, capsys):
     assert (sweep.out / "accuracy_vs_length.png").stat().st_size > 0
     assert "token acc @24" in capsys.readouterr().out
     assert main([str(spec), "--dry-run", "--set", "model.d_model=64", "--set", "model.n_heads=4",
-                 "--budgets", "5e8"]) == 0
+                 "--budgets", "5e8", "--out", str(tmp_path / "scaled")]) == 0
     out = capsys.readouterr().out
-    assert out.count("model.d_model=64") == 2  # both commands
+    assert out.count("model.d_model=64") == 2 and out.count(str(tmp_path / "scaled")) >= 2  # both commands
     assert "# family=rlt__budget=5e_08:" in out and "# family=dense__budget=5e_08:" in out  # both estimates
     assert "planner:" in out and "ms/step" in out  # the RLT's step time
     assert "no step-time model for arch=dense" in out
