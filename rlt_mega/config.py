@@ -174,9 +174,41 @@ class GeneratedDataConfig:
         _check(0 <= self.seed <= MAX_SEED, f"data.generated.seed={self.seed}: must be in [0, {MAX_SEED}]")
 
 
+STATE_TASKS = ("parity", "s5", "flipflop", "modsum")  # data.train=generated:<task> (rlt_mega/data/state_tasks.py)
+
+
+@dataclass
+class StateTaskConfig:
+    """The generated state-tracking tasks, data.train=generated:<task> (rlt_mega/data/state_tasks.py):
+    the training sequences have data.seq_len inputs; eval.lengths evaluates other lengths."""
+
+    modulus: int = 5  # modsum: the running sum is taken modulo this
+    p_write: float = 0.1  # flipflop: the chance of a write instruction at each position after the first
+    p_read: float = 0.1  # flipflop: the chance of a read (the last position always reads)
+    num_eval: int = 128  # sequences per evaluation length
+    eval_batch: int = 64  # sequences per forward pass in evaluation
+    seed: int = 0  # the evaluation sets' seed (the training stream is seeded by train.seed too)
+
+    def __post_init__(self) -> None:
+        _check(self.modulus >= 2, f"data.task.modulus={self.modulus}: must be >= 2")
+        _check(0 <= self.p_write and 0 <= self.p_read and self.p_write + self.p_read <= 1,
+               f"data.task: p_write={self.p_write} and p_read={self.p_read} must be >= 0 with a sum <= 1")
+        _check(self.num_eval >= 1 and self.eval_batch >= 1,
+               f"data.task: num_eval={self.num_eval} and eval_batch={self.eval_batch} must be >= 1")
+        _check(0 <= self.seed <= MAX_SEED, f"data.task.seed={self.seed}: must be in [0, {MAX_SEED}]")
+
+
+def state_task(source: Optional[str]) -> Optional[str]:
+    """The task a data source names (``generated:parity`` -> ``parity``), None for any other source."""
+    if source is None or not source.startswith("generated:"):
+        return None
+    return source.split(":", 1)[1]
+
+
 @dataclass
 class DataConfig:
-    # "generated" (arithmetic problems), a local .jsonl/.json/.txt file or directory, a hub name,
+    # "generated" (arithmetic problems), "generated:<task>" (a state-tracking task: parity, s5,
+    # flipflop, modsum; parameters in data.task), a local .jsonl/.json/.txt file or directory, a hub name,
     # or (pretraining) the prefix of an indexed dataset written by `rlt-mega preprocess`
     # (PREFIX.bin + PREFIX.idx): memory-mapped, nothing tokenized at start-up. null with data.blend.
     train: Optional[str] = "generated"
@@ -206,8 +238,16 @@ class DataConfig:
     # within the document (model/documents.py)
     reset_at_document: bool = False
     generated: GeneratedDataConfig = field(default_factory=GeneratedDataConfig)
+    task: StateTaskConfig = field(default_factory=StateTaskConfig)
 
     def __post_init__(self) -> None:
+        task = state_task(self.train)
+        _check(task is None or task in STATE_TASKS,
+               f"data.train={_show(self.train)}: unknown generated task '{task}'; expected generated:<task> with "
+               f"<task> one of {', '.join(STATE_TASKS)}")
+        _check(task is None or self.eval is None,
+               f"data.eval={_show(self.eval)} with data.train={self.train}: a generated task makes its own "
+               "evaluation sets; set data.eval=null")
         _check(self.seq_len >= 2, f"data.seq_len={self.seq_len}: must be at least 2")
         _check(self.train is not None or self.blend is not None,
                "data.train is null: give a source (e.g. 'generated' or a dataset prefix), or a data.blend")
@@ -217,8 +257,8 @@ class DataConfig:
         _check(self.shuffle_buffer >= 0, f"data.shuffle_buffer={self.shuffle_buffer}: must be >= 0 (0: no shuffling)")
         if self.blend is not None:
             self._check_blend()
-        _check(not (self.streaming and self.train == "generated"),
-               "data.streaming=true streams data.train, which is 'generated': set data.train to a hub dataset "
+        _check(not (self.streaming and (self.train == "generated" or task is not None)),
+               f"data.streaming=true streams data.train, which is '{self.train}': set data.train to a hub dataset "
                "or local file (e.g. HuggingFaceFW/fineweb-edu), or set data.streaming=false")
 
     def _check_blend(self) -> None:
@@ -569,8 +609,14 @@ class EvalConfig:
     samples: int = 0  # n per problem; 0: greedy accuracy only
     k: list = field(default_factory=lambda: [1])
     temperature: Optional[float] = None  # null: sampling.temperature
+    # Length generalisation (data.train=generated:<task>): per-position and whole-sequence
+    # accuracy on sequences of each length, logged as eval/token_acc@T and eval/seq_acc@T
+    lengths: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        _check(all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in self.lengths)
+               and len(set(self.lengths)) == len(self.lengths),
+               f"eval.lengths={self.lengths}: expected distinct integers >= 1, e.g. [32, 64, 128, 256]")
         _check(self.samples >= 0, f"eval.samples={self.samples}: must be >= 0 (0: greedy accuracy only)")
         _check(bool(self.k) and all(isinstance(k, int) and k >= 1 for k in self.k),
                f"eval.k={self.k}: expected a non-empty list of integers >= 1")
@@ -651,6 +697,14 @@ class Config:
         _check(self.data.seq_len <= self.model.max_seq_len,
                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
                "raise model.max_seq_len or lower data.seq_len")
+        if self.eval.lengths:
+            _check(state_task(self.data.train) is not None,
+                   f"eval.lengths={self.eval.lengths} evaluates a generated state-tracking task, but data.train="
+                   f"{_show(self.data.train)}: set data.train=generated:<task> or eval.lengths=[]")
+            _check(max(self.eval.lengths) <= self.model.max_seq_len,
+                   f"eval.lengths={self.eval.lengths} reaches {max(self.eval.lengths)} positions, past "
+                   f"model.max_seq_len={self.model.max_seq_len}: raise model.max_seq_len to >= "
+                   f"{max(self.eval.lengths)} (positions beyond the training length must be allowed)")
 
 
 # ----------------------------------------------------------------------------------------

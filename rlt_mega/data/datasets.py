@@ -23,7 +23,7 @@ import datasets
 import numpy as np
 import torch
 
-from rlt_mega.config import DataConfig
+from rlt_mega.config import DataConfig, state_task
 from rlt_mega.data.arithmetic import generate_problems
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.data.windows import TokenWindows, token_dtype
@@ -176,6 +176,9 @@ def _has_split(source: str, split: str) -> bool:
 
 def _raw(source: str, split: str, cfg: DataConfig) -> datasets.Dataset:
     """Rows of one source before extraction: generated problems, a local file, or the hub."""
+    if state_task(source) is not None:
+        raise DataError(f"data.train={source} is a state-tracking task of token sequences, not text or "
+                        "prompt/answer pairs: train it with `rlt-mega pretrain`")
     if source == "generated":
         g = cfg.generated
         num, seed = (g.num_train, g.seed) if split == "train" else (g.num_eval, g.seed + 1_000_003)

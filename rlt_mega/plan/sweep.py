@@ -37,6 +37,17 @@ of the run's process tree as the sweep sees it, ``peak_memory_mb`` the trainer's
 ``train/peak_memory_bytes`` (rank 0: torch.cuda.max_memory_allocated on a GPU, the process's peak
 RSS elsewhere, rlt_mega.metrics.peak_memory_bytes), beside the cost model's prediction for the
 step itself (``predicted_step_mb``).
+
+With ``eval.lengths`` (a generated state-tracking task, rlt_mega/data/state_tasks.py) every run's
+row also holds its last evaluation's per-position and whole-sequence accuracy at each length
+(columns ``token_acc@T``, ``seq_acc@T``), points.csv their mean and spread, and
+``accuracy_vs_length.png`` plots them against the length, one line per point.
+
+``--dry-run`` prints each run's command and the cost model's and the planner's estimate for it
+(parameters, training FLOPs, steps, predicted step memory, the planner's step time on one GPU of
+its default hardware); ``--set KEY=VALUE`` adds overrides to every run (a cluster-scale version
+of a CPU sweep: width, depth, lengths), after the spec's own, ``--budgets`` replaces its
+budgets and ``--out`` its directory, so ``--dry-run --set ... --budgets ...`` shows how the estimate scales before anything runs.
 """
 
 from __future__ import annotations
@@ -62,7 +73,9 @@ from rlt_mega.log import get_logger
 from rlt_mega.plan.flops import flop_rows, summarize
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.memory import estimate_memory
-from rlt_mega.plan.sweep_stats import aggregate, fit_families, fit_metric, markdown, power_law_fit, report  # noqa: F401
+from rlt_mega.plan.sweep_stats import power_law_fit  # noqa: F401 (re-exported)
+from rlt_mega.plan.sweep_stats import (ACCURACY_KINDS, accuracy_lengths, aggregate, fit_families, fit_metric,
+                                       markdown, report)
 
 log = get_logger(__name__)
 
@@ -135,15 +148,16 @@ def _label(fmt: Optional[str], values: dict[str, Any]) -> str:
     return re.sub(r"\{([^}]+)\}", sub, fmt)
 
 
-def expand(spec: dict, base_dir: Path = Path(".")) -> Sweep:
-    """The runs of a sweep spec (a parsed YAML mapping), each config loaded and validated."""
+def expand(spec: dict, base_dir: Path = Path("."), extra: Optional[list[str]] = None) -> Sweep:
+    """The runs of a sweep spec (a parsed YAML mapping), each config loaded and validated;
+    ``extra`` overrides (``--set``) follow the spec's own."""
     unknown = set(spec) - SWEEP_KEYS
     if unknown:
         raise ConfigError(f"unknown sweep key(s) {sorted(unknown)}; valid keys: {sorted(SWEEP_KEYS)}")
     if "base" not in spec or "grid" not in spec:
         raise ConfigError("a sweep needs 'base' (a config file) and 'grid' (axes of values)")
     base = str(spec["base"])
-    overrides = [str(o) for o in spec.get("overrides", [])]
+    overrides = [str(o) for o in spec.get("overrides", [])] + list(extra or [])
     grid = spec["grid"]
     if not isinstance(grid, dict) or not grid:
         raise ConfigError("sweep 'grid' must be a mapping of axis -> list of values")
@@ -246,8 +260,16 @@ def trailing_mean(values: list[float], window: int) -> list[float]:
             for i in range(len(values))]
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    return expand(read_yaml(path))
+def load_sweep(path: str | Path, extra: Optional[list[str]] = None, budgets: Optional[list[float]] = None,
+               out: Optional[str] = None) -> Sweep:
+    """The sweep of a YAML file; ``extra`` overrides follow its own, ``budgets`` and ``out``
+    replace its own."""
+    spec = read_yaml(path)
+    if budgets:
+        spec["budgets"] = budgets
+    if out:
+        spec["out"] = out
+    return expand(spec, extra=extra)
 
 
 # ------------------------------------------------------------------ running
@@ -342,7 +364,10 @@ def predicted_peak_bytes(cfg: Config, device: str = "cpu") -> float:
 def summarize_run(sweep: Sweep, run: Run, result: dict) -> dict:
     cfg = run.config
     records = [r for r in read_records(sweep, run) if "train/loss" in r]
-    evals = [r["eval/loss"] for r in read_records(sweep, run) if "eval/loss" in r]
+    eval_records = [r for r in read_records(sweep, run) if "eval/loss" in r]
+    evals = [r["eval/loss"] for r in eval_records]
+    accuracy = {f"{kind}@{n}": eval_records[-1].get(f"eval/{kind}@{n}", float("nan")) if eval_records
+                else float("nan") for n in cfg.eval.lengths for kind in ACCURACY_KINDS}
     fpt = flops_per_token(cfg)
     speeds = [r["train/tokens_per_s"] for r in records[1:] or records]  # the first window warms up
     tokens = records[-1]["train/tokens"] if records else 0
@@ -364,6 +389,7 @@ def summarize_run(sweep: Sweep, run: Run, result: dict) -> dict:
         "predicted_step_mb": predicted_peak_bytes(cfg) / 2 ** 20,
         "wall_s": result.get("wall_s", float("nan")),
         "status": "ok" if result.get("returncode") == 0 else f"exit {result.get('returncode')}",
+        **accuracy,
     }
 
 
@@ -441,10 +467,46 @@ def plot(sweep: "Sweep | list[Sweep]", path: Path, title: Optional[str] = None,
     plt.close(fig)
 
 
+def plot_accuracy(rows: list[dict], path: Path, title: Optional[str] = None) -> None:
+    """Accuracy against evaluation length (log2 axis), one line per point (mean over seeds, the
+    spread as error bars), one colour per family: per-position accuracy on the left,
+    whole-sequence accuracy on the right."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lengths = accuracy_lengths(rows)
+    points = aggregate(rows)
+    families = list(dict.fromkeys(p["family"] for p in points))
+    colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
+    styles = ["-", "--", ":", "-."]
+    fig, axes = plt.subplots(1, 2, figsize=(11.0, 4.2), dpi=100)
+    for ax, kind, what in zip(axes, ACCURACY_KINDS, ("per-position accuracy", "whole-sequence accuracy")):
+        seen: dict[str, int] = {}
+        for p in points:
+            style = styles[seen.setdefault(p["family"], 0) % len(styles)]
+            seen[p["family"]] += 1
+            ax.errorbar(lengths, [p[f"{kind}@{n}"] for n in lengths], yerr=[p[f"{kind}@{n}_std"] for n in lengths],
+                        color=colours[p["family"]], linestyle=style, marker="o", markersize=3, capsize=2,
+                        linewidth=1.2, label=p["label"])
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(lengths, [str(n) for n in lengths])
+        ax.set_xlabel("evaluation length (positions)")
+        ax.set_ylabel(what)
+        ax.set_ylim(-0.02, 1.02)
+        ax.grid(True, alpha=0.3)
+    axes[1].legend(fontsize=7, loc="upper right")
+    fig.suptitle(title or "accuracy against evaluation length (mean +- std over seeds)")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
 def run_sweep(sweep: Sweep, force: bool = False, only_collect: bool = False) -> list[dict]:
     """Runs (or only collects) every configuration; writes results.csv (one row per run),
     points.csv (per point: mean and spread over seeds), fits.json (per family) and
-    loss_vs_compute.png."""
+    loss_vs_compute.png (and accuracy_vs_length.png with eval.lengths)."""
     sweep.out.mkdir(parents=True, exist_ok=True)
     rows = []
     for i, run in enumerate(sweep.runs, 1):
@@ -459,7 +521,49 @@ def run_sweep(sweep: Sweep, force: bool = False, only_collect: bool = False) -> 
     write_csv(aggregate(rows), sweep.out / "points.csv")
     (sweep.out / "fits.json").write_text(json.dumps(fit_families(rows), indent=2))
     plot(sweep, sweep.out / "loss_vs_compute.png", rows=rows)
+    if accuracy_lengths(rows):
+        plot_accuracy(rows, sweep.out / "accuracy_vs_length.png", sweep.title)
     return rows
+
+
+def estimate_run(run: Run) -> dict:
+    """What the cost model and the planner expect of one run before it runs: parameters,
+    training FLOPs, steps, the predicted peak memory of a step (CPU layout), and the planner's
+    step time on one GPU of its default hardware (planner.Hardware) with the run's layout."""
+    from rlt_mega.plan.planner import Hardware, step_time
+
+    cfg = run.config
+    steps = cfg.train.steps
+    # the planner's step-time model is the RLT's (encoder, decoder ring, cross-attention): none for baselines
+    gpu_step = step_time(cfg.model, Layout.from_config(cfg), Hardware())["total"] if cfg.model.arch == "rlt" \
+        else float("nan")
+    return {"params": _param_counts(cfg)["total"], "flops_per_token": flops_per_token(cfg), "steps": steps,
+            "train_flops": flops_per_token(cfg) * tokens_per_step(cfg) * steps,
+            "predicted_step_mb": predicted_peak_bytes(cfg) / 2 ** 20, "gpu_step_s": gpu_step,
+            "gpu_s": gpu_step * steps}
+
+
+def dry_run(sweeps: list[Sweep], out) -> None:
+    """Each run's command and estimate, then the totals."""
+    from rlt_mega.plan.planner import Hardware
+
+    hw = Hardware()
+    total_flops = total_gpu_s = 0.0
+    for sweep in sweeps:
+        for run in sweep.runs:
+            e = estimate_run(run)
+            total_flops += e["train_flops"]
+            total_gpu_s += e["gpu_s"] if math.isfinite(e["gpu_s"]) else 0.0
+            out.write(" ".join(command(sweep, run)) + "\n")
+            out.write(f"  # {run.name}: {e['params'] / 1e6:.3f} M params, {e['flops_per_token'] / 1e6:.3g} "
+                      f"MFLOPs/token, {e['steps']} steps, {e['train_flops']:.3g} training FLOPs, step "
+                      f"{e['predicted_step_mb']:.0f} MB "
+                      "predicted; planner: " + (f"{e['gpu_step_s'] * 1e3:.3g} ms/step, {e['gpu_s']:.3g} s on one GPU\n"
+                                                if math.isfinite(e["gpu_s"]) else "no step-time model for "
+                                                f"arch={run.config.model.arch} (RLT only)\n"))
+    out.write(f"{sum(len(s.runs) for s in sweeps)} runs, {total_flops:.3g} training FLOPs, planner: "
+              f"{total_gpu_s / 3600:.3g} GPU-hours for the RLT runs on its default GPU "
+              f"({hw.peak_tflops_bf16:g} bf16 TFLOP/s, {hw.gpu_mem_gb:g} GB, one per run)\n")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -473,21 +577,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--title", help="the joint plot's title (default: the first spec's)")
     parser.add_argument("--force", action="store_true", help="rerun runs that already have a result")
     parser.add_argument("--collect", action="store_true", help="only collect existing runs into CSV and plot")
-    parser.add_argument("--dry-run", action="store_true", help="print the commands and exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the commands with the cost model's and the planner's estimate per run, and exit")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="an override for every run, after the spec's (repeatable; e.g. --set model.d_model=512)")
+    parser.add_argument("--budgets", type=float, nargs="+", metavar="FLOPS",
+                        help="training FLOPs per run, replacing the spec's budgets (e.g. a cluster's: --budgets 1e17)")
+    parser.add_argument("--out", help="the runs' directory, replacing the spec's out (a run whose result exists there "
+                                      "is not run again: give --set variants their own)")
     parser.add_argument("--markdown", action="store_true", help="print the points and fits as Markdown tables")
     args = parser.parse_args(argv)
     if len(args.spec) > 1 and not args.combined:
         parser.error("several sweep files need --combined DIR (where their joint results go)")
     try:
-        sweeps = [load_sweep(spec) for spec in args.spec]
+        if args.out and len(args.spec) > 1:
+            raise ConfigError("--out names one sweep's directory: with several specs use --combined")
+        sweeps = [load_sweep(spec, args.set, args.budgets, args.out) for spec in args.spec]
     except ConfigError as exc:
         sys.stderr.write(f"sweep: error: {exc}\n")
         return 2
     if args.dry_run:
-        for sweep in sweeps:
-            for run in sweep.runs:
-                sys.stdout.write(" ".join(command(sweep, run)) + "\n")
-        sys.stdout.write(f"{sum(len(s.runs) for s in sweeps)} runs\n")
+        dry_run(sweeps, sys.stdout)
         return 0
     rows = [row for sweep in sweeps for row in run_sweep(sweep, force=args.force, only_collect=args.collect)]
     out = sweeps[0].out
@@ -498,6 +608,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         write_csv(aggregate(rows), out / "points.csv")
         (out / "fits.json").write_text(json.dumps(fit_families(rows), indent=2))
         plot(sweeps, out / "loss_vs_compute.png", title=args.title, rows=rows)
+        if accuracy_lengths(rows):
+            plot_accuracy(rows, out / "accuracy_vs_length.png", args.title)
     sys.stdout.write(markdown(rows) if args.markdown else report(rows))
-    sys.stdout.write(f"wrote {out / 'results.csv'}, points.csv, fits.json and loss_vs_compute.png\n")
+    sys.stdout.write(f"wrote {out / 'results.csv'}, points.csv, fits.json and loss_vs_compute.png"
+                     + (" and accuracy_vs_length.png\n" if accuracy_lengths(rows) else "\n"))
     return 0 if all(r["status"] == "ok" for r in rows) else 1

@@ -8,6 +8,16 @@ import math
 
 MEAN_FIELDS = ("final_loss", "last_loss", "eval_loss", "compute_flops", "tokens", "steps", "tokens_per_s",
                "peak_rss_mb", "peak_memory_mb", "predicted_step_mb", "wall_s")
+ACCURACY_KINDS = ("token_acc", "seq_acc")  # eval.lengths: columns token_acc@T, seq_acc@T per length T
+
+
+def accuracy_lengths(rows: list[dict]) -> list[int]:
+    """The evaluation lengths the rows hold accuracy columns for, ascending."""
+    return sorted({int(k.split("@")[1]) for r in rows for k in r if k.split("@")[0] in ACCURACY_KINDS})
+
+
+def accuracy_fields(rows: list[dict]) -> list[str]:
+    return [f"{kind}@{n}" for n in accuracy_lengths(rows) for kind in ACCURACY_KINDS]
 
 
 def _mean_std(values: list[float]) -> tuple[float, float]:
@@ -34,8 +44,8 @@ def aggregate(rows: list[dict]) -> list[dict]:
                "budget_flops": first["budget_flops"], "params": first["params"],
                "flops_per_token": first["flops_per_token"], "seeds": len(ok),
                "failed": len(rs) - len(ok)}
-        for key in MEAN_FIELDS:
-            out[key], out[key + "_std"] = _mean_std([r[key] for r in ok])
+        for key in MEAN_FIELDS + tuple(accuracy_fields(rows)):
+            out[key], out[key + "_std"] = _mean_std([r.get(key, float("nan")) for r in ok])
         points.append(out)
     return points
 
@@ -96,6 +106,20 @@ def report(rows: list[dict]) -> str:
     for family, fit in fit_families(rows).items():
         lines.append(f"  {family:<20} alpha {fit['alpha']:.4f}  a {fit['a']:.4g}  r2 {fit['r2']:.3f}  "
                      f"({fit['n']} runs, {fit['compute_min']:.3g}..{fit['compute_max']:.3g} FLOPs)")
+    return "\n".join(lines) + "\n" + accuracy_table(rows)
+
+
+def accuracy_table(rows: list[dict]) -> str:
+    """Per point and evaluation length: the per-position and whole-sequence accuracy, mean +- std
+    over seeds, as a Markdown table ("" without eval.lengths)."""
+    lengths = accuracy_lengths(rows)
+    if not lengths:
+        return ""
+    lines = ["", "| point | seeds | " + " | ".join(f"token acc @{n}" for n in lengths) + " | "
+             + " | ".join(f"seq acc @{n}" for n in lengths) + " |", "|---|---|" + "---|" * (2 * len(lengths))]
+    for p in aggregate(rows):
+        cells = [f"{p[f'{kind}@{n}']:.3f} +- {p[f'{kind}@{n}_std']:.3f}" for kind in ACCURACY_KINDS for n in lengths]
+        lines.append(f"| {p['label']} | {p['seeds']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -115,4 +139,4 @@ def markdown(rows: list[dict]) -> str:
     for family, fit in fit_families(rows).items():
         lines.append(f"| {family} | {fit['alpha']:.4f} | {fit['a']:.4g} | {fit['r2']:.3f} | {fit['n']} | "
                      f"{fit['compute_min']:.3g} .. {fit['compute_max']:.3g} |")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + accuracy_table(rows)

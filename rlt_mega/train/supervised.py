@@ -1,8 +1,8 @@
 """The job of pretraining and SFT: each step fetches ``train.grad_accum`` batches and takes one
 optimizer step on the language-model loss (the dense schedule); evaluation is the held-out
-loss; a non-finite loss or gradient skips the step, and more than
-``train.max_nonfinite_in_a_row`` in a row stop the run. The two differ only in their data
-(train/pretrain.py, train/sft.py)."""
+loss (and, with eval.lengths, the accuracy at each length: data/state_tasks.py); a non-finite
+loss or gradient skips the step, and more than ``train.max_nonfinite_in_a_row`` in a row stop
+the run. The two differ only in their data (train/pretrain.py, train/sft.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 
 from rlt_mega.config import Config, TrainConfig
 from rlt_mega.data.datasets import DataStats
+from rlt_mega.data.state_tasks import LengthEval, length_eval
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.loss import LM_LOSS, LogitsLoss
@@ -57,9 +58,9 @@ class SupervisedJob:
 
     def __init__(self, train: TrainConfig, dims: ParallelDims, engine: Engine, batches: BatchSource,
                  eval_batches: Callable[[], list[dict]], timers: Timers, loss: LogitsLoss = LM_LOSS,
-                 name: str = "train") -> None:
+                 name: str = "train", lengths: Optional[LengthEval] = None) -> None:
         self.train, self.dims, self.engine, self.batches, self.eval_batches = train, dims, engine, batches, eval_batches
-        self.timers, self.loss, self.name = timers, loss, name
+        self.timers, self.loss, self.name, self.lengths = timers, loss, name, lengths
         self.eval_every = Interval(train.eval_every, at_end=train.eval_every > 0)
         self.state = SupervisedState()
         self._window_tokens = 0
@@ -105,7 +106,11 @@ class SupervisedJob:
     def evaluate(self, step: int) -> dict[str, float]:
         loss = self.engine.eval_loss(self.eval_batches(), self.loss)
         log.info("step %d: eval loss %.4f", step, loss)
-        return {"eval/loss": loss}
+        if self.lengths is None:
+            return {"eval/loss": loss}
+        accuracy = self.lengths(self.engine.eval_loss)
+        log.info("step %d: %s", step, ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in accuracy.items()))
+        return {"eval/loss": loss, **accuracy}
 
     def result(self) -> dict:
         return {}
@@ -137,7 +142,7 @@ def run(cfg: Config, data: DataFn) -> dict:
                  sum(p.numel() for p in engine.module.parameters()) / 1e6, cfg.model.memory_block,
                  cfg.model.n_layers, cfg.model.d_model)
         timers = phase_timers()
-        job = SupervisedJob(cfg.train, dims, engine, batches, eval_batches, timers)
+        job = SupervisedJob(cfg.train, dims, engine, batches, eval_batches, timers, lengths=length_eval(cfg))
         result = Trainer(cfg, dims, engine, job, timers).run()
         if stats.total:
             log.warning("data: %s", stats.summary())
