@@ -67,18 +67,24 @@ RewardFn = Callable[[str, object], float]
 REWARDS: dict[str, RewardFn] = {"gsm8k": gsm8k_reward}
 
 
+def resolve_named(spec: str, registry: dict, what: str, form: str):
+    """``spec``: a name in ``registry`` or "package.module:attribute" (``form`` says which kind of
+    attribute), imported; ``what`` names the setting in every error."""
+    if spec in registry:
+        return registry[spec]
+    if ":" not in spec:
+        raise ValueError(f"{what} {spec!r}: expected one of {sorted(registry)} or '{form}'")
+    module_name, _, attr = spec.partition(":")
+    try:
+        return getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise ValueError(f"{what} {spec!r}: cannot import it ({exc})") from None
+
+
 def resolve_reward(spec: str) -> RewardFn:
     """A registered reward ("gsm8k") or "package.module:function", a callable taking
     (completion text, answer) and returning a float."""
-    if spec in REWARDS:
-        return REWARDS[spec]
-    if ":" not in spec:
-        raise ValueError(f"reward {spec!r}: expected one of {sorted(REWARDS)} or 'package.module:function'")
-    module_name, _, attr = spec.partition(":")
-    try:
-        fn = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"reward {spec!r}: cannot import it ({exc})") from None
+    fn = resolve_named(spec, REWARDS, "reward", "package.module:function")
     if not callable(fn):
         raise ValueError(f"reward {spec!r} is not callable")
     return fn

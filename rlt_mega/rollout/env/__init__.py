@@ -4,26 +4,17 @@ inserts their observations). Built in: ``calculator`` (GSM8K's ``<<expression=va
 
 from __future__ import annotations
 
-import importlib
-
 from rlt_mega.rollout.env.base import Calls, EnvEpisode, EnvLimits, Environment, Environments, Turn
 from rlt_mega.rollout.env.calculator import Calculator
 from rlt_mega.rollout.env.chat import Chat
+from rlt_mega.rollout.rewards import resolve_named
 
 ENVIRONMENTS = {"calculator": Calculator, "chat": Chat}
 
 
 def resolve_env(spec: str) -> Environment:
     """A built-in environment's name or "package.module:Class" (an ``Environment`` subclass)."""
-    if spec in ENVIRONMENTS:
-        return ENVIRONMENTS[spec]()
-    if ":" not in spec:
-        raise ValueError(f"grpo.env {spec!r}: expected one of {sorted(ENVIRONMENTS)} or 'package.module:Class'")
-    module_name, _, attr = spec.partition(":")
-    try:
-        cls = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as exc:
-        raise ValueError(f"grpo.env {spec!r}: cannot import it ({exc})") from None
+    cls = resolve_named(spec, ENVIRONMENTS, "grpo.env", "package.module:Class")
     if not (isinstance(cls, type) and issubclass(cls, Environment)):
         raise ValueError(f"grpo.env {spec!r} is not a subclass of rlt_mega.rollout.env.Environment")
     return cls()
