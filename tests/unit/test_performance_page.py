@@ -49,3 +49,65 @@ def test_a_file_that_is_not_a_result_is_refused(tmp_path):
     (tmp_path / "x.json").write_text(json.dumps({"tables": {}}))
     with pytest.raises(SystemExit, match="no 'bench'"):
         render.load_results([tmp_path / "x.json"])
+
+
+def bench_module(name: str):
+    """A benchmark script as a module (they import ``harness`` as scripts do: tools/bench on the path)."""
+    import sys
+    sys.path.insert(0, str(ROOT / "tools" / "bench"))
+    try:
+        return load(f"tools/bench/{name}.py")
+    finally:
+        sys.path.remove(str(ROOT / "tools" / "bench"))
+
+
+def written(tmp_path, name: str, build) -> tuple[dict, str]:
+    """Runs ``build(res)`` on a Results of ``name`` with --json -> (the JSON written, its rendered tables)."""
+    path = tmp_path / f"{name}.json"
+    res = harness.Results(name, argparse.Namespace(json=str(path), repeats=1))
+    build(res)
+    res.write()
+    data = json.loads(path.read_text())
+    assert data["bench"] == name and data["args"] == {"repeats": 1} and data["machine"]["date"].endswith("UTC")
+    return data, render.render_tables(render.load_results([path]))
+
+
+def test_slow_benchmarks_results_render(tmp_path):
+    """The benchmarks too slow (compiled_step), multi-process (rollout_parallel, async_grpo) or heavy
+    (data) for the unit tier: their result-building functions, on given figures, write JSON that
+    renders into docs/performance.md's tables."""
+    compiled = bench_module("compiled_step")
+    _, text = written(tmp_path, "compiled_step", lambda res: compiled.report(
+        res, {"eager fused (oneDNN products)": 2.0, "capture-ready, plain mm, compiled": 1.0}, 41.0, "d=512, B=8"))
+    assert "### compiled_step: decoder forward + backward, d=512, B=8" in text
+    assert "| capture-ready, plain mm, compiled | 1.0 | 0.5 | 41 |" in text
+
+    parallel = bench_module("rollout_parallel")
+    layouts = [("TP=2 step", {"tp": 2}, 1, None), ("TP=2 reference", {"tp": 2}, 1, object())]
+    data, text = written(tmp_path, "rollout_parallel", lambda res: parallel.report(
+        res, layouts, {"TP=2 step": (1.0, 0.5), "TP=2 reference": (3.0, 1.5)}, {"TP=2 step": 300, "TP=2 reference": 300},
+        {"TP=2 step": True, "TP=2 reference": True}))
+    assert "| TP=2 reference | reference | 100.0 | 0.5 | 66.7 | True |" in text
+    assert "| rollout_parallel | TP=2 sampler: decoder step against the reference arm | rollout + replay tok/s >= 1.5x " \
+           "| 3.00x | met |" in text
+
+    agrpo = bench_module("async_grpo")
+    arm = {"seconds": 4.0, "steps": 2, "learner_idle": 0.25, "sampler_idle": 0.5, "sync_s": 0.002, "length": 12.0,
+           "stopped": 0.75}
+    args = argparse.Namespace(config="configs/tiny_cpu.yaml", prompts=2, group=2, steps=3, max_new_tokens=32, stops=4)
+    _, text = written(tmp_path, "async_grpo", lambda res: agrpo.report(res, args, {
+        "roles s=0 (2 processes)": arm, "roles s=1 (2 processes)": {**arm, "seconds": 2.0}}))
+    assert "| roles s=1 (2 processes) | 1.0 | 25.0% | 50.0% | 2.0 | 12.0 | 75% |" in text
+    assert "| s=1 / s=0 (2 processes) | 2.00x |" in text
+
+    data_bench = bench_module("data")
+
+    def build(res):
+        data_bench.report_preprocess(res, {1: [(10.0, 9.0, 9.0, 2**21, "throughput: x")], 2: [(5.0, 9.5, 4.5, 2**22, "?")]},
+                                     20.0)
+        data_bench.report_startup(res, {"in memory": [(8.0, 2**22)], "indexed": [(2.0, 2**21)]}, "configs/tiny_cpu.yaml")
+
+    _, text = written(tmp_path, "data", build)
+    assert "| 2 | 5.0 | 4.0 | 9.5 | 4.5 | 4.44 | 4 |" in text
+    assert "### data: rlt-mega pretrain (configs/tiny_cpu.yaml), process start to the first step" in text
+    assert "| indexed | 2.0 | 2 |" in text

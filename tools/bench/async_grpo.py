@@ -35,6 +35,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
+
 from rlt_mega.config import from_dict, load_config, to_dict  # noqa: E402
 from rlt_mega.parallel.dims import free_port  # noqa: E402
 
@@ -127,6 +130,25 @@ def launch(args, name: str, s: int, roles: bool, base: Path) -> dict:
             "stopped": mean("completion/stopped_fraction")}
 
 
+def report(res: harness.Results, args, arms: dict[str, dict]) -> None:
+    """Prints each arm's figures (``launch``'s dicts) and the s=1 / s=0 ratio, and records them in ``res``."""
+    print(f"{args.config}, {args.prompts} x {args.group} rows a step, {args.steps} steps, max_new_tokens "
+          f"{args.max_new_tokens}, {args.stops} stop bytes")
+    table = f"asynchronous GRPO, {args.config}, {args.prompts} x {args.group} rows, {args.steps} steps"
+    for name, r in arms.items():
+        print(f"{name:28s} {r['steps'] / r['seconds']:.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
+              f"sampler idle {r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step  "
+              f"completion mean {r['length']:.1f} tokens, {r['stopped']:.0%} stopped")
+        res.row(table, arm=name, **{
+            "steps/s": round(r["steps"] / r["seconds"], 3), "learner idle": f"{r['learner_idle']:.1%}",
+            "sampler idle": f"{r['sampler_idle']:.1%}", "weight sync ms/step": round(r["sync_s"] * 1e3, 1),
+            "completion mean": round(r["length"], 1), "stopped": f"{r['stopped']:.0%}"})
+    r0, r1 = arms["roles s=0 (2 processes)"], arms["roles s=1 (2 processes)"]
+    ratio = (r1["steps"] / r1["seconds"]) / (r0["steps"] / r0["seconds"])
+    print(f"steps/s ratio, s=1 / s=0 on 2 processes: {ratio:.2f}x")
+    res.row(table, arm="s=1 / s=0 (2 processes)", **{"steps/s": f"{ratio:.2f}x"})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/small_cpu.yaml")
@@ -140,6 +162,7 @@ def main() -> None:
     ap.add_argument("--roles", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--s", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
+    harness.add_json_arg(ap)
     args = ap.parse_args()
     if args.worker:
         worker(args)
@@ -150,15 +173,9 @@ def main() -> None:
         arms = {"colocated s=0 (1 process)": launch(args, "colocated", 0, False, Path(tmp)),
                 "roles s=0 (2 processes)": launch(args, "roles0", 0, True, Path(tmp)),
                 "roles s=1 (2 processes)": launch(args, "roles1", 1, True, Path(tmp))}
-    print(f"{args.config}, {args.prompts} x {args.group} rows a step, {args.steps} steps, max_new_tokens "
-          f"{args.max_new_tokens}, {args.stops} stop bytes")
-    for name, r in arms.items():
-        print(f"{name:28s} {r['steps'] / r['seconds']:.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
-              f"sampler idle {r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step  "
-              f"completion mean {r['length']:.1f} tokens, {r['stopped']:.0%} stopped")
-    r0, r1 = arms["roles s=0 (2 processes)"], arms["roles s=1 (2 processes)"]
-    ratio = (r1["steps"] / r1["seconds"]) / (r0["steps"] / r0["seconds"])
-    print(f"steps/s ratio, s=1 / s=0 on 2 processes: {ratio:.2f}x")
+    res = harness.Results("async_grpo", args)
+    report(res, args, arms)
+    res.write()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from rollout_rows import gsm8k_call  # noqa: E402
 
 from rlt_mega.model.plan import RowPlan, row_layout  # noqa: E402
@@ -53,7 +54,10 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=4096)
     ap.add_argument("--memory-block", type=int, default=8)
     ap.add_argument("--calls", type=int, default=4, help="calls (different questions) averaged")
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("check_every", args)
+    table = f"row-steps and host reads per call, {args.prompts} x G={args.group} rows, C={args.memory_block}"
     calls = [gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=s)[:2] for s in range(args.calls)]
     rows = args.prompts * args.group
     print(f"# check_every: {args.calls} calls of {args.prompts} GSM8K prompts x G={args.group} = {rows} rows, "
@@ -69,6 +73,11 @@ def main() -> None:
             base = row_steps if base is None else base
             print(f"| {slots or 'rows'} | {every} | {steps:.0f} | {row_steps:.0f} | {row_steps - base:.0f} | "
                   f"{row_steps / base:.3f} | {checks:.0f} |")
+            res.row(table, slots=slots or "rows", check_every=every, **{
+                "sequential steps": round(steps), "row-steps": round(row_steps),
+                "row-steps on finished rows": round(row_steps - base), "x row-steps of 1": round(row_steps / base, 3),
+                "host reads": round(checks)})
+    res.write()
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ import rlt_mega.model.kernels as fused
 import rlt_mega.model.workspace as fused_state
 import rlt_mega.parallel.cuda_graphs as cuda_graphs
 from rlt_mega.model.dense_decode import Decoder
-from harness import add_common_args, best_of_rounds, describe, setup
+from harness import Results, add_common_args, add_json_arg, best_of_rounds, describe, setup
 from rlt_mega.config import load_config
 from rlt_mega.model import build_model
 
@@ -40,12 +40,24 @@ def separate_buffers(self, owner, pooled=True):
     return {name: torch.zeros(shape, dtype=dtype, device=self.device) for name, shape, dtype, _ in self._specs}
 
 
+def report(res: Results, times: dict[str, float], compile_s: float, header: str) -> None:
+    """Prints each path's decoder forward + backward seconds (``times``, the eager fused path first)
+    and its ratio to the eager path, and records them in ``res``."""
+    print(f"# compiled step: {header}; compile {compile_s:.0f} s (wall)")
+    ref = next(iter(times.values()))
+    for label, t in times.items():
+        print(f"{label:<40} {t:7.2f} s  {t / ref:5.2f}x the eager fused path")
+        res.row(f"decoder forward + backward, {header}", path=label, s=round(t, 2),
+                **{"x eager fused": round(t / ref, 2), "compile s (wall)": round(compile_s) if "compiled" in label else ""})
+
+
 def main() -> None:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(p)
     p.add_argument("--repeats", type=int, default=3, help="rounds; each figure is the best")
+    add_json_arg(p)
     args = p.parse_args()
     clock = setup(args)
     cfg = load_config("configs/small_cpu.yaml", ["model.d_model=512", "model.n_heads=8", "model.n_kv_heads=8",
@@ -78,11 +90,10 @@ def main() -> None:
     step()  # compiles
     compile_s = time.time() - t0
     times["capture-ready, plain mm, compiled"], _ = best_of_rounds({"x": step}, args.repeats, clock)
-    print(f"# compiled step: d=512 H=8 ffn=1408 L={cfg.model.n_layers}, B={B}, T={T}, decoder forward + "
-          f"backward; {describe(args)}; compile {compile_s:.0f} s (wall)")
-    ref = times["eager fused (oneDNN products)"]["x"]
-    for label, t in times.items():
-        print(f"{label:<40} {t['x']:7.2f} s  {t['x'] / ref:5.2f}x the eager fused path")
+    res = Results("compiled_step", args)
+    report(res, {label: t["x"] for label, t in times.items()}, compile_s,
+           f"d=512 H=8 ffn=1408 L={cfg.model.n_layers}, B={B}, T={T}; {describe(args)}")
+    res.write()
 
 
 if __name__ == "__main__":

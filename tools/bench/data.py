@@ -36,6 +36,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = [sys.executable, "-m", "rlt_mega"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import harness  # noqa: E402
 
 
 def generate_corpus(path: Path, megabytes: float, seed: int = 0) -> int:
@@ -91,16 +93,18 @@ def main() -> None:
     parser.add_argument("--config", default="configs/tiny_cpu.yaml", help="the model trained at start-up")
     parser.add_argument("--only", choices=["preprocess", "startup"], help="one section (startup still preprocesses "
                         "the corpus once, unmeasured)")
+    harness.add_json_arg(parser)
     args = parser.parse_args()
-
+    res = harness.Results("data", args)
     work = Path(tempfile.mkdtemp(prefix="rlt_bench_data_"))
     try:
-        bench(args, work)
+        bench(args, work, res)
     finally:
         shutil.rmtree(work)  # only the directory this run made
+    res.write()
 
 
-def bench(args, work: Path) -> None:
+def bench(args, work: Path, res: harness.Results) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
                HF_DATASETS_CACHE=str(work / "hf_cache"), RLT_LOG_LEVEL="WARNING")
     corpus, eval_file = work / "corpus.jsonl", work / "eval.jsonl"
@@ -112,15 +116,15 @@ def bench(args, work: Path) -> None:
           f"{time.perf_counter() - t0:.0f} s), tokenizer {args.tokenizer}, {os.cpu_count()} CPU(s), "
           f"load average {os.getloadavg()[0]:.1f} at the start (a shared machine slows every figure)")
     if args.only != "startup":
-        section_preprocess(args, work, env, corpus, size_mb)
+        section_preprocess(args, work, env, corpus, size_mb, res)
     else:
         run([*PYTHON, "preprocess", "--data", str(corpus), "--tokenizer", args.tokenizer, "--out",
              str(work / "corpus_w1"), "--workers", "2", "--no-progress"], env)
     if args.only != "preprocess":
-        section_startup(args, work, env, corpus, eval_file)
+        section_startup(args, work, env, corpus, eval_file, res)
 
 
-def section_preprocess(args, work: Path, env: dict, corpus: Path, size_mb: float) -> None:
+def section_preprocess(args, work: Path, env: dict, corpus: Path, size_mb: float, res: harness.Results) -> None:
     pre = {1: [], 2: []}
     for _ in range(args.repeats):
         for workers in (1, 2):
@@ -131,6 +135,12 @@ def section_preprocess(args, work: Path, env: dict, corpus: Path, size_mb: float
             own = re.search(r"throughput: .*", out)
             busiest = float(re.search(r"the busiest process ([0-9.]+) s", out).group(1))
             pre[workers].append((total, cpu, busiest, rss, own.group(0) if own else "?"))
+    report_preprocess(res, pre, size_mb)
+
+
+def report_preprocess(res: harness.Results, pre: dict[int, list[tuple]], size_mb: float) -> None:
+    """Prints and records the preprocess rounds (workers -> [(seconds, CPU s, busiest process's CPU s,
+    peak RSS bytes, the command's own throughput line)]) of a ``size_mb`` MB corpus."""
     print("\n## preprocess: rlt-mega preprocess, the whole command (start-up included); CPU s: the command and "
           "its workers")
     print(f"{'workers':>7} {'seconds':>8} {'MB/s':>7} {'CPU s':>7} {'busiest':>8} {'MB/s*':>7} {'peak RSS MiB':>13}"
@@ -141,13 +151,16 @@ def section_preprocess(args, work: Path, env: dict, corpus: Path, size_mb: float
         best[workers], busiest[workers] = total, min(r[2] for r in rounds)
         print(f"{workers:>7} {total:>8.1f} {size_mb / total:>7.2f} {cpu:>7.1f} {busiest[workers]:>8.1f} "
               f"{size_mb / busiest[workers]:>7.2f} {rss / 2**20:>13.0f}  {own}")
+        res.row(f"rlt-mega preprocess, {size_mb:.1f} MB corpus, the whole command", workers=workers, seconds=round(total, 1),
+                **{"MB/s": round(size_mb / total, 2), "CPU s": round(cpu, 1), "busiest CPU s": round(busiest[workers], 1),
+                   "MB/s per busiest s": round(size_mb / busiest[workers], 2), "peak RSS MiB": round(rss / 2**20)})
     print("  (CPU s: the command and its workers; busiest: the CPU seconds of its busiest process, about its wall "
           "time with a free core per process; MB/s*: MB per busiest-process second)")
     print(f"ratio: 2 workers are {best[1] / best[2]:.2f}x as fast as 1 by the wall clock (load average now "
           f"{os.getloadavg()[0]:.1f}), {busiest[1] / busiest[2]:.2f}x by the busiest process's CPU time")
 
 
-def section_startup(args, work: Path, env: dict, corpus: Path, eval_file: Path) -> None:
+def section_startup(args, work: Path, env: dict, corpus: Path, eval_file: Path, res: harness.Results) -> None:
     common = ["pretrain", "--config", args.config, f"data.tokenizer={args.tokenizer}", f"data.eval={eval_file}",
               "train.steps=1", "train.log_every=1", "train.eval_every=0", "checkpoint.every=0",
               "logging.progress=false"]
@@ -161,11 +174,18 @@ def section_startup(args, work: Path, env: dict, corpus: Path, eval_file: Path) 
             total, first, _, rss, _ = run([*PYTHON, *common, f"data.train={train}", f"logging.dir={tb}",
                                            f"checkpoint.dir={ckpt}"], env, first_step_log=tb / "metrics.jsonl")
             start[label].append((first, rss))
-    print(f"\n## training start-up: rlt-mega pretrain ({args.config}), process start to the first step")
+    report_startup(res, start, args.config)
+
+
+def report_startup(res: harness.Results, start: dict[str, list[tuple]], config: str) -> None:
+    """Prints and records the start-up rounds (data path -> [(seconds to the first step, peak RSS bytes)])."""
+    print(f"\n## training start-up: rlt-mega pretrain ({config}), process start to the first step")
     print(f"{'data path':<10} {'seconds':>8} {'peak RSS MiB':>13}")
     for label, rounds in start.items():
         first, rss = min(rounds)
         print(f"{label:<10} {first:>8.1f} {rss / 2**20:>13.0f}")
+        res.row(f"rlt-mega pretrain ({config}), process start to the first step", **{
+            "data path": label, "seconds": round(first, 1), "peak RSS MiB": round(rss / 2**20)})
     (mem_s, mem_rss), (idx_s, idx_rss) = min(start["in memory"]), min(start["indexed"])
     print(f"ratio: the indexed start is {mem_s / idx_s:.1f}x as fast, with {mem_rss / idx_rss:.1f}x less peak RSS "
           f"(load average now {os.getloadavg()[0]:.1f})")

@@ -23,6 +23,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import harness  # noqa: E402
 from rollout_rows import gsm8k_call  # noqa: E402
 
 from rlt_mega.config import ModelConfig  # noqa: E402
@@ -59,7 +60,9 @@ def main() -> None:
     ap.add_argument("--memory-block", type=int, default=8)
     ap.add_argument("--gap", type=int, default=0, help="model tokens between tool calls (0: GSM8K's own rate)")
     ap.add_argument("--repeats", type=int, default=3)
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("env_rollout", args)
     prompts, budgets, stats = gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=0)
     with open(os.path.join(args.data, "train.jsonl")) as f:
         answers = [json.loads(line)["answer"] for line in f]
@@ -99,6 +102,12 @@ def main() -> None:
     print(f"no tools, check_every 1   {every:8.3f} s/call  {every / base:.2f}x")
     print(f"calculator                {tools:8.3f} s/call  {tools / base:.2f}x  "
           f"({inserted:.1f} insertions per row replayed, replay torch.equal to mu)")
+    table = f"generate + replay per call, {len(prompts)} rows, a tool call every {gap} tokens"
+    for arm_name, s, extra in (("no tools, check_every 8", base, ""), ("no tools, check_every 1", every, ""),
+                               ("calculator", tools, f"{inserted:.1f}")):
+        res.row(table, arm=arm_name, **{"s/call": round(s, 3), "x no tools": round(s / base, 2),
+                                        "insertions per row replayed": extra})
+    res.write()
 
 
 if __name__ == "__main__":

@@ -103,7 +103,6 @@ def main() -> None:
     ap = gsm8k_args(__doc__, repeats=1)
     ap.add_argument("--minibatches", type=int, default=2, help="calls (= learner minibatches) per GRPO step")
     ap.add_argument("--check-every", type=int, default=8)
-    harness.add_json_arg(ap)
     args = parse_gsm8k_args(ap)
     res = harness.Results("grpo", args)
     clock = harness.setup(args)

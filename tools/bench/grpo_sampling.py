@@ -59,7 +59,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6, help="timed steps per trainer (after one warm-up step)")
     ap.add_argument("--max-rounds", type=int, default=4)
     harness.add_common_args(ap)
+    harness.add_json_arg(ap)
     args = ap.parse_args()
+    res = harness.Results("grpo_sampling", args)
     clock = harness.setup(args)
     jobs = {"off": trainer(False, args.max_rounds).job, "on": trainer(True, args.max_rounds).job}
     times = {k: [] for k in jobs}
@@ -80,8 +82,14 @@ def main() -> None:
                    f"{sum(s['sampling/groups_kept'] for s in stats[name]) / len(stats[name]):.2f} informative groups")
         print(f"  {name:3s}: {mean:6.2f} s/step  (sampling rounds per step {sum(rounds) / len(rounds):.2f}; "
               f"learns from {learned})")
+        res.row("GRPO seconds per step, dynamic sampling off and on", **{
+            "dynamic sampling": name, "s/step": round(mean, 2),
+            "sampling rounds per step": round(sum(rounds) / len(rounds), 2), "learns from": learned})
     ratio = (sum(times["on"]) / len(times["on"])) / (sum(times["off"]) / len(times["off"]))
     print(f"  on / off: {ratio:.2f}x")
+    res.row("GRPO seconds per step, dynamic sampling off and on", **{"dynamic sampling": "on / off",
+                                                                     "s/step": f"{ratio:.2f}x"})
+    res.write()
 
 
 if __name__ == "__main__":

@@ -55,6 +55,7 @@ def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:
 
 def main() -> None:
     args = parse_gsm8k_args(gsm8k_args(__doc__, repeats=2))
+    res = harness.Results("learner_rows", args)
     clock = harness.setup(args)
     prompts, budgets, stats = gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=0)
     g = torch.Generator().manual_seed(0)
@@ -87,6 +88,11 @@ def main() -> None:
         t, ref = best[k], best["padded"]
         print(f"| {k} | {steps} | {B * T / steps:.2f} | {t['encoder']:.2f} | {t['decoder_forward']:.2f} | "
               f"{t['backward']:.2f} | {t['step']:.2f} | {ref['step'] / t['step']:.2f} |")
+        res.row(f"learner dense schedule, {B} rows, T={T}", variant=k, **{
+            "decoder row-steps": steps, "x padded": round(B * T / steps, 2), "encoder s": round(t["encoder"], 2),
+            "decoder fwd s": round(t["decoder_forward"], 2), "backward s": round(t["backward"], 2),
+            "step s": round(t["step"], 2), "step x padded": round(ref["step"] / t["step"], 2)})
+    res.write()
 
 
 if __name__ == "__main__":

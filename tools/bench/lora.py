@@ -24,7 +24,7 @@ import dataclasses
 
 import torch
 
-from harness import add_common_args, describe, peak_tensor_bytes, setup, timed_rounds
+from harness import Results, add_common_args, add_json_arg, describe, peak_tensor_bytes, setup, timed_rounds
 from rlt_mega.config import LoraConfig, load_config
 from rlt_mega.model import build_model
 from rlt_mega.model.lora import apply_lora
@@ -80,7 +80,7 @@ def grpo_step(rank: int, new_tokens: int):
     return trainer.engine.module, (lambda: trainer.job.step(next(counter)))
 
 
-def section(title: str, steps: dict, models: dict, repeats: int, clock, tokens: int = 0) -> None:
+def section(res: Results, title: str, steps: dict, models: dict, repeats: int, clock, tokens: int = 0) -> None:
     for fn in steps.values():
         fn()  # warm-up: Adam state, the step's workspace
     peaks = {k: peak_tensor_bytes(fn) for k, fn in steps.items()}
@@ -93,12 +93,15 @@ def section(title: str, steps: dict, models: dict, repeats: int, clock, tokens: 
         rate = f"{tokens / best[k]:8.0f}" if tokens else f"{'-':>8}"
         print(f"{k:<6} {best[k]:8.3f} {rate} {peaks[k] / 1e6:8.1f} {trained_state_bytes(models[k]) / 1e6:10.2f} "
               f"{n:14,d}")
+        res.row(title, arm=k, **{"step s": round(best[k], 3), "tok/s": round(tokens / best[k]) if tokens else "-",
+                                 "peak MB": round(peaks[k] / 1e6, 1),
+                                 "trained MB": round(trained_state_bytes(models[k]) / 1e6, 2), "trained params": n})
     print(f"ratios lora/full: step time {best['lora'] / best['full']:.3f}, peak memory "
           f"{peaks['lora'] / peaks['full']:.3f}, trained state "
           f"{trained_state_bytes(models['lora']) / trained_state_bytes(models['full']):.4f}")
 
 
-def planner_lines(rank: int) -> None:
+def planner_lines(res: Results, rank: int) -> None:
     from rlt_mega.plan.costmodel import estimate
     from rlt_mega.plan.layout import Layout
 
@@ -113,6 +116,11 @@ def planner_lines(rank: int) -> None:
               f"{rep['params'].get('adapters', rep['params']['total']):,}; stage 0 per rank: Adam "
               f"{m['optimizer_states'] / 2**30:.3f} GiB, master {m['master_weights'] / 2**30:.3f} GiB, grads "
               f"{m['gradients'] / 2**30:.3f} GiB; peak {rep['peak_memory'] / 2**30:.2f} GiB")
+        res.row("planner, configs/rlt_48x48.yaml, stage 0 per rank", arm=label,
+                layout=f"tp={lay['tp']} pp={lay['pp']} dp={lay['dp']} ZeRO-{lay['zero_stage']}",
+                **{"trained params": rep["params"].get("adapters", rep["params"]["total"]),
+                   "Adam GiB": round(m["optimizer_states"] / 2**30, 3), "master GiB": round(m["master_weights"] / 2**30, 3),
+                   "grads GiB": round(m["gradients"] / 2**30, 3), "peak GiB": round(rep["peak_memory"] / 2**30, 2)})
     full, lora = reps["full"], reps[f"r{rank}"]
     print(f"ratios r{rank}/full: optimizer state "
           f"{lora['per_rank'][0]['memory']['optimizer_states'] / full['per_rank'][0]['memory']['optimizer_states']:.4f}"
@@ -126,17 +134,20 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--new-tokens", type=int, default=24)
+    add_json_arg(p)
     args = p.parse_args()
+    res = Results("lora", args)
     clock = setup(args)
     print(f"# LoRA r={args.rank} against full fine-tuning, small_cpu; {describe(args)}")
     built = {k: sft_step(args.rank if k == "lora" else 0, args.seq_len) for k in ARMS}
-    section(f"SFT step (B x T = {built['full'][2] // args.seq_len} x {args.seq_len})",
+    section(res, f"SFT step (B x T = {built['full'][2] // args.seq_len} x {args.seq_len})",
             {k: v[1] for k, v in built.items()}, {k: v[0] for k, v in built.items()}, args.repeats, clock,
             built["full"][2])
     grpo = {k: grpo_step(args.rank if k == "lora" else 0, args.new_tokens) for k in ARMS}
-    section(f"GRPO step (2 prompts x 4, {args.new_tokens} new tokens, 2 minibatches)",
+    section(res, f"GRPO step (2 prompts x 4, {args.new_tokens} new tokens, 2 minibatches)",
             {k: v[1] for k, v in grpo.items()}, {k: v[0] for k, v in grpo.items()}, args.repeats, clock)
-    planner_lines(args.rank)
+    planner_lines(res, args.rank)
+    res.write()
 
 
 if __name__ == "__main__":

@@ -45,6 +45,28 @@ from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams  # noqa:
 TARGET = 1.5  # TP=2 tokens/s of the decoder step over the reference arm's
 
 
+def report(res: harness.Results, layouts: list[tuple], best: dict, tokens: dict, exact: dict) -> None:
+    """Rank 0: prints each layout's rollout and replay rates (``best``: name -> (rollout s, replay s);
+    ``tokens``: completion tokens; ``exact``: replay == mu) and the TP=2 target, and records them in ``res``."""
+    print("| layout | decoder | rollout tok/s | replay/rollout | rollout+replay tok/s | replay == mu |")
+    print("|---|---|---|---|---|---|")
+    rate = {}
+    for name, _, _, decoder in layouts:
+        t_roll, t_replay = best[name]
+        rate[name] = tokens[name] / (t_roll + t_replay)
+        print(f"| {name} | {'reference' if decoder else 'step'} | {tokens[name] / t_roll:.1f} | "
+              f"{t_replay / t_roll:.3f} | {rate[name]:.1f} | {exact[name]} |")
+        res.row("the sampler under TP=2 and PP=2, 2 ranks (gloo, wall clock)", layout=name,
+                decoder="reference" if decoder else "step", **{
+                    "rollout tok/s": round(tokens[name] / t_roll, 1), "replay/rollout": round(t_replay / t_roll, 3),
+                    "rollout+replay tok/s": round(rate[name], 1), "replay == mu": exact[name]})
+    ratio = rate["TP=2 step"] / rate["TP=2 reference"]
+    print(f"TP=2: the decoder step over the reference arm, rollout + replay tokens/s: {ratio:.2f}x "
+          f"(target >= {TARGET}x: {'met' if ratio >= TARGET else 'MISSED'})")
+    res.target("TP=2 sampler: decoder step against the reference arm", f"rollout + replay tok/s >= {TARGET}x",
+               f"{ratio:.2f}x", ratio >= TARGET)
+
+
 def main() -> None:
     ap = gsm8k_args(__doc__, repeats=2)
     ap.add_argument("--micro", type=int, nargs="*", default=[2], help="M values for PP=2 (none: skip PP)")
@@ -94,18 +116,10 @@ def main() -> None:
             best[name] = (min(best[name][0], t_roll), min(best[name][1], t_replay))
             tokens[name] = sum(ro.num_completion_tokens() for ro in rollouts)
             exact[name] = all(torch.equal(r, ro.mu) for r, ro in zip(replayed, rollouts) if r is not None)
-    if rank == 0:
-        print("| layout | decoder | rollout tok/s | replay/rollout | rollout+replay tok/s | replay == mu |")
-        print("|---|---|---|---|---|---|")
-        rate = {}
-        for name, _, _, decoder in layouts:
-            t_roll, t_replay = best[name]
-            rate[name] = tokens[name] / (t_roll + t_replay)
-            print(f"| {name} | {'reference' if decoder else 'step'} | {tokens[name] / t_roll:.1f} | "
-                  f"{t_replay / t_roll:.3f} | {rate[name]:.1f} | {exact[name]} |")
-        ratio = rate["TP=2 step"] / rate["TP=2 reference"]
-        print(f"TP=2: the decoder step over the reference arm, rollout + replay tokens/s: {ratio:.2f}x "
-              f"(target >= {TARGET}x: {'met' if ratio >= TARGET else 'MISSED'})")
+    if rank == 0:  # rank 0 alone writes --json
+        res = harness.Results("rollout_parallel", args)
+        report(res, layouts, best, tokens, exact)
+        res.write()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -70,7 +70,8 @@ def gsm8k_call(data: str, num_prompts: int, group: int, vocab: int, seed: int) -
 
 
 def gsm8k_args(doc: str, repeats: int) -> argparse.ArgumentParser:
-    """The arguments every GSM8K-shaped row benchmark takes (this one, learner_rows.py, grpo.py)."""
+    """The arguments every GSM8K-shaped row benchmark takes (this one, learner_rows.py, grpo.py,
+    rollout_parallel.py), --json PATH included."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--config", default="configs/small_cpu.yaml")
     ap.add_argument("--data", default="data/gsm8k", help="a directory holding GSM8K's train.jsonl")
@@ -80,6 +81,7 @@ def gsm8k_args(doc: str, repeats: int) -> argparse.ArgumentParser:
     ap.add_argument("--repeats", type=int, default=repeats)
     ap.add_argument("--quick", action="store_true", help="2 prompts per call, one repeat")
     harness.add_common_args(ap)
+    harness.add_json_arg(ap)
     return ap
 
 
@@ -94,6 +96,7 @@ def main() -> None:
     ap = gsm8k_args(__doc__, repeats=2)
     ap.add_argument("--check-every", type=int, default=8)
     args = parse_gsm8k_args(ap)
+    res = harness.Results("rollout_rows", args)
     clock = harness.setup(args)
     prompts, budgets, stats = gsm8k_call(args.data, args.prompts, args.group, args.vocab, seed=0)
     cfg = load_config(args.config)
@@ -140,9 +143,15 @@ def main() -> None:
             base = (tps, row_steps)
         print(f"| {k} | {times[k]:.2f} | {tps:.1f} | {tps / base[0]:.2f} | {steps} | {row_steps} | "
               f"{base[1] / row_steps:.2f} | {replay_times[k]:.2f} | {exact} |")
+        res.row(f"row schedule against lockstep, {rows} rows per call", variant=k, **{
+            "rollout s": round(times[k], 2), "completion tokens/s": round(tps, 1), "x lockstep": round(tps / base[0], 2),
+            "sequential steps/call": steps, "row-steps/call": row_steps,
+            "row-steps x lockstep": round(base[1] / row_steps, 2), "replay s": round(replay_times[k], 2),
+            "replay == mu": exact})
         if not exact:
             raise SystemExit(f"{k}: replay differs from mu")
         assert ro.completion_lens == budgets, k  # random weights: no stop token, every row runs its budget
+    res.write()
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from harness import add_common_args, best_of_rounds, describe, setup
+from harness import Results, add_common_args, add_json_arg, best_of_rounds, describe, setup
 from rlt_mega.config import ModelConfig, OptimConfig
 from rlt_mega.data.arithmetic import generate_problems
 from rlt_mega.data.packing import PackedPairs
@@ -82,7 +82,9 @@ def main() -> None:
     parser.add_argument("--memory-block", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=2)
     add_common_args(parser)
+    add_json_arg(parser)
     args = parser.parse_args()
+    res = Results("sft_packing", args)
     clock = setup(args)
 
     raw, source = load_pairs(args.data, args.pairs)
@@ -132,7 +134,14 @@ def main() -> None:
         steps = sum(b["inputs"].shape[1] for b in batches)  # sequential decoder steps of the pass
         print(f"{k:>9} {num_rows:>5} {positions:>9} {pair_tokens / positions:>6.1%} {steps:>6} {best[k]:>8.2f} "
               f"{pair_tokens / best[k]:>11.1f} {answer_tokens / best[k]:>13.1f}")
+        res.row(f"packed SFT against one pair a row, {n} pairs, seq_len {args.seq_len}", mode=k, rows=num_rows,
+                positions=positions, fill=f"{pair_tokens / positions:.1%}", steps=steps, **{
+                    "s/pass": round(best[k], 2), "pair tok/s": round(pair_tokens / best[k], 1),
+                    "answer tok/s": round(answer_tokens / best[k], 1)})
     print(f"packed / unpacked tokens/s: {best['unpacked'] / best['packed']:.2f}x")
+    res.row(f"packed SFT against one pair a row, {n} pairs, seq_len {args.seq_len}", mode="packed / unpacked",
+            **{"pair tok/s": f"{best['unpacked'] / best['packed']:.2f}x"})
+    res.write()
 
 
 if __name__ == "__main__":
