@@ -144,7 +144,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from rlt_mega.data.datasets import DataStats
     from rlt_mega.data.pairs import fitting_prompts
 
-    if args.input != "-" and not os.path.isfile(args.input):  # before the model is loaded
+    if args.input != "-" and not os.path.exists(args.input):  # before the model is loaded
         raise ConfigError(f"--input {args.input}: no such file; give a file of prompts (one per line, or jsonl "
                           "with 'question'), or '-' for stdin")
     questions = _read_questions(args.input)

@@ -266,7 +266,7 @@ def test_inspect_and_export_name_the_shard_that_is_missing_truncated_or_of_anoth
     shard.write_bytes(shard.read_bytes()[:-100])
     assert cli.main(["export", str(step), str(tmp_path / "out")]) == 2
     assert "mp_rank_01_model_states.pt has" in capsys.readouterr().err
-    with pytest.raises(CheckpointFormatError, match="mp_rank_01_model_states.pt: cannot be read"):
+    with pytest.raises(CheckpointFormatError, match="mp_rank_01_model_states.pt cannot be read"):
         inspect_path(step, verify=False)
     # shards of another model: config.yaml says d_ffn 128
     step = _copy(source, tmp_path / "other")
