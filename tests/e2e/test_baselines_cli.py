@@ -63,8 +63,11 @@ def test_tensor_parallel_zero_run_of_a_dense_model_equals_the_single_process_run
 @pytest.mark.parametrize("command,overrides,message", [
     ("plan", ["parallel.pp=2", "--world-size", "2"], "parallel.pp=2 with model.arch=dense"),
     ("grpo", [], "GRPO runs the RLT sampler"),
-    ("generate", ["--input", "/dev/null"], "rlt-mega generate/eval runs the RLT sampler"),
+    ("generate", ["--input", "{prompts}"], "rlt-mega generate/eval runs the RLT sampler"),
 ])
-def test_commands_that_need_an_rlt_refuse_the_baselines(command, overrides, message, capsys):
+def test_commands_that_need_an_rlt_refuse_the_baselines(command, overrides, message, capsys, tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("what is 2 plus 2?\n")
+    overrides = [o.format(prompts=prompts) for o in overrides]
     assert main([command, "--config", "configs/tiny_cpu.yaml", "model.arch=dense", *overrides]) == 2
     assert message in capsys.readouterr().err
