@@ -34,7 +34,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -320,22 +320,10 @@ def _deepspeed_globals() -> list:
     return [ZeroStageEnum, LossScaler, DynamicLossScaler, fragment_address]
 
 
-def _queue_globals() -> list:
-    """The plain records of asynchronous GRPO's queue in job_rank*.pt (train/async_grpo.py): the
-    queued samples, their rollouts and recorded schedules (typed events, no callables)."""
-    from rlt_mega.model import plan
-    from rlt_mega.rollout.processing import Processing
-    from rlt_mega.rollout.sampler import Rollout, Schedule
-    from rlt_mega.rollout.turns import EpisodeStats
-    from rlt_mega.train.async_grpo import Generated
-    from rlt_mega.train.grpo_rounds import Round
-
-    return [*plan.EVENTS.values(), plan.FromBatch, plan.FromParked, plan.Fresh, plan.RowRecord, plan.RowLayout,
-            Processing, Rollout, Schedule, EpisodeStats, Generated, Round]
-
-
-def trusted_globals(deepspeed: bool = False) -> list:
-    return _numpy_globals() + _queue_globals() + (_deepspeed_globals() if deepspeed else [])
+def trusted_globals(deepspeed: bool = False, allow: Sequence = ()) -> list:
+    """The allow-list: numpy's RNG state, DeepSpeed's records with ``deepspeed``, and the plain
+    record types ``allow`` a caller names for a file of its own (a job's job_rank*.pt)."""
+    return _numpy_globals() + (_deepspeed_globals() if deepspeed else []) + list(allow)
 
 
 class UntrustedCheckpointError(CheckpointError):
@@ -359,7 +347,7 @@ def refused_type(message: str) -> Optional[str]:
 
 
 @contextlib.contextmanager
-def safe_unpickling(deepspeed: bool = False):
+def safe_unpickling(deepspeed: bool = False, allow: Sequence = ()):
     """Every torch.load inside the block, ours or a library's (DeepSpeed's load_checkpoint,
     ds_to_universal, zero_to_fp32 pass weights_only=False themselves), runs weights-only with
     the allow-list: torch reads TORCH_FORCE_WEIGHTS_ONLY_LOAD at each call and it overrides an
@@ -367,7 +355,7 @@ def safe_unpickling(deepspeed: bool = False):
     previous = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
     os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
     try:
-        with torch.serialization.safe_globals(trusted_globals(deepspeed)):
+        with torch.serialization.safe_globals(trusted_globals(deepspeed, allow)):
             yield
     finally:
         if previous is None:
@@ -382,11 +370,11 @@ def untrusted(path: Path, kind: str) -> UntrustedCheckpointError:
         "unpickled (a pickle can run code); use checkpoints only from sources you trust (docs/checkpoints.md)")
 
 
-def load_torch(path: Path, map_location=None, mmap: bool = False, deepspeed: bool = False):
-    """torch.load of a checkpoint file, weights-only with the allow-list above; a one-line
-    CheckpointError for a missing, damaged or untrusted file."""
+def load_torch(path: Path, map_location=None, mmap: bool = False, deepspeed: bool = False, allow: Sequence = ()):
+    """torch.load of a checkpoint file, weights-only with the allow-list above (plus ``allow``);
+    a one-line CheckpointError for a missing, damaged or untrusted file."""
     try:
-        with safe_unpickling(deepspeed):
+        with safe_unpickling(deepspeed, allow):
             return torch.load(path, weights_only=True, map_location=map_location, mmap=mmap)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None

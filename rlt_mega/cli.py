@@ -198,7 +198,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if cfg.eval.samples:  # pass@k, maj@k, mean@n of eval.samples completions per problem
         from rlt_mega.train.common import sampled_scores
 
-        sums = sampled_scores(sampler, tokenizer, records, list(range(len(records))), cfg, cfg.train.dtype, envs)
+        sums = sampled_scores(model, tokenizer, records, list(range(len(records))), cfg, cfg.train.dtype, envs)
         for name, total in sums.items():
             sys.stdout.write(f"{name.removeprefix('eval/')}: {total / len(records):.4f}\n")
     if args.output:

@@ -70,7 +70,8 @@ from rlt_mega.model.plan import RowSwitches
 from rlt_mega.rollout.env import EnvLimits, Environments, resolve_env
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
-from rlt_mega.train.async_grpo import ColocatedSource, Generated, RemoteSource, StalenessPipeline, run_sampler
+from rlt_mega.train.async_grpo import (ColocatedSource, Generated, RemoteSource, StalenessPipeline, queue_types,
+                                      run_sampler)
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
 from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
@@ -440,6 +441,10 @@ class GRPOJob:
     def load_state_dict(self, state: dict) -> None:
         self.state = GRPOState(**state["state"])
         self.order.load_state_dict(state["data"])
+
+    @property
+    def rank_state_types(self) -> tuple:
+        return queue_types()
 
     def rank_state_dict(self) -> dict:
         """This rank's own state: the staleness queue (train/async_grpo.py), complete (with a

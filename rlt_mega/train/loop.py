@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Protocol
+from typing import Optional, Protocol, Sequence
 
 import torch
 from tqdm import tqdm
@@ -95,6 +95,9 @@ class Job(Protocol):
     def state_dict(self) -> dict: ...  # called on every rank at a save; rank 0's is kept
     def load_state_dict(self, state: dict) -> None: ...
     def rank_state_dict(self) -> dict: ...  # this rank's own (GRPO: its staleness queue), in job_rank<r>.pt
+    # the plain record types job_rank<r>.pt may hold beyond tensors and containers (the
+    # weights-only loader's allow-list for that file: rlt_mega/checkpoint.py)
+    rank_state_types: Sequence[type]
     # None: the checkpoint has no file for this rank; step: the checkpoint's step
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None: ...
 
@@ -212,7 +215,8 @@ class Trainer:
             raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold the state of this {self.job.name} "
                                   f"run ({type(exc).__name__}: {exc})") from None
         job_file = path / f"job_rank{self.dims.rank}.pt"
-        self.job.load_rank_state_dict(load_torch(job_file) if job_file.is_file() else None, self.state.step)
+        self.job.load_rank_state_dict(load_torch(job_file, allow=self.job.rank_state_types) if job_file.is_file()
+                                     else None, self.state.step)
         rng_file = path / f"rng_rank{self.dims.rank}.pt"
         if rng_file.is_file():
             set_rng_state(load_torch(rng_file))

@@ -122,6 +122,8 @@ class SupervisedJob:
         self.state = SupervisedState(**state["state"])
         self.batches.load_state_dict(state["data"])
 
+    rank_state_types = ()
+
     def rank_state_dict(self) -> dict:
         return {}  # every rank's part of the data position is in state_dict
 
