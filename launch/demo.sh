@@ -8,7 +8,12 @@
 # saves both curves as a PNG beside the TensorBoard logs ($RUN/grpo/curves.png).
 # Extra arguments are config overrides for both stages (e.g. `bash launch/demo.sh train.seed=1`);
 # SFT_OVERRIDES / GRPO_OVERRIDES (space-separated) go to one stage only; RUN=dir moves the run
-# (default runs/demo; it is deleted first).
+# (default runs/demo; it is deleted first); PROBLEMS="--num-train N --num-test M" sizes the data.
+# `bash launch/demo.sh --tool` is the tool demo (default RUN=runs/demo_tool): sums of products
+# whose solutions are written with calculator annotations (<<347*28=9716>>9716, demo_problems.py
+# --tool), SFT (configs/demo_tool_sft.yaml), GRPO with the calculator environment
+# (configs/demo_tool_grpo.yaml), then the final model's held-out greedy accuracy with the tool and
+# without it; the PNG also shows the calculator calls per completion.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/env.sh"
 cd "$ROOT"
@@ -16,17 +21,23 @@ cd "$ROOT"
 # second thread gains little on a quiet machine and, when other jobs share the cores, makes
 # each step many times slower. OMP_NUM_THREADS=2 bash launch/demo.sh on a machine of its own.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
-RUN="${RUN:-runs/demo}"
+TOOL=""
+if [ "${1:-}" = "--tool" ]; then
+  TOOL=_tool
+  shift
+fi
+RUN="${RUN:-runs/demo$TOOL}"
 rm -rf "$RUN"
 START=$SECONDS
 read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
 read -r -a GRPO_EXTRA <<< "${GRPO_OVERRIDES:-}"
+read -r -a PROBLEM_ARGS <<< "${PROBLEMS:-}"
 
 echo "== 1. generated problems -> $RUN/data"
-python launch/demo_problems.py "$RUN/data"
+python launch/demo_problems.py "$RUN/data" ${TOOL:+--tool} ${PROBLEM_ARGS[@]+"${PROBLEM_ARGS[@]}"}
 
 echo "== 2. SFT of a tiny RLT (TensorBoard logs: $RUN/sft/tb)"
-rlt-mega sft --config configs/demo_sft.yaml data.train=$RUN/data checkpoint.dir=$RUN/sft/checkpoints \
+rlt-mega sft --config configs/demo${TOOL}_sft.yaml data.train=$RUN/data checkpoint.dir=$RUN/sft/checkpoints \
   logging.dir=$RUN/sft/tb "$@" ${SFT_EXTRA[@]+"${SFT_EXTRA[@]}"}
 python - "$RUN/sft/tb" <<'PY'
 import sys
@@ -39,7 +50,7 @@ PY
 rlt-mega export $RUN/sft/checkpoints $RUN/sft/export
 
 echo "== 3. GRPO from the SFT model (TensorBoard logs: $RUN/grpo/tb)"
-rlt-mega grpo --config configs/demo_grpo.yaml data.train=$RUN/data train.init_from=$RUN/sft/export \
+rlt-mega grpo --config configs/demo${TOOL}_grpo.yaml data.train=$RUN/data train.init_from=$RUN/sft/export \
   checkpoint.dir=$RUN/grpo/checkpoints logging.dir=$RUN/grpo/tb "$@" ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
 python launch/demo_curves.py "$RUN/grpo/tb" "$RUN/grpo/curves.png" --json "$RUN/grpo/curves.json" --run "$*"
 python - "$RUN/grpo/tb" <<'PY'
@@ -51,4 +62,13 @@ for r in rows[:: max(1, len(rows) // 8)] + [rows[-1]]:
     print(f"{r['step']:9d}  {r['reward/mean']:6.3f}  {r['ratio/onpolicy_max_dev']:18.1e}  "
           f"{r['mismatch/logprob_diff_max']:17.1e}  {r['mismatch/kl_mu_dense']:13.1e}")
 PY
+if [ -n "$TOOL" ]; then
+  echo "== 4. the final model on the held-out problems, with the calculator and without it"
+  for ENV in calculator ""; do
+    ACC=$(rlt-mega eval --config configs/demo_tool_grpo.yaml train.init_from= checkpoint.dir=$RUN/grpo/checkpoints \
+      grpo.env=$ENV "$@" ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"} --data $RUN/data/test.jsonl \
+      --output "$RUN/eval${ENV:+_$ENV}.jsonl" | grep "greedy accuracy")
+    echo "${ENV:-no tool}: held-out $ACC"
+  done
+fi
 echo "demo finished in $((SECONDS - START)) s; TensorBoard: tensorboard --logdir $RUN"

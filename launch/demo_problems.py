@@ -11,7 +11,15 @@ imitates both styles, so its greedy answers are long-winded about as often as th
 GRPO, rewarded only for correct final answers within the budget, learns to answer concisely,
 and the held-out accuracy rises. (The test answers are concise; only the question is used.)
 
+With ``--tool`` (``launch/demo.sh --tool``) the questions are sums of two products of a 3-digit
+and a 2-digit number ("What is 347 * 28 + 512 * 16?"), arithmetic a tiny model cannot do in its
+head, and every step of the answer is written with GSM8K's calculator annotation, its result
+repeated after it: "<<347*28=9716>>9716 <<512*16=8192>>8192 <<9716+8192=17908>>17908\n#### 17908".
+With the calculator environment (grpo.env=calculator) the model writes ``<<347*28=`` and the
+environment appends ``9716>>``; without it the model has to produce the digits itself.
+
     python launch/demo_problems.py runs/demo/data --num-train 20000 --num-test 200
+    python launch/demo_problems.py runs/demo_tool/data --tool
 """
 
 from __future__ import annotations
@@ -37,6 +45,13 @@ def problem(rng: random.Random, max_value: int, long_winded: float) -> dict:
     return {"question": f"What is {a} {op} {b}?", "answer": answer}
 
 
+def tool_problem(rng: random.Random) -> dict:
+    (a, b), (c, d) = [(rng.randint(100, 999), rng.randint(10, 99)) for _ in range(2)]
+    x, y = a * b, c * d
+    answer = f"<<{a}*{b}={x}>>{x} <<{c}*{d}={y}>>{y} <<{x}+{y}={x + y}>>{x + y}\n#### {x + y}"
+    return {"question": f"What is {a} * {b} + {c} * {d}?", "answer": answer}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir")
@@ -45,6 +60,7 @@ def main() -> None:
     ap.add_argument("--max-value", type=int, default=9)
     ap.add_argument("--long-winded", type=float, default=0.55, help="fraction of long-winded training answers")
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--tool", action="store_true", help="sums of products with calculator annotations <<a*b=c>>c")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -52,7 +68,8 @@ def main() -> None:
     for name, num, long_winded in (("train", args.num_train, args.long_winded), ("test", args.num_test, 0.0)):
         with open(out / f"{name}.jsonl", "w") as f:
             for _ in range(num):
-                f.write(json.dumps(problem(rng, args.max_value, long_winded)) + "\n")
+                record = tool_problem(rng) if args.tool else problem(rng, args.max_value, long_winded)
+                f.write(json.dumps(record) + "\n")
 
 
 if __name__ == "__main__":
