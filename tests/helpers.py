@@ -27,6 +27,12 @@ def emit_seven(completion: str, answer) -> float:
     return sum(c == "7" for c in completion) / max(len(completion), 1)
 
 
+def write_prompts(path: Path, n: int) -> Path:
+    """n GRPO prompt records {"question": "q<i>", "answer": "#### <i>"} as jsonl at ``path``."""
+    path.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(n)))
+    return path
+
+
 def gsm8k_dir() -> Path:
     """GSM8K in the repository (tests/data/gsm8k, MIT: the whole test split and the first 2,000
     records of the train split), so the tests that read real GSM8K always run."""

@@ -2,18 +2,15 @@
 two processes): rank 0 logs every step with the async/* metrics, and a train.resume that finds
 the roles' checkpoint is refused with the message saying to resume colocated."""
 
-import json
-
 from rlt_mega.metrics import read_metrics
 
-from helpers import launched
+from helpers import launched, write_prompts
 
 
 def grpo(tmp_path, *overrides):
     prompts = tmp_path / "prompts.jsonl"
     if not prompts.exists():
-        prompts.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n"
-                                   for i in range(40)))
+        write_prompts(prompts, 40)
     args = ["grpo", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
             "model.ffn_hidden=64", "model.memory_block=2", "model.max_seq_len=48", f"data.train={prompts}",
             "data.seq_len=32", "train.log_every=1", "optim.warmup_steps=0", "logging.progress=false",

@@ -3,13 +3,12 @@ two rollout micro-batches in flight, grad_accum 2, the k3 KL to a reference in t
 held-out accuracy through the ring): every metric is logged by rank 0, the on-policy ratios are
 exactly 1, and a run stopped and resumed ends with the weights of an uninterrupted one."""
 
-import json
 import torch
 from safetensors.torch import load_file
 
 from rlt_mega.metrics import read_metrics
 
-from helpers import launched
+from helpers import launched, write_prompts
 
 METRICS = ["reward/mean", "reward/accuracy", "ratio/min", "ratio/mean", "ratio/max", "ratio/clip_fraction",
            "ratio/onpolicy_max_dev", "support/miss_fraction", "mismatch/logprob_diff_max",
@@ -21,8 +20,7 @@ METRICS = ["reward/mean", "reward/accuracy", "ratio/min", "ratio/mean", "ratio/m
 def grpo(tmp_path, name, *overrides):
     prompts = tmp_path / "prompts.jsonl"
     if not prompts.exists():
-        prompts.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n"
-                                   for i in range(40)))
+        write_prompts(prompts, 40)
     args = ["grpo", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
             "model.ffn_hidden=64", "model.memory_block=2", "model.max_seq_len=48", f"data.train={prompts}",
             "data.seq_len=32", "train.log_every=1", "optim.lr=0.01", "optim.warmup_steps=0",
