@@ -54,6 +54,7 @@ class FakeJob:
     """Counts its steps (its state) and records what the loop asked of it."""
 
     name = "fake"
+    rank_state_types = ()
     eval_at_start = False
 
     def __init__(self, engine: FakeEngine, eval_every: int, fail_at: int | None = None) -> None:
