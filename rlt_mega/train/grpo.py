@@ -498,9 +498,7 @@ def grpo_config(cfg: Config) -> Config:
     if cfg.data.pack:
         raise ConfigError("data.pack=true packs SFT pairs; a GRPO row is one rollout (prompt and completion): "
                           "remove data.pack")
-    if g.env and cfg.sampling.check_every != 1:
-        raise ConfigError(f"grpo.env={g.env!r} needs sampling.check_every: 1 (got {cfg.sampling.check_every}): an "
-                          "observation goes in at the check right after its trigger")
+    _check_env_schedule(cfg)
     rows = g.prompts_per_step * g.group_size // g.minibatches
     if rows % accum:
         raise ConfigError(f"train.grad_accum={accum} does not divide a GRPO minibatch of {rows} rows "
@@ -520,12 +518,19 @@ def grpo_config(cfg: Config) -> Config:
     return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=micro))
 
 
+def _check_env_schedule(cfg: Config) -> None:
+    if cfg.grpo.env and cfg.sampling.check_every != 1:
+        raise ConfigError(f"grpo.env={cfg.grpo.env!r} needs sampling.check_every: 1 (got {cfg.sampling.check_every}): "
+                          "an observation goes in at the check right after its trigger")
+
+
 def environments(cfg: Config, tokenizer: Tokenizer) -> Optional[Environments]:
     """grpo.env's environment with the run's limits (None: no environment); observations are
     tokenized once, with the run's tokenizer (no BOS)."""
     g = cfg.grpo
     if not g.env:
         return None
+    _check_env_schedule(cfg)
     try:
         env = resolve_env(g.env)
     except ValueError as exc:
