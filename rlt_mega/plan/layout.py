@@ -20,7 +20,8 @@ AttentionKernel = Literal["flash", "math"]
 @dataclass
 class ZeroBuckets:
     """DeepSpeed knobs that size ZeRO's communication buffers (elements), at DeepSpeed's
-    defaults. They matter: a 5e8-element bf16 reduce bucket is 1 GB per rank."""
+    defaults. They matter: a 5e8-element bf16 reduce bucket is 1 GB per rank (the trainer caps
+    the reduce and all-gather buckets at the rank's trained elements: parallel/zero.py)."""
 
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000

@@ -48,6 +48,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
+from rlt_mega.parallel.zero import bucket_elements
 from rlt_mega.plan.fused_memory import fused_weight_bytes, fused_weight_numels, run_buffer_bytes, run_scratch_bytes
 from rlt_mega.plan.layout import Layout
 from rlt_mega.plan.params import rank_adapter_numels, rank_param_counts, rank_tensor_numels, stage_layers
@@ -204,11 +205,13 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     master = 0 if (zero == 0 and layout.dtype == "fp32") else 4 * part
     moments = 8 * part
     grads_after = trained * w if zero in (0, 1) else part * w
-    # DeepSpeed's contiguous-gradient reduce bucket (allocated whole, whatever the model size)
-    # and, for ZeRO-3, the parameter prefetch bucket.
+    # DeepSpeed's contiguous-gradient reduce bucket (allocated whole; the trainer sizes it to at
+    # most the rank's trained elements, parallel/zero.bucket_elements) and, for ZeRO-3, the
+    # parameter prefetch bucket.
     zero_buffers = 0.0
     if zero > 0:
-        zero_buffers += buckets.reduce_bucket_size * w * (2 if buckets.overlap_comm and zero < 3 else 1)
+        bucket = min(buckets.reduce_bucket_size, bucket_elements(trained))
+        zero_buffers += bucket * w * (2 if buckets.overlap_comm and zero < 3 else 1)
     if zero == 3:
         zero_buffers += buckets.stage3_prefetch_bucket_size * w
     rope_tables = 2 * cfg.max_seq_len * cfg.head_dim * a  # cos/sin cached per device and dtype

@@ -27,9 +27,9 @@ def roles_run(grpo: dict, train: dict, out_dir: str) -> dict:
 
 
 def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
-    """Bounded staleness on this layout (colocated, every rank): 3 steps uninterrupted; 2 steps,
-    a checkpoint and the last step resumed in a new trainer; and the one-process run of the same
-    config. Returns rank 0's logged losses, staleness and on-policy deviations of each run, and
+    """Bounded staleness on this layout (colocated, every rank): 2 steps uninterrupted; 1 step,
+    a checkpoint (its queue holds step 2's stale sample) and the last step resumed in a new
+    trainer; and the one-process run of the same config. Returns rank 0's logged losses, staleness and on-policy deviations of each run, and
     every rank's digest of its parameters."""
     import hashlib
     import json
@@ -41,7 +41,7 @@ def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
     from rlt_mega.train.grpo import build_trainer, engine_config
 
     def config(name: str, stop_after=None, distributed: bool = True):
-        train = {"steps": 3, "resume": "auto", **({"stop_after": stop_after} if stop_after else {})}
+        train = {"steps": 2, "resume": "auto", **({"stop_after": stop_after} if stop_after else {})}
         cfg = roles_config(grpo, train, f"{out_dir}/{name}", 0)
         if distributed:
             cfg = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, **parallel))
@@ -66,7 +66,7 @@ def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
         return [{k: x[k] for k in keys} for x in map(json.loads, path.read_text().splitlines()) if "train/loss" in x]
 
     whole = run("whole")
-    run("cut", stop_after=2)
+    run("cut", stop_after=1)
     resumed = run("cut")
     out = {"whole": whole["digest"], "resumed": resumed["digest"]}
     if torch.distributed.get_rank() == 0:
