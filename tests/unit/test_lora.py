@@ -125,8 +125,7 @@ def test_lora_config_errors():
         from_dict({"model": {"lora": {"rank": -1}}})
     with pytest.raises(ConfigError, match="adapters are for the RLT"):
         from_dict({"model": {"arch": "dense", "lora": {"rank": 8}}})
-    with pytest.raises(ConfigError, match="parallel.zero_stage=3: adapters run with ZeRO 0-2"):
-        from_dict({"model": {"lora": {"rank": 8}}, "parallel": {"zero_stage": 3}})
+    assert from_dict({"model": {"lora": {"rank": 8}}, "parallel": {"zero_stage": 3}}).parallel.zero_stage == 3
     assert from_dict({"model": {"lora": {"rank": 16, "alpha": 32}}}).model.lora.scale == 2.0
 
 
@@ -191,3 +190,8 @@ def test_planner_counts_adapters_and_their_optimizer_memory():
     assert mb["optimizer_state_numel"] < 0.05 * ma["optimizer_state_numel"]
     assert mb["optimizer_state_numel"] <= 2 * sum(numels)
     assert b["peak_memory"] < a["peak_memory"]
+    # ZeRO-3: the frozen base rests partitioned beside the adapters (and is gathered with them)
+    z3 = ["parallel.pp=1", "parallel.zero_stage=3"]
+    full, lora = (load_config("configs/rlt_48x48.yaml", z3 + extra) for extra in ([], ["model.lora.rank=16"]))
+    a, b = (estimate(c.model, Layout.from_config(c))["per_rank"][0]["memory"] for c in (full, lora))
+    assert b["weights"] > a["weights"] and b["optimizer_state_numel"] < 0.05 * a["optimizer_state_numel"]
