@@ -682,10 +682,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        _check(not (self.model.lora.enabled and self.parallel.zero_stage == 3),
-               f"model.lora.rank={self.model.lora.rank} with parallel.zero_stage=3: adapters run with ZeRO 0-2 "
-               "(their optimizer state is small: ZeRO-3's partitioned parameters buy nothing here); set "
-               "parallel.zero_stage=1")
         _check(not self.train.cuda_graphs or self.parallel.pp == 1,
                f"train.cuda_graphs=true with parallel.pp={self.parallel.pp}: the graphs capture the dense "
                "schedule's decoder loop, which a pipeline stage does not run (its positions arrive over the "

@@ -323,14 +323,15 @@ def verify_export(path: str | Path) -> dict[str, str]:
 def check_fits(exported: ModelConfig, run: ModelConfig, path: str | Path) -> None:
     """``train.init_from``: the fields that fix the shapes must agree; the others may differ on
     purpose (a dense import trained with memory_block=4, a longer max_seq_len) and are logged,
-    since the weights then compute something other than what they were trained for."""
+    since the weights then compute something other than what they were trained for. model.lora
+    is not compared: adapters start at B = 0 on the export, their base (it computes the same)."""
     mismatched = [f"{f}: export {getattr(exported, f)} vs run {getattr(run, f)}"
                   for f in SHAPE_FIELDS if getattr(exported, f) != getattr(run, f)]
     if mismatched:
         raise ConfigError(f"train.init_from={path}: the export's config does not fit model "
                           f"({'; '.join(mismatched)}); set these model.* fields as in {Path(path) / CONFIG_NAME}")
     for f in dataclasses.fields(ModelConfig):
-        if f.name not in SHAPE_FIELDS and getattr(exported, f.name) != getattr(run, f.name):
+        if f.name not in SHAPE_FIELDS + ("lora",) and getattr(exported, f.name) != getattr(run, f.name):
             log.warning("init_from %s: model.%s is %s in the run but %s in the export", path, f.name,
                         getattr(run, f.name), getattr(exported, f.name))
 

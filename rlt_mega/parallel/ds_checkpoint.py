@@ -111,8 +111,14 @@ class DeepSpeedCheckpoint:
                                   "and train.seed (config.yaml of the checkpoint)")
 
     def _base_hash(self) -> str:
-        """sha256 of this rank's part of the frozen base (model.lora)."""
-        return state_hash(base_state(self.ds.module))
+        """sha256 of this rank's part of the frozen base (model.lora); under ZeRO-3 of its whole
+        stage and TP shard, gathered over the data-parallel group (a collective: every rank
+        saves and loads)."""
+        import deepspeed
+
+        frozen = [p for p in self.ds.module.parameters() if not p.requires_grad]
+        with deepspeed.zero.GatheredParameters(frozen, modifier_rank=None):
+            return state_hash(base_state(self.ds.module))
 
     def _load_universal(self, directory: Path) -> None:
         """Rank 0 converts the checkpoint's ZeRO shards with DeepSpeed's ds_to_universal into a

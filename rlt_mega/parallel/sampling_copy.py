@@ -6,7 +6,9 @@ then wait in different collectives. So sampling runs on a plain copy of this ran
 TP shard (built once, outside DeepSpeed's hooks), refreshed from the partitions by one gather
 of every parameter: a collective over the data-parallel group, which every rank calls at the
 same point. Its memory is one more model shard per rank (what a hybrid engine pays to
-generate from a ZeRO-3 model)."""
+generate from a ZeRO-3 model). Under model.lora the copy carries the same adapters
+(parallel/sharding.py ``adapt_for_rank``) with the gathered base and adapter values, so it
+merges W + s B A exactly as the learner does."""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from torch import nn
 from rlt_mega.config import ModelConfig
 from rlt_mega.parallel.build import build_stage
 from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.parallel.sharding import shard_for_rank
+from rlt_mega.parallel.sharding import adapt_for_rank, shard_for_rank
 
 
 class SamplingCopy:
@@ -32,6 +34,8 @@ class SamplingCopy:
 
         if self._copy is None:
             copy_ = shard_for_rank(build_stage(self.model_cfg, self.dims, seed=0), self.dims)  # values copied below
+            if self.model_cfg.lora.enabled:  # the same adapters (model.lora): the same merged weights, by name
+                adapt_for_rank(copy_, self.dims, seed=0)
             # requires_grad stays as on the engine's parameters (no gradient is ever computed
             # here): some kernels (F.rms_norm) take another path for a weight without it, and
             # samples must not depend on the ZeRO stage.

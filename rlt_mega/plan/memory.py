@@ -197,11 +197,14 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     if zero == 3:
         # Resting partition + what is gathered for compute: the decoder reuses every layer at
         # every step, so the stage stays gathered when it fits max_live_parameters.
-        gathered = min(psi, buckets.stage3_max_live_parameters)
-        weights = (part + gathered) * w
+        # Under model.lora the frozen base rests partitioned beside the adapters as well.
+        resting = zero_partition_numel(rank_tensor_numels(cfg, tp, pp, stage, layout.pp_split) + adapter_numels,
+                                       dp, zero) if lora else part
+        gathered = min(psi + (trained if lora else 0), buckets.stage3_max_live_parameters)
+        weights = (resting + gathered) * w
     else:
         weights = -(-psi // (2 * dp)) * 2 * dp * w if zero in (1, 2) else psi * w
-    weights += trained * w if lora else 0
+        weights += trained * w if lora else 0
     master = 0 if (zero == 0 and layout.dtype == "fp32") else 4 * part
     moments = 8 * part
     grads_after = trained * w if zero in (0, 1) else part * w

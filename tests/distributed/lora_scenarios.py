@@ -29,9 +29,18 @@ class OneProcessLoRA(OneProcessGRPO):
 
 
 def _whole(model, dims: ParallelDims) -> dict[str, torch.Tensor]:
-    """This rank's adapters, the tensor-parallel shards gathered (B of a column layer, A of a row layer)."""
+    """This rank's adapters, the tensor-parallel shards gathered (B of a column layer, A of a row
+    layer) and, under ZeRO-3, the data-parallel partitions."""
+    import deepspeed
+
+    found = list(adapters(model))
+    with deepspeed.zero.GatheredParameters([p for _, a in found for p in a.parameters()], modifier_rank=None):
+        return _whole_gathered(found, dims)
+
+
+def _whole_gathered(found, dims: ParallelDims) -> dict[str, torch.Tensor]:
     out = {}
-    for name, a in adapters(model):
+    for name, a in found:
         for which, p in (("lora_A", a.lora_A), ("lora_B", a.lora_B)):
             t = p.detach().float()
             split = a.shard_dim is not None and (which == "lora_B") == (a.shard_dim == 0)
@@ -43,6 +52,15 @@ def _whole(model, dims: ParallelDims) -> dict[str, torch.Tensor]:
     return out
 
 
+def _frozen(model) -> dict[str, torch.Tensor]:
+    """The frozen base's parameters of this rank (under ZeRO-3 gathered over the data-parallel group)."""
+    import deepspeed
+
+    params = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    with deepspeed.zero.GatheredParameters([p for _, p in params], modifier_rank=None):
+        return {n: p.detach().clone() for n, p in params}
+
+
 def lora_grpo_step(parallel: dict, train: dict | None = None) -> dict:
     cfg = grpo_config(grpo_cfg(parallel, train))
     cfg.model.lora = LORA
@@ -50,7 +68,7 @@ def lora_grpo_step(parallel: dict, train: dict | None = None) -> dict:
     recs = records()
     trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, recs, [])
     model = trainer.engine.module
-    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    frozen = _frozen(model)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     lrs, original = [], trainer.engine.train_step
 
@@ -68,11 +86,13 @@ def lora_grpo_step(parallel: dict, train: dict | None = None) -> dict:
     out = {
         "onpolicy_dev": scalars["ratio/onpolicy_max_dev"],
         "only_adapters_train": bool(trainable) and all(n.endswith(("lora_A", "lora_B")) for n in trainable),
-        "base_unchanged": all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if n in frozen),
+        "base_unchanged": _frozen(model).keys() == frozen.keys() and all(
+            torch.equal(p, frozen[n]) for n, p in _frozen(model).items()),
         "adapters": len(mine),
         "adapter_diff": max(float((mine[k] - theirs[k]).abs().max()) for k in mine),
         "adapter_moved": max(float((theirs[k] - start[k]).abs().max()) for k in mine),
         "ref_norm": ref["norm"],
+        **_optimizer_numel(trainer.engine, dims),
     }
     trainer.engine.close()
     dims.destroy()
@@ -103,18 +123,18 @@ def lora_checkpoint_round_trip(parallel: dict, shared: str) -> dict:
     first.job.step(0)
     first.engine.save(directory)
     dims.barrier()
-    saved = torch.load(next((directory / "deepspeed").glob("mp_rank_*model_states.pt")), weights_only=False)
+    saved = torch.load(next((directory / "deepspeed").glob("*mp_rank_*model_states.pt")), weights_only=False)
     module_keys = list(saved["module"].keys())
     second = trainer_of()
     second.engine.load(directory)
-    a, b = adapter_state(first.engine.module), adapter_state(second.engine.module)
+    a, b = _whole(first.engine.module, dims), _whole(second.engine.module, dims)
     loaded_equal = all(torch.equal(a[k], b[k]) for k in a)
     g = torch.Generator().manual_seed(0)  # the same next step on both: one LM step on fixed tokens
     x = torch.randint(1, 200, (cfg.train.micro_batch_size, 13), generator=g)
     batch = {"inputs": x[:, :-1], "targets": x[:, 1:], "loss_mask": torch.ones(x.shape[0], 12)}
     first.engine.train_step([dict(batch)] * cfg.train.grad_accum)
     second.engine.train_step([dict(batch)] * cfg.train.grad_accum)
-    a, b = adapter_state(first.engine.module), adapter_state(second.engine.module)
+    a, b = _whole(first.engine.module, dims), _whole(second.engine.module, dims)
     stepped_equal = all(torch.equal(a[k], b[k]) for k in a)
     first.engine.close()
     second.engine.close()
@@ -182,4 +202,47 @@ def lora_replay_exact(parallel: dict, dtype: str = "fp32") -> dict:
         if same:
             out["mu_diff"] = max(out["mu_diff"], float((ro.mu - ref.mu).abs().max()))
     dims.destroy()
+    return out
+
+
+def _optimizer_numel(engine, dims: ParallelDims) -> dict:
+    """Elements of Adam's first moment over the data-parallel partitions of this model-parallel
+    rank (what ZeRO's inner torch optimizer holds), beside this rank's adapter and base sizes."""
+    inner = engine.ds.optimizer.optimizer
+    held = sum(s["exp_avg"].numel() for s in inner.state.values() if "exp_avg" in s)
+    total = torch.tensor([float(held)])
+    torch.distributed.all_reduce(total, group=dims.dp_group)
+    params = dict(engine.module.named_parameters())
+    sizes = {n: (p.ds_numel if hasattr(p, "ds_numel") else p.numel()) for n, p in params.items()}
+    return {"optimizer_numel": int(total.item()),
+            "adapter_numel": sum(v for n, v in sizes.items() if params[n].requires_grad),
+            "base_numel": sum(v for n, v in sizes.items() if not params[n].requires_grad)}
+
+
+def lora_sft_steps(parallel: dict, steps: int = 2) -> dict:
+    """``steps`` LM (SFT) optimizer steps of the engine with adapters against one process with
+    the same adapters on the combined batch (scenarios.Reference, base frozen): gradient norms,
+    then the adapters; only the adapters are in the optimizer."""
+    from tests.distributed.scenarios import Reference, _close, _engine, global_batch, local_batches, make_cfg
+
+    cfg = make_cfg({"lora": {"rank": 4, "alpha": 8.0}}, parallel, optim={"lr": 1e-2, "grad_clip": 0.5})
+    dims, engine = _engine(cfg)
+    ref = Reference(cfg)
+    apply_lora(ref.model, cfg.model.lora, cfg.train.seed)
+    o = cfg.optim
+    ref.opt = torch.optim.AdamW(param_groups(ref.model, o.weight_decay), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                foreach=False)
+    start = {k: v.clone() for k, v in adapter_state(ref.model).items()}
+    out = {"norm": [], "ref_norm": []}
+    for step in range(steps):
+        m = engine.train_step(local_batches(cfg, step, dims))
+        x, y = global_batch(cfg, step, dims.dp)
+        ref.backward(x, y)
+        out["ref_norm"].append(ref.step(m.lr))
+        out["norm"].append(m.grad_norm)
+    mine, theirs = _whole(engine.module, dims), adapter_state(ref.model)
+    out["adapter_diff"] = max(float((mine[k] - theirs[k]).abs().max()) for k in theirs)
+    out["adapter_moved"] = max(float((theirs[k] - start[k]).abs().max()) for k in theirs)
+    out.update(_optimizer_numel(engine, dims))
+    _close(dims, engine)
     return out
