@@ -9,8 +9,8 @@
 # Extra arguments are config overrides for both stages (e.g. `bash launch/demo.sh train.seed=1`);
 # SFT_OVERRIDES / GRPO_OVERRIDES (space-separated) go to one stage only; RUN=dir moves the run
 # (default runs/demo; it is deleted first); PROBLEMS="--num-train N --num-test M" sizes the data.
-# `bash launch/demo.sh --tool` is the tool demo (default RUN=runs/demo_tool): sums of products
-# whose solutions are written with calculator annotations (<<347*28=9716>>9716, demo_problems.py
+# `bash launch/demo.sh --tool` is the tool demo (default RUN=runs/demo_tool): a product plus a number
+# whose solutions are written with calculator annotations (<<(896*66)=59136>>59136, demo_problems.py
 # --tool), SFT (configs/demo_tool_sft.yaml), GRPO with the calculator environment
 # (configs/demo_tool_grpo.yaml), then the final model's held-out greedy accuracy with the tool and
 # without it; the PNG also shows the calculator calls per completion.

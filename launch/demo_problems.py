@@ -11,12 +11,16 @@ imitates both styles, so its greedy answers are long-winded about as often as th
 GRPO, rewarded only for correct final answers within the budget, learns to answer concisely,
 and the held-out accuracy rises. (The test answers are concise; only the question is used.)
 
-With ``--tool`` (``launch/demo.sh --tool``) the questions are sums of two products of a 3-digit
-and a 2-digit number ("What is 347 * 28 + 512 * 16?"), arithmetic a tiny model cannot do in its
-head, and every step of the answer is written with GSM8K's calculator annotation, its result
-repeated after it: "<<347*28=9716>>9716 <<512*16=8192>>8192 <<9716+8192=17908>>17908\n#### 17908".
-With the calculator environment (grpo.env=calculator) the model writes ``<<347*28=`` and the
-environment appends ``9716>>``; without it the model has to produce the digits itself.
+With ``--tool`` (``launch/demo.sh --tool``) a question is a product of a 3-digit and a 2-digit
+number plus a 4-digit number ("What is 896*66+2914?"), a two-step sum whose product a tiny model
+cannot do in its head, and every step of the answer is written with GSM8K's calculator
+annotation, its result repeated after it:
+"<<896*66=59136>>59136 <<59136+2914=62050>>62050\n#### 62050". Every number has a fixed width
+(the product 5 digits, the sum 5 digits), so each number the model copies, from the question or
+from the calculator's result, lies at the same distance back in every problem: a tiny model
+learns the layout and the copying in a few hundred SFT steps. With the calculator environment
+(grpo.env=calculator) the model writes ``<<896*66=`` and the environment appends ``59136>>``;
+without it the model has to produce the digits itself.
 
     python launch/demo_problems.py runs/demo/data --num-train 20000 --num-test 200
     python launch/demo_problems.py runs/demo_tool/data --tool
@@ -46,10 +50,13 @@ def problem(rng: random.Random, max_value: int, long_winded: float) -> dict:
 
 
 def tool_problem(rng: random.Random) -> dict:
-    (a, b), (c, d) = [(rng.randint(100, 999), rng.randint(10, 99)) for _ in range(2)]
-    x, y = a * b, c * d
-    answer = f"<<{a}*{b}={x}>>{x} <<{c}*{d}={y}>>{y} <<{x}+{y}={x + y}>>{x + y}\n#### {x + y}"
-    return {"question": f"What is {a} * {b} + {c} * {d}?", "answer": answer}
+    while True:  # fixed widths: a 5-digit product, a 5-digit sum
+        a, b, c = rng.randint(100, 999), rng.randint(10, 99), rng.randint(1000, 9999)
+        if 10000 <= a * b and a * b + c < 100000:
+            break
+    x, total = a * b, a * b + c
+    answer = f"<<({a}*{b})={x}>>{x} <<{x}+{c}={total}>>{total}\n#### {total}"
+    return {"question": f"What is ({a}*{b})+{c}?", "answer": answer}
 
 
 def main() -> None:
@@ -60,7 +67,7 @@ def main() -> None:
     ap.add_argument("--max-value", type=int, default=9)
     ap.add_argument("--long-winded", type=float, default=0.55, help="fraction of long-winded training answers")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--tool", action="store_true", help="sums of products with calculator annotations <<a*b=c>>c")
+    ap.add_argument("--tool", action="store_true", help="a product plus a number, with calculator annotations <<a*b=x>>x")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
