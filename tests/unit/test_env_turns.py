@@ -5,7 +5,7 @@ start and end inside a memory block and on its boundary, G in {1, 4} (forks befo
 turn), slots < rows, several turns per row; the learner's dense log-probs and gradient equal the
 teacher-forced transcript's under the same mask (float64); the limits (max_turns, observation
 caps, the token budget, the time limit); token identity with a tokenizer whose re-encoding
-changes the ids."""
+changes the ids; the chat environment's turns from the prompt records, laid out by the template."""
 
 import json
 import time
@@ -243,6 +243,8 @@ def test_chat_turns_are_laid_out_by_the_chat_template(tmp_path):
     row), and the user turn is the template's text, tokenized once: the transcript reads as the
     template renders the conversation."""
     from rlt_mega import cli
+    from rlt_mega.config import DataConfig
+    from rlt_mega.data.datasets import PROMPT_COLUMNS, DataStats, load_records, prompt_record
     from rlt_mega.data.arithmetic import generate_problems
     from rlt_mega.data.chat import CHATML, render
     from rlt_mega.data.tokenizer import load_tokenizer
@@ -254,7 +256,16 @@ def test_chat_turns_are_laid_out_by_the_chat_template(tmp_path):
     tok = load_tokenizer(str(tmp_path / "tok"), chat_template=True)
     envs = Environments(Chat(), tok.encode, EnvLimits(), tok.chat_turn, tok.turn_end_id)
     assert tok.turn_end_id in tok.stop_ids and envs.stop_ids(tok.stop_ids) == (tok.eos_id,)
-    ep = envs.episodes([{"turns": ["and 2 + 2?"]}])[0]
+    # the turns come from the prompt record (GRPO's and eval's data), a malformed one skipped and counted
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question": "1 + 1?", "answer": "2", "turns": ["and 2 + 2?"]}, {"question": "q", "answer": "a", "turns": [3]},
+        {"question": "q", "answer": "a", "turns": ["\ud800"]}, {"question": "q", "answer": "a"}]))
+    stats = DataStats()
+    records = load_records(str(chats), "train", DataConfig(train=str(chats)), prompt_record(), PROMPT_COLUMNS, stats)
+    assert [r["turns"] for r in records] == [["and 2 + 2?"], []] and stats.total == 2, stats.summary()
+    assert "field 'turns' is not a list of strings x1" in stats.summary()
+    ep = envs.episodes([records[0]])[0]
     prompt = tok.encode(tok.chat_prompt("1 + 1?"))
     answer = tok.encode("2") + [tok.turn_end_id]
     assert not ep.triggered(answer[:-1], "2") and ep.triggered(answer, "2")
