@@ -291,7 +291,7 @@ class RowExecutor:
             run.work.tokens[run.targets, run.target_pos + 1] = ctl[0, :n]
             run.z = ins[1].squeeze(1)
         if is_check(step.t, self.check_every):
-            run.work.plan.set_flags(step.t, ctl[1, n:].bool().tolist())  # the check's host read
+            run.work.plan.set_flags(step.t, ctl[1, n:].tolist())  # the check's host read (codes: set_flags)
 
     def _decoder_step(self, run: _Run, step: RingStep, ins: list, processing: Processing) -> None:
         model, comms, k = self.model, self.comms, step.t
