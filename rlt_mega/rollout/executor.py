@@ -50,8 +50,9 @@ class RowChooser(Protocol):
     def record_rows(self, targets: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """The tokens every TP rank continues with: updates the finish flags on the device."""
 
-    def finished_rows(self) -> torch.Tensor:
-        """(R,) bool: the rows that are done."""
+    def flag_codes(self) -> torch.Tensor:
+        """(R,) long: the flags a check reads (``RowPlan.set_flags``): 1 done, 2 out of the batch
+        for an environment call (rollout/turns.py), else 0."""
 
     def check(self, t: int) -> None:
         """At a check (host work allowed): stop strings."""
@@ -327,11 +328,11 @@ class RowExecutor:
         finished = None
         if is_check(k + 1, self.check_every):
             chooser.check(k)  # may end rows (stop strings): before the flags leave
-            finished = chooser.finished_rows()
+            finished = chooser.flag_codes()
             if plan.recorded is None:
                 plan.set_flags(k + 1, finished.tolist())  # the check's host read
         if step.sends:
-            flags = finished if finished is not None else chooser.finished_rows()
+            flags = finished if finished is not None else chooser.flag_codes()
             ctl = torch.zeros(CTL_ROWS, len(nxt) + len(flags), dtype=torch.long, device=nxt.device)
             ctl[0, :len(nxt)] = nxt
             ctl[1, len(nxt):] = flags.long()

@@ -211,8 +211,8 @@ class _Draw:
         self.reason[targets] = torch.where(running & length, 3, reason)
         self.num_new[targets] = num_new
 
-    def finished_rows(self):
-        """(R,) long codes: 1 finished, 2 away in an environment call (left at this check), else 0."""
+    def flag_codes(self):
+        """1 finished, 2 away in an environment call (left at this check), else 0."""
         done = (self.reason[:self.num_rows] != 0).long()
         return done if not self.away else torch.where(self.away_t, 2, done)
 
@@ -255,7 +255,7 @@ class _Draw:
         """At check k (the step after the draws it reads: check_every = 1): first the answers to
         the calls of the rows that left at the last check (waited for here); then the rows whose
         model turn triggered their episode submit its call (started once, on TP rank 0: ``once``)
-        and leave their slot (``away``: code 2 of ``finished_rows``) while it runs, unless no
+        and leave their slot (``away``: code 2 of ``flag_codes``) while it runs, unless no
         other row could run meanwhile: then their answers are waited for now and they stay."""
         R = self.num_rows
         if self.away:
@@ -344,7 +344,7 @@ class _Force:
 
     def __init__(self, tokens: torch.Tensor, num_rows: int) -> None:
         self.tokens = tokens
-        self.none = torch.zeros(num_rows, dtype=torch.bool, device=tokens.device)
+        self.none = torch.zeros(num_rows, dtype=torch.long, device=tokens.device)
 
     def choose_rows(self, targets, positions, logprobs):
         return self.tokens[targets, positions + 1]
@@ -352,7 +352,7 @@ class _Force:
     def record_rows(self, targets, positions, tokens) -> None:
         pass
 
-    def finished_rows(self):
+    def flag_codes(self):
         return self.none
 
     def check(self, t: int) -> None:
