@@ -122,9 +122,10 @@ def main() -> None:
         print(f"{name:25s} {s:8.3f} s/call  {s / base:.2f}x  ({n:.1f} insertions per row replayed, replay "
               f"torch.equal to mu; {out:.1f} slot departures per row during calls)")
     table = f"generate + replay per call, {len(prompts)} rows, a tool call every {gap} tokens"
-    for arm_name, s, extra, out in (("no tools, check_every 8", base, "", ""), ("no tools, check_every 1", every, "", ""),
-                                    ("calculator", tools, f"{inserted:.1f}", f"{left:.1f}"),
-                                    (slow_name, slow, f"{slow_inserted:.1f}", f"{slow_left:.1f}")):
+    arms = (("no tools, check_every 8", base, "", ""), ("no tools, check_every 1", every, "", ""),
+            ("calculator", tools, f"{inserted:.1f}", f"{left:.1f}"),
+            (slow_name, slow, f"{slow_inserted:.1f}", f"{slow_left:.1f}"))
+    for arm_name, s, extra, out in arms:
         res.row(table, arm=arm_name, **{"s/call": round(s, 3), "x no tools": round(s / base, 2),
                                         "insertions per row replayed": extra, "departures per row": out})
     res.write()
