@@ -171,17 +171,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_eval(args: argparse.Namespace) -> int:
     import json
 
-    from rlt_mega.data.datasets import DataStats, load_records, pair_of, train_eval_records
+    from rlt_mega.data.datasets import PROMPT_COLUMNS, DataStats, load_records, prompt_record, train_eval_records
     from rlt_mega.data.pairs import fitting_prompts
     from rlt_mega.train.common import greedy_accuracy
 
     cfg, model, tokenizer = _inference_model(_load(args))
-    extract = pair_of(cfg.sft.prompt_field, cfg.sft.answer_field)
+    extract = prompt_record(cfg.sft.prompt_field, cfg.sft.answer_field)  # with its scripted turns (grpo.env)
     stats = DataStats()
     if args.data is not None:
-        records = load_records(args.data, "eval", cfg.data, extract, ["question", "answer"], stats)
+        records = load_records(args.data, "eval", cfg.data, extract, PROMPT_COLUMNS, stats)
     else:
-        records = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)[1]
+        records = train_eval_records(cfg.data, extract, PROMPT_COLUMNS, stats, seed=cfg.train.seed)[1]
     records = [records[i] for i in range(min(len(records), args.limit or len(records)))]
     records = fitting_prompts(records, tokenizer, cfg.model.max_seq_len, stats, "eval prompts")
     if stats.total:

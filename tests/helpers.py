@@ -4,13 +4,14 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 from rlt_mega.config import ModelConfig
 from rlt_mega.parallel.dims import ParallelDims, free_port
-from rlt_mega.rollout.env import Environment, Turn
+from rlt_mega.rollout.env import Chat
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -116,18 +117,22 @@ def docs_in(windows):
     return [d for d in text.split("<|eos|>")[1:-1]]
 
 
-class FrequentTool(Environment):
-    """A tool environment a random byte-level model calls often (grpo.env=helpers:FrequentTool):
-    a model turn of four characters (or a space) triggers it; it answers one to four digits, or
-    ends the episode when the turn holds a '7'."""
+class FrequentChat(Chat):
+    """The built-in chat environment (its user turns scripted by each prompt record's ``turns``)
+    whose model turn a random byte-level model ends often (grpo.env=helpers:FrequentChat): four
+    characters, or a space, end it."""
 
     def triggered(self, text):
         return len(text) >= 4 or " " in text
 
-    def step(self, state, text):
-        if "7" in text:
-            return Turn(done=True)
-        return Turn(observation=str(sum(map(ord, text)) % 10 ** (1 + len(text) % 4)), tool_call=True)
+
+def own_turn_and_seven(completion: str, answer) -> float:
+    """A GRPO reward for FrequentChat runs on records {"answer": "#### <i>", "turns": ["s<i>", ...]}:
+    1 when the completion holds its own prompt's first scripted user turn, -1 when it holds another
+    prompt's, else 0; plus emit_seven (so that groups differ)."""
+    own = answer.split("####")[-1].strip()
+    seen = re.findall(r"User: s(\d+)\n", completion)
+    return (0.0 if not seen else 1.0 if set(seen) == {own} else -1.0) + emit_seven(completion, answer)
 
 
 def nan_on_odd(completion: str, answer) -> float:

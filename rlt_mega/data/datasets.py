@@ -99,8 +99,33 @@ def pair_of(prompt_field: str = "question", answer_field: str = "answer") -> Ext
     return extract
 
 
+TURNS = "turns"  # a prompt record's scripted turns (rollout/env/chat.py), a list of strings
+
+
+def prompt_record(prompt_field: str = "question", answer_field: str = "answer") -> Extract:
+    """A GRPO / eval prompt record: the pair (``pair_of``) and its scripted turns, the record's
+    ``turns`` (a list of non-empty strings; [] when absent), which reach the environment of the
+    prompt's rows (grpo.env, e.g. ``chat``) with the rest of the record. Columns: ``PROMPT_COLUMNS``."""
+    pair = pair_of(prompt_field, answer_field)
+
+    def extract(rec: dict) -> dict:
+        out = pair(rec)
+        turns = rec.get(TURNS, [])
+        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+            raise BadRecord(f"field '{TURNS}' is not a list of strings")
+        return {**out, TURNS: list(turns)}
+
+    return extract
+
+
+PROMPT_COLUMNS = ["question", "answer", TURNS]
+_EMPTY = {TURNS: []}  # a skipped record's placeholder in a list column
+_FEATURES = {TURNS: datasets.Sequence(datasets.Value("string"))}  # the other columns are strings
+
+
 def _check_record(out: dict) -> str:
     values = [v for v in out.values() if isinstance(v, str)]
+    values += [t for v in out.values() if isinstance(v, list) for t in v]
     if any("\ufffd" in v for v in values):
         return "invalid utf-8"
     if not all(_encodable(v) for v in values):  # a JSON "\ud800" escape: Arrow cannot store it
@@ -148,7 +173,7 @@ def _apply(extract: Extract, columns: list[str]):
 
 def _append(out: dict, columns: list[str], reason: str, fields: Optional[dict] = None) -> None:
     for c in columns:
-        out[c].append((fields or {}).get(c, "") if not reason else "")
+        out[c].append((fields or {}).get(c, "") if not reason else _EMPTY.get(c, ""))
     out[BAD].append(reason)
 
 
@@ -213,7 +238,8 @@ def load_records(source: str, split: str, cfg: DataConfig, extract: Extract, col
     raw = _raw(source, split, cfg)
     if len(raw) == 0:
         raise DataError(f"dataset {source} [{split}] is empty: check the path")
-    ds = raw.map(_apply(extract, columns), batched=True, remove_columns=raw.column_names)
+    features = datasets.Features({c: _FEATURES.get(c, datasets.Value("string")) for c in columns + [BAD]})
+    ds = raw.map(_apply(extract, columns), batched=True, remove_columns=raw.column_names, features=features)
     reasons = Counter(r for r in ds[BAD] if r)
     if reasons:
         stats.add(f"{source} [{split}]", reasons)

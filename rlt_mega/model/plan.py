@@ -20,7 +20,9 @@ before step k in this order:
    max_new_tokens = 1, never enters);
 2. length: a row past its last possible step (P + max_new_tokens - 2) leaves;
 3. a check (k % check_every == 0): the finish flags read there (the one host read of issue 16's
-   design) end rows: with ``compact`` they leave, and finished waiting rows are dropped;
+   design) end rows: with ``compact`` they leave, and finished waiting rows are dropped; rows whose
+   environment call starts there (flag code 2, rollout/turns.py) leave, their state parked, and
+   rejoin the waiting rows at the next check (its answer forced, ``Force``) unless it ended them;
 4. free slots take waiting rows (FIFO), then sequences not started yet (FIFO): a fresh sequence
    gets its prompt's prefill, a waiting row its entry's forked state (*parked* on the device
    until the entry's last row has entered).
@@ -152,7 +154,7 @@ class Fork:  # after step ``step`` the entry (sequence ``entry``) hands its stat
 
 
 @dataclass(frozen=True)
-class Leave:  # sequence ``seq`` leaves the batch (``why``: fork, length, finished)
+class Leave:  # sequence ``seq`` leaves the batch (``why``: fork, length, finished, env: its environment call runs)
     step: int
     seq: int
     why: str
@@ -250,6 +252,7 @@ class RowRecord:
     num_steps: int  # decoder steps of the call (sequential, whatever the batch size)
     row_steps: int  # sum over steps of the batch size (the decoder's work)
     forces: dict[int, list[Force]] = dataclasses.field(default_factory=dict)  # check step -> insertions there
+    away: dict[int, list[int]] = dataclasses.field(default_factory=dict)  # check step -> rows leaving for a call
 
 
 class RowPlan:
@@ -269,6 +272,9 @@ class RowPlan:
         self.done: set[int] = set()  # rows known finished
         self.flags: dict[int, list[int]] = {}  # check step -> rows newly known finished there
         self.forces: dict[int, list[Force]] = {}  # check step -> the insertions decided there
+        self.away: dict[int, list[int]] = {}  # check step -> rows leaving for an environment call there
+        self.out: list[int] = []  # rows out of the batch while their call runs (back at the next check)
+        self.resume: dict[int, int] = {}  # such a row -> the position it re-enters at
         self.log: list = []
         self.num_steps = 0
         self.row_steps = 0
@@ -299,16 +305,20 @@ class RowPlan:
             return False
         forked = [b for u in self._forks for b in self.layout.entry_rows[u - self.layout.num_rows]
                   if self._starts(b)]
-        return bool(self._after_host_events() or self.waiting or self.pending or forked)
+        return bool(self._after_host_events() or self.waiting or self.pending or forked or self.out)
 
     def _starts(self, row: int) -> bool:
         """A forked row has work left (it is not complete at the fork)."""
         return self.layout.prompt_lens[row] <= self.layout.last_position(row)
 
     # ------------------------------------------------------------------ the flags
-    def set_flags(self, k: int, finished: Sequence[bool]) -> None:
-        """The rows' finish flags (R,) read at check k (host values)."""
-        self.flags[k] = [b for b, f in enumerate(finished) if f and b not in self.done]
+    def set_flags(self, k: int, finished: Sequence[int]) -> None:
+        """The rows' finish flags (R,) read at check k (host values): 1 (True) finished, 2 leaving
+        the batch for an environment call (rollout/turns.py), 0 running."""
+        self.flags[k] = [b for b, f in enumerate(finished) if f == 1 and b not in self.done]
+        away = [b for b, f in enumerate(finished) if f == 2]
+        if away:
+            self.away[k] = away
 
     def force(self, k: int, row: int, start: int, ids: Sequence[int]) -> None:
         """At check k (host values, before ``set_flags``): row ``row``'s positions from ``start``
@@ -356,12 +366,25 @@ class RowPlan:
             self.log += (self.recorded.forces if self.recorded is not None else self.forces).get(k, [])
             if newly:
                 self.log.append(Check(k, tuple(newly)))
+            # rows back from their environment call (the answer was waited for at this check) wait
+            # for a slot; rows whose call starts here leave, their state parked until they re-enter
+            # (a row forked at the last step, still waiting, keeps its entry's state instead)
+            self.waiting.extend(b for b in self.out if b not in self.done)
+            self.out = list((self.recorded.away if self.recorded is not None else self.away).get(k, []))
+            for b in self.out:
+                if b in self.slots:
+                    park.append((b, prev_rows[b]))
+                    self.parked.add(b)
+                    self.resume[b] = self.pos[b] + 1
+                    self._leave(b, k, "env")
+                else:
+                    self.waiting.remove(b)
             if L.compact:
                 for s in self.batch():
                     if s in self.done:
                         self._leave(s, k, "finished")
             self.waiting = deque(b for b in self.waiting if b not in self.done)
-            if all(s in self.done for s in self.batch()) and not self.waiting and not self.pending:
+            if all(s in self.done for s in self.batch()) and not self.waiting and not self.pending and not self.out:
                 return self._finish(k)
         # 4. free slots
         entering: dict[int, Source] = {}
@@ -371,7 +394,10 @@ class RowPlan:
             if self.waiting:
                 b = self.waiting.popleft()
                 u = R + L.entry_of[b]
-                entering[b] = FromBatch(prev_rows[u]) if u in prev_rows and u in self._forks else FromParked(u)
+                if b in self.resume:  # back from an environment call: its own parked state
+                    entering[b] = FromParked(b)
+                else:
+                    entering[b] = FromBatch(prev_rows[u]) if u in prev_rows and u in self._forks else FromParked(u)
             elif self.pending:
                 b = self.pending.popleft()
                 entering[b] = Fresh()
@@ -380,22 +406,26 @@ class RowPlan:
             self.slots[i] = b
             self.log.append(Enter(k, b, i))
         for u in self._forks:  # rows of this fork still waiting: keep its state
-            if any(L.entry_of[b] == u - R for b in self.waiting):
+            if self._still_parked(u):
                 park.append((u, prev_rows[u]))
                 self.parked.add(u)
         self._forks = []
         seqs = self.batch()
         if not seqs:
+            if self.out:
+                raise RuntimeError(f"row plan: step {k} has no row to run while rows {self.out} wait for their "
+                                   "environment calls (the sampler waits at once when no other row can run)")
             return self._finish(k)
         # positions
         for s in seqs:
             if s in entering:
-                self.pos[s] = 0 if isinstance(entering[s], Fresh) else L.prompt_lens[s]
+                self.pos[s] = (0 if isinstance(entering[s], Fresh) else self.resume.pop(s) if s in self.resume
+                               else L.prompt_lens[s])
             else:
                 self.pos[s] += 1
         same = self.prev is not None and not entering and seqs == self.prev.seqs
         build = None if same else [entering.get(s, FromBatch(prev_rows.get(s, -1))) for s in seqs]
-        unpark = [u for u in sorted(self.parked) if not any(L.entry_of[b] == u - R for b in self.waiting)]
+        unpark = [u for u in sorted(self.parked) if not self._still_parked(u)]
         self.parked.difference_update(unpark)
         calls = self._calls(k, seqs, [s for s in seqs if isinstance(entering.get(s), Fresh)])
         # forks after this step, and the targets of its draws
@@ -418,6 +448,14 @@ class RowPlan:
         self.num_steps = k + 1
         self.row_steps += len(seqs)
         return plan
+
+    def _still_parked(self, u: int) -> bool:
+        """An entry's forked state is kept while a row of it waits (or, not entered yet, is in
+        an environment call); a row's own (left for a call) until it re-enters or finishes."""
+        R = self.layout.num_rows
+        if u < R:
+            return u in self.out or u in self.waiting
+        return any(self.layout.entry_of[b] == u - R and b not in self.resume for b in (*self.waiting, *self.out))
 
     def _leave(self, s: int, k: int, why: str) -> None:
         i = self.slots.index(s)
@@ -461,7 +499,8 @@ class RowPlan:
 
     def record(self) -> RowRecord:
         return RowRecord(self.layout, {k: v for k, v in self.flags.items() if v}, list(self.log), self.num_steps,
-                         self.row_steps, {k: list(v) for k, v in self.forces.items()})
+                         self.row_steps, {k: list(v) for k, v in self.forces.items()},
+                         {k: list(v) for k, v in self.away.items()})
 
 
 def planned_record(layout: RowLayout, finish_step) -> RowRecord:
@@ -480,7 +519,8 @@ def planned_record(layout: RowLayout, finish_step) -> RowRecord:
 def record_to_json(record: RowRecord) -> dict:
     return {"layout": dataclasses.asdict(record.layout), "checks": {str(k): v for k, v in record.checks.items()},
             "log": [_event_json(e) for e in record.log], "num_steps": record.num_steps, "row_steps": record.row_steps,
-            "forces": {str(k): [_event_json(e) for e in v] for k, v in record.forces.items()}}
+            "forces": {str(k): [_event_json(e) for e in v] for k, v in record.forces.items()},
+            "away": {str(k): v for k, v in record.away.items()}}
 
 
 def record_from_json(d: dict) -> RowRecord:
@@ -493,7 +533,7 @@ def record_from_json(d: dict) -> RowRecord:
     log = [_event(dict(e)) for e in d["log"]]
     forces = {int(k): [_event(dict(e)) for e in v] for k, v in d["forces"].items()}
     return RowRecord(RowLayout(**lay), {int(k): list(v) for k, v in d["checks"].items()}, log, d["num_steps"],
-                     d["row_steps"], forces)
+                     d["row_steps"], forces, {int(k): list(v) for k, v in d["away"].items()})
 
 
 def _event_json(e) -> dict:

@@ -50,8 +50,9 @@ class RowChooser(Protocol):
     def record_rows(self, targets: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor) -> None:
         """The tokens every TP rank continues with: updates the finish flags on the device."""
 
-    def finished_rows(self) -> torch.Tensor:
-        """(R,) bool: the rows that are done."""
+    def flag_codes(self) -> torch.Tensor:
+        """(R,) long: the flags a check reads (``RowPlan.set_flags``): 1 done, 2 out of the batch
+        for an environment call (rollout/turns.py), else 0."""
 
     def check(self, t: int) -> None:
         """At a check (host work allowed): stop strings."""
@@ -291,7 +292,7 @@ class RowExecutor:
             run.work.tokens[run.targets, run.target_pos + 1] = ctl[0, :n]
             run.z = ins[1].squeeze(1)
         if is_check(step.t, self.check_every):
-            run.work.plan.set_flags(step.t, ctl[1, n:].bool().tolist())  # the check's host read
+            run.work.plan.set_flags(step.t, ctl[1, n:].tolist())  # the check's host read (codes: set_flags)
 
     def _decoder_step(self, run: _Run, step: RingStep, ins: list, processing: Processing) -> None:
         model, comms, k = self.model, self.comms, step.t
@@ -327,11 +328,11 @@ class RowExecutor:
         finished = None
         if is_check(k + 1, self.check_every):
             chooser.check(k)  # may end rows (stop strings): before the flags leave
-            finished = chooser.finished_rows()
+            finished = chooser.flag_codes()
             if plan.recorded is None:
                 plan.set_flags(k + 1, finished.tolist())  # the check's host read
         if step.sends:
-            flags = finished if finished is not None else chooser.finished_rows()
+            flags = finished if finished is not None else chooser.flag_codes()
             ctl = torch.zeros(CTL_ROWS, len(nxt) + len(flags), dtype=torch.long, device=nxt.device)
             ctl[0, :len(nxt)] = nxt
             ctl[1, len(nxt):] = flags.long()

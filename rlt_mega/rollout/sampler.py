@@ -172,6 +172,9 @@ class _Draw:
         self.stats = None if episodes is None else [EpisodeStats() for _ in range(num_rows)]
         self.turn_start = [0] * num_rows  # completion index where each row's current model turn began
         self.turn_seen = [0] * num_rows  # completion tokens already offered to the episode
+        self.calls: dict = {}  # row -> its episode's answer under way (TP rank 0 only)
+        self.away: list[int] = []  # rows out of the batch while their call runs (every rank)
+        self.away_t = torch.zeros(num_rows, dtype=torch.bool, device=device)
         self.u = draw_uniforms(generators, params.max_new_tokens, device)  # (S, max_new_tokens)
         S = tokens.shape[0]
         self.num_rows = num_rows
@@ -208,8 +211,10 @@ class _Draw:
         self.reason[targets] = torch.where(running & length, 3, reason)
         self.num_new[targets] = num_new
 
-    def finished_rows(self):
-        return self.reason[:self.num_rows] != 0
+    def flag_codes(self):
+        """1 finished, 2 away in an environment call (left at this check), else 0."""
+        done = (self.reason[:self.num_rows] != 0).long()
+        return done if not self.away else torch.where(self.away_t, 2, done)
 
     def check(self, t: int) -> None:
         """Stop strings in the tokens drawn since the last check (one read of the newest
@@ -247,11 +252,16 @@ class _Draw:
             self.tokens[b, P + length:] = self.pad_id
 
     def _turns(self, k: int) -> None:
-        """At check k (the step after the draws it reads: check_every = 1): the rows whose model
-        turn triggered their episode get its response (computed once, on TP rank 0, and shared:
-        ``once``); an observation is written into the row's next positions and forced (a
-        ``Force`` event of the plan), trimmed to the row's token budget less one sampled token."""
+        """At check k (the step after the draws it reads: check_every = 1): first the answers to
+        the calls of the rows that left at the last check (waited for here); then the rows whose
+        model turn triggered their episode submit its call (started once, on TP rank 0: ``once``)
+        and leave their slot (``away``: code 2 of ``flag_codes``) while it runs, unless no
+        other row could run meanwhile: then their answers are waited for now and they stay."""
         R = self.num_rows
+        if self.away:
+            back, self.away = self.away, []
+            self.away_t[back] = False
+            self._answer(k, back)
         num_new, reason = self.num_new[:R].tolist(), self.reason[:R].tolist()
         rows = [b for b in range(R) if reason[b] == 0 and num_new[b] > self.turn_seen[b]]
         if not rows:
@@ -269,9 +279,27 @@ class _Draw:
                 asked.append((b, ids, text))
         if not asked:
             return
-        responses = self.once(lambda: [self.episodes[b].respond(ids, text) for b, ids, text in asked])
-        budget = self.budget[:R].tolist()
-        for (b, _, _), r in zip(asked, responses):
+
+        def submit() -> None:
+            for b, ids, text in asked:
+                self.calls[b] = self.episodes[b].submit(ids, text)
+
+        self.once(submit)
+        leaving = [b for b, _, _ in asked]
+        if any(reason[b] == 0 for b in sorted(set(range(R)) - set(leaving))):
+            self.away = leaving
+            self.away_t[leaving] = True
+        else:
+            self._answer(k, leaving)
+
+    def _answer(self, k: int, rows: list[int]) -> None:
+        """The answers to ``rows``' calls at check k (waited for on TP rank 0, shared): the episode
+        ends, or the observation is written into the row's next positions and forced (a ``Force``
+        event of the plan), trimmed to the row's token budget less one sampled token."""
+        responses = self.once(lambda: [self.calls.pop(b).result() for b in rows])
+        R = self.num_rows
+        num_new, budget = self.num_new[:R].tolist(), self.budget[:R].tolist()
+        for b, r in zip(rows, responses):
             st = self.stats[b]
             st.turns += int(not r.done)
             st.tool_calls += int(r.tool_call)
@@ -316,7 +344,7 @@ class _Force:
 
     def __init__(self, tokens: torch.Tensor, num_rows: int) -> None:
         self.tokens = tokens
-        self.none = torch.zeros(num_rows, dtype=torch.bool, device=tokens.device)
+        self.none = torch.zeros(num_rows, dtype=torch.long, device=tokens.device)
 
     def choose_rows(self, targets, positions, logprobs):
         return self.tokens[targets, positions + 1]
@@ -324,7 +352,7 @@ class _Force:
     def record_rows(self, targets, positions, tokens) -> None:
         pass
 
-    def finished_rows(self):
+    def flag_codes(self):
         return self.none
 
     def check(self, t: int) -> None:

@@ -3,9 +3,14 @@ row's environment episode, and what it counts.
 
 A row with an episode samples as usual until its newest model turn (its completion tokens since
 the last observation) *triggers* the episode (a stop string or token the environment declares);
-then, at the check right after the trigger was drawn, the episode answers: the episode ends (the
+then, at the check right after the trigger was drawn, the row submits the episode's call and
+leaves its slot (``Leave(why="env")``, its state parked), so that the call runs while the other
+rows decode and a waiting row can take the slot; at the next check the sampler waits for the
+answer (a fixed point, so a run does not depend on how long a call took): the episode ends (the
 row finishes, reason ``env``) or an observation, already tokenized (token in, token out: the ids
-are the episode's, nothing re-tokenizes a transcript), is written into the row's next positions.
+are the episode's, nothing re-tokenizes a transcript), is written into the row's next positions
+and the row waits for a slot to re-enter where it left. When no other row could run meanwhile
+(every unfinished row has just triggered) the answers are waited for at once and the rows stay.
 Those positions are *forced*, like prompt tokens: they run through the decoder and the encoder's
 memory blocks, carry no mu and no loss (``Rollout.mask`` is False there), and the plan logs them
 as ``Force`` events (model/plan.py) that the replay repeats. The environments themselves (the
@@ -37,8 +42,14 @@ class Episode(Protocol):
     def triggered(self, ids: Sequence[int], text: str) -> bool:
         """Whether the model's turn so far (its ids and their text) hands over to the environment."""
 
-    def respond(self, ids: Sequence[int], text: str) -> Response:
-        """The environment's answer to a triggered turn (within its own time limit)."""
+    def submit(self, ids: Sequence[int], text: str) -> "Answer":
+        """Starts the environment's answer to a triggered turn (it runs while the sampler decodes
+        the other rows; its time limit counts from here)."""
+
+
+class Answer(Protocol):
+    def result(self) -> Response:
+        """The answer (waits for it)."""
 
 
 @dataclass

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from rlt_mega.config import Config, ConfigError, given
-from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
+from rlt_mega.data.datasets import PROMPT_COLUMNS, DataStats, prompt_record, train_eval_records
 from rlt_mega.data.pairs import RecordOrder, fitting_prompts, prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.learner.correction import Correction
@@ -571,15 +571,15 @@ def run(cfg: Config) -> dict:
     cfg = grpo_config(cfg)
     if cfg.grpo.sampler_replicas:
         stats = DataStats()
-        train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
-                                                   ["question", "answer"], stats, seed=cfg.train.seed)
+        train_recs, eval_recs = train_eval_records(cfg.data, prompt_record(cfg.sft.prompt_field, cfg.sft.answer_field),
+                                                   PROMPT_COLUMNS, stats, seed=cfg.train.seed)
         result = run_roles(cfg, tokenizer, reward_fn, train_recs, eval_recs)
         result["data/skipped"] = stats.total
         return result
     with launch(cfg, engine_config(cfg)) as dims:
         stats = DataStats()
-        train_recs, eval_recs = train_eval_records(cfg.data, pair_of(cfg.sft.prompt_field, cfg.sft.answer_field),
-                                                   ["question", "answer"], stats, seed=cfg.train.seed)
+        train_recs, eval_recs = train_eval_records(cfg.data, prompt_record(cfg.sft.prompt_field, cfg.sft.answer_field),
+                                                   PROMPT_COLUMNS, stats, seed=cfg.train.seed)
         train_recs, eval_recs = (fitting_prompts(recs, tokenizer, cfg.model.max_seq_len, stats, f"{name} prompts")
                                  for recs, name in ((train_recs, "train"), (eval_recs, "eval")))
         if len(train_recs) == 0:

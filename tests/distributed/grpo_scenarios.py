@@ -37,7 +37,7 @@ from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generat
 from rlt_mega.rollout.env import EnvLimits, Environment, Environments, Turn
 from rlt_mega.rollout.rewards import score
 from rlt_mega.model.decoder import StepRunner
-from rlt_mega.model.plan import LOCKSTEP, RowSwitches
+from rlt_mega.model.plan import LOCKSTEP, Leave, RowSwitches
 from rlt_mega.train.common import max_new_tokens_for, sampling_params
 from rlt_mega.train.grpo import (batches_per_minibatch, build_trainer, engine_config, environments, grpo_config,
                                  loss_settings, request_seeds)
@@ -119,6 +119,7 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
            "mu_diff_one_process": 0.0, "calls_equal_one_process": True, "num_tokens": 0, "steps": steps,
            "decoder": sorted({ro.schedule.decoder for ro in rollouts})}
     out["events"] = sorted({type(e).__name__ for ro in rollouts for e in ro.schedule.rows.log})
+    out["leaves"] = sorted({e.why for ro in rollouts for e in ro.schedule.rows.log if isinstance(e, Leave)})
     for ro, rp, rp2, batch, s in zip(rollouts, replays, again, batches, seeds):
         ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=every,
                        decode=letters, episodes=_episodes([batch])[0] if env else None)

@@ -1,10 +1,11 @@
 """The rollout and replay under TP=2, PP=2 and TP=2 x PP=2 on gloo ranks
 (tests/distributed/grpo_scenarios.py), with every plan (the lockstep plan on ragged prompts; shared
-prompts, compaction and slots < rows on grouped prompts): every rank of the replica follows the
-same events, the replay is torch.equal to mu (fp32 and bf16, C in {1, 2, 3, 4}, two batches in
-flight), the rollout is the one-process rollout of the same plan (same tokens; mu equal up to TP's
-rounding, equal under PP), and every rank ran the model's decoder step (model/decoder.py
-StepRunner) in the rollout and in the replay, under tensor parallelism too."""
+prompts, compaction and slots < rows on grouped prompts; with an environment, rows leaving their
+slot while its call runs): every rank of the replica follows the same events, the replay is
+torch.equal to mu (fp32 and bf16, C in {1, 2, 3, 4}, two batches in flight), the rollout is the
+one-process rollout of the same plan (same tokens; mu equal up to TP's rounding, equal under PP),
+and every rank ran the model's decoder step (model/decoder.py StepRunner) in the rollout and in
+the replay, under tensor parallelism too."""
 
 import pytest
 
@@ -36,6 +37,8 @@ def check(rs: list[dict], args: dict) -> None:
         if "rows" in args:
             assert {"Fork", "Enter", "Leave", "Encode"} <= set(r["events"])
         assert ("Force" in r["events"]) == bool(args.get("env"))  # observations inserted, replayed
+        if args.get("env"):  # rows left their slot while their environment call ran, and came back
+            assert "env" in r["leaves"]
         assert r["exact"] and r["exact_again"]
         assert r["calls_equal_one_process"]
         if args.get("dtype") != "bf16":  # bf16 rounding may move a draw; fp32 must not

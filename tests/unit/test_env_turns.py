@@ -5,9 +5,10 @@ start and end inside a memory block and on its boundary, G in {1, 4} (forks befo
 turn), slots < rows, several turns per row; the learner's dense log-probs and gradient equal the
 teacher-forced transcript's under the same mask (float64); the limits (max_turns, observation
 caps, the token budget, the time limit); token identity with a tokenizer whose re-encoding
-changes the ids."""
+changes the ids; the chat environment's turns from the prompt records, laid out by the template."""
 
 import json
+import threading
 import time
 
 import pytest
@@ -17,7 +18,7 @@ from rlt_mega.config import ModelConfig
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.logprob import dense_logprobs
 from rlt_mega.model import build_model
-from rlt_mega.model.plan import Force, RowSwitches, record_from_json, record_to_json
+from rlt_mega.model.plan import Enter, Force, Leave, RowSwitches, record_from_json, record_to_json
 from rlt_mega.rollout import Processing, Sampler, SamplingParams, generate, process_logits, replay
 from rlt_mega.rollout.env import Chat, EnvLimits, Environment, Environments, Turn
 
@@ -243,6 +244,8 @@ def test_chat_turns_are_laid_out_by_the_chat_template(tmp_path):
     row), and the user turn is the template's text, tokenized once: the transcript reads as the
     template renders the conversation."""
     from rlt_mega import cli
+    from rlt_mega.config import DataConfig
+    from rlt_mega.data.datasets import PROMPT_COLUMNS, DataStats, load_records, prompt_record
     from rlt_mega.data.arithmetic import generate_problems
     from rlt_mega.data.chat import CHATML, render
     from rlt_mega.data.tokenizer import load_tokenizer
@@ -254,7 +257,16 @@ def test_chat_turns_are_laid_out_by_the_chat_template(tmp_path):
     tok = load_tokenizer(str(tmp_path / "tok"), chat_template=True)
     envs = Environments(Chat(), tok.encode, EnvLimits(), tok.chat_turn, tok.turn_end_id)
     assert tok.turn_end_id in tok.stop_ids and envs.stop_ids(tok.stop_ids) == (tok.eos_id,)
-    ep = envs.episodes([{"turns": ["and 2 + 2?"]}])[0]
+    # the turns come from the prompt record (GRPO's and eval's data), a malformed one skipped and counted
+    chats = tmp_path / "chats.jsonl"
+    chats.write_text("".join(json.dumps(r) + "\n" for r in [
+        {"question": "1 + 1?", "answer": "2", "turns": ["and 2 + 2?"]}, {"question": "q", "answer": "a", "turns": [3]},
+        {"question": "q", "answer": "a", "turns": ["\ud800"]}, {"question": "q", "answer": "a"}]))
+    stats = DataStats()
+    records = load_records(str(chats), "train", DataConfig(train=str(chats)), prompt_record(), PROMPT_COLUMNS, stats)
+    assert [r["turns"] for r in records] == [["and 2 + 2?"], []] and stats.total == 2, stats.summary()
+    assert "field 'turns' is not a list of strings x1" in stats.summary()
+    ep = envs.episodes([records[0]])[0]
     prompt = tok.encode(tok.chat_prompt("1 + 1?"))
     answer = tok.encode("2") + [tok.turn_end_id]
     assert not ep.triggered(answer[:-1], "2") and ep.triggered(answer, "2")
@@ -267,3 +279,102 @@ def test_chat_turns_are_laid_out_by_the_chat_template(tmp_path):
     plain = Environments(Chat(), lambda t: [ord(c) for c in t], EnvLimits()).episodes([{"turns": ["hi"]}])[0]
     assert plain.triggered([], "ok <end>") and not plain.triggered([tok.turn_end_id], "ok")
     assert "".join(map(chr, plain.respond([], "ok <end>").ids)) == "\nUser: hi\nAssistant:"
+
+
+def leaves(ro, why="env"):
+    return [e for e in ro.schedule.rows.log if isinstance(e, Leave) and e.why == why]
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("C", [1, 3])
+def test_rows_leave_their_slot_while_their_environment_call_runs(C, dtype):
+    """G = 4 groups forked before any turn, 4 slots for 10 rows: a triggered row leaves its slot
+    (``Leave(why="env")``, its state parked), a waiting row takes the slot, the answer is forced at
+    the next check and the row re-enters where it left; the replay repeats it torch.equal to mu,
+    and a second run records the same events and tokens."""
+    model = tiny(C, torch.bfloat16 if dtype == "bf16" else torch.float32)
+    rows = RowSwitches(slots=4)
+    _, ro = sample(model, PROMPTS, dtype=dtype, rows=rows, max_new=24)
+    rec, away = ro.schedule.rows, leaves(ro)
+    assert len(away) >= 8 and len({e.seq for e in away}) >= 5 and "Fork" in {type(e).__name__ for e in rec.log}
+    assert max(sum(e.seq == b for e in away) for b in range(len(PROMPTS))) >= 2  # several calls of one row
+    # (a row forked at the last step that triggers at once is not in a slot yet: away, no Leave)
+    assert {(e.step, e.seq) for e in away} <= {(k, b) for k, v in rec.away.items() for b in v}
+    took_freed_slot = 0
+    for e in away:
+        later = rec.log[rec.log.index(e) + 1:]
+        # the row's answer comes at the next check: an observation forced there, or the episode ended
+        force = [f for f in later if isinstance(f, Force) and f.seq == e.seq and f.step == e.step + 1]
+        ended = e.seq in rec.checks.get(e.step + 1, [])
+        assert len(force) + ended == 1, e
+        if force:  # ... and the row re-enters later, at the position it left
+            enter = next(x for x in later if isinstance(x, Enter) and x.seq == e.seq)
+            assert enter.step >= e.step + 1 and later.index(force[0]) < later.index(enter)
+        slot = next(x.slot for x in reversed(rec.log[:rec.log.index(e)]) if isinstance(x, Enter) and x.seq == e.seq)
+        took_freed_slot += any(isinstance(x, Enter) and x.step == e.step and x.slot == slot for x in later)
+    assert took_freed_slot >= 1  # a waiting row took the slot of a row whose call ran
+    assert torch.equal(replay(model, ro), ro.mu)
+    assert record_from_json(json.loads(json.dumps(record_to_json(rec)))) == rec
+    _, again = sample(model, PROMPTS, dtype=dtype, rows=rows, max_new=24)
+    assert again.schedule.rows == rec and torch.equal(again.tokens, ro.tokens) and torch.equal(again.mu, ro.mu)
+
+
+def test_a_slow_environment_runs_while_the_other_rows_decode(monkeypatch):
+    """The order of what happens, never its timing: a call (an environment that answers only once
+    a decoder step has run since it started, or once the sampler waits for it) saw a decoder step
+    of the other rows between its start and its end whenever its row left the batch; with
+    synchronous calls no step could run meanwhile."""
+    from rlt_mega.model.decoder import StepRunner
+    from rlt_mega.rollout.env import base
+
+    trace, started, local = [], [], threading.local()
+    step, start, turn = StepRunner.step, base.Calls.start, base.Call.turn
+
+    def traced_step(self, *args):
+        for ev in started:  # the calls submitted so far have begun (whenever their threads got to run)
+            assert ev[0].wait(10)
+        trace.append("step")
+        return step(self, *args)
+
+    def traced_start(self, fn):
+        ev = (threading.Event(), threading.Event())  # (the call began, the sampler waits for it)
+        started.append(ev)
+
+        def run():
+            local.ev = ev
+            ev[0].set()
+            return fn()
+
+        call = start(self, run)
+        call.waited = ev[1]
+        return call
+
+    def traced_turn(self):
+        self.waited.set()
+        return turn(self)
+
+    monkeypatch.setattr(StepRunner, "step", traced_step)
+    monkeypatch.setattr(base.Calls, "start", traced_start)
+    monkeypatch.setattr(base.Call, "turn", traced_turn)
+
+    class Slow(Environment):
+        triggers = tuple("aeiou")
+
+        def step(self, state, text):
+            trace.append("call")
+            at = len(trace)
+            while "step" not in trace[at:] and not local.ev[1].is_set():
+                time.sleep(0.0005)
+            trace.append("return")
+            return Turn(observation="=>", tool_call=True)
+
+    model = tiny(3)
+    _, ro = sample(model, PROMPTS[:4] + PROMPTS[8:], env=Slow(), limits=EnvLimits(max_turns=2, time_limit_s=30),
+                   rows=RowSwitches(slots=3), max_new=16)
+    calls = [i for i, x in enumerate(trace) if x == "call"]
+    overlapped = sum("step" in trace[i:trace.index("return", i)] for i in calls)
+    away = sum(len(v) for v in ro.schedule.rows.away.values())
+    assert len(leaves(ro)) >= 3 and overlapped == away  # (and not one call waited for at once)
+    assert away > len(leaves(ro))  # a forked row called with its first token, out of the queue, not a slot
+    assert all(st.tool_errors == 0 for st in ro.episodes)
+    assert torch.equal(replay(model, ro), ro.mu)

@@ -10,6 +10,7 @@ counted as truncated), and a time limit per call (past it: an error observation,
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -65,28 +66,56 @@ class EnvLimits:
             raise ValueError(f"environment time limit {self.time_limit_s}: must be > 0 seconds")
 
 
+class Call:
+    """One environment call in flight on a daemon thread (``Calls.start``): ``turn()`` waits for
+    it until its deadline (the time limit from the call's start) -> its Turn, or None (it raised,
+    or ran out of time: abandoned; Python cannot stop a thread, and a daemon one does not hold the
+    process at exit, as a thread pool's worker would)."""
+
+    def __init__(self, fn: Callable[[], Turn], time_limit_s: float) -> None:
+        self._box: list = []
+        self._deadline = time.monotonic() + time_limit_s
+
+        def run() -> None:
+            try:
+                self._box.append(fn())
+            except Exception:  # an environment bug is an error observation, counted, never a dead run
+                pass
+
+        self._thread = threading.Thread(target=run, name="rlt-env-call", daemon=True)
+        self._thread.start()
+        self._turn: Optional[Turn] = None
+        self._waited = False
+
+    def turn(self) -> Optional[Turn]:
+        if not self._waited:
+            self._thread.join(max(0.0, self._deadline - time.monotonic()))
+            self._turn, self._waited = (self._box[0] if self._box else None), True
+        return self._turn
+
+
 class Calls:
-    """Runs an environment's calls under the time limit, each on a daemon thread: a call past
-    the limit is abandoned (Python cannot stop a thread; a daemon one does not hold the process
-    at exit, as a thread pool's worker would)."""
+    """Starts an environment's calls under the time limit, each on its own daemon thread, so they
+    run while the sampler decodes (rollout/turns.py: the row leaves its slot meanwhile)."""
 
     def __init__(self, time_limit_s: float) -> None:
         self.time_limit_s = time_limit_s
 
-    def __call__(self, fn: Callable[[], Turn]) -> Optional[Turn]:
-        """fn() or None (it raised, or ran out of time)."""
-        box: list = []
+    def start(self, fn: Callable[[], Turn]) -> Call:
+        return Call(fn, self.time_limit_s)
 
-        def run() -> None:
-            try:
-                box.append(fn())
-            except Exception:  # an environment bug is an error observation, counted, never a dead run
-                pass
 
-        thread = threading.Thread(target=run, name="rlt-env-call", daemon=True)
-        thread.start()
-        thread.join(self.time_limit_s)
-        return box[0] if box else None
+class Pending:
+    """An episode's answer under way (``EnvEpisode.submit``): ``result()`` waits for it -> Response."""
+
+    def __init__(self, call: Optional[Call], finish: Callable[[Optional[Turn]], Response],
+                 now: Optional[Response] = None) -> None:
+        self._call, self._finish, self._result = call, finish, now
+
+    def result(self) -> Response:
+        if self._result is None:
+            self._result = self._finish(self._call.turn())
+        return self._result
 
 
 class EnvEpisode:
@@ -109,11 +138,22 @@ class EnvEpisode:
             return self.turn_end_id in ids
         return any(i in self.env.trigger_ids for i in ids) or self.env.triggered(text)
 
-    def respond(self, ids: Sequence[int], text: str) -> Response:
+    def submit(self, ids: Sequence[int], text: str) -> Pending:
+        """Starts the answer to a triggered turn (the environment's call runs on its own thread);
+        past max_turns the episode ends without a call."""
         if self.turns >= self.limits.max_turns:
-            return Response(done=True, truncated=True)
+            return Pending(None, self._response, Response(done=True, truncated=True))
         self.turns += 1
-        turn = self.calls(lambda: self.env.step(self.state, text))
+        state = self.state
+        return Pending(self.calls.start(lambda: self.env.step(state, text)), self._response)
+
+    def respond(self, ids: Sequence[int], text: str) -> Response:
+        """The answer to a triggered turn, waited for."""
+        return self.submit(ids, text).result()
+
+    def _response(self, turn: Optional[Turn]) -> Response:
+        """The call's Turn (None: it failed or ran out of time) -> the response, the observation
+        laid out and tokenized once, cut to the limits."""
         if turn is None:
             turn = Turn(observation=self.ERROR, tool_call=True, error=True)
         if turn.done:

@@ -1,5 +1,6 @@
 """A multi-turn conversation whose user turns are scripted per prompt: the record's ``turns``
-(a list of strings). The model ends its turn (``end_of_turn``, or under a chat template the
+(a list of strings; GRPO's and eval's jsonl records carry it as a field, checked at load:
+data/datasets.py ``prompt_record``). The model ends its turn (``end_of_turn``, or under a chat template the
 template's turn-end token); the environment answers with the next scripted user turn (laid out
 by the template, or as ``"\\nUser: {turn}\\nAssistant:"``) and ends the episode after the last one.
 The template for users' own environments (tests use it too)."""
