@@ -526,6 +526,11 @@ class GRPOConfig:
     # by the policy of step max(0, k - max_staleness), a fixed pipeline (reproducible, resumed
     # exactly: the queue is in every rank's checkpoint); 0 is synchronous GRPO, bit for bit.
     max_staleness: int = 0
+    # Partial rollouts (train/async_grpo.py): 0 off; n >= 1: data step j's rollouts start under
+    # policy version max(0, j - max_staleness - 1) and switch to max(0, j - max_staleness) before
+    # decode step n rounded up to a multiple of model.memory_block (a memory-block boundary), so
+    # a sampler starts before the newest weights exist; every token records its version.
+    partial_rollouts: int = 0
     # Off-policy correction of stale samples (learner/correction.py): "none" (ratio against mu),
     # "token_tis" (ratio against the step's proximal policy, weight min(pi_old / mu, is_cap)),
     # "token_mask" (weight 0 where pi_old / mu leaves [is_band_low, is_band_high]) or
@@ -585,9 +590,13 @@ class GRPOConfig:
         corrections = ("none", "token_tis", "token_mask", "seq_mask")
         _check(self.is_correction in corrections,
                f"grpo.is_correction={self.is_correction!r}: expected one of {', '.join(corrections)}")
-        _check(self.is_correction == "none" or self.max_staleness > 0,
-               f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 has "
-               "none (the ratio against mu is exact): set grpo.max_staleness >= 1 or grpo.is_correction=none")
+        _check(self.partial_rollouts >= 0,
+               f"grpo.partial_rollouts={self.partial_rollouts}: must be >= 0 (0: off; n: the decode step before "
+               "which the rollouts switch to the newer policy version, rounded up to a memory block)")
+        _check(self.is_correction == "none" or self.max_staleness > 0 or self.partial_rollouts > 0,
+               f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 without "
+               "partial rollouts has none (the ratio against mu is exact): set grpo.max_staleness >= 1, "
+               "grpo.partial_rollouts >= 1 or grpo.is_correction=none")
         _check(self.sampler_replicas in (0, 1),
                f"grpo.sampler_replicas={self.sampler_replicas}: 0 (colocated) or 1 (one sampler rank beside one "
                "learner rank); more sampler replicas are not implemented")
