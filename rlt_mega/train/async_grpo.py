@@ -224,7 +224,7 @@ class ColocatedSource:
 
 class RemoteSource:
     """The learner's end of the roles (grpo.sampler_replicas): data steps arrive from the
-    sampler (parallel/roles.py) in order; weights are published after every step a sampler
+    samplers (parallel/roles.py) in order, data step j from sampler j mod R; weights are published after every step a sampler
     still needs (version v samples data step v + s, for data steps below ``end`` + s)."""
 
     def __init__(self, channel: RoleChannel, max_staleness: int, end: int, on_receive: Callable[[Generated], None]
@@ -240,7 +240,8 @@ class RemoteSource:
     def _receive_through(self, pipeline: StalenessPipeline, step: int) -> float:
         waited = 0.0
         while self._received < step:
-            item, w = self.channel.recv(self.channel.samplers[0])
+            samplers = self.channel.samplers
+            item, w = self.channel.recv(samplers[(self._received + 1) % len(samplers)])  # data step j: sampler j mod R
             waited += w
             self._received = item.step
             self.on_receive(item)
@@ -272,16 +273,23 @@ class RemoteSource:
 
 
 def run_sampler(job, channel: RoleChannel, end: int) -> None:
-    """A sampler rank's loop: data step j, for j below end + s, sampled by version max(0, j - s)
-    (received from the learner when a call first needs it: before the call, or at a partial
-    rollout's switch) and sent to the learner. ``job``: a GRPOJob on this rank (its sampling
-    phases, its model, its data order)."""
+    """A sampler rank's loop: data step j, for j below end + s and j = its index mod the number
+    of samplers R, sampled by version max(0, j - s) (received from the learner when a call first
+    needs it: before the call, or at a partial rollout's switch) and sent to the learner; the
+    other data steps only advance its data order (``job.skip_step``). Every sampler takes part in
+    every weight broadcast, in order (a collective), up to the last version published.
+    ``job``: a GRPOJob on this rank (its sampling phases, its model, its data order)."""
     s = job.cfg.grpo.max_staleness
+    index, num = channel.samplers.index(channel.rank), len(channel.samplers)
     versions = ReceivedVersions(channel, job.engine.sampling_module())
     for data_step in range(end + s):
+        if data_step % num != index:
+            job.skip_step(data_step)
+            continue
         waited = versions.waited
         item = job.sample_step(data_step, versions)
         item.idle = versions.waited - waited  # waiting for weights, inside the sampling's time
         item.t_generate -= item.idle
         channel.send(item)
+    versions.load(max(0, end - 1))  # the versions published after this sampler's last data step
     channel.flush()

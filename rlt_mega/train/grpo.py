@@ -186,6 +186,11 @@ class GRPOJob:
         return Generated(data_step, self._versions.start, rounds, sampling, t_generate=self._t_generate,
                          order=self.order.state_dict())
 
+    def skip_step(self, data_step: int) -> None:
+        """Another sampler's data step (grpo.sampler_replicas > 1): the data order advances as
+        sampling it would (one round: dynamic sampling is refused with several samplers)."""
+        self.order.take(self.cfg.grpo.prompts_per_step, self.dims.dp_rank, self.dims.dp)
+
     def _sample(self, done: int) -> tuple[list[Round], dict[str, float]]:
         """The step's rounds (one, or dynamic sampling's), their kept groups marked."""
         g, dims = self.cfg.grpo, self.dims
@@ -651,9 +656,10 @@ def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: 
 
 
 def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs, eval_recs) -> dict:
-    """GRPO with a sampler role (grpo.sampler_replicas, docs/design.md "Bounded staleness"):
-    world rank 0 runs the loop, rank 1 samples (train/async_grpo.py, ``run_sampler``); both
-    build the model from the same config, so the sampler's layout is the learner's. A
+    """GRPO with sampler roles (grpo.sampler_replicas = R, docs/design.md "Bounded staleness"):
+    world rank 0 runs the loop, ranks 1..R sample (data step j on rank 1 + j mod R;
+    train/async_grpo.py, ``run_sampler``); all build the model from the same config, so a
+    sampler's layout is the learner's. A
     checkpoint holds the learner's queue complete, so it resumes colocated exactly (resuming
     with the roles is not implemented: refused). ``cfg`` is ``grpo_config``'s."""
     p, g = cfg.parallel, cfg.grpo

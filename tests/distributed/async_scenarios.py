@@ -21,8 +21,8 @@ def roles_config(grpo: dict, train: dict, out_dir: str, sampler_replicas: int):
     return grpo_config(cfg)
 
 
-def roles_run(grpo: dict, train: dict, out_dir: str) -> dict:
-    out = run_roles(roles_config(grpo, train, out_dir, 1), load_tokenizer("byte"), odd, records(24), [])
+def roles_run(grpo: dict, train: dict, out_dir: str, samplers: int = 1) -> dict:
+    out = run_roles(roles_config(grpo, train, out_dir, samplers), load_tokenizer("byte"), odd, records(24), [])
     return {"step": out.get("step"), "role": out.get("role", "learner")}
 
 

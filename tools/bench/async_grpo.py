@@ -2,7 +2,8 @@
 (grpo.sampler_replicas = 1, two processes, gloo) with max_staleness 1 against max_staleness 0
 on the same two processes, max_staleness 1 with partial rollouts (grpo.partial_rollouts: the
 sampler starts a data step under the version before and takes the newer weights at decode step
---partial), and the colocated one-process job beside them (today's GRPO).
+--partial; and at s = 0, where it is the only overlap), and the colocated one-process job beside
+them (today's GRPO).
 Prints steps per second and their ratio, the learner's and the sampler's idle fractions and
 the weight-sync time per step (async/* in each run's metrics.jsonl), all over the steps after
 the first (start-up and the pipeline's fill); asserts nothing.
@@ -156,7 +157,8 @@ def report(res: harness.Results, args, arms: dict[str, dict]) -> None:
     print(f"steps/s ratio, s=1 / s=0 on 2 processes: {ratio:.2f}x")
     res.row(table, arm="s=1 / s=0 (2 processes)", **{"steps/s": f"{ratio:.2f}x"})
     rp, rc = arms["roles s=1 partial (2 processes)"], arms["colocated s=0 (1 process)"]
-    for name, r in (("s=1 partial", rp), ("s=1", r1)):
+    for name, r in (("s=1 partial", rp), ("s=1", r1), ("s=0 partial", arms["roles s=0 partial (2 processes)"]),
+                    ("s=0", r0)):
         print(f"idle fractions, {name} / colocated: learner {r['learner_idle'] / max(rc['learner_idle'], 1e-9):.2f}x, "
               f"sampler {r['sampler_idle'] / max(rc['sampler_idle'], 1e-9):.2f}x")
     ratio = (rp["steps"] / rp["seconds"]) / (r1["steps"] / r1["seconds"])
@@ -191,7 +193,8 @@ def main() -> None:
         arms = {"colocated s=0 (1 process)": launch(args, "colocated", 0, False, Path(tmp)),
                 "roles s=0 (2 processes)": launch(args, "roles0", 0, True, Path(tmp)),
                 "roles s=1 (2 processes)": launch(args, "roles1", 1, True, Path(tmp)),
-                "roles s=1 partial (2 processes)": launch(args, "roles1p", 1, True, Path(tmp), args.partial)}
+                "roles s=1 partial (2 processes)": launch(args, "roles1p", 1, True, Path(tmp), args.partial),
+                "roles s=0 partial (2 processes)": launch(args, "roles0p", 0, True, Path(tmp), args.partial)}
     res = harness.Results("async_grpo", args)
     report(res, args, arms)
     res.write()
