@@ -598,7 +598,8 @@ class GRPOConfig:
                f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 without "
                "partial rollouts has none (the ratio against mu is exact): set grpo.max_staleness >= 1, "
                "grpo.partial_rollouts >= 1 or grpo.is_correction=none")
-        _check(self.sampler_replicas >= 0, f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
+        _check(self.sampler_replicas >= 0,
+               f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
         _check(self.sampler_replicas <= 1 or not self.dynamic_sampling,
                f"grpo.sampler_replicas={self.sampler_replicas} with grpo.dynamic_sampling: a sampler skips the data "
                "steps of the others, and dynamic sampling's rounds make their prompts unknown to it: use one sampler "

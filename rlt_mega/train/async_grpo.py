@@ -120,7 +120,8 @@ class KeptVersions:
         if version == self.version:
             return
         if version not in self.kept:  # the pipeline's invariant, not a user error
-            raise RuntimeError(f"policy version {version} is not kept (versions {sorted(self.kept)} at step {self.live})")
+            raise RuntimeError(f"policy version {version} is not kept (versions {sorted(self.kept)} at step "
+                               f"{self.live})")
         copy_into(self.kept[version].to(self.params[0].device), self.params)
         self.version = version
 
@@ -224,8 +225,9 @@ class ColocatedSource:
 
 class RemoteSource:
     """The learner's end of the roles (grpo.sampler_replicas): data steps arrive from the
-    samplers (parallel/roles.py) in order, data step j from sampler j mod R; weights are published after every step a sampler
-    still needs (version v samples data step v + s, for data steps below ``end`` + s)."""
+    samplers (parallel/roles.py) in order, data step j from sampler j mod R; weights are
+    published after every step a sampler still needs (version v samples data step v + s, for
+    data steps below ``end`` + s)."""
 
     def __init__(self, channel: RoleChannel, max_staleness: int, end: int, on_receive: Callable[[Generated], None]
                  ) -> None:

@@ -118,8 +118,8 @@ class GRPOJob:
         self.objective = GRPOObjective(settings=loss_settings(cfg))
         self.pipeline = StalenessPipeline(g.max_staleness, (dims.dp, dims.tp, dims.pp, dims.rank), g.partial_rollouts)
         # Where samples come from: this job's own ranks, or a sampler role (set by run_roles).
-        self.source: ColocatedSource | RemoteSource = ColocatedSource(
-            lambda data_step, done: self.sample_step(data_step, KeptVersions(self.engine.sampling_module(), *self._kept)))
+        self.source: ColocatedSource | RemoteSource = ColocatedSource(lambda data_step, done: self.sample_step(
+            data_step, KeptVersions(self.engine.sampling_module(), *self._kept)))
         # Partial rollouts: this rank's parameters of version steps_done - 1 (flat), which the next
         # step's rollouts start under (train/async_grpo.py); in the rank's checkpoint.
         self.previous: Optional[torch.Tensor] = None
@@ -409,7 +409,8 @@ class GRPOJob:
     def _target(self, data_step: int) -> int:
         """The newest policy version data step ``data_step``'s tokens may come from."""
         g = self.cfg.grpo
-        return DataStepVersions(data_step, g.max_staleness, g.partial_rollouts, self.cfg.model.memory_block, None).target
+        memory_block = self.cfg.model.memory_block
+        return DataStepVersions(data_step, g.max_staleness, g.partial_rollouts, memory_block, None).target
 
     def _check_rewards(self, scalars: dict[str, float], step: int) -> None:
         """Counts the steps in a row whose reward function returned NaN or an infinity (the same

@@ -1,6 +1,6 @@
-"""GRPO with a sampler role (grpo.sampler_replicas = 1), run on two ranks by
-tests/distributed/test_async_roles.py through ``launch.run_ranks``: rank 0 learns, rank 1
-samples. The run writes its checkpoints and metrics.jsonl under ``out_dir``; the test compares
+"""GRPO with sampler roles (grpo.sampler_replicas = R), run on 1 + R ranks by
+tests/distributed/test_async_roles.py through ``launch.run_ranks``: rank 0 learns, ranks 1..R
+sample. The run writes its checkpoints and metrics.jsonl under ``out_dir``; the test compares
 them with a colocated run of the same config in the test's own process."""
 
 from __future__ import annotations

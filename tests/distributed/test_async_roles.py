@@ -1,12 +1,13 @@
 """Sampler and learner roles (grpo.sampler_replicas, gloo) against the colocated run in this
 process (tests/distributed/async_scenarios.py): with max_staleness 0 and two sampler replicas
 (3 processes: data step j from sampler j mod 2) the final parameters (the last checkpoint's)
-and every logged loss are torch.equal to the colocated run's; with one sampler, with max_staleness 1 and partial rollouts (the same fixed pipeline, the sampler
-sampling the next step while the learner learns, starting it under the version before and
-receiving the newer weights at the switch) the roles' steps and their checkpoint, resumed
-colocated, give the uninterrupted colocated run bit for bit (the learner drains the sampler's
-queued steps into the checkpoint, with the previous version's parameters). Also the roles'
-metrics and the layouts they refuse. A 3-process and a 2-process launch."""
+and every logged loss are torch.equal to the colocated run's; with one sampler, with
+max_staleness 1 and partial rollouts (the same fixed pipeline, the sampler sampling the next
+step while the learner learns, starting it under the version before and receiving the newer
+weights at the switch) the roles' steps and their checkpoint, resumed colocated, give the
+uninterrupted colocated run bit for bit (the learner drains the sampler's queued steps into the
+checkpoint, with the previous version's parameters). Also the roles' metrics and the layouts
+they refuse. A 3-process and a 2-process launch."""
 
 import json
 
