@@ -526,6 +526,11 @@ class GRPOConfig:
     # by the policy of step max(0, k - max_staleness), a fixed pipeline (reproducible, resumed
     # exactly: the queue is in every rank's checkpoint); 0 is synchronous GRPO, bit for bit.
     max_staleness: int = 0
+    # Partial rollouts (train/async_grpo.py): 0 off; n >= 1: data step j's rollouts start under
+    # policy version max(0, j - max_staleness - 1) and switch to max(0, j - max_staleness) before
+    # decode step n rounded up to a multiple of model.memory_block (a memory-block boundary), so
+    # a sampler starts before the newest weights exist; every token records its version.
+    partial_rollouts: int = 0
     # Off-policy correction of stale samples (learner/correction.py): "none" (ratio against mu),
     # "token_tis" (ratio against the step's proximal policy, weight min(pi_old / mu, is_cap)),
     # "token_mask" (weight 0 where pi_old / mu leaves [is_band_low, is_band_high]) or
@@ -536,8 +541,9 @@ class GRPOConfig:
     is_band_high: float = 2.0
     # Sampler and learner roles in one job (train/async_grpo.py, parallel/roles.py): world rank 0
     # learns, the next sampler_replicas ranks sample (weights broadcast to them, rollouts sent
-    # back); 0: colocated. This version: one sampler replica, a one-process learner (tp = pp = 1,
-    # no ZeRO), so the sampler's layout is the learner's by construction.
+    # back), data step j by sampler j mod sampler_replicas; 0: colocated. This version: a
+    # one-process learner (tp = pp = 1, no ZeRO) and one-process samplers, so a sampler's layout
+    # is the learner's by construction; more than one sampler needs dynamic_sampling off.
     sampler_replicas: int = 0
 
     def __post_init__(self) -> None:
@@ -585,12 +591,19 @@ class GRPOConfig:
         corrections = ("none", "token_tis", "token_mask", "seq_mask")
         _check(self.is_correction in corrections,
                f"grpo.is_correction={self.is_correction!r}: expected one of {', '.join(corrections)}")
-        _check(self.is_correction == "none" or self.max_staleness > 0,
-               f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 has "
-               "none (the ratio against mu is exact): set grpo.max_staleness >= 1 or grpo.is_correction=none")
-        _check(self.sampler_replicas in (0, 1),
-               f"grpo.sampler_replicas={self.sampler_replicas}: 0 (colocated) or 1 (one sampler rank beside one "
-               "learner rank); more sampler replicas are not implemented")
+        _check(self.partial_rollouts >= 0,
+               f"grpo.partial_rollouts={self.partial_rollouts}: must be >= 0 (0: off; n: the decode step before "
+               "which the rollouts switch to the newer policy version, rounded up to a memory block)")
+        _check(self.is_correction == "none" or self.max_staleness > 0 or self.partial_rollouts > 0,
+               f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 without "
+               "partial rollouts has none (the ratio against mu is exact): set grpo.max_staleness >= 1, "
+               "grpo.partial_rollouts >= 1 or grpo.is_correction=none")
+        _check(self.sampler_replicas >= 0,
+               f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
+        _check(self.sampler_replicas <= 1 or not self.dynamic_sampling,
+               f"grpo.sampler_replicas={self.sampler_replicas} with grpo.dynamic_sampling: a sampler skips the data "
+               "steps of the others, and dynamic sampling's rounds make their prompts unknown to it: use one sampler "
+               "replica, or turn dynamic sampling off")
         _check(self.is_cap > 0, f"grpo.is_cap={self.is_cap}: the truncation of the IS weight must be > 0")
         _check(0 < self.is_band_low <= 1 <= self.is_band_high,
                f"grpo.is_band_low={self.is_band_low}, grpo.is_band_high={self.is_band_high}: the band of kept "

@@ -129,6 +129,7 @@ class ReferenceRunner:
         h_kv = model.cross[self.layers[0]].attn.k.weight.shape[0] // cfg.head_dim  # this rank's heads
         device = model.null_memory.device
         self.state = KVState.zeros(self.layers, batch, h_kv, cfg.head_dim, capacity, 1 + capacity, dtype, device)
+        self.dtype = dtype
         self.write_memory(model.null_memory.to(dtype).expand(batch, 1, -1), -1)
 
     def at(self, k: int, t: int, n: int) -> Step:
@@ -182,3 +183,8 @@ class ReferenceDecoder:
     def runners(self, model, layers: Sequence[int], with_input: bool, shapes: Sequence[tuple[int, int]],
                 stream_dtype: torch.dtype, compute_dtype: torch.dtype) -> list[ReferenceRunner]:
         return [ReferenceRunner(model, layers, with_input, batch, capacity, compute_dtype) for batch, capacity in shapes]
+
+    def reload(self, model, layers: Sequence[int], with_input: bool, runners: Sequence[ReferenceRunner]) -> None:
+        """A weight switch: the runners read the modules, so only the null memory's slot is rewritten."""
+        for r in runners:
+            r.write_memory(model.null_memory.to(r.dtype).expand(r.batch, 1, -1), -1)

@@ -73,3 +73,15 @@ def is_weights(proximal: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor, cor
         mean = log_rho.double().sum(dim=1, keepdim=True) / n  # (B, 1): log of the geometric-mean ratio
         keep = ((mean >= lo) & (mean <= hi)).expand_as(mask)
     return (keep & mask).to(mu.dtype)
+
+
+def ratio_by_version(ratio: torch.Tensor, mask: torch.Tensor, version: torch.Tensor) -> dict[int, dict[str, float]]:
+    """ratio (B, N) the loss's ratio, mask (B, N) the tokens that carry loss, version (B, N) the
+    policy version that drew each token (partial rollouts switch inside a row) -> per version
+    present: the token count and the ratio's sum, min and max (reduce, then divide)."""
+    mask = mask.bool()
+    out = {}
+    for v in torch.unique(version[mask]).tolist():
+        r = ratio[mask & (version == v)]
+        out[int(v)] = {"n": float(r.numel()), "sum": float(r.sum()), "min": float(r.min()), "max": float(r.max())}
+    return out

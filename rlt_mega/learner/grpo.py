@@ -26,6 +26,7 @@ from rlt_mega.learner.policy_loss import ClipRange, policy_loss
 class LossOutput:
     loss: torch.Tensor  # scalar: the sum over this batch's completion tokens
     metrics: dict[str, torch.Tensor]  # sums over this minibatch's tokens (reduce, then divide)
+    ratio: Optional[torch.Tensor] = None  # (B, N) the policy loss's ratio, detached (metrics by token)
 
 
 def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor,
@@ -88,4 +89,4 @@ def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, ma
             "kl_sum": kl.detach()[mask].sum(),
             "entropy_sum": ent.detach()[mask].sum(),
         }
-    return LossOutput(loss=out, metrics=metrics)
+    return LossOutput(loss=out, metrics=metrics, ratio=r)

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.learner.aggregation import loss_count
-from rlt_mega.learner.correction import Correction, is_weights
+from rlt_mega.learner.correction import Correction, is_weights, ratio_by_version
 from rlt_mega.learner.grpo import grpo_loss
 from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_rows, hybrid_logprobs,
                                      mismatch_metrics)
@@ -132,6 +132,8 @@ class GRPOObjective(LogitsLoss):
             if weights is not None:
                 record.update(correction_metrics(part.proximal, ro.mu, part.loss_mask(), weights))
             record.update(mismatch_metrics(ro.mu, dense, part.replay, ro.mask))
+            if ro.version is not None:  # the staleness metrics, by each token's own policy version
+                record["by_version"] = ratio_by_version(out.ratio, part.loss_mask(), ro.version.to(out.ratio.device))
             self.records.append(record)
             total = out.loss if total is None else total + out.loss
         return total

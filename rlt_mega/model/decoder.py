@@ -748,6 +748,12 @@ class StepRunner:
         self.run = DecoderRun(stack, batch, capacity, state=self.state)
         self.write_memory(null_memory.detach().to(stack.compute_dtype).expand(batch, 1, -1), -1)
 
+    def restack(self, stack: DecoderStack, null_memory: torch.Tensor) -> None:
+        """New products (the same spec and shapes, other parameters) for the steps to come; the
+        null memory's slot rewritten from ``null_memory``, the state kept."""
+        self.stack = self.run.stack = stack
+        self.write_memory(null_memory.detach().to(stack.compute_dtype).expand(self.batch, 1, -1), -1)
+
     def at(self, k: int, t: int, n: int) -> Step:
         """Step k with its n rows (the prefix of the state's rows) all at position t."""
         return Step.at(t, self.stack.tables, self.stack.C, batch=self.batch, rows=n)

@@ -199,6 +199,17 @@ class Decoder:
                                memory=True)
         return [StepRunner(stack, batch, capacity, model.null_memory) for batch, capacity in shapes]
 
+    def reload(self, model, layers, with_input: bool, runners: Sequence[StepRunner]) -> None:
+        """A weight switch inside a call (partial rollouts, rollout/executor.py): the runners'
+        products prepared anew from the parameters as they are now, and the null memory's slot
+        rewritten from them; the K/V states computed so far stay."""
+        old = runners[0].stack
+        with torch.no_grad():
+            spec, weights = self.weights(model, layers, with_input)
+            stack = self.stack(model, spec, weights, old.rows, False, old.stream_dtype, old.compute_dtype, memory=True)
+        for runner in runners:
+            runner.restack(stack, model.null_memory)
+
     def dense(self, model, emb: torch.Tensor, mem, z0: Optional[torch.Tensor] = None,
               rows: Optional[DenseRows] = None, documents: Optional[Documents] = None) -> torch.Tensor:
         """The dense schedule's decoder: emb (B, T, d), mem the memory K/V of ``RLT.memory_kv`` -> z

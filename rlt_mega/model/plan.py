@@ -39,6 +39,12 @@ Events are typed (``Fork``, ``Leave``, ``Check``, ``Enter``, ``Encode``, ``End``
 so are the sources a step's batch is built from (``FromBatch``, ``FromParked``, ``Fresh``). A
 new event is one dataclass here, the plan's rule that emits it, and the executor's handling.
 
+Partial rollouts (``RowLayout.switch``): a call that starts under policy version
+``layout.version`` changes its parameters to version v before step k* (``switch = (k*, v)``, k*
+a multiple of the memory block C: the steps before it drew with the old parameters, the steps from
+it on, their encoder calls included, with the new). The plan logs ``Switch(k*, v)`` when the call
+reaches step k*, and the executor loads version v there; rows keep every state computed so far.
+
 Encoder calls before step k: the prefill [0, C * floor(min P / C)) of the fresh sequences that
 enter at k, and for every sequence at position t whose memory block [t + 1 - C, t + 1)
 completes (and lies past its prefill) one call per distinct block start, over those rows.
@@ -86,6 +92,15 @@ class RowLayout:
     compact: bool
     check_every: int
     lengths: Optional[tuple[int, ...]] = None  # per row: the positions it needs (None: P + max_new_tokens - 1)
+    version: int = 0  # the policy version the call starts under (partial rollouts)
+    switch: tuple[int, ...] = ()  # (step, version): from that step on, that version's parameters; (): none
+
+    def __post_init__(self) -> None:
+        if self.switch and (len(self.switch) != 2 or self.switch[0] < 1 or self.switch[0] % self.memory_block
+                            or self.switch[1] == self.version):
+            raise ValueError(f"row layout: weight switch {self.switch} must be (step, version) with the step a "
+                             f"positive multiple of the memory block C={self.memory_block} and a version other "
+                             f"than the start's ({self.version})")
 
     @property
     def num_rows(self) -> int:
@@ -121,10 +136,10 @@ class RowLayout:
 
 def row_layout(prompts: Sequence[Sequence[int]], max_new_tokens: int, memory_block: int, slots: Optional[int],
                share_prompts: bool, compact: bool, check_every: int, groups: Optional[Sequence] = None,
-               lengths: Optional[Sequence[int]] = None) -> RowLayout:
+               lengths: Optional[Sequence[int]] = None, version: int = 0, switch: Sequence[int] = ()) -> RowLayout:
     """Groups identical prefixes (two rows or more) into entries when ``share_prompts``: rows whose
     ``prompts`` are token for token the same or, given ``groups`` (one id a row), rows of one id.
-    slots None: one per row and entry (no row ever waits). lengths: see ``RowLayout``."""
+    slots None: one per row and entry (no row ever waits). lengths, version, switch: see ``RowLayout``."""
     R = len(prompts)
     ids = [tuple(p) for p in prompts] if groups is None else list(groups)
     members: dict = {}
@@ -142,7 +157,8 @@ def row_layout(prompts: Sequence[Sequence[int]], max_new_tokens: int, memory_blo
     if slots < 1:
         raise ValueError(f"sampling.slots={slots}: must be >= 1")
     return RowLayout(tuple(len(p) for p in prompts), tuple(entry_of), tuple(entry_rows), max_new_tokens,
-                     memory_block, slots, compact, check_every, None if lengths is None else tuple(lengths))
+                     memory_block, slots, compact, check_every, None if lengths is None else tuple(lengths),
+                     version, tuple(switch))
 
 
 # ---------------------------------------------------------------------- events (``step``: before which step)
@@ -194,7 +210,13 @@ class Force:  # from step ``step`` on, row ``seq``'s positions [start, start + l
     ids: tuple[int, ...]
 
 
-EVENTS = {e.__name__: e for e in (Fork, Leave, Check, Enter, Encode, End, Force)}
+@dataclass(frozen=True)
+class Switch:  # before step ``step`` the call's parameters become policy version ``version`` (partial rollouts)
+    step: int
+    version: int
+
+
+EVENTS = {e.__name__: e for e in (Fork, Leave, Check, Enter, Encode, End, Force, Switch)}
 
 
 # ---------------------------------------------------------------------- where a step's batch row comes from
@@ -239,6 +261,7 @@ class StepPlan:
     expand: Optional[list[int]]  # batch row of every target (None: one target per row)
     targets: list[int]  # the sequence whose next token each target chooses (a fork: its G rows)
     target_positions: list[int]
+    switch: Optional[int] = None  # a policy version to load before this step (partial rollouts)
 
 
 @dataclass
@@ -416,6 +439,10 @@ class RowPlan:
                 raise RuntimeError(f"row plan: step {k} has no row to run while rows {self.out} wait for their "
                                    "environment calls (the sampler waits at once when no other row can run)")
             return self._finish(k)
+        switch = None
+        if L.switch and k == L.switch[0]:  # the call runs on past the switch: the new version from here
+            switch = L.switch[1]
+            self.log.append(Switch(k, switch))
         # positions
         for s in seqs:
             if s in entering:
@@ -443,7 +470,7 @@ class RowPlan:
                 targets.append(s)
                 target_pos.append(p)
         plan = StepPlan(k, seqs, [self.pos[s] for s in seqs], build, park, unpark, calls,
-                        None if len(expand) == len(seqs) else expand, targets, target_pos)
+                        None if len(expand) == len(seqs) else expand, targets, target_pos, switch)
         self.prev = plan
         self.num_steps = k + 1
         self.row_steps += len(seqs)
@@ -525,7 +552,7 @@ def record_to_json(record: RowRecord) -> dict:
 
 def record_from_json(d: dict) -> RowRecord:
     lay = dict(d["layout"])
-    for key in ("prompt_lens", "entry_of"):
+    for key in ("prompt_lens", "entry_of", "switch"):
         lay[key] = tuple(lay[key])
     lay["entry_rows"] = tuple(tuple(r) for r in lay["entry_rows"])
     if lay.get("lengths") is not None:

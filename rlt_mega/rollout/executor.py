@@ -23,13 +23,22 @@ check.
 
 Tokens and log-probs live per *sequence* (rows, then entries): tokens (S, capacity), and on the
 last stage lp (S, capacity), the log-prob of the token at each position under the step that drew
-(or forced) it.
+(or forced) it, and with a weight switch (partial rollouts) ``version`` (S, capacity), the policy
+version of that step.
+
+A weight switch (the plan's ``Switch`` before step k*, model/plan.py) calls ``load(v)``, which
+makes the stage's parameters version v in place, then prepares the decoder's products anew
+(``decoder.reload``); the K/V states, the encoder caches and z computed so far stay. Micro-batches
+run k-major on every stage (``row_ring_steps``), so every step before k* of every micro-batch ran
+under the old version. A replay without ``load`` runs the whole call under the current parameters
+(the learner's replay): products prepared again from the same parameters are the same, so the
+switch changes nothing there.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -73,6 +82,7 @@ class RowResult:
     lp: Optional[torch.Tensor]  # (S, capacity) fp32 on the last stage
     encoder_calls: list
     decoder: str  # which decoder step ran ("fused": the model's; "reference": rlt_mega/reference.py)
+    version: Optional[torch.Tensor] = None  # (S, capacity) the policy version of each position's step (a switch)
 
 
 @dataclass
@@ -81,6 +91,7 @@ class _Run:
     enc: KVCache
     runner: object  # model/decoder.py StepRunner (or the reference's)
     lp: Optional[torch.Tensor]
+    version: Optional[torch.Tensor] = None  # (S, capacity) long on the last stage, with a weight switch
     z: Optional[torch.Tensor] = None  # stage 0: z of the last step's batch (B, d)
     parked: dict = field(default_factory=dict)  # entry -> one-row copies of every buffer (and z)
     sp: Optional[StepPlan] = None  # the step the state is at
@@ -157,15 +168,26 @@ class RowExecutor:
     def decoder_name(self) -> str:
         return getattr(self.decoder, "name", "fused")
 
-    def run(self, works: Sequence[RowWork], processing: Processing) -> list[RowResult]:
+    def run(self, works: Sequence[RowWork], processing: Processing,
+            load: Optional[Callable[[int], None]] = None) -> list[RowResult]:
         """Runs the micro-batches together (all in flight). Call under no_grad and the rollout's
-        precision context."""
+        precision context. load: makes the stage's parameters a policy version, in place (the
+        call's start version before anything runs, a switch's at it); None: the current ones."""
         model, L, comms = self.model, self.model.cfg.n_layers, self.comms
         every = {w.plan.layout.check_every for w in works}
         if len(every) != 1:
             raise ValueError(f"row-schedule batches run together must share one check_every, got {sorted(every)}")
+        versions = {(w.plan.layout.version, w.plan.layout.switch) for w in works}
+        if len(versions) != 1:
+            raise ValueError(f"row-schedule batches run together must share one start version and weight switch, "
+                             f"got {sorted(versions)}")
         self.check_every = every.pop()  # the record's (a replay repeats its rollout's checks)
+        version, switch = versions.pop()
+        self._load, self._version = load, version
+        if load is not None:
+            load(version)
         device = works[0].tokens.device
+        self._version_t = torch.tensor(version, device=device)
         shapes = [(w.plan.layout.slots, w.tokens.shape[1]) for w in works]
         runners = self.decoder.runners(model, self.layers, comms.is_first_stage, shapes, self.act_dtype,
                                        compute_dtype_of(self.act_dtype, device))
@@ -174,7 +196,9 @@ class RowExecutor:
             S, capacity = w.tokens.shape
             lp_dtype = torch.promote_types(self.act_dtype, torch.float32)  # the processed log-probs' (fp64 model: fp64)
             lp = torch.zeros(S, capacity, dtype=lp_dtype, device=device) if comms.is_last_stage else None
-            runs.append(_Run(w, KVCache(L, capacity), runner, lp))
+            ver = torch.full((S, capacity), version, device=device) if switch and comms.is_last_stage else None
+            runs.append(_Run(w, KVCache(L, capacity), runner, lp, ver))
+        self._runs = runs
         for step in row_ring_steps(comms.stage, comms.num_stages, self.check_every, [r.work.plan for r in runs]):
             run = runs[step.j]
             if step.kind != "in":
@@ -192,7 +216,8 @@ class RowExecutor:
             else:  # pragma: no cover
                 raise AssertionError(f"unknown row ring step {step}")
         comms.p2p.drain()
-        return [RowResult(run.lp, run.calls, self.decoder_name) for run in runs]
+        self._runs = []
+        return [RowResult(run.lp, run.calls, self.decoder_name, run.version) for run in runs]
 
     # ------------------------------------------------------------------ messages
     def _message(self, stream: str, step: RingStep, run: _Run) -> tuple[tuple, torch.dtype]:
@@ -216,6 +241,8 @@ class RowExecutor:
         if run.sp is not None and run.sp.k == k:
             return
         assert sp is not None and sp.k == k, (sp, k)
+        if sp.switch is not None:
+            self._switch(sp.switch)
         device = run.work.tokens.device
         for u, i in sp.park:
             copies = {key: x[i:i + 1].clone() for key, x, _, _ in _buffers(run)}
@@ -238,6 +265,18 @@ class RowExecutor:
         run.call_seqs = [to_device(c.seqs, device) for c in sp.calls]
         run.sp, run.num_rows = sp, len(sp.seqs)
         run.high = max(run.high, max(sp.positions))
+
+    def _switch(self, version: int) -> None:
+        """Before step k* (the first micro-batch to reach it: every step before k* of every
+        micro-batch has run): the parameters of ``version`` and the decoder's products from them."""
+        if self._version == version:
+            return
+        self._version = version
+        self._version_t.fill_(version)
+        if self._load is None:  # the learner's replay: one set of parameters for the whole call
+            return
+        self._load(version)
+        self.decoder.reload(self.model, self.layers, self.comms.is_first_stage, [r.runner for r in self._runs])
 
     def _rebuild(self, run: _Run, sp: StepPlan) -> None:
         """The batch of step k from the old batch, parked states and fresh rows (StepPlan.build),
@@ -321,6 +360,8 @@ class RowExecutor:
         chooser.record_rows(run.targets, run.target_pos, nxt)
         tokens[run.targets, run.target_pos + 1] = nxt
         run.lp[run.targets, run.target_pos + 1] = logprobs.gather(1, nxt.unsqueeze(1)).squeeze(1)
+        if run.version is not None:
+            run.version[run.targets, run.target_pos + 1] = self._version_t
         if comms.is_first_stage:
             run.z = y.squeeze(1)
         if not plan.may_run(k + 1):

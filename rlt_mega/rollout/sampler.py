@@ -25,6 +25,11 @@ What the rollout records (``Schedule``, with ``Schedule.rows`` the plan's record
 flags each check read, the event log) is enough to re-execute it: the replay derives the same
 plan from the recorded flags (tokens forced) and refuses a replay whose events or encoder calls
 differ from the record's.
+
+Partial rollouts: a call may start under one policy version and switch to another before a fixed
+step (``generate(version=, switch=(step, version), load=)``, model/plan.py ``Switch``); each
+token's version is recorded (``Rollout.version``). A replay given the same ``load`` repeats the
+switch and equals mu bit for bit; without it the whole call runs under the current parameters.
 """
 
 from __future__ import annotations
@@ -88,7 +93,9 @@ class Rollout:
     N = max completion length: mu[b, j] is the fp32 log-prob the completion's j-th token was
     drawn with (at position P_b + j, by step P_b + j - 1); 0 where mask (B, N) is False. mask: the
     sampled tokens (an environment's observations inside a completion are not: rollout/turns.py);
-    episodes: each row's environment episode, with an environment (else None)."""
+    episodes: each row's environment episode, with an environment (else None). version (B, N)
+    long: the policy version whose parameters drew each token (partial rollouts switch inside a
+    call), 0 where mask is False (the sampler always records it)."""
 
     tokens: torch.Tensor
     mu: torch.Tensor
@@ -97,6 +104,7 @@ class Rollout:
     finish_reasons: list[str]  # "stop_token", "stop_string", "length" or "env" (the episode ended)
     schedule: Schedule
     episodes: Optional[list[EpisodeStats]] = None
+    version: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -114,7 +122,8 @@ class Rollout:
 
     def to(self, device: torch.device | str) -> "Rollout":
         return dataclasses.replace(self, tokens=self.tokens.to(device), mu=self.mu.to(device),
-                                   mask=self.mask.to(device))
+                                   mask=self.mask.to(device),
+                                   version=None if self.version is None else self.version.to(device))
 
 
 def completion_positions(prompt_lens: Sequence[int], completion_lens: Sequence[int], device
@@ -396,13 +405,17 @@ class Sampler:
     def generate(self, batches: Sequence[Sequence[Sequence[int]]], params: SamplingParams | Sequence[SamplingParams],
                  seeds: Sequence[Sequence[int]], pad_id: int, dtype: str = "fp32",
                  decode: Optional[Callable[[list[int]], str]] = None,
-                 episodes: Optional[Sequence[Sequence[Episode]]] = None) -> list[Rollout]:
+                 episodes: Optional[Sequence[Sequence[Episode]]] = None, version: int = 0,
+                 switch: Sequence[int] = (), load: Optional[Callable[[int], None]] = None) -> list[Rollout]:
         """Samples one completion per prompt of each batch (the module docstring). seeds: one per
         prompt; a request's draws come from its own generator, so they do not depend on its
         batch-mates. params: one for all batches or one per batch. decode: token ids -> text,
         needed for stop strings and episodes. episodes: one environment episode per prompt of
-        each batch (rollout/turns.py; they need check_every = 1 and run on the last stage). Every
-        stage returns the rollouts."""
+        each batch (rollout/turns.py; they need check_every = 1 and run on the last stage).
+        version: the policy version of the current parameters, recorded with every token;
+        switch (step, version): partial rollouts, the parameters become that version before
+        that step (a multiple of the memory block), by ``load(version)`` (this stage's parameters,
+        in place; it is also called with ``version`` first). Every stage returns the rollouts."""
         if isinstance(params, SamplingParams):
             params = [params] * len(batches)
         if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
@@ -418,10 +431,13 @@ class Sampler:
                 raise ValueError("episodes need a decode function and one episode per prompt of each batch")
         if len({p.processing for p in params}) != 1:
             raise ValueError("batches sampled together must share one logits processing")
+        if switch and load is None:
+            raise ValueError(f"a weight switch {tuple(switch)} needs load (the parameters of each policy version)")
         works, choosers = [], []
         for i, (prompts, p, batch_seeds) in enumerate(zip(batches, params, seeds)):
             layout = row_layout(prompts, p.max_new_tokens, self.model.cfg.memory_block, self.rows.slots or None,
-                                self.rows.share_prompts, self.rows.compact, self.check_every)
+                                self.rows.share_prompts, self.rows.compact, self.check_every, version=version,
+                                switch=switch)
             capacity = max(layout.prompt_lens) + p.max_new_tokens
             _check_model_fits(self.model, capacity)
             rows = torch.full((len(prompts), capacity), pad_id, dtype=torch.long)
@@ -437,7 +453,7 @@ class Sampler:
             works.append(RowWork(tokens, plan, chooser))
             choosers.append(chooser)
         with torch.no_grad(), precision(dtype, self.device):
-            results = self.executor.run(works, params[0].processing)
+            results = self.executor.run(works, params[0].processing, load)
         rollouts = None
         if self.comms.is_last_stage:
             rollouts = []
@@ -449,11 +465,15 @@ class Sampler:
         rollouts = self.comms.share_results(rollouts)
         return [ro.to(self.device) for ro in rollouts]
 
-    def replay(self, rollouts: Sequence[Rollout]) -> list[Optional[torch.Tensor]]:
+    def replay(self, rollouts: Sequence[Rollout], load: Optional[Callable[[int], None]] = None
+               ) -> list[Optional[torch.Tensor]]:
         """Re-executes each rollout's schedule with the model's current parameters, tokens
         forced, no grad, same plan (batches, events, capacity), processing and dtype -> log-probs
         (B, N) in the layout of ``rollout.mu`` (0 where masked) on the last stage, None on the
-        others. With unchanged parameters they are torch.equal to ``rollout.mu``."""
+        others. With unchanged parameters they are torch.equal to ``rollout.mu``. load: the
+        parameters of each policy version (``generate``'s): the recorded start version first and
+        a weight switch's at it, so a partial rollout's replay is torch.equal to its mu; None: the
+        current parameters throughout (a switch then changes nothing)."""
         if len(rollouts) == 0:
             return []
         schedules = [ro.schedule for ro in rollouts]
@@ -473,7 +493,7 @@ class Sampler:
             works.append(RowWork(tokens, RowPlan(record.layout, recorded=record),
                                  _Force(tokens, record.layout.num_rows)))
         with torch.no_grad(), precision(schedules[0].dtype, self.device):
-            results = self.executor.run(works, schedules[0].processing)
+            results = self.executor.run(works, schedules[0].processing, load)
         return [_replay_values(ro, work, res) for ro, work, res in zip(rollouts, works, results)]
 
 
@@ -510,12 +530,17 @@ def _rollout(res: RowResult, work: RowWork, chooser: _Draw, processing: Processi
     record = plan.record()
     mask = _sampled_mask(layout.prompt_lens, completion_lens, record, res.lp.device)
     mu = _completion_values(res.lp[:R], layout.prompt_lens, completion_lens, mask)
+    if res.version is None:
+        version = torch.where(mask, layout.version, 0)
+    else:
+        step, _ = completion_positions(layout.prompt_lens, completion_lens, mask.device)
+        version = torch.where(mask, res.version[:R].gather(1, step + 1), 0)
     schedule = Schedule(prompt_lens=list(layout.prompt_lens), memory_block=memory_block,
                         capacity=work.tokens.shape[1], num_steps=T - 1,
                         encoder_calls=[(c[1], c[2]) for c in res.encoder_calls], processing=processing,
                         dtype=dtype, pad_id=pad_id, rows=record, decoder=res.decoder)
     return Rollout(tokens=work.tokens[:R, :T].clone(), mu=mu, mask=mask, completion_lens=completion_lens,
-                   finish_reasons=finish_reasons, schedule=schedule, episodes=chooser.stats)
+                   finish_reasons=finish_reasons, schedule=schedule, episodes=chooser.stats, version=version)
 
 
 def _replay_values(ro: Rollout, work: RowWork, res: RowResult) -> Optional[torch.Tensor]:

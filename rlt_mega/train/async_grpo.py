@@ -14,6 +14,17 @@ is part of every rank's checkpoint (``state_dict``: each rank keeps its own part
 rollouts, the mu of its pipeline stage, its replica's prompts), and a resumed run learns
 exactly what the uninterrupted one would have. A checkpoint resumes only under the layout
 and the max_staleness it was written with when its queue is not empty.
+
+Partial rollouts (grpo.partial_rollouts = n >= 1): data step j's rollout calls start under
+version max(0, j - s - 1) and switch to version max(0, j - s) before decode step
+k* = C * ceil(n / C) of the call (a memory-block boundary: every memory block is decoded and
+encoded under one version), so a sampler can start a data step before the weights it ends with
+exist (``DataStepVersions``). A data step's calls (minibatches, dynamic sampling's rounds) run
+in order, and once one of them has switched, the rest run under the new version: versions only
+move forward, as a sampler receiving weights does. The colocated job keeps the parameters of
+versions k - 1 and k at step k (``KeptVersions``, version k - 1 in every rank's checkpoint);
+a sampler role receives them (``ReceivedVersions``). Step k's lag is k minus its data step's
+start version; the tokens' own versions give the staleness metrics.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+from torch.nn.utils import parameters_to_vector
 
 from rlt_mega.config import ConfigError
 from rlt_mega.parallel.roles import RoleChannel
@@ -44,7 +56,9 @@ def queue_types() -> tuple:
 
 @dataclass
 class Generated:
-    """Data step ``step``'s rounds (one, or dynamic sampling's), sampled by policy ``version``."""
+    """Data step ``step``'s rounds (one, or dynamic sampling's), sampled by policy ``version``
+    (the version it started under: with partial rollouts later tokens may be one newer,
+    ``Rollout.version``)."""
 
     step: int
     version: int
@@ -58,12 +72,88 @@ class Generated:
         return learner_step - self.version
 
 
+# ---------------------------------------------------------------------- policy versions
+class DataStepVersions:
+    """The versions of data step ``data_step``'s rollout calls (the module docstring); ``holder``
+    makes the sampling module's parameters a version (``KeptVersions``, ``ReceivedVersions``)."""
+
+    def __init__(self, data_step: int, max_staleness: int, partial_rollouts: int, memory_block: int, holder) -> None:
+        self.target = max(0, data_step - max_staleness)
+        self.start = max(0, data_step - max_staleness - 1) if partial_rollouts else self.target
+        self.switch_step = memory_block * -(-partial_rollouts // memory_block)  # n rounded up to a block
+        self.holder, self.switched = holder, False
+
+    def call(self) -> dict:
+        """The next call's ``Sampler.generate`` arguments (version, switch, load)."""
+        if self.switched or self.start == self.target:
+            return {"version": self.target, "switch": (), "load": self.load}
+        return {"version": self.start, "switch": (self.switch_step, self.target), "load": self.load}
+
+    def load(self, version: int) -> None:
+        self.holder.load(version)
+        self.switched |= version == self.target != self.start
+
+
+def flat_parameters(module: torch.nn.Module) -> torch.Tensor:
+    return parameters_to_vector([p.detach() for p in module.parameters()]).clone()
+
+
+def copy_into(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    """The flat vector's values into ``params``, in place (torch's ``vector_to_parameters`` would
+    make them views of ``flat`` instead: an optimizer step would then write into the copy)."""
+    offset = 0
+    with torch.no_grad():
+        for p in params:
+            p.copy_(flat[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+
+class KeptVersions:
+    """The colocated job at step ``live``: ``kept`` flat copies of versions (live - 1 and live
+    with partial rollouts, none without), written into ``module``'s parameters in place;
+    ``restore`` puts the live version back after sampling."""
+
+    def __init__(self, module: torch.nn.Module, kept: dict[int, torch.Tensor], live: int) -> None:
+        self.params, self.kept, self.version, self.live = list(module.parameters()), kept, live, live
+
+    def load(self, version: int) -> None:
+        if version == self.version:
+            return
+        if version not in self.kept:  # the pipeline's invariant, not a user error
+            raise RuntimeError(f"policy version {version} is not kept (versions {sorted(self.kept)} at step "
+                               f"{self.live})")
+        copy_into(self.kept[version].to(self.params[0].device), self.params)
+        self.version = version
+
+    def restore(self) -> None:
+        self.load(self.live)
+
+
+class ReceivedVersions:
+    """A sampler role's parameters: versions arrive in order from the learner (parallel/roles.py);
+    ``waited`` sums the seconds spent waiting for them."""
+
+    def __init__(self, channel: RoleChannel, module: torch.nn.Module) -> None:
+        self.channel, self.params = channel, list(module.parameters())
+        self.version, self.waited = -1, 0.0
+
+    def load(self, version: int) -> None:
+        if version < self.version:  # the pipeline's invariant, not a user error
+            raise RuntimeError(f"the sampler holds policy version {self.version} and was asked for {version}")
+        while self.version < version:
+            self.waited += self.channel.receive_weights(self.params)
+            self.version += 1
+
+    def restore(self) -> None:
+        pass
+
+
 class StalenessPipeline:
     """The queue of sampled data steps; ``layout`` names the rank's place (a queue resumes
-    only on the rank and layout that wrote it)."""
+    only on the rank and layout that wrote it, and under its max_staleness and partial_rollouts)."""
 
-    def __init__(self, max_staleness: int, layout: tuple) -> None:
-        self.max_staleness, self.layout = max_staleness, tuple(layout)
+    def __init__(self, max_staleness: int, layout: tuple, partial_rollouts: int = 0) -> None:
+        self.max_staleness, self.layout, self.partial_rollouts = max_staleness, tuple(layout), partial_rollouts
         self.queue: deque[Generated] = deque()
 
     def to_sample(self, done: int) -> range:
@@ -81,16 +171,20 @@ class StalenessPipeline:
         return item
 
     def state_dict(self) -> dict:
-        return {"max_staleness": self.max_staleness, "layout": self.layout, "queue": list(self.queue)}
+        return {"max_staleness": self.max_staleness, "layout": self.layout, "partial_rollouts": self.partial_rollouts,
+                "queue": list(self.queue)}
 
     def load_state_dict(self, state: Optional[dict], step: int) -> None:
         """``state`` None: the checkpoint has no queue for this rank (then none may be needed)."""
         queue = [] if state is None else state["queue"]
-        if queue and (state["max_staleness"] != self.max_staleness or tuple(state["layout"]) != self.layout):
+        partial = 0 if state is None else state.get("partial_rollouts", 0)
+        if queue and (state["max_staleness"] != self.max_staleness or tuple(state["layout"]) != self.layout
+                      or partial != self.partial_rollouts):
             raise ConfigError(
                 f"the checkpoint at step {step} holds {len(queue)} sampled steps queued for grpo.max_staleness="
-                f"{state['max_staleness']} on layout {tuple(state['layout'])}; this run has max_staleness="
-                f"{self.max_staleness} on {self.layout}: resume with the checkpoint's, or start afresh")
+                f"{state['max_staleness']}, partial_rollouts={partial} on layout {tuple(state['layout'])}; this run "
+                f"has max_staleness={self.max_staleness}, partial_rollouts={self.partial_rollouts} on {self.layout}: "
+                "resume with the checkpoint's, or start afresh")
         if not queue and step > 0 and self.max_staleness > 0:
             raise ConfigError(
                 f"the checkpoint at step {step} holds no sampled steps for grpo.max_staleness={self.max_staleness} "
@@ -131,8 +225,9 @@ class ColocatedSource:
 
 class RemoteSource:
     """The learner's end of the roles (grpo.sampler_replicas): data steps arrive from the
-    sampler (parallel/roles.py) in order; weights are published after every step a sampler
-    still needs (version v samples data step v + s, for data steps below ``end`` + s)."""
+    samplers (parallel/roles.py) in order, data step j from sampler j mod R; weights are
+    published after every step a sampler still needs (version v samples data step v + s, for
+    data steps below ``end`` + s)."""
 
     def __init__(self, channel: RoleChannel, max_staleness: int, end: int, on_receive: Callable[[Generated], None]
                  ) -> None:
@@ -147,7 +242,8 @@ class RemoteSource:
     def _receive_through(self, pipeline: StalenessPipeline, step: int) -> float:
         waited = 0.0
         while self._received < step:
-            item, w = self.channel.recv(self.channel.samplers[0])
+            samplers = self.channel.samplers
+            item, w = self.channel.recv(samplers[(self._received + 1) % len(samplers)])  # data step j: sampler j mod R
             waited += w
             self._received = item.step
             self.on_receive(item)
@@ -179,18 +275,23 @@ class RemoteSource:
 
 
 def run_sampler(job, channel: RoleChannel, end: int) -> None:
-    """A sampler rank's loop: data step j, for j below end + s, sampled by version max(0, j - s)
-    (received from the learner just before it is first needed) and sent to the learner.
+    """A sampler rank's loop: data step j, for j below end + s and j = its index mod the number
+    of samplers R, sampled by version max(0, j - s) (received from the learner when a call first
+    needs it: before the call, or at a partial rollout's switch) and sent to the learner; the
+    other data steps only advance its data order (``job.skip_step``). Every sampler takes part in
+    every weight broadcast, in order (a collective), up to the last version published.
     ``job``: a GRPOJob on this rank (its sampling phases, its model, its data order)."""
     s = job.cfg.grpo.max_staleness
-    params = list(job.engine.sampling_module().parameters())
-    version, idle = -1, 0.0
+    index, num = channel.samplers.index(channel.rank), len(channel.samplers)
+    versions = ReceivedVersions(channel, job.engine.sampling_module())
     for data_step in range(end + s):
-        while version < max(0, data_step - s):
-            idle += channel.receive_weights(params)
-            version += 1
-        item = job.sample_step(data_step, version)
-        item.idle = idle
+        if data_step % num != index:
+            job.skip_step(data_step)
+            continue
+        waited = versions.waited
+        item = job.sample_step(data_step, versions)
+        item.idle = versions.waited - waited  # waiting for weights, inside the sampling's time
+        item.t_generate -= item.idle
         channel.send(item)
-        idle = 0.0
+    versions.load(max(0, end - 1))  # the versions published after this sampler's last data step
     channel.flush()

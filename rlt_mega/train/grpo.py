@@ -70,8 +70,8 @@ from rlt_mega.model.plan import RowSwitches
 from rlt_mega.rollout.env import EnvLimits, Environments, resolve_env
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
-from rlt_mega.train.async_grpo import (ColocatedSource, Generated, RemoteSource, StalenessPipeline, queue_types,
-                                      run_sampler)
+from rlt_mega.train.async_grpo import (ColocatedSource, DataStepVersions, Generated, KeptVersions, RemoteSource,
+                                      StalenessPipeline, flat_parameters, queue_types, run_sampler)
 from rlt_mega.train.builders import build_engine, check_vocab, reference_model
 from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
@@ -116,9 +116,15 @@ class GRPOJob:
         self.minibatch_rows = self.rows_per_step // g.minibatches
         self.batch_rows = self.minibatch_rows // batches_per_minibatch(cfg)
         self.objective = GRPOObjective(settings=loss_settings(cfg))
-        self.pipeline = StalenessPipeline(g.max_staleness, (dims.dp, dims.tp, dims.pp, dims.rank))
+        self.pipeline = StalenessPipeline(g.max_staleness, (dims.dp, dims.tp, dims.pp, dims.rank), g.partial_rollouts)
         # Where samples come from: this job's own ranks, or a sampler role (set by run_roles).
-        self.source: ColocatedSource | RemoteSource = ColocatedSource(self.sample_step)
+        self.source: ColocatedSource | RemoteSource = ColocatedSource(lambda data_step, done: self.sample_step(
+            data_step, KeptVersions(self.engine.sampling_module(), *self._kept)))
+        # Partial rollouts: this rank's parameters of version steps_done - 1 (flat), which the next
+        # step's rollouts start under (train/async_grpo.py); in the rank's checkpoint.
+        self.previous: Optional[torch.Tensor] = None
+        self._kept: tuple[dict, int] = ({}, 0)
+        self._versions: Optional[DataStepVersions] = None
         self.steps_done = 0  # steps done (what a save's queue continues from)
         self._t_generate = 0.0
         self.envs = environments(cfg, tokenizer)
@@ -149,7 +155,8 @@ class GRPOJob:
                 rollouts.append(sampler.generate(batches, params, self._batches(seeds, k),
                                                  pad_id=self.tokenizer.pad_id, dtype=self.cfg.train.dtype,
                                                  decode=self.tokenizer.decode,
-                                                 episodes=None if episodes is None else self._batches(episodes, k)))
+                                                 episodes=None if episodes is None else self._batches(episodes, k),
+                                                 **self._versions.call()))
             self._t_generate += time.perf_counter() - t0
         flat = [ro for mb in rollouts for ro in mb]
         with self.timers("score"):
@@ -164,12 +171,25 @@ class GRPOJob:
                                            g.overlong_penalty)
         return Round(rows, rollouts, scores, penalties, failures, nonfinite)
 
-    def sample_step(self, data_step: int, version: int) -> Generated:
-        """Data step ``data_step``'s samples with the current parameters (policy ``version``)."""
+    def sample_step(self, data_step: int, versions) -> Generated:
+        """Data step ``data_step``'s samples; ``versions`` makes the sampling module's parameters
+        each policy version its calls need (train/async_grpo.py: ``KeptVersions`` colocated,
+        ``ReceivedVersions`` on a sampler role)."""
+        g = self.cfg.grpo
+        self._versions = DataStepVersions(data_step, g.max_staleness, g.partial_rollouts, self.cfg.model.memory_block,
+                                          versions)
         self._t_generate = 0.0
-        rounds, sampling = self._sample(data_step)
-        return Generated(data_step, version, rounds, sampling, t_generate=self._t_generate,
+        try:
+            rounds, sampling = self._sample(data_step)
+        finally:
+            versions.restore()
+        return Generated(data_step, self._versions.start, rounds, sampling, t_generate=self._t_generate,
                          order=self.order.state_dict())
+
+    def skip_step(self, data_step: int) -> None:
+        """Another sampler's data step (grpo.sampler_replicas > 1): the data order advances as
+        sampling it would (one round: dynamic sampling is refused with several samplers)."""
+        self.order.take(self.cfg.grpo.prompts_per_step, self.dims.dp_rank, self.dims.dp)
 
     def _sample(self, done: int) -> tuple[list[Round], dict[str, float]]:
         """The step's rounds (one, or dynamic sampling's), their kept groups marked."""
@@ -294,7 +314,14 @@ class GRPOJob:
         # The staleness pipeline (train/async_grpo.py): colocated, sample with version ``done``
         # every data step up to done + max_staleness not yet queued; with a sampler role, receive
         # data step ``done``. Then learn data step ``done``.
+        current = None
+        if g.partial_rollouts:  # versions done - 1 and done: the partial rollouts sampled now switch between them
+            current = flat_parameters(self.engine.sampling_module())
+            self._kept = ({v: x for v, x in ((done - 1, self.previous), (done, current)) if x is not None}, done)
+        else:
+            self._kept = ({}, done)
         t_fill = self.source.fill(self.pipeline, done)
+        self.previous, self._kept = current, ({}, done)
         generated = self.pipeline.pop(done)
         rounds, sampling, lag = generated.rounds, generated.sampling, generated.lag(done)
         if self.reference is not None:
@@ -357,10 +384,8 @@ class GRPOJob:
                                       first_records=first_records, epochs=1,
                                       t_learn=t_learn, with_reference=self.reference is not None and not g.kl_in_reward,
                                       learned=learned, per_row=per_row, totals=totals, t_generate=generated.t_generate,
-                                      with_correction=proximal is not None)
-        # One lag a step (the pipeline is fixed): the ratio's figures are those of that lag.
-        scalars.update({"async/staleness_mean": float(lag), "async/staleness_max": float(lag),
-                        **{f"async/lag{lag}/ratio_{s}": scalars[f"ratio/{s}"] for s in ("min", "mean", "max")}})
+                                      with_correction=proximal is not None,
+                                      lags={v: done - v for v in (generated.version, self._target(done))})
         self.steps_done = done + 1
         sync = self.source.after_step(self.steps_done, list(self.engine.sampling_module().parameters()))
         seconds = time.perf_counter() - t_step
@@ -380,6 +405,12 @@ class GRPOJob:
         self.state.completions += sum(len(rnd.rows) for rnd in rounds) * dims.dp
         self._check_rewards(scalars, done + 1)
         return scalars
+
+    def _target(self, data_step: int) -> int:
+        """The newest policy version data step ``data_step``'s tokens may come from."""
+        g = self.cfg.grpo
+        memory_block = self.cfg.model.memory_block
+        return DataStepVersions(data_step, g.max_staleness, g.partial_rollouts, memory_block, None).target
 
     def _check_rewards(self, scalars: dict[str, float], step: int) -> None:
         """Counts the steps in a row whose reward function returned NaN or an infinity (the same
@@ -451,11 +482,17 @@ class GRPOJob:
         sampler role, the data steps it still owes are received first, so that the checkpoint
         resumes as the colocated run's would)."""
         self.source.complete(self.pipeline, self.steps_done)
-        return {"pipeline": self.pipeline.state_dict()}
+        return {"pipeline": self.pipeline.state_dict(), "previous": self.previous}
 
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
         self.pipeline.load_state_dict(None if state is None else state["pipeline"], step)
         self.steps_done = step
+        self.previous = None if state is None else state.get("previous")
+        if self.cfg.grpo.partial_rollouts and step > 0 and self.previous is None:
+            raise ConfigError(f"the checkpoint at step {step} holds no parameters of policy version {step - 1}, which "
+                              f"grpo.partial_rollouts={self.cfg.grpo.partial_rollouts} starts the next rollouts under "
+                              "(it was written without partial rollouts, or job_rank<r>.pt is missing): resume with "
+                              "grpo.partial_rollouts=0 or start afresh")
 
 
 # ---------------------------------------------------------------------- what GRPO derives
@@ -620,9 +657,10 @@ def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: 
 
 
 def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs, eval_recs) -> dict:
-    """GRPO with a sampler role (grpo.sampler_replicas, docs/design.md "Bounded staleness"):
-    world rank 0 runs the loop, rank 1 samples (train/async_grpo.py, ``run_sampler``); both
-    build the model from the same config, so the sampler's layout is the learner's. A
+    """GRPO with sampler roles (grpo.sampler_replicas = R, docs/design.md "Bounded staleness"):
+    world rank 0 runs the loop, ranks 1..R sample (data step j on rank 1 + j mod R;
+    train/async_grpo.py, ``run_sampler``); all build the model from the same config, so a
+    sampler's layout is the learner's. A
     checkpoint holds the learner's queue complete, so it resumes colocated exactly (resuming
     with the roles is not implemented: refused). ``cfg`` is ``grpo_config``'s."""
     p, g = cfg.parallel, cfg.grpo

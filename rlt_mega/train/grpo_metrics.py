@@ -21,14 +21,18 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                         records: Sequence[dict], first_records: int, epochs: int, t_generate: float, t_learn: float,
                         with_reference: bool, learned: Optional[Sequence[Rollout]] = None,
                         per_row: Optional[dict[str, float]] = None,
-                        totals: Optional[dict[str, float]] = None, with_correction: bool = False) -> dict[str, float]:
+                        totals: Optional[dict[str, float]] = None, with_correction: bool = False,
+                        lags: Optional[dict[int, int]] = None) -> dict[str, float]:
     """rewards: this replica's, one per row; rollouts: its micro-batches of the step; records:
     the objective's per-part metrics on a loss rank (empty elsewhere), the first
     ``first_records`` of them the on-policy minibatch (epoch 0, minibatch 0). learned: the
     rollout batches the learner ran, every epoch (default: rollouts, epochs times); per_row:
     replica sums (nonzero on the replica source only) reported per sampled row, by name;
     totals: the same, reported summed over the replicas. with_correction: the records carry the
-    off-policy correction's sums (learner/objective.py, ``correction_metrics``)."""
+    off-policy correction's sums (learner/objective.py, ``correction_metrics``). lags: policy
+    version -> its lag at this step (the versions the step's tokens may come from): the
+    staleness of the learned tokens, by each token's own version, and the ratio per lag
+    (``async/*``; records carry ``by_version``)."""
     src = 1.0 if dims.is_replica_source else 0.0
     sums = {
         "rows": src * len(rewards),
@@ -88,6 +92,16 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                 if n:
                     mins["first_ratio_min"] = min(mins["first_ratio_min"], m["ratio_min"])
                     maxs["first_ratio_max"] = max(maxs["first_ratio_max"], m["ratio_max"])
+    for v in lags or {}:
+        sums[f"v{v}_n"], sums[f"v{v}_ratio_sum"] = 0.0, 0.0
+        mins[f"v{v}_ratio_min"], maxs[f"v{v}_ratio_max"] = INF, -INF
+        for m in records if dims.is_loss_rank else ():
+            if v in m.get("by_version", {}):
+                x = m["by_version"][v]
+                sums[f"v{v}_n"] += x["n"]
+                sums[f"v{v}_ratio_sum"] += x["sum"]
+                mins[f"v{v}_ratio_min"] = min(mins[f"v{v}_ratio_min"], x["min"])
+                maxs[f"v{v}_ratio_max"] = max(maxs[f"v{v}_ratio_max"], x["max"])
     sums.update(learner)
     r = dims.reduce(sums, mins, maxs)
     rows, tokens = max(r["rows"], 1.0), max(r["tokens"], 1.0)
@@ -128,4 +142,20 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
         out.update({"is/rho_min": r["rho_min"] if r["rho_min"] != INF else 1.0, "is/rho_mean": r["rho_sum"] / tokens,
                     "is/rho_max": r["rho_max"] if r["rho_max"] != -INF else 1.0,
                     "is/weight_mean": r["is_weight_sum"] / tokens, "is/rejected_fraction": r["is_rejected"] / tokens})
+    if lags:
+        out.update(staleness_metrics(r, lags))
+    return out
+
+
+def staleness_metrics(r: dict[str, float], lags: dict[int, int]) -> dict[str, float]:
+    """From the reduced per-version sums: the learned tokens' mean and largest lag, and the
+    ratio's min/mean/max per lag present (a lag without tokens is not logged)."""
+    present = {v: L for v, L in lags.items() if r[f"v{v}_n"] > 0}
+    n = sum(r[f"v{v}_n"] for v in present)
+    out = {"async/staleness_mean": sum(L * r[f"v{v}_n"] for v, L in present.items()) / n if n else 0.0,
+           "async/staleness_max": float(max(present.values(), default=0))}
+    for v, L in present.items():
+        out.update({f"async/lag{L}/ratio_min": r[f"v{v}_ratio_min"],
+                    f"async/lag{L}/ratio_mean": r[f"v{v}_ratio_sum"] / r[f"v{v}_n"],
+                    f"async/lag{L}/ratio_max": r[f"v{v}_ratio_max"]})
     return out

@@ -1,6 +1,6 @@
-"""GRPO with a sampler role (grpo.sampler_replicas = 1), run on two ranks by
-tests/distributed/test_async_roles.py through ``launch.run_ranks``: rank 0 learns, rank 1
-samples. The run writes its checkpoints and metrics.jsonl under ``out_dir``; the test compares
+"""GRPO with sampler roles (grpo.sampler_replicas = R), run on 1 + R ranks by
+tests/distributed/test_async_roles.py through ``launch.run_ranks``: rank 0 learns, ranks 1..R
+sample. The run writes its checkpoints and metrics.jsonl under ``out_dir``; the test compares
 them with a colocated run of the same config in the test's own process."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def roles_config(grpo: dict, train: dict, out_dir: str, sampler_replicas: int):
     return grpo_config(cfg)
 
 
-def roles_run(grpo: dict, train: dict, out_dir: str) -> dict:
-    out = run_roles(roles_config(grpo, train, out_dir, 1), load_tokenizer("byte"), odd, records(24), [])
+def roles_run(grpo: dict, train: dict, out_dir: str, samplers: int = 1) -> dict:
+    out = run_roles(roles_config(grpo, train, out_dir, samplers), load_tokenizer("byte"), odd, records(24), [])
     return {"step": out.get("step"), "role": out.get("role", "learner")}
 
 

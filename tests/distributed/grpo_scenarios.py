@@ -81,17 +81,45 @@ def _episodes(batches):
     return [Environments(Letters(), letter_ids, EnvLimits(max_turns=4)).episodes([{}] * len(b)) for b in batches]
 
 
+def _moved(model):
+    """Policy version 1 of a model (version 0): every parameter moved by a seeded random step."""
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def _loader(model, versions: dict):
+    def load(v: int) -> None:
+        with torch.no_grad():
+            for p, x in zip(model.parameters(), versions[v]):
+                p.copy_(x)
+    return load
+
+
 def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None,
-                 env: bool = False) -> dict:
+                 env: bool = False, switch: bool = False) -> dict:
     """Two ragged batches in flight (temperature 0.7, top-p 0.9, a stop token); bf16 as DeepSpeed
     runs it (bf16 parameters). rows: the plan's options (model/plan.py), with grouped prompts;
     None: the lockstep plan on ragged prompts. ``steps``: the model's decoder step's calls during
     the rollout and the replays (the step that ran, not only its values). env: an environment's
-    observations inserted (a check every step, rollout/turns.py)."""
+    observations inserted (a check every step, rollout/turns.py). switch: partial rollouts, the
+    calls start under version 0 and switch to version 1 (``_moved``) before decode step 8 rounded
+    up to a memory block; the replay repeats the switch."""
     cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu")
     full = _bf16(build_model(cfg.model, "cpu", seed=7), dtype)
     mine = _bf16(shard_for_rank(build_model(cfg.model, "cpu", seed=7), dims), dtype)
+    versioned = {}
+    if switch:  # (the parameters of versions 0 and 1, this rank's and the whole model's, and a switch step)
+        C = cfg.model.memory_block
+        moved = _moved(build_model(cfg.model, "cpu", seed=7))
+        mine_1 = _bf16(shard_for_rank(moved, dims), dtype)
+        full_1 = _bf16(_moved(build_model(cfg.model, "cpu", seed=7)), dtype)
+        versioned = {"version": 0, "switch": (C * -(-8 // C), 1)}
+        load = _loader(mine, {0: [p.detach().clone() for p in mine.parameters()], 1: list(mine_1.parameters())})
+        load_full = _loader(full, {0: [p.detach().clone() for p in full.parameters()], 1: list(full_1.parameters())})
     switches = LOCKSTEP if rows is None else RowSwitches(**rows)
     every = 1 if env else 2 if rows else 8
     sampler = Sampler(mine, Comms.from_dims(dims), dims.layers, rows=switches, check_every=every)
@@ -110,9 +138,10 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
     StepRunner.step = counted
     try:
         rollouts = sampler.generate(batches, params, seeds, pad_id=0, dtype=dtype, decode=letters,
-                                    episodes=_episodes(batches) if env else None)
+                                    episodes=_episodes(batches) if env else None,
+                                    **({**versioned, "load": load} if switch else {}))
         phase[0] = "replay"
-        replays, again = sampler.replay(rollouts), sampler.replay(rollouts)
+        replays, again = (sampler.replay(rollouts, load=load if switch else None) for _ in range(2))
     finally:
         StepRunner.step = original
     out = {"has_values": replays[0] is not None, "exact": True, "exact_again": True, "tokens_equal_one_process": True,
@@ -121,8 +150,12 @@ def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None,
     out["events"] = sorted({type(e).__name__ for ro in rollouts for e in ro.schedule.rows.log})
     out["leaves"] = sorted({e.why for ro in rollouts for e in ro.schedule.rows.log if isinstance(e, Leave)})
     for ro, rp, rp2, batch, s in zip(rollouts, replays, again, batches, seeds):
-        ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=every,
-                       decode=letters, episodes=_episodes([batch])[0] if env else None)
+        if switch:
+            ref = Sampler(full, rows=switches, check_every=every).generate(
+                [batch], params, [s], pad_id=0, dtype=dtype, decode=letters, **versioned, load=load_full)[0]
+        else:
+            ref = generate(full, batch, params, s, pad_id=0, dtype=dtype, rows=switches, check_every=every,
+                           decode=letters, episodes=_episodes([batch])[0] if env else None)
         out["num_tokens"] += ro.num_completion_tokens()
         if rp is not None:
             out["exact"] &= bool(torch.equal(rp, ro.mu))

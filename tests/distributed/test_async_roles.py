@@ -1,10 +1,13 @@
-"""Sampler and learner roles (grpo.sampler_replicas = 1, gloo, 2 processes) against the
-colocated run in this process (tests/distributed/async_scenarios.py): with max_staleness 0 the
-final parameters (the last checkpoint's) and every logged loss are torch.equal to the
-colocated run's; with max_staleness 1 (the same fixed pipeline, the sampler sampling the next
-step while the learner learns) the roles' steps and their checkpoint, resumed colocated, give
-the uninterrupted colocated run bit for bit (the learner drains the sampler's queued steps into
-the checkpoint). Also the roles' metrics and the layouts they refuse. Two 2-process launches."""
+"""Sampler and learner roles (grpo.sampler_replicas, gloo) against the colocated run in this
+process (tests/distributed/async_scenarios.py): with max_staleness 0 and two sampler replicas
+(3 processes: data step j from sampler j mod 2) the final parameters (the last checkpoint's)
+and every logged loss are torch.equal to the colocated run's; with one sampler, with
+max_staleness 1 and partial rollouts (the same fixed pipeline, the sampler sampling the next
+step while the learner learns, starting it under the version before and receiving the newer
+weights at the switch) the roles' steps and their checkpoint, resumed colocated, give the
+uninterrupted colocated run bit for bit (the learner drains the sampler's queued steps into the
+checkpoint, with the previous version's parameters). Also the roles' metrics and the layouts
+they refuse. A 3-process and a 2-process launch."""
 
 import json
 
@@ -35,15 +38,16 @@ def logged(out_dir) -> list[dict]:
     return [json.loads(x) for x in (out_dir / "log" / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
 
 
-def run_two(tmp_path, grpo: dict, train: dict, name: str):
+def run_roles_job(tmp_path, grpo: dict, train: dict, name: str, samplers: int = 1):
     out = tmp_path / name
-    args = {"grpo": grpo, "train": train, "out_dir": str(out)}
-    res = run_ranks(2, [("async_scenarios.roles_run", args)], tmp_path / f"{name}_ranks", timeout=300)
-    assert result(res, "async_scenarios.roles_run", args, 1)["role"] == "sampler"
+    args = {"grpo": grpo, "train": train, "out_dir": str(out), "samplers": samplers}
+    res = run_ranks(1 + samplers, [("async_scenarios.roles_run", args)], tmp_path / f"{name}_ranks", timeout=300)
+    assert all(result(res, "async_scenarios.roles_run", args, r)["role"] == "sampler" for r in range(1, 1 + samplers))
     return out, result(res, "async_scenarios.roles_run", args, 0)
 
 
 def check_metrics(lines: list[dict], s: int) -> None:
+    """s: the largest lag (max_staleness, one more with partial rollouts)."""
     assert [x["async/staleness_max"] for x in lines] == [min(k, s) for k in range(len(lines))]
     for x in lines:
         assert 0.0 <= x["async/learner_idle_fraction"] <= 1.0 and 0.0 <= x["async/sampler_idle_fraction"] <= 1.0
@@ -51,7 +55,8 @@ def check_metrics(lines: list[dict], s: int) -> None:
 
 
 def test_synchronous_roles_equal_the_colocated_run(tmp_path):
-    roles, out = run_two(tmp_path, {"max_staleness": 0}, {"steps": 3}, "roles")
+    """Two sampler replicas (3 processes): data steps 0 and 2 from rank 1, step 1 from rank 2."""
+    roles, out = run_roles_job(tmp_path, {"max_staleness": 0}, {"steps": 3}, "roles", samplers=2)
     assert out["step"] == 3
     colocated({"max_staleness": 0}, {"steps": 3}, tmp_path / "colocated")
     a, b = final_params(roles), final_params(tmp_path / "colocated")
@@ -63,14 +68,17 @@ def test_synchronous_roles_equal_the_colocated_run(tmp_path):
 
 
 def test_stale_roles_equal_the_colocated_run_and_resume_colocated(tmp_path):
-    """max_staleness 1: two steps with the roles (the sampler samples data step k + 1 while the
-    learner learns k), a checkpoint (train.stop_after), the last step colocated from it: the
+    """max_staleness 1 with partial rollouts: two steps with the roles (the sampler samples data
+    step k + 1 while the learner learns k, from version k - 1, switching to version k at decode
+    step 6 when it arrives), a checkpoint (train.stop_after), the last step colocated from it: the
     uninterrupted colocated run's losses and parameters, bit for bit."""
-    cut, out = run_two(tmp_path, {"max_staleness": 1}, {"steps": 3, "stop_after": 2}, "cut")
+    grpo = {"max_staleness": 1, "partial_rollouts": 5}
+    cut, out = run_roles_job(tmp_path, grpo, {"steps": 3, "stop_after": 2}, "cut")
     assert out["step"] == 2
-    check_metrics(logged(cut), 1)
-    colocated({"max_staleness": 1}, {"steps": 3}, cut)
-    colocated({"max_staleness": 1}, {"steps": 3}, tmp_path / "colocated")
+    check_metrics(logged(cut), 2)
+    colocated(grpo, {"steps": 3}, cut)
+    colocated(grpo, {"steps": 3}, tmp_path / "colocated")
+    assert [x["async/staleness_max"] for x in logged(tmp_path / "colocated")] == [0.0, 1.0, 2.0]
     a, c = final_params(tmp_path / "colocated"), final_params(cut)
     assert all(torch.equal(a[n], c[n]) for n in a)
     assert [x["train/loss"] for x in logged(cut)] == [x["train/loss"] for x in logged(tmp_path / "colocated")]
@@ -87,5 +95,5 @@ def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):
     tp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=2))
     with pytest.raises(ConfigError, match=r"the learner's layout; parallel\.tp=2"):
         run_roles(tp, load_tokenizer("byte"), odd, records(24), [])
-    with pytest.raises(ConfigError, match=r"grpo\.sampler_replicas=2: 0 \(colocated\) or 1"):
-        roles_config({}, {}, str(tmp_path), 2)
+    with pytest.raises(ConfigError, match=r"grpo\.sampler_replicas=2 with grpo\.dynamic_sampling"):
+        roles_config({"dynamic_sampling": True}, {}, str(tmp_path), 2)

@@ -101,5 +101,87 @@ def test_resume_continues_a_stale_run_bit_for_bit(tmp_path):
 
 def test_a_queue_resumes_only_under_its_staleness(tmp_path):
     trainer_for({"max_staleness": 1}, tmp_path, {"stop_after": 1}).run()
-    with pytest.raises(ConfigError, match=r"grpo\.max_staleness=1 .*this run has max_staleness=2"):
+    with pytest.raises(ConfigError, match=r"grpo\.max_staleness=1, .*this run has max_staleness=2"):
         trainer_for({"max_staleness": 2}, tmp_path).run()
+
+
+# ---------------------------------------------------------------------- partial rollouts
+PARTIAL = {"max_staleness": 1, "partial_rollouts": 5}  # C = 2: the rollouts switch before decode step 6
+
+
+def loader_of(trainer, versions: dict):
+    """load(v): the sampling module's parameters become those of ``versions[v]`` (a module)."""
+    params = list(trainer.engine.sampling_module().parameters())
+
+    def load(v: int) -> None:
+        with torch.no_grad():
+            for p, x in zip(params, versions[v].parameters()):
+                p.copy_(x)
+    return load
+
+
+def test_partial_rollouts_record_each_tokens_version_and_replay_exactly():
+    """s = 1 with partial rollouts: data step j starts under version max(0, j - 2) and switches
+    to max(0, j - 1); each token's mu is its version's (a replay under the start version alone
+    on the tokens before the switch, the two-version replay on all of them, bit for bit); the
+    learner's replay is a fresh replay of the recorded schedule under its parameters; the
+    staleness metrics count each token's own lag."""
+    trainer = trainer_for(PARTIAL)
+    job = trainer.job
+    versions = {0: copy.deepcopy(trainer.engine.sampling_module())}
+    learned, pop = [], job.pipeline.pop
+    job.pipeline.pop = lambda done: learned.append(pop(done)) or learned[-1]
+    replays, minibatch = [], job._minibatch
+    job._minibatch = lambda rounds, k, adv, reps, prox=None: (replays.append(reps)
+                                                              or minibatch(rounds, k, adv, reps, prox))
+    scalars = []
+    for k in range(4):
+        scalars.append(job.step(k))
+        versions[k + 1] = copy.deepcopy(trainer.engine.sampling_module())
+    load = loader_of(trainer, versions)
+    for k, item in enumerate(learned):
+        start, target = max(0, k - 2), max(0, k - 1)
+        assert item.version == start
+        rollouts = [ro for rnd in item.rounds for ro in rnd.flat]
+        mask = torch.cat([ro.mask.bool().flatten() for ro in rollouts])
+        tokens = torch.cat([ro.version.flatten() for ro in rollouts])[mask]
+        assert set(tokens.tolist()) == ({start, target} if k >= 2 else {0})
+        lags = (k - tokens).double()
+        assert scalars[k]["async/staleness_max"] == lags.max() and scalars[k]["async/staleness_mean"] == lags.mean()
+        for lag in set(lags.tolist()):
+            assert f"async/lag{lag:.0f}/ratio_mean" in scalars[k]
+        sampler = sampler_on(trainer, trainer.engine.sampling_module())
+        for rnd in item.rounds:
+            for ro, rep in zip(rnd.flat, sampler.replay(rnd.flat, load=load)):
+                assert torch.equal(rep, ro.mu)  # the switch repeated: every token's mu, exactly
+            load(start)
+            for ro, rep in zip(rnd.flat, sampler.replay(rnd.flat)):
+                old = ro.mask.bool() & (ro.version == start)
+                assert torch.equal(rep[old], ro.mu[old])
+            # the learner's replay (under version k) is a fresh replay of the record under version k
+            load(k)
+            assert all(torch.equal(a, b) for a, b in zip(replays[k][0], sampler.replay(rnd.flat)))
+
+
+def test_partial_rollouts_are_one_run_and_resume_bit_for_bit(tmp_path):
+    """A run, and another stopped after step 2 and resumed, end with the same parameters and
+    losses bit for bit."""
+    whole = trainer_for(PARTIAL, tmp_path / "a", {"log_every": 1})
+    whole.run()
+    a = params_of(whole)
+    cut = trainer_for(PARTIAL, tmp_path / "cut", {"stop_after": 2, "log_every": 1})
+    cut.run()  # the checkpoint holds data step 2 (versions 0 -> 1) and version 1's parameters
+    resumed = trainer_for(PARTIAL, tmp_path / "cut", {"log_every": 1})
+    assert resumed.run()["step"] == 3
+    b = params_of(resumed)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in b)
+
+    def logged(run):
+        lines = (tmp_path / run / "log" / "metrics.jsonl").read_text().splitlines()
+        return [(x["train/loss"], x["async/staleness_mean"]) for x in map(json.loads, lines) if "train/loss" in x]
+
+    assert logged("a") == logged("cut") and len(logged("a")) == 3
+    plain = trainer_for({"max_staleness": 1, "partial_rollouts": 0}, tmp_path / "plain", {"stop_after": 1})
+    plain.run()
+    with pytest.raises(ConfigError, match=r"partial_rollouts=0 on .*this run has max_staleness=1, partial_rollouts=5"):
+        trainer_for(PARTIAL, tmp_path / "plain").run()

@@ -1,6 +1,9 @@
 """Asynchronous GRPO benchmark (issue 29): the real GRPO job, sampler and learner roles
 (grpo.sampler_replicas = 1, two processes, gloo) with max_staleness 1 against max_staleness 0
-on the same two processes, and the colocated one-process job beside them (today's GRPO).
+on the same two processes, max_staleness 1 with partial rollouts (grpo.partial_rollouts: the
+sampler starts a data step under the version before and takes the newer weights at decode step
+--partial; and at s = 0, where it is the only overlap), and the colocated one-process job beside
+them (today's GRPO).
 Prints steps per second and their ratio, the learner's and the sampler's idle fractions and
 the weight-sync time per step (async/* in each run's metrics.jsonl), all over the steps after
 the first (start-up and the pipeline's fill); asserts nothing.
@@ -16,7 +19,11 @@ budget. Wall clock (the roles overlap in time): run it on a quiet machine, one t
 
 What a GPU cluster would see (the cost model, not measured here): with s = 1 a step takes
 max(sample, learn + sync) instead of sample + learn, so the ratio is (sample + learn) /
-max(sample, learn + sync): 2x when the two phases are equal, less as either dominates.
+max(sample, learn + sync): 2x when the two phases are equal, less as either dominates. Partial
+rollouts help where the sampler waits for weights with work it could do: a sampler that
+finished data step j waits for version j - s before starting j + 1 without them, and only before
+its decode step --partial with them, so its idle time falls by up to the share of a rollout's
+steps before the switch (while the learner is the slower role, the wait moves to the switch).
 """
 
 from __future__ import annotations
@@ -42,7 +49,7 @@ from rlt_mega.config import from_dict, load_config, to_dict  # noqa: E402
 from rlt_mega.parallel.dims import free_port  # noqa: E402
 
 
-def job_config(args, out: Path, s: int, roles: bool):
+def job_config(args, out: Path, s: int, roles: bool, partial: int = 0):
     base = to_dict(load_config(args.config))
     data = {
         "model": {**base["model"], "vocab_size": 260},  # the byte tokenizer
@@ -52,7 +59,7 @@ def job_config(args, out: Path, s: int, roles: bool):
         "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens,
                      "stop_strings": [chr(ord("a") + i) for i in range(args.stops)]},
         "grpo": {"prompts_per_step": args.prompts, "group_size": args.group, "eval_size": 0, "eval_every": 0,
-                 "max_staleness": s, "sampler_replicas": int(roles)},
+                 "max_staleness": s, "sampler_replicas": int(roles), "partial_rollouts": partial},
         "checkpoint": {"dir": str(out / "ckpt"), "every": 0},
         "logging": {"dir": str(out / "log"), "progress": False},
     }
@@ -90,7 +97,7 @@ def worker(args) -> None:
     GRPOJob.step = timed
 
     out = Path(args.out)
-    cfg = grpo_config(job_config(args, out, args.s, args.roles))
+    cfg = grpo_config(job_config(args, out, args.s, args.roles, args.partial))
     recs, tok, reward = records(4096), load_tokenizer("byte"), resolve_reward("gsm8k")
     if args.roles:
         run_roles(cfg, tok, reward, recs, [])
@@ -100,12 +107,13 @@ def worker(args) -> None:
         (out / "wall.json").write_text(json.dumps({"ends": ends}))
 
 
-def launch(args, name: str, s: int, roles: bool, base: Path) -> dict:
+def launch(args, name: str, s: int, roles: bool, base: Path, partial: int = 0) -> dict:
     out = base / name
     out.mkdir(parents=True)
     nprocs = 2 if roles else 1
     port = free_port()
-    cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--s", str(s)] + (["--roles"] if roles else [])
+    cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--s", str(s), "--partial", str(partial)]
+    cmd += ["--roles"] if roles else []
     cmd += ["--config", args.config, "--steps", str(args.steps), "--prompts", str(args.prompts), "--group",
             str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--stops", str(args.stops)]
     procs = []
@@ -133,10 +141,11 @@ def launch(args, name: str, s: int, roles: bool, base: Path) -> dict:
 def report(res: harness.Results, args, arms: dict[str, dict]) -> None:
     """Prints each arm's figures (``launch``'s dicts) and the s=1 / s=0 ratio, and records them in ``res``."""
     print(f"{args.config}, {args.prompts} x {args.group} rows a step, {args.steps} steps, max_new_tokens "
-          f"{args.max_new_tokens}, {args.stops} stop bytes")
+          f"{args.max_new_tokens}, {args.stops} stop bytes, partial rollouts switch at decode step {args.partial}; "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     table = f"asynchronous GRPO, {args.config}, {args.prompts} x {args.group} rows, {args.steps} steps"
     for name, r in arms.items():
-        print(f"{name:28s} {r['steps'] / r['seconds']:.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
+        print(f"{name:32s} {r['steps'] / r['seconds']:.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
               f"sampler idle {r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step  "
               f"completion mean {r['length']:.1f} tokens, {r['stopped']:.0%} stopped")
         res.row(table, arm=name, **{
@@ -147,6 +156,14 @@ def report(res: harness.Results, args, arms: dict[str, dict]) -> None:
     ratio = (r1["steps"] / r1["seconds"]) / (r0["steps"] / r0["seconds"])
     print(f"steps/s ratio, s=1 / s=0 on 2 processes: {ratio:.2f}x")
     res.row(table, arm="s=1 / s=0 (2 processes)", **{"steps/s": f"{ratio:.2f}x"})
+    rp, rc = arms["roles s=1 partial (2 processes)"], arms["colocated s=0 (1 process)"]
+    for name, r in (("s=1 partial", rp), ("s=1", r1), ("s=0 partial", arms["roles s=0 partial (2 processes)"]),
+                    ("s=0", r0)):
+        print(f"idle fractions, {name} / colocated: learner {r['learner_idle'] / max(rc['learner_idle'], 1e-9):.2f}x, "
+              f"sampler {r['sampler_idle'] / max(rc['sampler_idle'], 1e-9):.2f}x")
+    ratio = (rp["steps"] / rp["seconds"]) / (r1["steps"] / r1["seconds"])
+    print(f"steps/s ratio, s=1 partial / s=1 on 2 processes: {ratio:.2f}x")
+    res.row(table, arm="s=1 partial / s=1 (2 processes)", **{"steps/s": f"{ratio:.2f}x"})
 
 
 def main() -> None:
@@ -157,6 +174,8 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=192)
     ap.add_argument("--stops", type=int, default=4, help="one-byte stop strings (the tail's rate)")
+    ap.add_argument("--partial", type=int, default=0,
+                    help="grpo.partial_rollouts of the partial arm (default: half of --max-new-tokens)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--roles", action="store_true", help=argparse.SUPPRESS)
@@ -169,10 +188,13 @@ def main() -> None:
         return
     if args.quick:
         args.config, args.steps, args.prompts, args.group, args.max_new_tokens = "configs/tiny_cpu.yaml", 3, 2, 2, 32
+    args.partial = args.partial or max(1, args.max_new_tokens // 2)
     with tempfile.TemporaryDirectory() as tmp:
         arms = {"colocated s=0 (1 process)": launch(args, "colocated", 0, False, Path(tmp)),
                 "roles s=0 (2 processes)": launch(args, "roles0", 0, True, Path(tmp)),
-                "roles s=1 (2 processes)": launch(args, "roles1", 1, True, Path(tmp))}
+                "roles s=1 (2 processes)": launch(args, "roles1", 1, True, Path(tmp)),
+                "roles s=1 partial (2 processes)": launch(args, "roles1p", 1, True, Path(tmp), args.partial),
+                "roles s=0 partial (2 processes)": launch(args, "roles0p", 0, True, Path(tmp), args.partial)}
     res = harness.Results("async_grpo", args)
     report(res, args, arms)
     res.write()
