@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # The whole test suite: creates or reuses .venv, installs rlt_mega and its dependencies, runs pytest.
+# The 15 slowest tests are listed at the end (the suite has a 20-minute budget).
 # Extra arguments go to pytest (e.g. `bash launch/test.sh tests/unit/test_model.py -k visibility`);
 # `bash launch/test.sh -m unit` runs one tier (unit, distributed, e2e: pytest.ini).
 set -euo pipefail
@@ -14,4 +15,4 @@ if [ ! -f "$VERL_DIR/verl/trainer/ppo/core_algos.py" ]; then
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 fi
 export RLT_VERL_DIR="$VERL_DIR"
-exec python -m pytest -q -p no:cacheprovider --timeout=900 "${@:-tests}"
+exec python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "${@:-tests}"
