@@ -12,15 +12,18 @@ GRPO, rewarded only for correct final answers within the budget, learns to answe
 and the held-out accuracy rises. (The test answers are concise; only the question is used.)
 
 With ``--tool`` (``launch/demo.sh --tool``) a question is a product of a 3-digit and a 2-digit
-number plus a 4-digit number ("What is 896*66+2914?"), a two-step sum whose product a tiny model
-cannot do in its head, and every step of the answer is written with GSM8K's calculator
-annotation, its result repeated after it:
-"<<896*66=59136>>59136 <<59136+2914=62050>>62050\n#### 62050". Every number has a fixed width
-(the product 5 digits, the sum 5 digits), so each number the model copies, from the question or
-from the calculator's result, lies at the same distance back in every problem: a tiny model
-learns the layout and the copying in a few hundred SFT steps. With the calculator environment
-(grpo.env=calculator) the model writes ``<<896*66=`` and the environment appends ``59136>>``;
-without it the model has to produce the digits itself.
+number plus a digit ("What is (896*66)+7?"), a two-step sum whose product a tiny model cannot do
+in its head. Most training answers (``--plain`` sets the others' fraction) compute it in the
+head: "(896*66)=59136 59136+7=59143\n#### 59143", whose digits the model must produce itself
+(and cannot); the others write every step with GSM8K's calculator annotation, its result
+repeated after it: "<<(896*66)=59136>>59136 <<59136+7=59143>>59143\n#### 59143". Every number
+has a fixed width (the product and the sum 5 digits), so each number the model copies, from the
+question or from the calculator's result, lies at the same distance back in every problem: a
+tiny model learns the layout and the copying in a few hundred SFT steps. SFT imitates both
+styles, and its greedy answers follow the more frequent one, the plain one; with the calculator
+environment (grpo.env=calculator) a sampled ``<<(896*66)=`` gets ``59136>>`` appended, so GRPO,
+rewarded for correct final answers, learns to call the calculator: the held-out accuracy with
+the tool rises, and the same model without the tool stays near 0.
 
     python launch/demo_problems.py runs/demo/data --num-train 20000 --num-test 200
     python launch/demo_problems.py runs/demo_tool/data --tool
@@ -49,13 +52,16 @@ def problem(rng: random.Random, max_value: int, long_winded: float) -> dict:
     return {"question": f"What is {a} {op} {b}?", "answer": answer}
 
 
-def tool_problem(rng: random.Random) -> dict:
+def tool_problem(rng: random.Random, plain: float) -> dict:
     while True:  # fixed widths: a 5-digit product, a 5-digit sum
-        a, b, c = rng.randint(100, 999), rng.randint(10, 99), rng.randint(1000, 9999)
+        a, b, c = rng.randint(100, 999), rng.randint(10, 99), rng.randint(1, 9)
         if 10000 <= a * b and a * b + c < 100000:
             break
     x, total = a * b, a * b + c
-    answer = f"<<({a}*{b})={x}>>{x} <<{x}+{c}={total}>>{total}\n#### {total}"
+    if rng.random() < plain:
+        answer = f"({a}*{b})={x} {x}+{c}={total}\n#### {total}"
+    else:
+        answer = f"<<({a}*{b})={x}>>{x} <<{x}+{c}={total}>>{total}\n#### {total}"
     return {"question": f"What is ({a}*{b})+{c}?", "answer": answer}
 
 
@@ -67,7 +73,9 @@ def main() -> None:
     ap.add_argument("--max-value", type=int, default=9)
     ap.add_argument("--long-winded", type=float, default=0.55, help="fraction of long-winded training answers")
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--tool", action="store_true", help="a product plus a number, with calculator annotations <<a*b=x>>x")
+    ap.add_argument("--tool", action="store_true", help="a product plus a digit, with calculator annotations <<a*b=x>>x")
+    ap.add_argument("--plain", type=float, default=0.6,
+                    help="with --tool: the fraction of training answers computed in the head (no annotations)")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +83,8 @@ def main() -> None:
     for name, num, long_winded in (("train", args.num_train, args.long_winded), ("test", args.num_test, 0.0)):
         with open(out / f"{name}.jsonl", "w") as f:
             for _ in range(num):
-                record = tool_problem(rng) if args.tool else problem(rng, args.max_value, long_winded)
+                record = (tool_problem(rng, args.plain if name == "train" else 0.0) if args.tool
+                          else problem(rng, args.max_value, long_winded))
                 f.write(json.dumps(record) + "\n")
 
 

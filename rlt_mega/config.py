@@ -421,6 +421,10 @@ class SFTConfig:
 
     prompt_field: str = "question"
     answer_field: str = "answer"
+    # The environment whose written episodes the answers are (grpo.env's names: "calculator" for
+    # GSM8K's <<48/2=24>>24): its observations are tokenized on their own, as a rollout appends
+    # them, and carry no loss. null: plain answers.
+    env: Optional[str] = None
 
 
 @dataclass

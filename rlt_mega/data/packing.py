@@ -46,23 +46,26 @@ def pack_rows(lengths: Sequence[int], capacity: int, order: Sequence[int]) -> li
     return rows
 
 
-def packed_batch(rows: Sequence[Sequence[tuple[Sequence[int], int]]], pad_id: int, length: int,
-                 reset: bool) -> dict:
-    """rows: per row, its pairs as (ids, num_prompt) -> {'inputs', 'targets'} (B, length) and,
-    with ``reset``, 'doc_starts' (B, length) bool. Each pair fills len(ids) - 1 positions; the
-    row's tail is padding (pad_id, IGNORE) that continues its last pair's document."""
+def packed_batch(rows: Sequence[Sequence[tuple]], pad_id: int, length: int, reset: bool) -> dict:
+    """rows: per row, its pairs as (ids, num_prompt) or (ids, num_prompt, observed) -> {'inputs',
+    'targets'} (B, length) and, with ``reset``, 'doc_starts' (B, length) bool. Each pair fills
+    len(ids) - 1 positions; the row's tail is padding (pad_id, IGNORE) that continues its last
+    pair's document; an observed token (an environment's observation, pairs.tokenize_pairs) is
+    no target."""
     inputs = torch.full((len(rows), length), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), length), IGNORE, dtype=torch.long)
     starts = torch.zeros((len(rows), length), dtype=torch.bool)
     for b, pairs in enumerate(rows):
         at = 0
-        for ids, num_prompt in pairs:
+        for ids, num_prompt, *observed in pairs:
             x = torch.as_tensor(ids, dtype=torch.long)
             n = len(x) - 1
             if at + n > length:
                 raise ValueError(f"pairs of {at + n} positions overflow a packed row of {length}")
             inputs[b, at:at + n] = x[:-1]
             targets[b, at + num_prompt - 1:at + n] = x[num_prompt:]  # the target at position t is x_{t+1}
+            if observed and observed[0]:
+                targets[b, at + torch.as_tensor(observed[0], dtype=torch.long) - 1] = IGNORE
             starts[b, at] = True
             at += n
     out = {"inputs": inputs, "targets": targets}
@@ -77,6 +80,7 @@ class PackedPairs:
 
     def __init__(self, pairs, length: int, pad_id: int, reset: bool, seed: int, shuffle: bool = True) -> None:
         self.ids, self.num_prompt = list(pairs["ids"]), list(pairs["num_prompt"])
+        self.observed = list(pairs["observed"]) if "observed" in pairs else [[]] * len(self.ids)
         self.length, self.pad_id, self.reset = length, pad_id, reset
         lengths = [len(x) - 1 for x in self.ids]
         if shuffle:
@@ -95,5 +99,5 @@ class PackedPairs:
         return self.num_positions / max(1, len(self.rows) * self.length)
 
     def batch(self, rows: Sequence[int]) -> dict:
-        pairs = [[(self.ids[i], self.num_prompt[i]) for i in self.rows[r]] for r in rows]
+        pairs = [[(self.ids[i], self.num_prompt[i], self.observed[i]) for i in self.rows[r]] for r in rows]
         return packed_batch(pairs, self.pad_id, self.length, self.reset)

@@ -15,6 +15,7 @@ the turn (data/chat.py).
 from __future__ import annotations
 
 from collections import Counter
+from typing import Callable, Optional
 
 import datasets
 import torch
@@ -54,9 +55,46 @@ def pair_ids(tokenizer: Tokenizer, question: str, answer: str) -> tuple[list[int
     return prompt_ids(tokenizer, question), answer_ids(tokenizer, answer)
 
 
+# A written episode of an environment -> its pieces in order, (text, True) for each observation
+# (rollout/env/base.py ``Environment.pieces``).
+Pieces = Callable[[str], list[tuple[str, bool]]]
+
+
+def episode_pair_ids(tokenizer: Tokenizer, question: str, answer: str,
+                     pieces: Pieces) -> tuple[list[int], list[int], list[int]]:
+    """(prompt ids, answer ids, the indices of the answer's observation tokens) of an SFT pair
+    whose answer is a written episode (``sft.env``). Each piece is tokenized on its own, an
+    observation exactly as the environment's rollout appends it, so SFT trains on the token ids a
+    rollout of the same transcript holds (a tokenizer may merge across a piece boundary when the
+    whole answer is encoded at once); the observations carry no loss, as in GRPO."""
+    parts = pieces(answer)
+    if tokenizer.use_chat_template:  # the template's text around the answer is the model's
+        prompt, rest = tokenizer.chat_texts(question, answer)
+        at = rest.find(answer)
+        if at < 0:
+            raise ValueError("the chat template does not hold the answer verbatim: its observations cannot be found")
+        parts = [(rest[:at], False), *parts, (rest[at + len(answer):], False)]
+    else:
+        prompt = None
+    ids: list[int] = []
+    observed: list[int] = []
+    for text, is_observation in parts:
+        piece = tokenizer.encode(text) if text else []
+        if is_observation:
+            observed += range(len(ids), len(ids) + len(piece))
+        ids += piece
+    if tokenizer.use_chat_template:
+        end = tokenizer.turn_end_id
+        ids = ids[:ids.index(end) + 1] if end in ids else ids + [tokenizer.eos_id]
+        return tokenizer.encode(prompt), ids, [i for i in observed if i < len(ids)]
+    return prompt_ids(tokenizer, question), ids + [tokenizer.eos_id], observed
+
+
 def tokenize_pairs(records: datasets.Dataset, tokenizer: Tokenizer, max_len: int, stats: DataStats,
-                   source: str = "pairs") -> datasets.Dataset:
-    """(question, answer) records -> ``ids`` (prompt + answer tokens) and ``num_prompt``.
+                   source: str = "pairs", pieces: Optional[Pieces] = None) -> datasets.Dataset:
+    """(question, answer) records -> ``ids`` (prompt + answer tokens) and ``num_prompt``; with
+    ``pieces`` (answers are written episodes of an environment, ``episode_pair_ids``) also
+    ``observed``, the indices into ``ids`` of the observation tokens (their targets carry no loss).
 
     Pairs longer than max_len + 1 tokens have their answer truncated (the loss then never sees
     its end-of-text); a prompt that leaves no answer token is skipped and counted.
@@ -64,15 +102,25 @@ def tokenize_pairs(records: datasets.Dataset, tokenizer: Tokenizer, max_len: int
     window = max_len + 1
 
     def fn(batch: dict) -> dict:
-        out = {"ids": [], "num_prompt": []}
+        out = {"ids": [], "num_prompt": [], "observed": []}
         for q, a in zip(batch["question"], batch["answer"]):
-            p, answer = pair_ids(tokenizer, q, a)
+            if pieces is None:
+                (p, answer), observed = pair_ids(tokenizer, q, a), []
+            else:
+                p, answer, observed = episode_pair_ids(tokenizer, q, a, pieces)
             ids = (p + answer)[:window]
             out["ids"].append(ids if len(p) < len(ids) else [])
             out["num_prompt"].append(len(p))
+            out["observed"].append([len(p) + i for i in observed if len(p) + i < len(ids)])
+        if pieces is None:
+            del out["observed"]
         return out
 
-    tokenized = records.map(fn, batched=True, remove_columns=records.column_names)
+    features = datasets.Features({"ids": datasets.Sequence(datasets.Value("int64")),
+                                  "num_prompt": datasets.Value("int64")})
+    if pieces is not None:
+        features["observed"] = datasets.Sequence(datasets.Value("int64"))
+    tokenized = records.map(fn, batched=True, remove_columns=records.column_names, features=features)
     too_long = sum(1 for ids in tokenized["ids"] if not ids)
     if too_long:
         stats.add(source, {f"prompt of >= {max_len} tokens (raise data.seq_len)": too_long})

@@ -69,10 +69,15 @@ class Tokenizer:
     def chat_prompt(self, question: str) -> str:
         return render(self.chat_template, [{"role": "user", "content": question}], True, self.special_tokens)
 
+    def chat_texts(self, question: str, answer: str) -> tuple[str, str]:
+        """The template's text of [user: question, assistant: answer], cut where the answer's
+        turn begins: (prompt, the rest)."""
+        return split_pair(self.chat_template, question, answer, self.special_tokens)
+
     def chat_pair(self, question: str, answer: str) -> tuple[list[int], list[int]]:
         """Prompt ids and answer ids of [user: question, assistant: answer]; the answer ends
         with the token that ends the turn."""
-        prompt, rest = split_pair(self.chat_template, question, answer, self.special_tokens)
+        prompt, rest = self.chat_texts(question, answer)
         ids = self.encode(rest)
         end = self.turn_end_id
         return self.encode(prompt), (ids[:ids.index(end) + 1] if end in ids else ids + [self.eos_id])

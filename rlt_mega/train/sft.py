@@ -9,10 +9,10 @@ from typing import Callable, Optional
 
 import torch
 
-from rlt_mega.config import Config
+from rlt_mega.config import Config, ConfigError
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.packing import PackedPairs
-from rlt_mega.data.pairs import RecordOrder, tokenize_pairs
+from rlt_mega.data.pairs import Pieces, RecordOrder, tokenize_pairs
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.loss import IGNORE
@@ -23,17 +23,21 @@ log = get_logger(__name__)
 
 
 def sft_batch(rows: dict, pad_id: int, length: Optional[int] = None) -> dict:
-    """rows: {'ids': [list], 'num_prompt': [int]} -> {'inputs', 'targets'} (B, T), right-padded to
-    the longest row (or to ``length``); targets are IGNORE on the prompt and the padding (loss on
-    answers only)."""
+    """rows: {'ids': [list], 'num_prompt': [int]}, and with sft.env 'observed' ([list]: the
+    environment's observation tokens, data/pairs.py) -> {'inputs', 'targets'} (B, T),
+    right-padded to the longest row (or to ``length``); targets are IGNORE on the prompt, the
+    observations and the padding (loss on the model's answer tokens only)."""
     ids, num_prompt = rows["ids"], rows["num_prompt"]
+    observed = rows.get("observed", [[]] * len(ids))
     T = length if length is not None else max(len(x) for x in ids) - 1
     inputs = torch.full((len(ids), T), pad_id, dtype=torch.long)
     targets = torch.full((len(ids), T), IGNORE, dtype=torch.long)
-    for b, (x, p) in enumerate(zip(ids, num_prompt)):
+    for b, (x, p, obs) in enumerate(zip(ids, num_prompt, observed)):
         x = torch.as_tensor(x, dtype=torch.long)
         inputs[b, :len(x) - 1] = x[:-1]
         targets[b, p - 1:len(x) - 1] = x[p:]  # the target at position t is x_{t+1}
+        if obs:
+            targets[b, torch.as_tensor(obs, dtype=torch.long) - 1] = IGNORE
     return {"inputs": inputs, "targets": targets}
 
 
@@ -67,8 +71,9 @@ def pair_data(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, stats: Data
     """This data-parallel rank's prompt/answer pairs and the held-out ones (supervised.DataFn)."""
     extract = pair_of(cfg.sft.prompt_field, cfg.sft.answer_field)
     train_recs, eval_recs = train_eval_records(cfg.data, extract, ["question", "answer"], stats, seed=cfg.train.seed)
-    train = tokenize_pairs(train_recs, tokenizer, cfg.data.seq_len, stats, f"{cfg.data.train} [train]")
-    evald = tokenize_pairs(eval_recs, tokenizer, cfg.data.seq_len, stats, "eval")
+    pieces = episode_pieces(cfg.sft.env)
+    train = tokenize_pairs(train_recs, tokenizer, cfg.data.seq_len, stats, f"{cfg.data.train} [train]", pieces)
+    evald = tokenize_pairs(eval_recs, tokenizer, cfg.data.seq_len, stats, "eval", pieces)
     log.info("data: %d train pairs, %d eval pairs (answers truncated to data.seq_len=%d); %s", len(train),
              len(evald), cfg.data.seq_len, stats.summary())
     if cfg.data.pack:
@@ -88,6 +93,24 @@ def pair_data(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, stats: Data
         return [sft_batch(evald[start:start + size], pad_id, length) for start in range(0, num_eval, size)]
 
     return batches, eval_batches
+
+
+def episode_pieces(spec: str) -> Optional[Pieces]:
+    """sft.env: the environment whose written episodes the answers are -> its ``pieces``
+    (None: plain answers)."""
+    if not spec:
+        return None
+    from rlt_mega.rollout.env import Environment, resolve_env
+
+    try:
+        env = resolve_env(spec)
+    except ValueError as exc:
+        raise ConfigError(f"sft.env: {exc}") from None
+    if type(env).pieces is Environment.pieces:
+        raise ConfigError(f"sft.env={spec!r}: {type(env).__name__} does not find its observations in a written "
+                          "answer (it does not implement Environment.pieces); leave sft.env empty to train on whole "
+                          "answers")
+    return env.pieces
 
 
 def _packed(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, train, evald):

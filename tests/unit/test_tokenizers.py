@@ -95,3 +95,18 @@ def test_export_keeps_its_tokenizer(chat_tokenizers, tmp_path, capsys):
                      "model.ffn_hidden=64", "model.max_seq_len=64", "data.seq_len=64", f"train.init_from={export}",
                      f"checkpoint.dir={tmp_path / 'ck'}", f"logging.dir={tmp_path / 'tb'}"]) == 2
     assert f"data.tokenizer={export}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["chatml", "qwen"])
+def test_a_written_episode_through_the_chat_template(chat_tokenizers, name):
+    """sft.env under data.chat_template: the template's text around the answer is the model's, the
+    calculator's observations are tokenized alone and found in the answer's ids."""
+    from rlt_mega.data.pairs import episode_pair_ids
+    from rlt_mega.rollout.env import Calculator
+
+    tok = load_tokenizer(str(chat_tokenizers[name]), chat_template=True)
+    question, answer = "What is (50*7)+5?", "<<(50*7)=350>>350 <<350+5=355>>355\n#### 355"
+    p, a, observed = episode_pair_ids(tok, question, answer, Calculator().pieces)
+    whole_p, whole_a = pair_ids(tok, question, answer)
+    assert p == whole_p and tok.decode(a) == tok.decode(whole_a) and a[-1] == whole_a[-1] == tok.turn_end_id
+    assert tok.decode([a[i] for i in observed]) == "350>>355>>"

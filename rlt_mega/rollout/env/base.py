@@ -50,6 +50,14 @@ class Environment:
         """The answer to the model's turn ``text`` (its text since the last observation)."""
         raise NotImplementedError
 
+    def pieces(self, transcript: str) -> list[tuple[str, bool]]:
+        """A written episode (an SFT answer, ``sft.env``) cut into its pieces in order,
+        ``(text, True)`` for each observation this environment would have appended, ``(text,
+        False)`` for the model's text; an environment whose observations cannot be found in a
+        transcript leaves this unimplemented."""
+        raise NotImplementedError(f"{type(self).__name__} does not find its observations in a written answer "
+                                  "(Environment.pieces)")
+
 
 @dataclass(frozen=True)
 class EnvLimits:

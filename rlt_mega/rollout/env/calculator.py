@@ -23,6 +23,7 @@ _BINARY = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
 _UNARY = {ast.USub: operator.neg, ast.UAdd: operator.pos}
 _OPEN = re.compile(r"<<([^<>=]*)=")
+_ANNOTATION = re.compile(r"<<[^<>=]*=([^<>]*>>)")  # a written call: its observation is group 1
 
 
 class CalcError(ValueError):
@@ -102,3 +103,12 @@ class Calculator(Environment):
             return Turn(observation=format_value(evaluate(expression)) + ">>", tool_call=True)
         except CalcError:
             return Turn(observation="error>>", tool_call=True, error=True)
+
+    def pieces(self, transcript: str) -> list[tuple[str, bool]]:
+        """``<<48/2=24>>24`` -> ``<<48/2=`` (the model's), ``24>>`` (the observation), ``24``."""
+        out, at = [], 0
+        for match in _ANNOTATION.finditer(transcript):
+            out += [(transcript[at:match.start(1)], False), (match.group(1), True)]
+            at = match.end(1)
+        out.append((transcript[at:], False))
+        return [(text, observed) for text, observed in out if text]
