@@ -257,11 +257,13 @@ def init_distributed(backend: Optional[str] = None, device: str = "auto", timeou
             dist.init_process_group(backend=backend, timeout=timeout, **extra)
         else:
             global _LAUNCHER_STORE
-            store, rank, _ = next(dist.rendezvous("env://", timeout=timeout))
-            _LAUNCHER_STORE = (store, rank)
+            # One connection to the launcher's store per process, kept: a process that runs the
+            # roles again (the tests' workers) keys each run by its generation.
+            store, rank, generation = _LAUNCHER_STORE or (*next(dist.rendezvous("env://", timeout=timeout))[:2], 0)
+            _LAUNCHER_STORE = (store, rank, generation + 1)
             replica, index = divmod(rank, replica_size)
-            dist.init_process_group(backend=backend, timeout=timeout, store=dist.PrefixStore(f"replica{replica}/", store),
-                                    rank=index, world_size=replica_size, **extra)
+            dist.init_process_group(backend=backend, timeout=timeout, rank=index, world_size=replica_size,
+                                    store=dist.PrefixStore(f"{generation + 1}/replica{replica}/", store), **extra)
     return backend, dev
 
 
@@ -269,7 +271,8 @@ _LAUNCHER_STORE: Optional[tuple] = None
 
 
 def launcher_store() -> tuple:
-    """(the launcher's store, this process's launcher rank) of a world initialised per replica
+    """(the launcher's store, this process's launcher rank, the generation: how many times this
+    process initialised a world per replica) of a world initialised per replica
     (``init_distributed(replica_size=...)``)."""
     if _LAUNCHER_STORE is None:  # the callers' order, not a user error
         raise RuntimeError("torch.distributed was not initialised per replica (init_distributed(replica_size=...))")

@@ -36,10 +36,10 @@ def position_group(num_replicas: int, device: torch.device, timeout_s: float = 1
     """This rank's group of the roles: the ranks at its position in every replica, ranked by
     replica (the learner 0). Made directly on the launcher's store, by every rank for its own
     position only; not registered with torch.distributed (messages go through its methods)."""
-    store, rank = launcher_store()
+    store, rank, generation = launcher_store()
     replica_size = dist.get_world_size()
     replica, position = divmod(rank, replica_size)
-    prefixed = dist.PrefixStore(f"roles/position{position}/", store)
+    prefixed = dist.PrefixStore(f"{generation}/roles/position{position}/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
