@@ -543,11 +543,11 @@ class GRPOConfig:
     is_cap: float = 2.0
     is_band_low: float = 0.5
     is_band_high: float = 2.0
-    # Sampler and learner roles in one job (train/async_grpo.py, parallel/roles.py): world rank 0
-    # learns, the next sampler_replicas ranks sample (weights broadcast to them, rollouts sent
-    # back), data step j by sampler j mod sampler_replicas; 0: colocated. This version: a
-    # one-process learner (tp = pp = 1, no ZeRO) and one-process samplers, so a sampler's layout
-    # is the learner's by construction; more than one sampler needs dynamic_sampling off.
+    # Sampler and learner roles in one job (train/async_grpo.py, parallel/roles.py): 1 +
+    # sampler_replicas model replicas of tp x pp ranks, the first learning, the others sampling
+    # (weights broadcast to them, rollouts sent back, rank for rank), data step j by sampler j mod
+    # sampler_replicas; 0: colocated. Every replica has the learner's layout by construction (dp 1,
+    # ZeRO <= 2); more than one sampler needs dynamic_sampling off.
     sampler_replicas: int = 0
 
     def __post_init__(self) -> None:

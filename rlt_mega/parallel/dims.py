@@ -217,11 +217,17 @@ def rank_device(device: str, local: int) -> torch.device:
 
 
 def init_distributed(backend: Optional[str] = None, device: str = "auto", timeout_s: float = 1800.0,
-                     deterministic: bool = True) -> tuple[str, torch.device]:
+                     deterministic: bool = True, replica_size: Optional[int] = None) -> tuple[str, torch.device]:
     """Initialises torch.distributed from the launcher's environment (torchrun, the deepspeed
     launcher and srun+torchrun all set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT); a
     process started without a launcher becomes a world of one. NCCL for CUDA devices, gloo for
-    the CPU. Returns (backend, device)."""
+    the CPU. Returns (backend, device).
+
+    ``replica_size`` n (GRPO's sampler and learner roles, parallel/roles.py): torch.distributed's
+    world is this rank's replica, launcher ranks [q n, (q + 1) n) for q = RANK // n, ranked
+    RANK mod n, so that each replica builds its layout (and DeepSpeed its world collectives) as
+    a job of its own; ``launcher_store()`` is then the launcher's store, which the roles' own
+    groups between replicas are made from."""
     world = _env_world_size()
     dev = rank_device(device, local_rank(world))
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
@@ -246,8 +252,31 @@ def init_distributed(backend: Optional[str] = None, device: str = "auto", timeou
         # device_id binds NCCL to this rank's GPU and creates communicators eagerly (new groups
         # by splitting the world's), so no communicator is first created inside a schedule.
         extra = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s), **extra)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if replica_size is None:
+            dist.init_process_group(backend=backend, timeout=timeout, **extra)
+        else:
+            global _LAUNCHER_STORE
+            # One connection to the launcher's store per process, kept: a process that runs the
+            # roles again (the tests' workers) keys each run by its generation.
+            store, rank, generation = _LAUNCHER_STORE or (*next(dist.rendezvous("env://", timeout=timeout))[:2], 0)
+            _LAUNCHER_STORE = (store, rank, generation + 1)
+            replica, index = divmod(rank, replica_size)
+            dist.init_process_group(backend=backend, timeout=timeout, rank=index, world_size=replica_size,
+                                    store=dist.PrefixStore(f"{generation + 1}/replica{replica}/", store), **extra)
     return backend, dev
+
+
+_LAUNCHER_STORE: Optional[tuple] = None
+
+
+def launcher_store() -> tuple:
+    """(the launcher's store, this process's launcher rank, the generation: how many times this
+    process initialised a world per replica) of a world initialised per replica
+    (``init_distributed(replica_size=...)``)."""
+    if _LAUNCHER_STORE is None:  # the callers' order, not a user error
+        raise RuntimeError("torch.distributed was not initialised per replica (init_distributed(replica_size=...))")
+    return _LAUNCHER_STORE
 
 
 def warn_if_restarts_cannot_work() -> None:

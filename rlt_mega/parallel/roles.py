@@ -1,17 +1,24 @@
 """Sampler and learner roles in one job (grpo.sampler_replicas): the messages between them.
 
-World rank 0 learns; ranks 1..R sample. Rollouts travel from a sampler to the learner as
-pickled objects over point-to-point messages (a size, then the bytes), posted without waiting
-(``isend``), so that a sampler that has sent a batch can go on to receive the next weights
-while the learner is still learning; new weights travel from the learner to every sampler as
-one flat vector broadcast over their own process group (NCCL on GPUs, gloo here), posted
-without waiting on the learner, from a copy taken after the update (the learner may step again
-while it is in flight). Neither touches the file system. A broadcast copies the parameters
-exactly, so a sampler's version v is the learner's version v bit for bit.
+The launcher's world is 1 + R model replicas of n = tp x pp ranks each, replica 0 learning and
+replicas 1..R sampling; each replica is torch.distributed's world of its ranks
+(dims.init_distributed(replica_size=n)), so it builds its layout exactly as a colocated job of
+n ranks does. The roles talk between the ranks at the same place of the layout (the same TP
+and PP rank, "position" m = launcher rank mod n): one process group per position, of the
+1 + R ranks holding it, made from the launcher's store (its rank = the replica). Rollouts
+travel from a sampler rank to the learner rank at its position as pickled objects over
+point-to-point messages (a size, then the bytes), posted without waiting, so that a sampler
+that has sent a batch can go on to receive the next weights while the learner is still
+learning; new weights travel from each learner rank to the sampler ranks at its position as
+one flat vector of its shard, broadcast (NCCL on GPUs, gloo here), posted without waiting on
+the learner, from a copy taken after the update (the learner may step again while it is in
+flight). Neither touches the file system. A broadcast copies the parameters exactly, so a
+sampler's version v is the learner's version v bit for bit.
 """
 
 from __future__ import annotations
 
+import datetime
 import pickle
 import time
 from typing import Any, Optional
@@ -20,18 +27,36 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
+from rlt_mega.parallel.dims import launcher_store
+
 LEARNER = 0
 
 
+def position_group(num_replicas: int, device: torch.device, timeout_s: float = 1800.0):
+    """This rank's group of the roles: the ranks at its position in every replica, ranked by
+    replica (the learner 0). Made directly on the launcher's store, by every rank for its own
+    position only; not registered with torch.distributed (messages go through its methods)."""
+    store, rank, generation = launcher_store()
+    replica_size = dist.get_world_size()
+    replica, position = divmod(rank, replica_size)
+    prefixed = dist.PrefixStore(f"{generation}/roles/position{position}/", store)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(prefixed, replica, num_replicas, options), replica
+    return dist.ProcessGroupGloo(prefixed, replica, num_replicas, timeout), replica
+
+
 class RoleChannel:
-    """This rank's end of the roles' messages; ``device``: where message tensors live (CPU for
-    gloo, this rank's GPU for NCCL)."""
+    """This rank's end of the roles' messages, over its position's group; ``device``: where
+    message tensors live (CPU for gloo, this rank's GPU for NCCL). ``rank`` is the replica
+    (LEARNER: the learner's), ``samplers`` the sampler replicas."""
 
     def __init__(self, num_samplers: int, device: torch.device) -> None:
-        self.rank, self.device = dist.get_rank(), device
+        self.device = device
+        self.group, self.rank = position_group(1 + num_samplers, device)
         self.samplers = list(range(1, 1 + num_samplers))
-        # Every rank creates every group (torch.distributed's rule), here just the one.
-        self.weights_group = dist.new_group([LEARNER, *self.samplers])
         self._pending: list[tuple[Any, ...]] = []  # posted sends and the buffers they read
 
     @property
@@ -43,15 +68,15 @@ class RoleChannel:
         payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(self.device)
         size = torch.tensor([payload.numel()], dtype=torch.int64, device=self.device)
         self._reap()
-        self._pending.append((dist.isend(size, dst), dist.isend(payload, dst), size, payload))
+        self._pending.append((self.group.send([size], dst, 0), self.group.send([payload], dst, 0), size, payload))
 
     def recv(self, src: int) -> tuple[Any, float]:
         """The next object ``src`` sent -> (object, seconds spent waiting for it)."""
         t0 = time.perf_counter()
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.recv(size, src)
+        self.group.recv([size], src, 0).wait()
         payload = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
-        dist.recv(payload, src)
+        self.group.recv([payload], src, 0).wait()
         waited = time.perf_counter() - t0
         return pickle.loads(payload.cpu().numpy().tobytes()), waited
 
@@ -66,21 +91,30 @@ class RoleChannel:
         self._pending = []
 
     # ------------------------------------------------------------------ weights
-    def publish(self, params: list[torch.Tensor], previous: Optional[Any]) -> tuple[Any, float]:
-        """On the learner: posts a broadcast of ``params`` (copied) -> (its handle, seconds spent:
-        the copy, and waiting for ``previous`` to reach every sampler first)."""
+    def publish(self, params: list[torch.Tensor] | torch.Tensor, previous: Optional[Any]) -> tuple[Any, float]:
+        """On the learner: posts a broadcast of ``params`` (copied; or a flat vector of them) ->
+        (its handle, seconds spent: the copy, and waiting for ``previous`` to reach every sampler
+        first)."""
         t0 = time.perf_counter()
         if previous is not None:
             previous[0].wait()
-        flat = parameters_to_vector([p.detach() for p in params]).to(self.device)
-        work = dist.broadcast(flat, LEARNER, group=self.weights_group, async_op=True)
+        if torch.is_tensor(params):
+            flat = params.detach().to(self.device, copy=True)
+        else:
+            flat = parameters_to_vector([p.detach() for p in params]).to(self.device)
+        work = self._broadcast(flat)
         return (work, flat), time.perf_counter() - t0
 
     def receive_weights(self, params: list[torch.Tensor]) -> float:
         """On a sampler: the learner's next published weights into ``params`` -> seconds waited."""
         t0 = time.perf_counter()
         flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=self.device)
-        dist.broadcast(flat, LEARNER, group=self.weights_group)
+        self._broadcast(flat).wait()
         with torch.no_grad():
             vector_to_parameters(flat.to(params[0].device), params)
         return time.perf_counter() - t0
+
+    def _broadcast(self, flat: torch.Tensor):
+        options = dist.BroadcastOptions()
+        options.rootRank, options.rootTensor = LEARNER, 0
+        return self.group.broadcast([flat], options)

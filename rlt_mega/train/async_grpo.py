@@ -38,7 +38,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from rlt_mega.config import ConfigError
-from rlt_mega.parallel.roles import RoleChannel
+from rlt_mega.parallel.roles import LEARNER, RoleChannel
 from rlt_mega.train.grpo_rounds import Round
 
 
@@ -133,9 +133,10 @@ class ReceivedVersions:
     """A sampler role's parameters: versions arrive in order from the learner (parallel/roles.py);
     ``waited`` sums the seconds spent waiting for them."""
 
-    def __init__(self, channel: RoleChannel, module: torch.nn.Module) -> None:
+    def __init__(self, channel: RoleChannel, module: torch.nn.Module, first: int = 0) -> None:
+        """``first``: the first version the learner publishes."""
         self.channel, self.params = channel, list(module.parameters())
-        self.version, self.waited = -1, 0.0
+        self.version, self.waited = first - 1, 0.0
 
     def load(self, version: int) -> None:
         if version < self.version:  # the pipeline's invariant, not a user error
@@ -223,21 +224,58 @@ class ColocatedSource:
         pass
 
 
+@dataclass
+class RolesStart:
+    """What the learner tells every sampler before its first data step (fresh or resumed at
+    step ``done``): sample data steps ``first`` .. ``end`` + s - 1 (its own of them), with the
+    data order in ``order``'s state (after data step first - 1), receiving policy versions from
+    ``version`` on (the first one data step ``first``'s rollouts start under)."""
+
+    first: int
+    end: int
+    version: int
+    order: dict
+
+
 class RemoteSource:
     """The learner's end of the roles (grpo.sampler_replicas): data steps arrive from the
     samplers (parallel/roles.py) in order, data step j from sampler j mod R; weights are
     published after every step a sampler still needs (version v samples data step v + s, for
-    data steps below ``end`` + s)."""
+    data steps below ``end`` + s).
 
-    def __init__(self, channel: RoleChannel, max_staleness: int, end: int, on_receive: Callable[[Generated], None]
-                 ) -> None:
-        self.channel, self.max_staleness, self.end, self.on_receive = channel, max_staleness, end, on_receive
+    ``begin`` starts the samplers at step ``done`` (0, or the step a run resumed at; it runs at
+    the first use otherwise): the queue holds data steps done .. first - 1 already (a
+    checkpoint's queue is complete), the samplers start at ``first`` with the learner's data
+    order, and receive the versions that data step's rollouts run under, ``done`` and, with
+    partial rollouts, ``done - 1`` (the checkpoint's previous parameters): so a run resumed with
+    the roles continues as the uninterrupted one. ``start_version(j)``: the version data step j's
+    rollouts start under; ``start_state()``: (the data order's state,
+    the parameters of version ``done``, the flat ones of version ``done - 1`` or None);
+    ``stop(done)``: the step this process ends at."""
+
+    def __init__(self, channel: RoleChannel, max_staleness: int, start_version: Callable[[int], int],
+                 stop: Callable[[int], int], start_state: Callable[[], tuple],
+                 on_receive: Callable[[Generated], None]) -> None:
+        self.channel, self.max_staleness, self.start_version = channel, max_staleness, start_version
+        self.stop, self.start_state, self.on_receive = stop, start_state, on_receive
+        self.end: Optional[int] = None  # set by begin
         self._published = None
         self._received = -1  # the last data step received
 
-    def start(self, params: list[torch.Tensor]) -> None:
-        """Version 0, which the sampler waits for before its first data step."""
-        self._published, _ = self.channel.publish(params, None)
+    def begin(self, pipeline: StalenessPipeline, done: int) -> None:
+        if self.end is not None:
+            return
+        self.end = self.stop(done)
+        first = pipeline.to_sample(done).start
+        version = self.start_version(first)
+        order, params, previous = self.start_state()
+        for sampler in self.channel.samplers:
+            self.channel.send(RolesStart(first, self.end, version, order), dst=sampler)
+        self._received = first - 1
+        for v in range(version, done + 1):
+            if v < done and previous is None:  # load_rank_state_dict refuses such a checkpoint first
+                raise RuntimeError(f"policy version {v} is not kept at step {done}")
+            self._published, _ = self.channel.publish(previous if v < done else params, self._published)
 
     def _receive_through(self, pipeline: StalenessPipeline, step: int) -> float:
         waited = 0.0
@@ -251,6 +289,7 @@ class RemoteSource:
         return waited
 
     def fill(self, pipeline: StalenessPipeline, done: int) -> float:
+        self.begin(pipeline, done)
         return self._receive_through(pipeline, done)
 
     def sampler_idle_fraction(self, item: Generated, step_seconds: float, fill_seconds: float) -> float:
@@ -265,26 +304,31 @@ class RemoteSource:
         return seconds
 
     def complete(self, pipeline: StalenessPipeline, done: int) -> None:
+        self.begin(pipeline, done)
         self._receive_through(pipeline, done + self.max_staleness - 1)
 
     def close(self, pipeline: StalenessPipeline, done: int) -> None:
         """At the end: whatever the sampler still sends (its last data steps) is received."""
+        self.begin(pipeline, done)
         self._receive_through(pipeline, self.end + self.max_staleness - 1)
         if self._published is not None:
             self._published[0].wait()
 
 
-def run_sampler(job, channel: RoleChannel, end: int) -> None:
-    """A sampler rank's loop: data step j, for j below end + s and j = its index mod the number
-    of samplers R, sampled by version max(0, j - s) (received from the learner when a call first
+def run_sampler(job, channel: RoleChannel) -> None:
+    """A sampler rank's loop: told where to start (``RolesStart``: a fresh or a resumed run),
+    data step j, for j from the first below end + s and j = its index mod the number of
+    samplers R, sampled by version max(0, j - s) (received from the learner when a call first
     needs it: before the call, or at a partial rollout's switch) and sent to the learner; the
     other data steps only advance its data order (``job.skip_step``). Every sampler takes part in
     every weight broadcast, in order (a collective), up to the last version published.
     ``job``: a GRPOJob on this rank (its sampling phases, its model, its data order)."""
     s = job.cfg.grpo.max_staleness
     index, num = channel.samplers.index(channel.rank), len(channel.samplers)
-    versions = ReceivedVersions(channel, job.engine.sampling_module())
-    for data_step in range(end + s):
+    start, _ = channel.recv(LEARNER)
+    job.order.load_state_dict(start.order)
+    versions = ReceivedVersions(channel, job.engine.sampling_module(), start.version)
+    for data_step in range(start.first, start.end + s):
         if data_step % num != index:
             job.skip_step(data_step)
             continue
@@ -293,5 +337,5 @@ def run_sampler(job, channel: RoleChannel, end: int) -> None:
         item.idle = versions.waited - waited  # waiting for weights, inside the sampling's time
         item.t_generate -= item.idle
         channel.send(item)
-    versions.load(max(0, end - 1))  # the versions published after this sampler's last data step
+    versions.load(max(0, start.end - 1))  # the versions published after this sampler's last data step
     channel.flush()

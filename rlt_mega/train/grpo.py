@@ -408,9 +408,11 @@ class GRPOJob:
 
     def _target(self, data_step: int) -> int:
         """The newest policy version data step ``data_step``'s tokens may come from."""
+        return self._data_step_versions(data_step).target
+
+    def _data_step_versions(self, data_step: int) -> DataStepVersions:
         g = self.cfg.grpo
-        memory_block = self.cfg.model.memory_block
-        return DataStepVersions(data_step, g.max_staleness, g.partial_rollouts, memory_block, None).target
+        return DataStepVersions(data_step, g.max_staleness, g.partial_rollouts, self.cfg.model.memory_block, None)
 
     def _check_rewards(self, scalars: dict[str, float], step: int) -> None:
         """Counts the steps in a row whose reward function returned NaN or an infinity (the same
@@ -467,6 +469,9 @@ class GRPOJob:
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
+        """The data order as the colocated run's at this point: after the last data step queued
+        (with a sampler role, the steps the queue owes are received first, their order with them)."""
+        self.source.complete(self.pipeline, self.steps_done)
         return {"state": asdict(self.state), "data": self.order.state_dict()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -658,43 +663,52 @@ def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: 
 
 def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs, eval_recs) -> dict:
     """GRPO with sampler roles (grpo.sampler_replicas = R, docs/design.md "Bounded staleness"):
-    world rank 0 runs the loop, ranks 1..R sample (data step j on rank 1 + j mod R;
-    train/async_grpo.py, ``run_sampler``); all build the model from the same config, so a
-    sampler's layout is the learner's. A
-    checkpoint holds the learner's queue complete, so it resumes colocated exactly (resuming
-    with the roles is not implemented: refused). ``cfg`` is ``grpo_config``'s."""
+    1 + R model replicas of tp x pp ranks each, the learner's the first (launcher ranks 0 .. n - 1,
+    n = tp x pp), each a torch.distributed world of its own (parallel/roles.py) with the same
+    layout, built from the same config, so a sampler's shapes are the learner's. The learner's
+    ranks run the loop, the others sample (data step j on replica 1 + j mod R;
+    train/async_grpo.py, ``run_sampler``). A checkpoint holds the learner's queue complete, so
+    it resumes exactly, colocated or with the roles. ``cfg`` is ``grpo_config``'s."""
     p, g = cfg.parallel, cfg.grpo
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world != 1 + g.sampler_replicas:
-        raise ConfigError(f"grpo.sampler_replicas={g.sampler_replicas} runs on {1 + g.sampler_replicas} processes "
-                          f"(one learner, the samplers), but the launcher started {world}: launch "
-                          f"{1 + g.sampler_replicas} (torchrun --nproc-per-node {1 + g.sampler_replicas})")
-    if p.tp > 1 or p.pp > 1 or p.zero_stage > 0:
-        raise ConfigError(f"grpo.sampler_replicas: the learner with roles is one process in this version, and a "
-                          f"sampler replica must have the learner's layout; parallel.tp={p.tp}, pp={p.pp}, "
-                          f"zero_stage={p.zero_stage} asks for more: set them to 1, 1, 0, or grpo.sampler_replicas=0")
-    if CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep).resolve(cfg.train.resume) is not None:
-        raise ConfigError(f"train.resume={cfg.train.resume!r} finds a checkpoint in {cfg.checkpoint.dir}: resuming "
-                          "with grpo.sampler_replicas is not implemented; resume it colocated "
-                          "(grpo.sampler_replicas=0, one process: its queue is in the checkpoint, the run continues "
-                          "exactly), or start in another checkpoint.dir")
+    world, n = int(os.environ.get("WORLD_SIZE", "1")), p.tp * p.pp
+    if world != (1 + g.sampler_replicas) * n:
+        raise ConfigError(f"grpo.sampler_replicas={g.sampler_replicas} with parallel.tp={p.tp}, pp={p.pp} runs on "
+                          f"{(1 + g.sampler_replicas) * n} processes (1 + {g.sampler_replicas} model replicas of "
+                          f"tp x pp = {n}: the learner's, the samplers'), but the launcher started {world}: launch "
+                          f"{(1 + g.sampler_replicas) * n} (torchrun --nproc-per-node {(1 + g.sampler_replicas) * n})")
+    if (p.dp or 1) != 1 or p.zero_stage == 3:
+        raise ConfigError(f"grpo.sampler_replicas: every replica (the learner's, each sampler's) is one data-parallel "
+                          f"replica of the tp x pp layout, and a sampler holds its parameters whole; parallel.dp="
+                          f"{p.dp}, zero_stage={p.zero_stage} asks for more: set parallel.dp=null (or 1) and "
+                          "zero_stage <= 2, or grpo.sampler_replicas=0")
     configure_determinism(cfg.train.deterministic)
-    _, device = init_distributed(p.backend, cfg.train.device, deterministic=cfg.train.deterministic)
+    _, device = init_distributed(p.backend, cfg.train.device, deterministic=cfg.train.deterministic,
+                                 replica_size=n)
+    dims = None
     try:
         channel = RoleChannel(g.sampler_replicas, device)
-        dims = ParallelDims.single(cfg.model, device)
-        end = StopAfter(cfg.train.stop_after).end(0, cfg.train.steps)
+        if n == 1 and p.zero_stage == 0:
+            dims = ParallelDims.single(cfg.model, device)
+        else:
+            dims = ParallelDims.build(p, cfg.model, cfg.train.device, engine_config(cfg), cfg.train.deterministic)
         if channel.is_learner:
             trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs)
             job = trainer.job
-            job.source = RemoteSource(channel, g.max_staleness, end, lambda it: job.order.load_state_dict(it.order))
-            job.source.start(list(job.engine.sampling_module().parameters()))
+            job.source = RemoteSource(
+                channel, g.max_staleness, lambda j: job._data_step_versions(j).start,
+                lambda done: StopAfter(cfg.train.stop_after).end(done, cfg.train.steps),
+                lambda: (job.order.state_dict(), list(job.engine.sampling_module().parameters()), job.previous),
+                lambda it: job.order.load_state_dict(it.order))
+            if CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep).resolve(cfg.train.resume) is None:
+                job.source.begin(job.pipeline, 0)  # the samplers start while the learner evaluates
             result = trainer.run()
             job.source.close(job.pipeline, job.steps_done)
         else:
-            run_sampler(build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs), channel, end)
+            run_sampler(build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs), channel)
             result = {"role": "sampler"}
-        dist.barrier()  # on success only: after a failure the launcher stops the other rank
+        dist.barrier()  # on success only: after a failure the launcher stops the other ranks
         return result
     finally:
+        if dims is not None:
+            dims.destroy()
         dist.destroy_process_group()

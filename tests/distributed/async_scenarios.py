@@ -14,16 +14,53 @@ from tests.distributed.grpo_scenarios import grpo_cfg, odd, records
 LAYOUT = {"prompts_per_step": 2, "group_size": 2, "minibatches": 1, "verify_onpolicy": False}
 
 
-def roles_config(grpo: dict, train: dict, out_dir: str, sampler_replicas: int):
-    cfg = grpo_cfg({}, {"log_every": 1, **train}, {**LAYOUT, "sampler_replicas": sampler_replicas, **grpo})
+def roles_config(grpo: dict, train: dict, out_dir: str, sampler_replicas: int, parallel: dict | None = None):
+    cfg = grpo_cfg(parallel or {}, {"log_every": 1, **train}, {**LAYOUT, "sampler_replicas": sampler_replicas, **grpo})
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=f"{out_dir}/ckpt"),
                               logging=dataclasses.replace(cfg.logging, dir=f"{out_dir}/log"))
     return grpo_config(cfg)
 
 
-def roles_run(grpo: dict, train: dict, out_dir: str, samplers: int = 1) -> dict:
-    out = run_roles(roles_config(grpo, train, out_dir, samplers), load_tokenizer("byte"), odd, records(24), [])
+def roles_run(grpo: dict, train: dict, out_dir: str, samplers: int = 1, parallel: dict | None = None) -> dict:
+    cfg = roles_config(grpo, train, out_dir, samplers, parallel)
+    out = run_roles(cfg, load_tokenizer("byte"), odd, records(24), [])
     return {"step": out.get("step"), "role": out.get("role", "learner")}
+
+
+def colocated_in_replica(parallel: dict, grpo: dict, train: dict, out_dir: str) -> None:
+    """The colocated run of the roles' config on the first tp x pp ranks of the launch (each
+    replica a world of its own, as under the roles; the others wait)."""
+    import torch.distributed as dist
+
+    from rlt_mega.parallel.dims import ParallelDims, init_distributed, launcher_store
+    from rlt_mega.train.grpo import build_trainer, engine_config
+
+    cfg = roles_config(grpo, train, out_dir, 0, parallel)
+    n = cfg.parallel.tp * cfg.parallel.pp
+    init_distributed(None, "cpu", replica_size=n)
+    try:
+        if launcher_store()[1] < n:
+            dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
+            try:
+                build_trainer(cfg, dims, load_tokenizer("byte"), odd, records(24), []).run()
+            finally:
+                dims.destroy()
+    finally:
+        dist.destroy_process_group()
+
+
+def roles_layout(parallel: dict, out_dir: str) -> list[dict]:
+    """On 2 x tp x pp ranks, one sampler replica: the colocated run and the roles with
+    max_staleness 0 (2 steps); the colocated run with max_staleness 1 and token_tis (3 steps),
+    and the roles stopped after 2 steps (train.stop_after) and resumed with the roles."""
+    sync = {"minibatches": 2, "verify_onpolicy": True}
+    stale = {**sync, "max_staleness": 1, "is_correction": "token_tis"}
+    colocated_in_replica(parallel, sync, {"steps": 2}, f"{out_dir}/colocated0")
+    out = [roles_run(sync, {"steps": 2}, f"{out_dir}/roles0", parallel=parallel)]
+    colocated_in_replica(parallel, stale, {"steps": 3}, f"{out_dir}/colocated1")
+    out.append(roles_run(stale, {"steps": 3, "stop_after": 2, "resume": "auto"}, f"{out_dir}/roles1", parallel=parallel))
+    out.append(roles_run(stale, {"steps": 3, "resume": "auto"}, f"{out_dir}/roles1", parallel=parallel))
+    return out
 
 
 def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:

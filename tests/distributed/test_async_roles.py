@@ -38,12 +38,16 @@ def logged(out_dir) -> list[dict]:
     return [json.loads(x) for x in (out_dir / "log" / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
 
 
-def run_roles_job(tmp_path, grpo: dict, train: dict, name: str, samplers: int = 1):
+def run_roles_job(tmp_path, grpo: dict, train: dict, name: str, samplers: int = 1, then: dict | None = None):
+    """The roles' run; ``then``: a second run's train settings, in the same launch (a resume)."""
     out = tmp_path / name
-    args = {"grpo": grpo, "train": train, "out_dir": str(out), "samplers": samplers}
-    res = run_ranks(1 + samplers, [("async_scenarios.roles_run", args)], tmp_path / f"{name}_ranks", timeout=300)
-    assert all(result(res, "async_scenarios.roles_run", args, r)["role"] == "sampler" for r in range(1, 1 + samplers))
-    return out, result(res, "async_scenarios.roles_run", args, 0)
+    runs = [{"grpo": grpo, "train": t, "out_dir": str(out), "samplers": samplers} for t in [train, then] if t]
+    res = run_ranks(1 + samplers, [("async_scenarios.roles_run", a) for a in runs], tmp_path / f"{name}_ranks",
+                    timeout=300)
+    for args in runs:
+        assert all(result(res, "async_scenarios.roles_run", args, r)["role"] == "sampler"
+                   for r in range(1, 1 + samplers))
+    return out, [result(res, "async_scenarios.roles_run", args, 0) for args in runs][-1]
 
 
 def check_metrics(lines: list[dict], s: int) -> None:
@@ -67,16 +71,17 @@ def test_synchronous_roles_equal_the_colocated_run(tmp_path):
     check_metrics(lines, 0)
 
 
-def test_stale_roles_equal_the_colocated_run_and_resume_colocated(tmp_path):
+def test_stale_roles_equal_the_colocated_run_and_resume_with_the_roles(tmp_path):
     """max_staleness 1 with partial rollouts: two steps with the roles (the sampler samples data
     step k + 1 while the learner learns k, from version k - 1, switching to version k at decode
-    step 6 when it arrives), a checkpoint (train.stop_after), the last step colocated from it: the
-    uninterrupted colocated run's losses and parameters, bit for bit."""
+    step 6 when it arrives), a checkpoint (train.stop_after), the last step resumed with the
+    roles in the same launch (the learner restarts the sampler at data step 3 with its data order
+    and versions 1 and 2): the uninterrupted colocated run's losses and parameters, bit for bit."""
     grpo = {"max_staleness": 1, "partial_rollouts": 5}
-    cut, out = run_roles_job(tmp_path, grpo, {"steps": 3, "stop_after": 2}, "cut")
-    assert out["step"] == 2
+    cut, out = run_roles_job(tmp_path, grpo, {"steps": 3, "stop_after": 2, "resume": "auto"}, "cut",
+                             then={"steps": 3, "resume": "auto"})
+    assert out["step"] == 3
     check_metrics(logged(cut), 2)
-    colocated(grpo, {"steps": 3}, cut)
     colocated(grpo, {"steps": 3}, tmp_path / "colocated")
     assert [x["async/staleness_max"] for x in logged(tmp_path / "colocated")] == [0.0, 1.0, 2.0]
     a, c = final_params(tmp_path / "colocated"), final_params(cut)
@@ -84,16 +89,44 @@ def test_stale_roles_equal_the_colocated_run_and_resume_colocated(tmp_path):
     assert [x["train/loss"] for x in logged(cut)] == [x["train/loss"] for x in logged(tmp_path / "colocated")]
 
 
+@pytest.mark.parametrize("parallel", [{"tp": 2, "zero_stage": 1}, {"pp": 2, "zero_stage": 1, "micro_batches": 2}],
+                         ids=["tp2", "pp2"])
+def test_roles_under_tensor_and_pipeline_parallelism(tmp_path, parallel):
+    """One sampler replica with the learner's layout (4 processes: replica 0 learns, replica 1
+    samples, rank for rank): max_staleness 0 equals the colocated run of the layout bit for bit
+    (parameters, losses); max_staleness 1 with token_tis, stopped after 2 steps and resumed with
+    the roles, equals the colocated run: its first minibatch learns with ratio exactly 1 against
+    the proximal replay (ratio/onpolicy_max_dev 0: a stale sample's replay on the layout is
+    exact)."""
+    args = {"parallel": parallel, "out_dir": str(tmp_path / "out")}
+    res = run_ranks(4, [("async_scenarios.roles_layout", args)], tmp_path / "ranks", timeout=900)
+    roles = [result(res, "async_scenarios.roles_layout", args, r) for r in range(4)]
+    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 3] * 2 + [["sampler"] * 3] * 2
+    assert roles[0][1]["step"] == 2 and roles[0][2]["step"] == 3
+    out = tmp_path / "out"
+    for name, ref, steps in (("roles0", "colocated0", 2), ("roles1", "colocated1", 3)):
+        a, b = final_params(out / name), final_params(out / ref)
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+        lines, want = logged(out / name), logged(out / ref)
+        assert len(lines) == steps and [x["train/loss"] for x in lines] == [x["train/loss"] for x in want]
+        assert [x["reward/mean"] for x in lines] == [x["reward/mean"] for x in want]
+        assert all(x["ratio/onpolicy_max_dev"] == 0.0 for x in lines)
+    assert [x["async/staleness_max"] for x in logged(out / "roles1")] == [0.0, 1.0, 1.0]
+
+
 def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     cfg = roles_config({}, {"steps": 1}, str(tmp_path), 1)
-    with pytest.raises(ConfigError, match=r"runs on 2 processes .*the launcher started 3"):
+    with pytest.raises(ConfigError, match=r"runs on 2 processes .*but the launcher started 3"):
         run_roles(cfg, load_tokenizer("byte"), odd, records(24), [])
     monkeypatch.setenv("WORLD_SIZE", "2")
     import dataclasses
 
     tp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=2))
-    with pytest.raises(ConfigError, match=r"the learner's layout; parallel\.tp=2"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2, pp=1 runs on 4 processes"):
         run_roles(tp, load_tokenizer("byte"), odd, records(24), [])
+    zero3 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=3))
+    with pytest.raises(ConfigError, match=r"zero_stage=3 asks for more"):
+        run_roles(zero3, load_tokenizer("byte"), odd, records(24), [])
     with pytest.raises(ConfigError, match=r"grpo\.sampler_replicas=2 with grpo\.dynamic_sampling"):
         roles_config({"dynamic_sampling": True}, {}, str(tmp_path), 2)
