@@ -80,7 +80,7 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                 mins["ratio_min"] = min(mins["ratio_min"], m["ratio_min"])
                 maxs["ratio_max"] = max(maxs["ratio_max"], m["ratio_max"])
             maxs["diff_max"] = max(maxs["diff_max"], m["logprob_diff_max"])
-            if with_correction:
+            if with_correction and "rho_sum" in m:  # (a batch that kept no row carries no proximal: no tokens)
                 for key in ("rho_sum", "is_weight_sum", "is_rejected"):
                     learner[key] += m[key]
                 if n:
