@@ -298,7 +298,11 @@ class _Draw:
         if any(reason[b] == 0 for b in sorted(set(range(R)) - set(leaving))):
             self.away = leaving
             self.away_t[leaving] = True
+            for b in leaving:
+                self.stats[b].departures += 1
         else:
+            for b in leaving:
+                self.stats[b].blocking_waits += 1
             self._answer(k, leaving)
 
     def _answer(self, k: int, rows: list[int]) -> None:

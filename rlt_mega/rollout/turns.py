@@ -60,6 +60,8 @@ class EpisodeStats:
     tool_calls: int = 0
     tool_errors: int = 0
     observation_tokens: int = 0  # inserted (after every cap)
+    departures: int = 0  # calls that ran while the row was out of the batch (the others decoding meanwhile)
+    blocking_waits: int = 0  # calls waited for at once, the row in its slot: no other row could run meanwhile
     truncated: bool = False  # cut by a limit: max_turns, an observation cap, or the row's token budget
 
 

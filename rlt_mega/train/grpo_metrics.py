@@ -58,7 +58,9 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                      "env_tool_calls": src * sum(e.tool_calls for e in episodes),
                      "env_tool_errors": src * sum(e.tool_errors for e in episodes),
                      "env_observation_tokens": src * sum(e.observation_tokens for e in episodes),
-                     "env_truncated": src * sum(e.truncated for e in episodes)})
+                     "env_truncated": src * sum(e.truncated for e in episodes),
+                     "env_departures": src * sum(e.departures for e in episodes),
+                     "env_blocking_waits": src * sum(e.blocking_waits for e in episodes)})
         maxs["env_observation_tokens_max"] = max((e.observation_tokens for e in episodes), default=0)
     learner = {k: 0.0 for k in ("tokens", "ratio_sum", "clipped", "support_miss", "kl_sum", "diff_sum",
                                 "miss_dense_sum", "first_tokens", "first_kl_sum",
@@ -78,7 +80,7 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                 mins["ratio_min"] = min(mins["ratio_min"], m["ratio_min"])
                 maxs["ratio_max"] = max(maxs["ratio_max"], m["ratio_max"])
             maxs["diff_max"] = max(maxs["diff_max"], m["logprob_diff_max"])
-            if with_correction:
+            if with_correction and "rho_sum" in m:  # (a batch that kept no row carries no proximal: no tokens)
                 for key in ("rho_sum", "is_weight_sum", "is_rejected"):
                     learner[key] += m[key]
                 if n:
@@ -137,7 +139,11 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                     "env/tool_errors": r["env_tool_errors"] / max(r["env_tool_calls"], 1.0),
                     "env/observation_tokens": r["env_observation_tokens"] / rows,
                     "env/observation_tokens_max": r["env_observation_tokens_max"],
-                    "env/truncated": r["env_truncated"] / rows})
+                    "env/truncated": r["env_truncated"] / rows,
+                    # calls per completion that ran while the row was out of the batch (its slot given to
+                    # another row), and that the rollout waited for at once, no other row able to run
+                    "env/departures": r["env_departures"] / rows,
+                    "env/blocking_waits": r["env_blocking_waits"] / rows})
     if with_correction:  # rho = pi_old / mu, the policy change since the samples were drawn
         out.update({"is/rho_min": r["rho_min"] if r["rho_min"] != INF else 1.0, "is/rho_mean": r["rho_sum"] / tokens,
                     "is/rho_max": r["rho_max"] if r["rho_max"] != -INF else 1.0,

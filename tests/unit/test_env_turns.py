@@ -218,6 +218,8 @@ def test_limits_turns_observation_caps_budget_and_time():
     assert time.perf_counter() - t0 < 2
     st = ro.episodes[0]
     assert st.turns == 1 and st.tool_errors == 1 and st.observation_tokens == len("error>>")
+    # the only row: each of its calls (the one answered, the next one that max_turns ended) waited for in its slot
+    assert (st.departures, st.blocking_waits, ro.finish_reasons[0]) == (0, 2, "env")
     assert torch.equal(replay(model, ro), ro.mu)
 
 
@@ -313,6 +315,11 @@ def test_rows_leave_their_slot_while_their_environment_call_runs(C, dtype):
         slot = next(x.slot for x in reversed(rec.log[:rec.log.index(e)]) if isinstance(x, Enter) and x.seq == e.seq)
         took_freed_slot += any(isinstance(x, Enter) and x.step == e.step and x.slot == slot for x in later)
     assert took_freed_slot >= 1  # a waiting row took the slot of a row whose call ran
+    # env/departures and env/blocking_waits count each row's calls by where they ran: out of the
+    # batch (every row the record has away, in a slot or not yet) or waited for at once in its slot
+    for b, st in enumerate(ro.episodes):
+        assert st.departures == sum(b in v for v in rec.away.values())
+        assert st.departures + st.blocking_waits == st.turns + (ro.finish_reasons[b] == "env")
     assert torch.equal(replay(model, ro), ro.mu)
     assert record_from_json(json.loads(json.dumps(record_to_json(rec)))) == rec
     _, again = sample(model, PROMPTS, dtype=dtype, rows=rows, max_new=24)
@@ -377,4 +384,5 @@ def test_a_slow_environment_runs_while_the_other_rows_decode(monkeypatch):
     assert len(leaves(ro)) >= 3 and overlapped == away  # (and not one call waited for at once)
     assert away > len(leaves(ro))  # a forked row called with its first token, out of the queue, not a slot
     assert all(st.tool_errors == 0 for st in ro.episodes)
+    assert sum(st.departures for st in ro.episodes) == away
     assert torch.equal(replay(model, ro), ro.mu)

@@ -138,3 +138,22 @@ def test_a_correction_without_staleness_is_refused():
         trainer_for({"is_correction": "token_tis"})
     with pytest.raises(ConfigError, match=r"grpo\.is_correction='tis'"):
         trainer_for({"max_staleness": 1, "is_correction": "tis"})
+
+
+def test_a_stale_step_that_keeps_no_row_still_reports_its_correction():
+    """Dynamic sampling with groups that all score alike keeps no row: the step's batches carry
+    no loss and no proximal replay, and the correction's metrics reduce over no tokens (rho 1)."""
+    from rlt_mega.data.tokenizer import load_tokenizer
+    from rlt_mega.parallel.dims import ParallelDims
+    from rlt_mega.train.grpo import build_trainer, grpo_config
+    from tests.distributed.grpo_scenarios import grpo_cfg, records
+    from tests.unit.test_async_grpo import LAYOUT
+
+    cfg = grpo_config(grpo_cfg({}, {"steps": 2}, {**LAYOUT, "max_staleness": 1, "is_correction": "token_tis",
+                                                  "dynamic_sampling": True, "max_sampling_rounds": 1}))
+    trainer = build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"),
+                            lambda completion, answer: 0.0, records(24), [])
+    trainer.job.step(0)
+    stale = trainer.job.step(1)
+    assert stale["sampling/groups_kept"] == 0.0 and stale["train/loss"] == 0.0
+    assert (stale["is/rho_min"], stale["is/rho_max"], stale["is/weight_mean"]) == (1.0, 1.0, 0.0)
