@@ -18,6 +18,10 @@ Environment:
                                     batches of <step>, in the first attempt only (torchrun's
                                     TORCHELASTIC_RESTART_COUNT=0), while the other ranks go on
                                     into the step's collectives
+    RLT_CRASH_GRPO_KILL=<rank>:<n>  ``grpo``: that rank SIGKILLs itself as it begins its n-th
+                                    learner step (``GRPOJob.step``) or, on a sampler role, its
+                                    n-th data step (``GRPOJob.sample_step``), counted from the
+                                    step the run starts or resumes at
     RLT_CRASH_CHUNK_SLEEP=<seconds> ``preprocess``: sleep after writing every chunk of documents,
                                     so that a kill lands in the middle of the job
 """
@@ -100,6 +104,24 @@ def install_rank_kill(rank: int, step: int) -> None:
     PackedBatches.next_batches = next_batches
 
 
+def install_grpo_kill(rank: int, n: int) -> None:
+    from rlt_mega.train.grpo import GRPOJob
+
+    if int(os.environ.get("RANK", "0")) != rank:
+        return
+    calls = [0]
+
+    def killing(original):
+        def method(self, *args, **kwargs):
+            calls[0] += 1
+            if calls[0] == n:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, *args, **kwargs)
+        return method
+
+    GRPOJob.step, GRPOJob.sample_step = killing(GRPOJob.step), killing(GRPOJob.sample_step)
+
+
 if __name__ == "__main__":
     if os.environ.get("RLT_CRASH_PAUSE"):
         phase, step = os.environ["RLT_CRASH_PAUSE"].split(":")
@@ -111,4 +133,7 @@ if __name__ == "__main__":
     if os.environ.get("RLT_CRASH_KILL"):
         rank, step = os.environ["RLT_CRASH_KILL"].split(":")
         install_rank_kill(int(rank), int(step))
+    if os.environ.get("RLT_CRASH_GRPO_KILL"):
+        rank, n = os.environ["RLT_CRASH_GRPO_KILL"].split(":")
+        install_grpo_kill(int(rank), int(n))
     sys.exit(main(sys.argv[1:]))

@@ -1,34 +1,97 @@
-"""`rlt-mega grpo` under torchrun with a sampler role (grpo.sampler_replicas=1, max_staleness 1,
-two processes): rank 0 logs every step with the async/* metrics, and train.resume=auto with the
-roles continues the run from its checkpoint (step 4)."""
+"""`rlt-mega grpo` under torchrun with a sampler role (grpo.sampler_replicas=1, two processes),
+max_staleness 2 with partial rollouts, a checkpoint every 2 steps: rank 0 logs every step with
+the async/* metrics; then either rank (the learner, or the sampler) is SIGKILLed in the middle
+of the run (tests/crash_driver.py), torchrun stops the job, and a new launch with
+train.resume=auto ends with the parameters, optimizer state and logged losses of the
+uninterrupted run, bit for bit: the checkpoint holds the learner's queue of sampled steps
+complete, and the learner restarts the sampler where the checkpoint stands."""
 
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from helpers import write_prompts
 from rlt_mega.metrics import read_metrics
+from test_elastic import assert_equal_tree
 
-from helpers import launched, write_prompts
+ROOT = Path(__file__).resolve().parents[2]
+DRIVER = str(Path(__file__).resolve().parents[1] / "crash_driver.py")
+STEPS, EVERY, TIMEOUT = 6, 2, 600
 
 
-def grpo(tmp_path, *overrides):
+def grpo(tmp_path, name, kill=None):
+    """The run in tmp_path/name; ``kill``: "<rank>:<n>", that rank dies at its n-th step."""
     prompts = tmp_path / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(prompts, 40)
-    args = ["grpo", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-            "model.ffn_hidden=64", "model.memory_block=2", "model.max_seq_len=48", f"data.train={prompts}",
-            "data.seq_len=32", "train.log_every=1", "optim.warmup_steps=0", "logging.progress=false",
-            f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}", "grpo.prompts_per_step=2",
-            "grpo.group_size=2", "grpo.eval_size=2", "grpo.eval_every=0",
-            "grpo.reward=tests.distributed.grpo_scenarios:odd", "sampling.max_new_tokens=6", "train.steps=3",
-            "grpo.sampler_replicas=1", "grpo.max_staleness=1", *overrides]
-    return launched(2, args, check=False)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
+               RLT_LOG_LEVEL="WARNING", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    if kill:
+        env["RLT_CRASH_GRPO_KILL"] = kill
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", DRIVER, "grpo",
+           "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64",
+           "model.memory_block=2", "model.max_seq_len=48", f"data.train={prompts}", "data.seq_len=32",
+           "train.log_every=1", "optim.warmup_steps=0", "logging.progress=false", "grpo.prompts_per_step=2",
+           "grpo.group_size=2", "grpo.eval_size=2", "grpo.eval_every=0",
+           "grpo.reward=tests.distributed.grpo_scenarios:odd", "sampling.max_new_tokens=6",
+           f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "train.resume=auto", "grpo.sampler_replicas=1",
+           "grpo.max_staleness=2", "grpo.partial_rollouts=3", "grpo.is_correction=token_tis",
+           f"checkpoint.dir={tmp_path / name / 'ckpt'}", f"logging.dir={tmp_path / name / 'tb'}"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # a hang is cleaned up with every rank
+    try:
+        out, err = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-5000:]}")
+    if kill is None:
+        assert proc.returncode == 0, out[-2000:] + err[-5000:]
+    return proc.returncode, err
 
 
-def test_grpo_with_a_sampler_role_under_torchrun(tmp_path):
-    proc = grpo(tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:]
-    steps = [r for r in read_metrics(tmp_path / "tb") if "train/loss" in r]
-    assert [r["step"] for r in steps] == [1, 2, 3]
-    assert [r["async/staleness_max"] for r in steps] == [0.0, 1.0, 1.0]
-    for r in steps:
+def steps(run: Path) -> list[dict]:
+    return [r for r in read_metrics(run / "tb") if "train/loss" in r]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    grpo(tmp, "full")
+    return tmp / "full"
+
+
+def test_grpo_with_a_sampler_role_logs_the_staleness(reference):
+    logged = steps(reference)
+    assert [r["step"] for r in logged] == list(range(1, STEPS + 1))
+    lags = [r["async/staleness_max"] for r in logged]  # step k learns data step k, started by k - 3 (partial)
+    assert lags[:3] == [0.0, 1.0, 2.0] and all(2.0 <= lag <= 3.0 for lag in lags[3:]), lags
+    for r in logged:
         assert 0.0 <= r["async/learner_idle_fraction"] <= 1.0 and r["async/weight_sync_s"] >= 0.0
-    again = grpo(tmp_path, "train.resume=auto", "train.steps=4")
-    assert again.returncode == 0, again.stdout[-3000:]
-    assert [r["step"] for r in read_metrics(tmp_path / "tb") if "train/loss" in r] == [1, 2, 3, 4]
+        assert 0.0 <= r["async/sampler_idle_fraction"] <= 1.0
+
+
+@pytest.mark.parametrize("kill", ["0:4", "1:8"], ids=["learner", "sampler"])
+def test_a_rank_killed_then_resumed_ends_as_if_uninterrupted(tmp_path, reference, kill):
+    """learner: dies beginning step 4 (the checkpoint of step 2 is the last); sampler: beginning
+    data step 7, its last (data step 6 started under version 3: the learner is in step 4 or
+    later, so the checkpoint of step 2, or of step 4, is the last)."""
+    code, err = grpo(tmp_path, "run", kill=kill)
+    assert code != 0 and "exitcode: -9" in err, err[-3000:]
+    ckpt = tmp_path / "run" / "ckpt"
+    assert (ckpt / "latest").read_text() in (f"step_{EVERY:08d}", f"step_{2 * EVERY:08d}")
+    grpo(tmp_path, "run")
+    final = f"step_{STEPS:08d}"
+    ref, got = load_file(reference / "ckpt" / final / "model.safetensors"), load_file(ckpt / final / "model.safetensors")
+    assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert_equal_tree(torch.load(reference / "ckpt" / final / "engine.pt", weights_only=False)["optimizer"],
+                      torch.load(ckpt / final / "engine.pt", weights_only=False)["optimizer"], "optimizer")
+    want = {r["step"]: r["train/loss"] for r in steps(reference)}
+    got_losses = {r["step"]: r["train/loss"] for r in steps(tmp_path / "run")}  # the resumed steps' lines last
+    assert got_losses == want
