@@ -1,8 +1,8 @@
-"""`rlt-mega grpo` under torchrun with a sampler role (grpo.sampler_replicas=1, two processes),
-max_staleness 2 with partial rollouts, a checkpoint every 2 steps: rank 0 logs every step with
-the async/* metrics; then either rank (the learner, or the sampler) is SIGKILLed in the middle
-of the run (tests/crash_driver.py), torchrun stops the job, and a new launch with
-train.resume=auto ends with the parameters, optimizer state and logged losses of the
+"""`rlt-mega grpo` with a sampler role (grpo.sampler_replicas=1, two processes), max_staleness 2
+with partial rollouts, a checkpoint every 2 steps: under the deepspeed launcher rank 0 logs every
+step with the async/* metrics; then, under torchrun, either rank (the learner, or the sampler)
+is SIGKILLed in the middle of the run (tests/crash_driver.py), torchrun stops the job, and a new
+launch with train.resume=auto ends with the parameters, optimizer state and logged losses of the
 uninterrupted run, bit for bit: the checkpoint holds the learner's queue of sampled steps
 complete, and the learner restarts the sampler where the checkpoint stands."""
 
@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 
 from helpers import write_prompts
 from rlt_mega.metrics import read_metrics
+from rlt_mega.parallel.dims import free_port
 from test_elastic import assert_equal_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +26,9 @@ DRIVER = str(Path(__file__).resolve().parents[1] / "crash_driver.py")
 STEPS, EVERY, TIMEOUT = 6, 2, 600
 
 
-def grpo(tmp_path, name, kill=None):
-    """The run in tmp_path/name; ``kill``: "<rank>:<n>", that rank dies at its n-th step."""
+def grpo(tmp_path, name, kill=None, launcher="torchrun"):
+    """The run in tmp_path/name under ``launcher``; ``kill``: "<rank>:<n>", that rank dies at
+    its n-th step."""
     prompts = tmp_path / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(prompts, 40)
@@ -34,7 +36,12 @@ def grpo(tmp_path, name, kill=None):
                RLT_LOG_LEVEL="WARNING", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     if kill:
         env["RLT_CRASH_GRPO_KILL"] = kill
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", DRIVER, "grpo",
+    if launcher == "torchrun":
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    else:
+        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+               "--no_local_rank"]
+    cmd += [DRIVER, "grpo",
            "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64",
            "model.memory_block=2", "model.max_seq_len=48", f"data.train={prompts}", "data.seq_len=32",
            "train.log_every=1", "optim.warmup_steps=0", "logging.progress=false", "grpo.prompts_per_step=2",
@@ -63,7 +70,7 @@ def steps(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
-    grpo(tmp, "full")
+    grpo(tmp, "full", launcher="deepspeed")
     return tmp / "full"
 
 
