@@ -20,6 +20,7 @@ from typing import Sequence
 
 import torch
 
+from rlt_mega.data.pairs import write_targets
 from rlt_mega.loss import DOC_STARTS, IGNORE
 
 
@@ -47,25 +48,22 @@ def pack_rows(lengths: Sequence[int], capacity: int, order: Sequence[int]) -> li
 
 
 def packed_batch(rows: Sequence[Sequence[tuple]], pad_id: int, length: int, reset: bool) -> dict:
-    """rows: per row, its pairs as (ids, num_prompt) or (ids, num_prompt, observed) -> {'inputs',
-    'targets'} (B, length) and, with ``reset``, 'doc_starts' (B, length) bool. Each pair fills
-    len(ids) - 1 positions; the row's tail is padding (pad_id, IGNORE) that continues its last
-    pair's document; an observed token (an environment's observation, pairs.tokenize_pairs) is
-    no target."""
+    """rows: per row, its pairs as (ids, num_prompt, observed) -> {'inputs', 'targets'} (B,
+    length) and, with ``reset``, 'doc_starts' (B, length) bool. Each pair fills len(ids) - 1
+    positions, with sft_batch's targets (pairs.write_targets); the row's tail is padding (pad_id,
+    IGNORE) that continues its last pair's document."""
     inputs = torch.full((len(rows), length), pad_id, dtype=torch.long)
     targets = torch.full((len(rows), length), IGNORE, dtype=torch.long)
     starts = torch.zeros((len(rows), length), dtype=torch.bool)
     for b, pairs in enumerate(rows):
         at = 0
-        for ids, num_prompt, *observed in pairs:
+        for ids, num_prompt, observed in pairs:
             x = torch.as_tensor(ids, dtype=torch.long)
             n = len(x) - 1
             if at + n > length:
                 raise ValueError(f"pairs of {at + n} positions overflow a packed row of {length}")
             inputs[b, at:at + n] = x[:-1]
-            targets[b, at + num_prompt - 1:at + n] = x[num_prompt:]  # the target at position t is x_{t+1}
-            if observed and observed[0]:
-                targets[b, at + torch.as_tensor(observed[0], dtype=torch.long) - 1] = IGNORE
+            write_targets(targets[b], at, x, num_prompt, observed)
             starts[b, at] = True
             at += n
     out = {"inputs": inputs, "targets": targets}

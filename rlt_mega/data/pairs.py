@@ -15,13 +15,14 @@ the turn (data/chat.py).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import datasets
 import torch
 
 from rlt_mega.data.datasets import DataStats
 from rlt_mega.data.tokenizer import Tokenizer
+from rlt_mega.loss import IGNORE
 
 
 def prompt_ids(tokenizer: Tokenizer, question: str) -> list[int]:
@@ -67,15 +68,21 @@ def episode_pair_ids(tokenizer: Tokenizer, question: str, answer: str,
     observation exactly as the environment's rollout appends it, so SFT trains on the token ids a
     rollout of the same transcript holds (a tokenizer may merge across a piece boundary when the
     whole answer is encoded at once); the observations carry no loss, as in GRPO."""
-    parts = pieces(answer)
-    if tokenizer.use_chat_template:  # the template's text around the answer is the model's
-        prompt, rest = tokenizer.chat_texts(question, answer)
-        at = rest.find(answer)
-        if at < 0:
-            raise ValueError("the chat template does not hold the answer verbatim: its observations cannot be found")
-        parts = [(rest[:at], False), *parts, (rest[at + len(answer):], False)]
-    else:
-        prompt = None
+    if not tokenizer.use_chat_template:
+        ids, observed = _pieces_ids(tokenizer, pieces(answer))
+        return prompt_ids(tokenizer, question), ids + [tokenizer.eos_id], observed
+    prompt, rest = tokenizer.chat_texts(question, answer)  # the template's text around the answer is the model's
+    at = rest.find(answer)
+    if at < 0:
+        raise ValueError("the chat template does not hold the answer verbatim: its observations cannot be found")
+    ids, observed = _pieces_ids(tokenizer, [(rest[:at], False), *pieces(answer), (rest[at + len(answer):], False)])
+    end = tokenizer.turn_end_id
+    ids = ids[:ids.index(end) + 1] if end in ids else ids + [tokenizer.eos_id]
+    return tokenizer.encode(prompt), ids, [i for i in observed if i < len(ids)]
+
+
+def _pieces_ids(tokenizer: Tokenizer, parts: list[tuple[str, bool]]) -> tuple[list[int], list[int]]:
+    """The pieces tokenized one by one, in order -> (ids, the indices of the observations' ids)."""
     ids: list[int] = []
     observed: list[int] = []
     for text, is_observation in parts:
@@ -83,11 +90,16 @@ def episode_pair_ids(tokenizer: Tokenizer, question: str, answer: str,
         if is_observation:
             observed += range(len(ids), len(ids) + len(piece))
         ids += piece
-    if tokenizer.use_chat_template:
-        end = tokenizer.turn_end_id
-        ids = ids[:ids.index(end) + 1] if end in ids else ids + [tokenizer.eos_id]
-        return tokenizer.encode(prompt), ids, [i for i in observed if i < len(ids)]
-    return prompt_ids(tokenizer, question), ids + [tokenizer.eos_id], observed
+    return ids, observed
+
+
+def write_targets(targets: torch.Tensor, at: int, ids: torch.Tensor, num_prompt: int, observed: Sequence[int]) -> None:
+    """A pair's targets into one row of ``targets`` (IGNORE-filled), its first token at position
+    ``at``: the target at position t is x_{t+1}, the answer's tokens only, and an observed token
+    (an environment's observation, ``tokenize_pairs``) is no target."""
+    targets[at + num_prompt - 1:at + len(ids) - 1] = ids[num_prompt:]
+    if len(observed):
+        targets[at + torch.as_tensor(observed, dtype=torch.long) - 1] = IGNORE
 
 
 def tokenize_pairs(records: datasets.Dataset, tokenizer: Tokenizer, max_len: int, stats: DataStats,

@@ -12,7 +12,7 @@ import torch
 from rlt_mega.config import Config, ConfigError
 from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
 from rlt_mega.data.packing import PackedPairs
-from rlt_mega.data.pairs import Pieces, RecordOrder, tokenize_pairs
+from rlt_mega.data.pairs import Pieces, RecordOrder, tokenize_pairs, write_targets
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.loss import IGNORE
@@ -35,9 +35,7 @@ def sft_batch(rows: dict, pad_id: int, length: Optional[int] = None) -> dict:
     for b, (x, p, obs) in enumerate(zip(ids, num_prompt, observed)):
         x = torch.as_tensor(x, dtype=torch.long)
         inputs[b, :len(x) - 1] = x[:-1]
-        targets[b, p - 1:len(x) - 1] = x[p:]  # the target at position t is x_{t+1}
-        if obs:
-            targets[b, torch.as_tensor(obs, dtype=torch.long) - 1] = IGNORE
+        write_targets(targets[b], 0, x, p, obs)
     return {"inputs": inputs, "targets": targets}
 
 

@@ -18,8 +18,9 @@ from rlt_mega.parallel.gather import gather_full
 ROWS = [[5, 4, 3, 7], [8, 6], [3, 5, 6, 2]]
 
 
-def pairs_case(vocab: int, rows=ROWS, seed: int = 0) -> tuple[list[list[tuple[list[int], int]]], int]:
-    """Random (ids, num_prompt) pairs laid out in rows; returns (rows of pairs, the row length)."""
+def pairs_case(vocab: int, rows=ROWS, seed: int = 0) -> tuple[list[list[tuple[list[int], int, list]]], int]:
+    """Random (ids, num_prompt, observed: none) pairs laid out in rows; returns (rows of pairs, the
+    row length)."""
     g = torch.Generator().manual_seed(seed)
     out = []
     for lengths in rows:
@@ -27,7 +28,7 @@ def pairs_case(vocab: int, rows=ROWS, seed: int = 0) -> tuple[list[list[tuple[li
         for n in lengths:
             ids = torch.randint(0, vocab, (n + 1,), generator=g).tolist()
             num_prompt = 1 + int(torch.randint(0, max(1, n - 1), (1,), generator=g))  # at least one answer token
-            row.append((ids, num_prompt))
+            row.append((ids, num_prompt, []))
         out.append(row)
     return out, max(sum(r) for r in rows)
 

@@ -94,16 +94,16 @@ def test_slow_benchmarks_results_render(tmp_path):
     agrpo = bench_module("async_grpo")
     arm = {"seconds": 4.0, "steps": 2, "learner_idle": 0.25, "sampler_idle": 0.5, "sync_s": 0.002, "length": 12.0,
            "stopped": 0.75}
-    args = argparse.Namespace(config="configs/tiny_cpu.yaml", prompts=2, group=2, steps=3, max_new_tokens=32, stops=4,
-                              partial=8)
+    args = argparse.Namespace(config="configs/tiny_cpu.yaml", tp=2, prompts=2, group=2, steps=3, max_new_tokens=32,
+                              stops=4, partial=8)
     _, text = written(tmp_path, "async_grpo", lambda res: agrpo.report(res, args, {
-        "colocated s=0 (1 process)": {**arm, "seconds": 8.0}, "roles s=0 (2 processes)": arm,
-        "roles s=0 partial (2 processes)": {**arm, "learner_idle": 0.1}, "roles s=1 (2 processes)": {**arm, "seconds": 2.0},
-        "roles s=1 partial (2 processes)": {**arm, "seconds": 1.6, "learner_idle": 0.01}}))
-    assert "| roles s=1 (2 processes) | 1.0 | 25.0% | 50.0% | 2.0 | 12.0 | 75% |" in text
-    assert "| roles s=1 partial (2 processes) | 1.25 | 1.0% | 50.0% | 2.0 | 12.0 | 75% |" in text
-    assert "| s=1 / s=0 (2 processes) | 2.00x |" in text
-    assert "| s=1 partial / s=1 (2 processes) | 1.25x |" in text
+        "colocated s=0": {**arm, "seconds": 8.0}, "roles s=0": arm, "roles s=0 partial": {**arm, "learner_idle": 0.1},
+        "roles s=1": {**arm, "seconds": 2.0}, "roles s=1 partial": {**arm, "seconds": 1.6, "learner_idle": 0.01}}))
+    assert "### async_grpo: asynchronous GRPO, configs/tiny_cpu.yaml, tp 2, 2 x 2 rows, 3 steps" in text
+    assert "| roles s=1 | 1.0 | 25.0% | 50.0% | 2.0 | 12.0 | 75% |" in text
+    assert "| roles s=1 partial | 1.25 | 1.0% | 50.0% | 2.0 | 12.0 | 75% |" in text
+    assert "| roles s=1 / roles s=0 | 2.00x |" in text
+    assert "| roles s=1 partial / roles s=1 | 1.25x |" in text
 
     data_bench = bench_module("data")
 

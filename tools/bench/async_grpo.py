@@ -1,9 +1,9 @@
 """Asynchronous GRPO benchmark (issue 29): the real GRPO job, sampler and learner roles
-(grpo.sampler_replicas = 1, two processes, gloo) with max_staleness 1 against max_staleness 0
-on the same two processes, max_staleness 1 with partial rollouts (grpo.partial_rollouts: the
-sampler starts a data step under the version before and takes the newer weights at decode step
---partial; and at s = 0, where it is the only overlap), and the colocated one-process job beside
-them (today's GRPO).
+(grpo.sampler_replicas = 1: a learner and a sampler replica of --tp processes each, gloo) with
+max_staleness 1 against max_staleness 0 on the same processes, max_staleness 1 with partial
+rollouts (grpo.partial_rollouts: the sampler starts a data step under the version before and
+takes the newer weights at decode step --partial; and at s = 0, where it is the only overlap),
+and the colocated job beside them (today's GRPO, on --tp processes).
 Prints steps per second and their ratio, the learner's and the sampler's idle fractions and
 the weight-sync time per step (async/* in each run's metrics.jsonl), all over the steps after
 the first (start-up and the pipeline's fill); asserts nothing.
@@ -16,6 +16,8 @@ budget. Wall clock (the roles overlap in time): run it on a quiet machine, one t
 
     PYTHONPATH=. python tools/bench/async_grpo.py                   # the figures
     PYTHONPATH=. python tools/bench/async_grpo.py --quick           # tiny, 3 steps: a smoke test
+    PYTHONPATH=. python tools/bench/async_grpo.py --tp 2            # every replica tensor-parallel:
+                                                                    # 2 processes colocated, 4 with the roles
 
 What a GPU cluster would see (the cost model, not measured here): with s = 1 a step takes
 max(sample, learn + sync) instead of sample + learn, so the ratio is (sample + learn) /
@@ -60,6 +62,7 @@ def job_config(args, out: Path, s: int, roles: bool, partial: int = 0):
                      "stop_strings": [chr(ord("a") + i) for i in range(args.stops)]},
         "grpo": {"prompts_per_step": args.prompts, "group_size": args.group, "eval_size": 0, "eval_every": 0,
                  "max_staleness": s, "sampler_replicas": int(roles), "partial_rollouts": partial},
+        "parallel": {"tp": args.tp},
         "checkpoint": {"dir": str(out / "ckpt"), "every": 0},
         "logging": {"dir": str(out / "log"), "progress": False},
     }
@@ -83,9 +86,9 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     from rlt_mega.data.tokenizer import load_tokenizer
-    from rlt_mega.parallel.dims import ParallelDims
+    from rlt_mega.parallel.launch import launch
     from rlt_mega.rollout.rewards import resolve_reward
-    from rlt_mega.train.grpo import GRPOJob, build_trainer, grpo_config, run_roles
+    from rlt_mega.train.grpo import GRPOJob, build_trainer, engine_config, grpo_config, run_roles
 
     ends, step = [], GRPOJob.step
 
@@ -102,7 +105,8 @@ def worker(args) -> None:
     if args.roles:
         run_roles(cfg, tok, reward, recs, [])
     else:
-        build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), tok, reward, recs, []).run()
+        with launch(cfg, engine_config(cfg)) as dims:
+            build_trainer(cfg, dims, tok, reward, recs, []).run()
     if int(os.environ.get("RANK", "0")) == 0:
         (out / "wall.json").write_text(json.dumps({"ends": ends}))
 
@@ -110,11 +114,11 @@ def worker(args) -> None:
 def launch(args, name: str, s: int, roles: bool, base: Path, partial: int = 0) -> dict:
     out = base / name
     out.mkdir(parents=True)
-    nprocs = 2 if roles else 1
+    nprocs = args.tp * (2 if roles else 1)
     port = free_port()
     cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--s", str(s), "--partial", str(partial)]
     cmd += ["--roles"] if roles else []
-    cmd += ["--config", args.config, "--steps", str(args.steps), "--prompts", str(args.prompts), "--group",
+    cmd += ["--config", args.config, "--tp", str(args.tp), "--steps", str(args.steps), "--prompts", str(args.prompts), "--group",
             str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--stops", str(args.stops)]
     procs = []
     for rank in range(nprocs):
@@ -140,35 +144,39 @@ def launch(args, name: str, s: int, roles: bool, base: Path, partial: int = 0) -
 
 def report(res: harness.Results, args, arms: dict[str, dict]) -> None:
     """Prints each arm's figures (``launch``'s dicts) and the s=1 / s=0 ratio, and records them in ``res``."""
-    print(f"{args.config}, {args.prompts} x {args.group} rows a step, {args.steps} steps, max_new_tokens "
-          f"{args.max_new_tokens}, {args.stops} stop bytes, partial rollouts switch at decode step {args.partial}; "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    table = f"asynchronous GRPO, {args.config}, {args.prompts} x {args.group} rows, {args.steps} steps"
+    n = args.tp
+    print(f"{args.config}, tp {n}: the colocated job on {n} process(es), the roles on {2 * n} (a learner and a "
+          f"sampler replica of tp {n}); {args.prompts} x {args.group} rows a step, {args.steps} steps, "
+          f"max_new_tokens {args.max_new_tokens}, {args.stops} stop bytes, partial rollouts switch at decode step "
+          f"{args.partial}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    table = f"asynchronous GRPO, {args.config}, tp {n}, {args.prompts} x {args.group} rows, {args.steps} steps"
     for name, r in arms.items():
-        print(f"{name:32s} {r['steps'] / r['seconds']:.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
+        print(f"{name:24s} {r['steps'] / r['seconds']:.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
               f"sampler idle {r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step  "
               f"completion mean {r['length']:.1f} tokens, {r['stopped']:.0%} stopped")
         res.row(table, arm=name, **{
             "steps/s": round(r["steps"] / r["seconds"], 3), "learner idle": f"{r['learner_idle']:.1%}",
             "sampler idle": f"{r['sampler_idle']:.1%}", "weight sync ms/step": round(r["sync_s"] * 1e3, 1),
             "completion mean": round(r["length"], 1), "stopped": f"{r['stopped']:.0%}"})
-    r0, r1 = arms["roles s=0 (2 processes)"], arms["roles s=1 (2 processes)"]
-    ratio = (r1["steps"] / r1["seconds"]) / (r0["steps"] / r0["seconds"])
-    print(f"steps/s ratio, s=1 / s=0 on 2 processes: {ratio:.2f}x")
-    res.row(table, arm="s=1 / s=0 (2 processes)", **{"steps/s": f"{ratio:.2f}x"})
-    rp, rc = arms["roles s=1 partial (2 processes)"], arms["colocated s=0 (1 process)"]
-    for name, r in (("s=1 partial", rp), ("s=1", r1), ("s=0 partial", arms["roles s=0 partial (2 processes)"]),
-                    ("s=0", r0)):
+
+    def speed(name: str) -> float:
+        return arms[name]["steps"] / arms[name]["seconds"]
+
+    rc = arms["colocated s=0"]
+    for name in ("roles s=1 partial", "roles s=1", "roles s=0 partial", "roles s=0"):
+        r = arms[name]
         print(f"idle fractions, {name} / colocated: learner {r['learner_idle'] / max(rc['learner_idle'], 1e-9):.2f}x, "
               f"sampler {r['sampler_idle'] / max(rc['sampler_idle'], 1e-9):.2f}x")
-    ratio = (rp["steps"] / rp["seconds"]) / (r1["steps"] / r1["seconds"])
-    print(f"steps/s ratio, s=1 partial / s=1 on 2 processes: {ratio:.2f}x")
-    res.row(table, arm="s=1 partial / s=1 (2 processes)", **{"steps/s": f"{ratio:.2f}x"})
+    for a, b in (("roles s=1", "roles s=0"), ("roles s=1 partial", "roles s=1")):
+        ratio = speed(a) / speed(b)
+        print(f"steps/s ratio, {a} / {b} ({2 * n} processes): {ratio:.2f}x")
+        res.row(table, arm=f"{a} / {b}", **{"steps/s": f"{ratio:.2f}x"})
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/small_cpu.yaml")
+    ap.add_argument("--tp", type=int, default=1, help="parallel.tp of every replica (the colocated job's too)")
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
@@ -190,11 +198,11 @@ def main() -> None:
         args.config, args.steps, args.prompts, args.group, args.max_new_tokens = "configs/tiny_cpu.yaml", 3, 2, 2, 32
     args.partial = args.partial or max(1, args.max_new_tokens // 2)
     with tempfile.TemporaryDirectory() as tmp:
-        arms = {"colocated s=0 (1 process)": launch(args, "colocated", 0, False, Path(tmp)),
-                "roles s=0 (2 processes)": launch(args, "roles0", 0, True, Path(tmp)),
-                "roles s=1 (2 processes)": launch(args, "roles1", 1, True, Path(tmp)),
-                "roles s=1 partial (2 processes)": launch(args, "roles1p", 1, True, Path(tmp), args.partial),
-                "roles s=0 partial (2 processes)": launch(args, "roles0p", 0, True, Path(tmp), args.partial)}
+        arms = {"colocated s=0": launch(args, "colocated", 0, False, Path(tmp)),
+                "roles s=0": launch(args, "roles0", 0, True, Path(tmp)),
+                "roles s=1": launch(args, "roles1", 1, True, Path(tmp)),
+                "roles s=1 partial": launch(args, "roles1p", 1, True, Path(tmp), args.partial),
+                "roles s=0 partial": launch(args, "roles0p", 0, True, Path(tmp), args.partial)}
     res = harness.Results("async_grpo", args)
     report(res, args, arms)
     res.write()
