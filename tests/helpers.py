@@ -5,6 +5,7 @@ import json
 import os
 import random
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -56,6 +57,25 @@ def launched(nproc: int, args: list, launcher: str = "torchrun", check: bool = T
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
+
+
+def launcher_run(cmd: list, env: dict, timeout: float = 600, check: bool = True) -> tuple[int, str, str]:
+    """A launcher command (torchrun, deepspeed) in its own session, so that a hang is cleaned up
+    with every rank, not only the launcher -> (return code, stdout, stderr); ``check``: it must
+    succeed."""
+    import pytest
+
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"{Path(cmd[0]).name} {' '.join(cmd[1:4])} ... did not finish in {timeout} s:\n{err[-5000:]}")
+    if check:
+        assert proc.returncode == 0, out[-2000:] + err[-5000:]
+    return proc.returncode, out, err
 
 
 # A pretraining run of tiny_cpu small enough for two to four CPU ranks.

@@ -7,8 +7,6 @@ uninterrupted run, bit for bit: the checkpoint holds the learner's queue of samp
 complete, and the learner restarts the sampler where the checkpoint stands."""
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -16,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import write_prompts
+from helpers import launcher_run, write_prompts
 from rlt_mega.metrics import read_metrics
 from rlt_mega.parallel.dims import free_port
 from test_elastic import assert_equal_tree
@@ -50,17 +48,8 @@ def grpo(tmp_path, name, kill=None, launcher="torchrun"):
            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "train.resume=auto", "grpo.sampler_replicas=1",
            "grpo.max_staleness=2", "grpo.partial_rollouts=3", "grpo.is_correction=token_tis",
            f"checkpoint.dir={tmp_path / name / 'ckpt'}", f"logging.dir={tmp_path / name / 'tb'}"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # a hang is cleaned up with every rank
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-5000:]}")
-    if kill is None:
-        assert proc.returncode == 0, out[-2000:] + err[-5000:]
-    return proc.returncode, err
+    code, _, err = launcher_run(cmd, env, TIMEOUT, check=kill is None)
+    return code, err
 
 
 def steps(run: Path) -> list[dict]:

@@ -5,14 +5,14 @@ weights and optimizer shards of an uninterrupted run, bit for bit. And a launch 
 could not work (torchrun's shared rendezvous store) is warned about at start-up."""
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from helpers import launcher_run
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,17 +39,7 @@ def torchrun(tmp_path, name, *extra_args, kill=None, share_store=False):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", *extra_args,
            DRIVER, "pretrain", "--config", "configs/tiny_cpu.yaml", *RUN, f"checkpoint.dir={tmp_path / name / 'ckpt'}",
            f"logging.dir={tmp_path / name / 'tb'}"]
-    # its own session, so that a hang is cleaned up with every rank, not only the launcher
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-5000:]}")
-    assert proc.returncode == 0, out[-2000:] + err[-5000:]
-    return err
+    return launcher_run(cmd, env, TIMEOUT)[2]
 
 
 @pytest.fixture(scope="module")

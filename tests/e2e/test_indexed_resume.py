@@ -4,16 +4,13 @@ with train.resume=auto ends with the weights and optimizer shards of an uninterr
 for bit: the data state in the checkpoint is the sample index of both ranks' reads."""
 
 import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import make_prefix
+from helpers import launcher_run, make_prefix
 from test_elastic import TINY, assert_equal_tree
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,17 +28,8 @@ def torchrun(tmp_path, name, prefix, *extra, kill=None, check=True):
            "--config", "configs/tiny_cpu.yaml", *TINY, f"data.train={prefix}", "parallel.zero_stage=1",
            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "train.resume=auto",
            f"checkpoint.dir={tmp_path / name / 'ckpt'}", f"logging.dir={tmp_path / name / 'tb'}", *extra]
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)  # a hang is cleaned up with every rank
-    try:
-        out, err = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, err = proc.communicate()
-        pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{err[-5000:]}")
-    if check:
-        assert proc.returncode == 0, out[-2000:] + err[-5000:]
-    return proc.returncode, err
+    code, _, err = launcher_run(cmd, env, TIMEOUT, check)
+    return code, err
 
 
 def test_two_ranks_killed_and_resumed_end_as_if_uninterrupted(tmp_path):
