@@ -104,6 +104,8 @@ def test_slow_benchmarks_results_render(tmp_path):
     assert "| roles s=1 partial | 1.25 | 1.0% | 50.0% | 2.0 | 12.0 | 75% |" in text
     assert "| roles s=1 / roles s=0 | 2.00x |" in text
     assert "| roles s=1 partial / roles s=1 | 1.25x |" in text
+    assert ("| async_grpo | learner idle fraction, s=1 with partial rollouts, tp 2 | <= 15% (colocated: 25.0%) | 1.0% "
+            "| met |") in text
 
     data_bench = bench_module("data")
 

@@ -167,6 +167,9 @@ def report(res: harness.Results, args, arms: dict[str, dict]) -> None:
         r = arms[name]
         print(f"idle fractions, {name} / colocated: learner {r['learner_idle'] / max(rc['learner_idle'], 1e-9):.2f}x, "
               f"sampler {r['sampler_idle'] / max(rc['sampler_idle'], 1e-9):.2f}x")
+    rp = arms["roles s=1 partial"]
+    res.target(f"learner idle fraction, s=1 with partial rollouts, tp {n}",
+               f"<= 15% (colocated: {rc['learner_idle']:.1%})", f"{rp['learner_idle']:.1%}", rp["learner_idle"] <= 0.15)
     for a, b in (("roles s=1", "roles s=0"), ("roles s=1 partial", "roles s=1")):
         ratio = speed(a) / speed(b)
         print(f"steps/s ratio, {a} / {b} ({2 * n} processes): {ratio:.2f}x")
