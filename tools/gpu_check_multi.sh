@@ -4,6 +4,9 @@
 # against one process holding the whole model (losses and parameters after two steps), a
 # rollout's replay torch.equal to its mu under each layout (fp32, bf16), and the training ring's
 # bubble measured with CUDA events (P2P.wait_s over the step). tools/gpu/multi.py is one layout.
+# Then GRPO's sampler and learner roles on 2 GPUs (tools/gpu/roles.py: weights broadcast and
+# rollouts sent over NCCL), max_staleness 0 and 1 with partial rollouts, against the colocated run
+# bit for bit.
 # Until this has passed on a node, train.cuda_graphs with parallel.tp > 1 stays refused.
 #
 #   source launch/env.sh && bash tools/gpu_check_multi.sh [--smoke] [--out FILE]
@@ -38,6 +41,7 @@ else
 fi
 LAYOUTS="tp=2:2 pp=2:2 dp=2:2"
 [ "$GPUS" -ge 4 ] && LAYOUTS="$LAYOUTS tp=2,pp=2:4"
+LAYOUTS="$LAYOUTS roles:2"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1
@@ -47,9 +51,9 @@ for item in $LAYOUTS; do
   layout="${item%%:*}"; nproc="${item##*:}"
   file="$TMP/$(echo "$layout" | tr '=,' '__').json"
   port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+  if [ "$layout" = roles ]; then run=("$ROOT/tools/gpu/roles.py"); else run=("$ROOT/tools/gpu/multi.py" --layout "$layout"); fi
   timeout --kill-after=5 240 "$PY" -m torch.distributed.run --nproc_per_node "$nproc" --master_addr 127.0.0.1 \
-    --master_port "$port" "$ROOT/tools/gpu/multi.py" --layout "$layout" --out "$file" $SMOKE \
-    >"$file.log" 2>&1
+    --master_port "$port" "${run[@]}" --out "$file" $SMOKE >"$file.log" 2>&1
   rc=$?
   if [ -f "$file" ]; then
     tail -n 1 "$file.log" | grep -E "^$layout: " || echo "$layout: see $file"

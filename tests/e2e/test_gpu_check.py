@@ -5,7 +5,8 @@ checks reporting "skipped: no CUDA"), prints one line per part and writes the JS
 --out says. That run injects a one-ulp difference into world_of_one's resumed weights: the part
 must fail with that reason (the rest of its phases having run), the others pass, the script exit 1.
 Every other part is made to fail the same way (GPU_CHECK_INJECT, or its pure verdict fed what a
-GPU would measure where the CPU cannot: a sync per step, an unstable backend)."""
+GPU would measure where the CPU cannot: a sync per step, an unstable backend). And
+tools/gpu_check_multi.sh's roles check, on two CPU ranks."""
 
 import importlib.util
 import json
@@ -20,6 +21,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import gpu_check  # noqa: E402
+from helpers import launcher_run  # noqa: E402
+from rlt_mega.parallel.dims import free_port  # noqa: E402
 
 _spec = importlib.util.spec_from_file_location("gpu_cuda_graphs", ROOT / "tools" / "gpu" / "cuda_graphs.py")
 cuda_graphs = importlib.util.module_from_spec(_spec)
@@ -90,3 +93,18 @@ def test_the_cuda_only_verdicts_fail_on_what_a_gpu_could_measure():
         .startswith("fail: graphs_vs_fused")
     assert cuda_graphs.verdict({"graphs_vs_module": float("nan"), "graphs_vs_fused": 0.0,
                                 "checkpointed_vs_not": 0.0}).startswith("fail")
+
+
+def test_the_multi_gpu_check_of_the_roles_passes_on_the_cpu(tmp_path):
+    """tools/gpu/roles.py, tools/gpu_check_multi.sh's roles item, with --smoke (two gloo ranks):
+    the sampler and learner roles against the colocated run, s=0 and s=1 with partial rollouts."""
+    out = tmp_path / "roles.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(free_port()), str(ROOT / "tools" / "gpu" / "roles.py"), "--out", str(out), "--smoke"]
+    launcher_run(cmd, dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore"))
+    summary = json.loads(out.read_text())
+    assert summary["status"] == "ok", summary
+    arms = summary["ranks"][0]
+    assert all(arms[a]["parameters_equal"] and arms[a]["losses_equal"] for a in ("s=0", "s=1 partial"))
+    assert arms["s=1 partial"]["staleness_max"] == [0.0, 1.0, 2.0]
+    assert arms["s=1 partial"]["onpolicy_max_dev"] == [0.0, 0.0, 0.0]
