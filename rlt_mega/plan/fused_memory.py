@@ -33,6 +33,8 @@ checks the slab against DecoderRun.buffer_bytes() exactly and the step's peak ag
 
 from __future__ import annotations
 
+import functools
+
 from rlt_mega.config import ModelConfig
 from rlt_mega.model import kernels as fused_kernels
 from rlt_mega.model.decoder import KV_CHUNK, checkpoint_slots, wgrad_positions
@@ -61,16 +63,27 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
                      scratch: bool = False) -> dict[str, int]:
     """One micro-batch's slab by purpose, in bytes: DecoderRun.buffer_bytes() of the run the dense
     schedule (or a pipeline stage) builds for B = micro_batch_size rows of T = seq_len positions."""
-    B, T, a = layout.micro_batch_size, layout.seq_len, layout.act_bytes
-    d, Dh, h, h_kv, F = _shapes(cfg, layout)
-    g, BH, S = h // h_kv, B * h_kv, 1 + T  # S: the null slot + every position's memory
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
+    out = _run_buffer_bytes(_shapes(cfg, layout), n, layout.micro_batch_size, layout.seq_len, layout.act_bytes,
+                            _checkpointed(layout), stage == 0, grad)
+    if scratch:
+        return {"scratch": out["wgrad_ring"] + out["kv_rows"] + out["input_grads"] + out["kv_grads"]}
+    return {k: v for k, v in out.items() if k != "kv_grads"}
+
+
+@functools.lru_cache(maxsize=4096)  # the planner asks for the same shapes across its thousands of layouts
+def _run_buffer_bytes(shapes: tuple, n: int, B: int, T: int, a: int, checkpointed: bool, first: bool,
+                      grad: bool) -> dict[str, int]:
+    """run_buffer_bytes of n layers of these shapes, "kv" holding the K/V gradients, also named
+    apart as "kv_grads" (part of the scratch); ``first``: the stage that holds the recurrence input."""
+    d, Dh, h, h_kv, F = shapes
+    g, BH, S = h // h_kv, B * h_kv, 1 + T  # S: the null slot + every position's memory
     st = 4  # the statistics dtype (1/rms, K/V gradients, the K/V rows): fp32
     W, Wkv = wgrad_positions(B, T), min(KV_CHUNK, T)
-    slots = checkpoint_slots(B, T) if _checkpointed(layout) else T
+    slots = checkpoint_slots(B, T) if checkpointed else T
     out = dict.fromkeys((*PURPOSES, "kv_grads"), 0)
     if n:  # every layer's buffers are the same: one layer's, times n below
-        one = 1 if _checkpointed(layout) else slots  # qk, cq, gu: one slot when checkpointed
+        one = 1 if checkpointed else slots  # qk, cq, gu: one slot when checkpointed
         for width, rows in (((h + h_kv) * Dh, one), (h * Dh, one), (2 * F, one), (F, slots)):  # qk cq gu f
             out["saved"] += _aligned(rows * B * width * a) if grad else 0  # (a run without backward keeps none)
         for width, size in ((d, a), (1, st), (h * Dh, a), (d, a), (1, st), (h * Dh, a), (d, a), (1, st)):
@@ -83,12 +96,11 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
             for keys in (T, S):  # self, memory: q and do rows, p and ds rows
                 out["kv_rows"] += 2 * _aligned(BH * Wkv * g * Dh * st) + 2 * _aligned(BH * Wkv * g * keys * st)
     out = {k: n * v for k, v in out.items()}
-    if stage == 0 and grad:  # the recurrence input: a0 and r0, and u's gradient
+    if first and grad:  # the recurrence input: a0 and r0, and u's gradient
         out["saved"] += _aligned(T * B * d * a) + _aligned(T * B * st)
         out["input_grads"] += _aligned(T * B * d * a)
-    kv_grads = out.pop("kv_grads")
-    out["kv"] += kv_grads
-    return out if not scratch else {"scratch": out["wgrad_ring"] + out["kv_rows"] + out["input_grads"] + kv_grads}
+    out["kv"] += out["kv_grads"]
+    return out
 
 
 def run_scratch_bytes(cfg: ModelConfig, layout: Layout, stage: int) -> int:
