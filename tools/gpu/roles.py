@@ -27,9 +27,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-ARMS = {"s=0": {"max_staleness": 0},
-        "s=1 partial": {"max_staleness": 1, "partial_rollouts": 5, "is_correction": "token_tis"}}
-ARMS_LAG = {"s=0": 0, "s=1 partial": 2}  # the largest lag of a learned token: s, one more under partial rollouts
+# name -> (grpo settings, the largest lag of a learned token: s, one more under partial rollouts)
+ARMS = {"s=0": ({"max_staleness": 0}, 0),
+        "s=1 partial": ({"max_staleness": 1, "partial_rollouts": 5, "is_correction": "token_tis"}, 2)}
 
 
 def odd_length(completion: str, answer) -> float:
@@ -72,7 +72,7 @@ def check(base: Path, rank: int, device: str, tok, records) -> tuple[list[str], 
     from rlt_mega.train.grpo import build_trainer, run_roles
 
     problems, out = [], {}
-    for name, grpo in ARMS.items():
+    for name, (grpo, lag) in ARMS.items():
         arm = base / name.replace(" ", "_").replace("=", "")
         if rank == 0:  # the colocated job on this rank alone, while the sampler's rank waits in the roles' start
             cfg = config(device, grpo, arm / "colocated", 0)
@@ -95,7 +95,7 @@ def check(base: Path, rank: int, device: str, tok, records) -> tuple[list[str], 
         if any(v != 0.0 for v in onpolicy):
             problems.append(f"{name}: ratio/onpolicy_max_dev {onpolicy}, not 0")
         lags = out[name]["staleness_max"]
-        if lags != [min(k, ARMS_LAG[name]) for k in range(3)]:
+        if lags != [min(k, lag) for k in range(3)]:
             problems.append(f"{name}: async/staleness_max {lags}, not the fixed pipeline's")
     return problems, out
 
