@@ -84,7 +84,8 @@ def test_a_rank_killed_then_resumed_ends_as_if_uninterrupted(tmp_path, reference
     assert (ckpt / "latest").read_text() in (f"step_{EVERY:08d}", f"step_{2 * EVERY:08d}")
     grpo(tmp_path, "run")
     final = f"step_{STEPS:08d}"
-    ref, got = load_file(reference / "ckpt" / final / "model.safetensors"), load_file(ckpt / final / "model.safetensors")
+    ref = load_file(reference / "ckpt" / final / "model.safetensors")
+    got = load_file(ckpt / final / "model.safetensors")
     assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     assert_equal_tree(torch.load(reference / "ckpt" / final / "engine.pt", weights_only=False)["optimizer"],
                       torch.load(ckpt / final / "engine.pt", weights_only=False)["optimizer"], "optimizer")

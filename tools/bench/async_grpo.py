@@ -81,7 +81,7 @@ def records(n: int) -> list[dict]:
 
 
 def worker(args) -> None:
-    """One process of one arm (RANK/WORLD_SIZE set by ``launch``)."""
+    """One process of one arm (RANK/WORLD_SIZE set by ``run_arm``)."""
     import torch
 
     torch.set_num_threads(1)
@@ -111,20 +111,20 @@ def worker(args) -> None:
         (out / "wall.json").write_text(json.dumps({"ends": ends}))
 
 
-def launch(args, name: str, s: int, roles: bool, base: Path, partial: int = 0) -> dict:
+def run_arm(args, name: str, s: int, roles: bool, base: Path, partial: int = 0) -> dict:
     out = base / name
     out.mkdir(parents=True)
     nprocs = args.tp * (2 if roles else 1)
     port = free_port()
     cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--s", str(s), "--partial", str(partial)]
     cmd += ["--roles"] if roles else []
-    cmd += ["--config", args.config, "--tp", str(args.tp), "--steps", str(args.steps), "--prompts", str(args.prompts), "--group",
-            str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--stops", str(args.stops)]
+    cmd += ["--config", args.config, "--tp", str(args.tp), "--steps", str(args.steps), "--prompts", str(args.prompts),
+            "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--stops", str(args.stops)]
     procs = []
     for rank in range(nprocs):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
-                   RLT_LOG_LEVEL="WARNING")
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
+                   LOCAL_WORLD_SIZE=str(nprocs), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                   PYTHONPATH=str(ROOT), RLT_LOG_LEVEL="WARNING")
         procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT))
     if any(p.wait() != 0 for p in procs):
         raise SystemExit(f"arm {name} failed")
@@ -143,24 +143,25 @@ def launch(args, name: str, s: int, roles: bool, base: Path, partial: int = 0) -
 
 
 def report(res: harness.Results, args, arms: dict[str, dict]) -> None:
-    """Prints each arm's figures (``launch``'s dicts) and the s=1 / s=0 ratio, and records them in ``res``."""
+    """Prints each arm's figures (``run_arm``'s dicts) and the s=1 / s=0 ratio, and records them in ``res``."""
     n = args.tp
     print(f"{args.config}, tp {n}: the colocated job on {n} process(es), the roles on {2 * n} (a learner and a "
           f"sampler replica of tp {n}); {args.prompts} x {args.group} rows a step, {args.steps} steps, "
           f"max_new_tokens {args.max_new_tokens}, {args.stops} stop bytes, partial rollouts switch at decode step "
           f"{args.partial}; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     table = f"asynchronous GRPO, {args.config}, tp {n}, {args.prompts} x {args.group} rows, {args.steps} steps"
-    for name, r in arms.items():
-        print(f"{name:24s} {r['steps'] / r['seconds']:.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
-              f"sampler idle {r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step  "
-              f"completion mean {r['length']:.1f} tokens, {r['stopped']:.0%} stopped")
-        res.row(table, arm=name, **{
-            "steps/s": round(r["steps"] / r["seconds"], 3), "learner idle": f"{r['learner_idle']:.1%}",
-            "sampler idle": f"{r['sampler_idle']:.1%}", "weight sync ms/step": round(r["sync_s"] * 1e3, 1),
-            "completion mean": round(r["length"], 1), "stopped": f"{r['stopped']:.0%}"})
 
     def speed(name: str) -> float:
         return arms[name]["steps"] / arms[name]["seconds"]
+
+    for name, r in arms.items():
+        print(f"{name:24s} {speed(name):.3f} steps/s  learner idle {r['learner_idle']:.1%}  "
+              f"sampler idle {r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step  "
+              f"completion mean {r['length']:.1f} tokens, {r['stopped']:.0%} stopped")
+        res.row(table, arm=name, **{
+            "steps/s": round(speed(name), 3), "learner idle": f"{r['learner_idle']:.1%}",
+            "sampler idle": f"{r['sampler_idle']:.1%}", "weight sync ms/step": round(r["sync_s"] * 1e3, 1),
+            "completion mean": round(r["length"], 1), "stopped": f"{r['stopped']:.0%}"})
 
     rc = arms["colocated s=0"]
     for name in ("roles s=1 partial", "roles s=1", "roles s=0 partial", "roles s=0"):
@@ -201,11 +202,11 @@ def main() -> None:
         args.config, args.steps, args.prompts, args.group, args.max_new_tokens = "configs/tiny_cpu.yaml", 3, 2, 2, 32
     args.partial = args.partial or max(1, args.max_new_tokens // 2)
     with tempfile.TemporaryDirectory() as tmp:
-        arms = {"colocated s=0": launch(args, "colocated", 0, False, Path(tmp)),
-                "roles s=0": launch(args, "roles0", 0, True, Path(tmp)),
-                "roles s=1": launch(args, "roles1", 1, True, Path(tmp)),
-                "roles s=1 partial": launch(args, "roles1p", 1, True, Path(tmp), args.partial),
-                "roles s=0 partial": launch(args, "roles0p", 0, True, Path(tmp), args.partial)}
+        arms = {"colocated s=0": run_arm(args, "colocated", 0, False, Path(tmp)),
+                "roles s=0": run_arm(args, "roles0", 0, True, Path(tmp)),
+                "roles s=1": run_arm(args, "roles1", 1, True, Path(tmp)),
+                "roles s=1 partial": run_arm(args, "roles1p", 1, True, Path(tmp), args.partial),
+                "roles s=0 partial": run_arm(args, "roles0p", 0, True, Path(tmp), args.partial)}
     res = harness.Results("async_grpo", args)
     report(res, args, arms)
     res.write()
