@@ -41,22 +41,21 @@ def gsm8k_dir() -> Path:
     return ROOT / "tests" / "data" / "gsm8k"
 
 
-def launched(nproc: int, args: list, launcher: str = "torchrun", check: bool = True,
-             timeout: float = 600) -> subprocess.CompletedProcess:
-    """``rlt-mega ARGS`` on ``nproc`` processes under torchrun or the deepspeed launcher (gloo)."""
+def launched(nproc: int, args: list, launcher: str = "torchrun", check: bool = True, timeout: float = 600,
+             script: str | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    """``rlt-mega ARGS`` (or ``script ARGS``, e.g. tests/crash_driver.py) on ``nproc`` processes
+    under torchrun or the deepspeed launcher (gloo); ``env``: extra environment."""
     env = dict(os.environ, OMP_NUM_THREADS="1", RLT_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT),
-               PYTHONWARNINGS="ignore")
+               PYTHONWARNINGS="ignore", **(env or {}))
     port = str(free_port())
     if launcher == "torchrun":
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_port", port,
-               "-m", "rlt_mega", *args]
+               *([script] if script else ["-m", "rlt_mega"]), *args]
     else:
         cmd = [os.path.join(os.path.dirname(sys.executable), "deepspeed"), "--num_gpus", str(nproc), "--master_port",
-               port, "--no_local_rank", "--module", "rlt_mega", *args]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
-    if check:
-        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    return proc
+               port, "--no_local_rank", *([script] if script else ["--module", "rlt_mega"]), *args]
+    code, out, err = launcher_run(cmd, env, timeout, check)
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def launcher_run(cmd: list, env: dict, timeout: float = 600, check: bool = True) -> tuple[int, str, str]:

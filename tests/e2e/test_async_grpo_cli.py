@@ -6,20 +6,16 @@ launch with train.resume=auto ends with the parameters, optimizer state and logg
 uninterrupted run, bit for bit: the checkpoint holds the learner's queue of sampled steps
 complete, and the learner restarts the sampler where the checkpoint stands."""
 
-import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from helpers import launcher_run, write_prompts
+from helpers import launched, write_prompts
 from rlt_mega.metrics import read_metrics
-from rlt_mega.parallel.dims import free_port
 from test_elastic import assert_equal_tree
 
-ROOT = Path(__file__).resolve().parents[2]
 DRIVER = str(Path(__file__).resolve().parents[1] / "crash_driver.py")
 STEPS, EVERY, TIMEOUT = 6, 2, 600
 
@@ -30,26 +26,17 @@ def grpo(tmp_path, name, kill=None, launcher="torchrun"):
     prompts = tmp_path / "prompts.jsonl"
     if not prompts.exists():
         write_prompts(prompts, 40)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), PYTHONWARNINGS="ignore",
-               RLT_LOG_LEVEL="WARNING", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    if kill:
-        env["RLT_CRASH_GRPO_KILL"] = kill
-    if launcher == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    else:
-        cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-               "--no_local_rank"]
-    cmd += [DRIVER, "grpo",
-           "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64",
-           "model.memory_block=2", "model.max_seq_len=48", f"data.train={prompts}", "data.seq_len=32",
-           "train.log_every=1", "optim.warmup_steps=0", "logging.progress=false", "grpo.prompts_per_step=2",
-           "grpo.group_size=2", "grpo.eval_size=2", "grpo.eval_every=0",
-           "grpo.reward=tests.distributed.grpo_scenarios:odd", "sampling.max_new_tokens=6",
-           f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "train.resume=auto", "grpo.sampler_replicas=1",
-           "grpo.max_staleness=2", "grpo.partial_rollouts=3", "grpo.is_correction=token_tis",
-           f"checkpoint.dir={tmp_path / name / 'ckpt'}", f"logging.dir={tmp_path / name / 'tb'}"]
-    code, _, err = launcher_run(cmd, env, TIMEOUT, check=kill is None)
-    return code, err
+    args = ["grpo", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+            "model.ffn_hidden=64", "model.memory_block=2", "model.max_seq_len=48", f"data.train={prompts}",
+            "data.seq_len=32", "train.log_every=1", "optim.warmup_steps=0", "logging.progress=false",
+            "grpo.prompts_per_step=2", "grpo.group_size=2", "grpo.eval_size=2", "grpo.eval_every=0",
+            "grpo.reward=tests.distributed.grpo_scenarios:odd", "sampling.max_new_tokens=6",
+            f"train.steps={STEPS}", f"checkpoint.every={EVERY}", "train.resume=auto", "grpo.sampler_replicas=1",
+            "grpo.max_staleness=2", "grpo.partial_rollouts=3", "grpo.is_correction=token_tis",
+            f"checkpoint.dir={tmp_path / name / 'ckpt'}", f"logging.dir={tmp_path / name / 'tb'}"]
+    proc = launched(2, args, launcher, check=kill is None, timeout=TIMEOUT, script=DRIVER,
+                    env={"RLT_CRASH_GRPO_KILL": kill} if kill else None)
+    return proc.returncode, proc.stderr
 
 
 def steps(run: Path) -> list[dict]:
