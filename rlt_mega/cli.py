@@ -20,7 +20,7 @@ from rlt_mega.data import tokenizer_train
 from rlt_mega.data.datasets import DataError
 from rlt_mega.data.tokenizer import TokenizerError
 from rlt_mega.log import get_logger, setup_logging
-from rlt_mega.plan import cli as plan_cli
+from rlt_mega.cost import cli as plan_cli
 from rlt_mega.train.loop import TrainingError
 
 log = get_logger(__name__)
@@ -55,7 +55,7 @@ def cmd_pretrain(args: argparse.Namespace) -> int:
 
 def cmd_params(args: argparse.Namespace) -> int:
     """Builds the model on the meta device (no memory) and prints its parameter counts."""
-    from rlt_mega.model import build_model, param_counts
+    from rlt_mega.model.rlt import build_model, param_counts
 
     cfg = _load(args)
     model = build_model(cfg.model, "meta")
@@ -64,7 +64,7 @@ def cmd_params(args: argparse.Namespace) -> int:
     width = max(len(k) for k in counts)
     for key, value in counts.items():
         sys.stdout.write(f"{key:<{width}}  {value:>16,}\n")
-    from rlt_mega.plan.flops import flop_rows, summarize
+    from rlt_mega.cost.flops import flop_rows, summarize
 
     T = cfg.data.seq_len
     per_token = summarize(flop_rows(cfg.model, T, cfg.train.checkpointing), T)["per_token"]
@@ -107,7 +107,7 @@ def _inference_model(cfg: Config):
     from rlt_mega.train.builders import check_vocab, inference_model
 
     from rlt_mega.rollout import Sampler
-    from rlt_mega.model.plan import RowSwitches
+    from rlt_mega.schedule.rows import RowSwitches
 
     from rlt_mega.model.baselines import require_rlt
 

@@ -441,7 +441,7 @@ class SamplingConfig:
     # loop never synchronises with the host otherwise; a finished row leaves the batch at the
     # next check.
     check_every: int = 8
-    # Rows decoded at once per rollout call (model/plan.py; 0: one per row and shared prompt,
+    # Rows decoded at once per rollout call (schedule/rows.py; 0: one per row and shared prompt,
     # nobody waits); fewer, and a row waits for a freed slot (continuous batching). Replay
     # repeats whatever the rollout did.
     slots: int = 0
@@ -798,10 +798,10 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
 REMOVED_KEYS = {
     "model.fused_decoder": "the decoder step is one implementation for every schedule (model/decoder.py)",
     "sampling.fast_decode": "the sampler runs the model's one decoder step (model/decoder.py)",
-    "sampling.share_prompts": "a rollout always runs a shared prompt once and forks it (model/plan.py)",
-    "sampling.compact": "a finished row always leaves the rollout's batch at the next check (model/plan.py)",
-    "grpo.dense_compact": "the learner's decoder always runs only the positions each row needs (model/rows.py)",
-    "grpo.dense_share_prompts": "the learner always runs a shared prompt once (model/rows.py, prompt_pack.py)",
+    "sampling.share_prompts": "a rollout always runs a shared prompt once and forks it (schedule/rows.py)",
+    "sampling.compact": "a finished row always leaves the rollout's batch at the next check (schedule/rows.py)",
+    "grpo.dense_compact": "the learner's decoder always runs only the positions each row needs (schedule/dense.py)",
+    "grpo.dense_share_prompts": "the learner always runs a shared prompt once (schedule/dense.py, prompt_pack.py)",
 }
 
 

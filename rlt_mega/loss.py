@@ -23,6 +23,9 @@ IGNORE = -100  # target id that carries no loss (padding, prompt tokens in SFT)
 # A packed batch's (B, T) bool document starts (data.reset_at_document): written by the data
 # path, read by the model (model/documents.py), padded and cut with the rows by the engines.
 DOC_STARTS = "doc_starts"
+# A learner batch's rows (schedule/dense.py DenseRows: each row's length, prompt and group):
+# written by the learner, read by the model's dense schedule as the layout it runs.
+DENSE_ROWS = "dense_rows"
 
 
 def shift(window: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

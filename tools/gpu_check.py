@@ -111,7 +111,7 @@ def part_versions(smoke: bool) -> dict:
     return {"status": versions_verdict(out), **out}
 
 
-# The model's SDPA calls (model/attention.py, model/prompt_pack.py, model/documents.py); the
+# The model's SDPA calls (model/attention.py, schedule/prompt_pack.py, model/documents.py); the
 # decoder's own attentions are the decoder step's kernels (model/kernels.py), not SDPA.
 # name: (B, heads, kv heads, query length, key length, head_dim, mask kind, training shape)
 SDPA_SHAPES = {
@@ -262,7 +262,7 @@ def part_exactness(smoke: bool) -> dict:
     (rlt_mega/reference.py) at B=8 (grpo_gsm8k widths, L=4). Most telling cases first: a part cut
     by its deadline lists the cases it did not run."""
     torch = _torch()
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
     from rlt_mega.reference import ReferenceDecoder
     from rlt_mega.rollout import Processing, Sampler, SamplingParams
 
@@ -347,7 +347,7 @@ def part_gradients(smoke: bool) -> dict:
     import torch.nn.functional as F
 
     from rlt_mega.config import CheckpointingConfig
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
     from rlt_mega.precision import precision
 
     device = _device()
@@ -388,7 +388,7 @@ def part_qwen2(smoke: bool) -> dict:
     import transformers
 
     from rlt_mega.checkpoint_tools import import_hf, load_exported
-    from rlt_mega.model import RLT
+    from rlt_mega.model.rlt import RLT
 
     device = _device()
     V, D, L, H, KV, F_ = (64, 32, 2, 4, 2, 48) if smoke else (4096, 896, 4, 14, 2, 4864)
@@ -452,8 +452,8 @@ def part_sync_audit(smoke: bool) -> dict:
     Without CUDA the same runs happen with no counter (the code paths, not the counts)."""
     torch = _torch()
     from rlt_mega.config import OptimConfig
-    from rlt_mega.model import build_model
-    from rlt_mega.model.plan import RowSwitches
+    from rlt_mega.model.rlt import build_model
+    from rlt_mega.schedule.rows import RowSwitches
     from rlt_mega.parallel.dims import ParallelDims
     from rlt_mega.parallel.engine import EngineConfig, LocalEngine
     from rlt_mega.rollout import Processing, Sampler, SamplingParams
@@ -528,7 +528,7 @@ def part_bench(smoke: bool) -> dict:
     hybrid learner's tokens/s and peak memory at B=8, T=512."""
     torch = _torch()
     from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
     from rlt_mega.rollout import Processing, Sampler, SamplingParams
 
     device = _device()

@@ -22,7 +22,7 @@ def make(out: Path) -> None:
 
     from rlt_mega.checkpoint_tools import export_model
     from rlt_mega.config import ModelConfig
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
     from rlt_mega.rollout import Processing, Sampler, SamplingParams
 
     base = dict(vocab_size=260, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=48, memory_block=4,

@@ -2,7 +2,7 @@
 (rlt_mega/parallel/nccl_sim.py): the training ring (forward + backward, T=3) and the sampler ring
 with the lockstep plan (C in {1, 2, 4}, ragged prompts, checks every 1 and 4 steps, some
 micro-batches stopping early) and with the row plan (shared prompts forked, rows leaving and taking
-freed slots, rows finishing at assorted steps: model/plan.py), as they run now, and on one stream
+freed slots, rows finishing at assorted steps: schedule/rows.py), as they run now, and on one stream
 per pair of ranks (both directions on one communicator, as unbatched NCCL operations are: the
 training ring's posting as it was before its channels). Pure computation, no ranks:
 
@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from rlt_mega.parallel.nccl_sim import Deadlock, Mismatch, simulate_nccl  # noqa: E402
 from rlt_mega.parallel.pipeline import simulate  # noqa: E402
 from rlt_mega.rollout.ring import row_ring_programs  # noqa: E402
-from rlt_mega.model.plan import RowPlan, planned_record, row_layout  # noqa: E402
+from rlt_mega.schedule.rows import RowPlan, planned_record, row_layout  # noqa: E402
 
 
 def _outcome(fn) -> str:

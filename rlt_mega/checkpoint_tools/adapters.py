@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 
 from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.config import Config, LoraConfig
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.model.lora import adapter_state, apply_lora, base_state, has_adapters, state_hash
 from rlt_mega.parallel.adapter_files import ADAPTERS, load_adapters
 

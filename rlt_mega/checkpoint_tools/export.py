@@ -39,9 +39,10 @@ from torch import nn
 
 from rlt_mega.config import ConfigError, ModelConfig, from_dict
 from rlt_mega.log import get_logger
-from rlt_mega.model import RLT, build_model
+from rlt_mega.model.rlt import RLT, build_model
 from rlt_mega.precision import parse_storage_dtype as parse_dtype
-from rlt_mega.checkpoint_tools import hf_dense, hf_files
+import rlt_mega.checkpoint_tools.hf_dense as hf_dense  # the module, not the package (whose __init__ imports this one)
+import rlt_mega.checkpoint_tools.hf_files as hf_files
 from rlt_mega.checkpoint_tools.files import (
     EXPORT_MANIFEST, CheckpointFormatError, SafetensorsDir, atomic_directory, dtype_name, read_json, save_safetensors,
     tensor_sha256, write_json,

@@ -14,7 +14,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from rlt_mega.model import param_counts
+from rlt_mega.model.rlt import param_counts
 from rlt_mega.checkpoint_tools import shards, training
 from rlt_mega.parallel import reshard
 from rlt_mega.checkpoint_tools.export import (

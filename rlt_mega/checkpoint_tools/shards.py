@@ -35,7 +35,7 @@ from rlt_mega.checkpoint import (CheckpointError, UntrustedCheckpointError, load
                                  untrusted)
 from rlt_mega.config import ModelConfig
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import split_layers
 from rlt_mega.parallel.ds_checkpoint import DS_TAG
 from rlt_mega.parallel.stage import prune_to_stage

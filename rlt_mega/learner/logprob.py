@@ -19,7 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rlt_mega.model.rows import DenseRows
+from rlt_mega.schedule.dense import DenseRows
 from rlt_mega.model.rlt import RLT
 from rlt_mega.precision import precision
 from rlt_mega.rollout.processing import process_logits
@@ -42,7 +42,7 @@ def dense_logprobs(model: RLT, rollout: Rollout, compact: bool = True, share_pro
 
 
 def dense_rows(rollout: Rollout, compact: bool, share_prompts: bool) -> Optional[DenseRows]:
-    """What the dense decoder needs of each row of the rollout (model/rows.py): row b's
+    """What the dense decoder needs of each row of the rollout (schedule/dense.py): row b's
     positions [0, P_b + n_b - 1) (the last one's logits score the last completion token), and
     with share_prompts its group, the rows whose prompts are the same tokens. None: both off."""
     if not (compact or share_prompts):

@@ -8,7 +8,7 @@ attached to each, their dense inputs stacked row-wise into one dense call:
 
     inputs      (sum_i B_i, max_i T_i) the parts' dense schedule tokens (``dense_inputs``),
                 right-padded (everything is causal: no earlier position changes)
-    dense_rows  each row's length, prompt and group (model/rows.DenseRows): the row
+    dense_rows  each row's length, prompt and group (schedule/dense.py DenseRows): the row
                 steps the dense decoder runs
     parts       [GRPOPart]: the Rollout (tokens, mu, mask, schedule); its replay (B, N) under
                 the current parameters (the hybrid's value; under pipeline parallelism only
@@ -39,8 +39,8 @@ from rlt_mega.learner.correction import Correction, is_weights, ratio_by_version
 from rlt_mega.learner.grpo import grpo_loss
 from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_rows, hybrid_logprobs,
                                      mismatch_metrics)
-from rlt_mega.loss import LogitsLoss, Vocab
-from rlt_mega.model.rows import DENSE_ROWS, stack_rows
+from rlt_mega.loss import DENSE_ROWS, LogitsLoss, Vocab
+from rlt_mega.schedule.dense import stack_rows
 from rlt_mega.rollout.sampler import Rollout
 
 
@@ -62,7 +62,7 @@ class GRPOPart:
 
 
 def grpo_batch(parts: list[GRPOPart], compact: bool = True, share_prompts: bool = True) -> dict:
-    """compact / share_prompts: the batch's ``dense_rows`` (model/rows.py), which the dense
+    """compact / share_prompts: the batch's ``dense_rows`` (schedule/dense.py), which the dense
     decoder follows (both off: the padded schedule, the benchmarks' baseline arm)."""
     if not parts:
         raise ValueError("a GRPO batch needs at least one rollout batch")

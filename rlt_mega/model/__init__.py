@@ -1,5 +1,3 @@
-"""Single-device model code: knows nothing of ranks or process groups."""
-
-from rlt_mega.model.rlt import RLT, build_model, param_counts, vis
-
-__all__ = ["RLT", "build_model", "param_counts", "vis"]
+"""The network and its one decoder step, on one device: knows nothing of ranks, process groups
+or the row schedule (whose layouts it is handed as arguments). Import from the modules:
+``rlt_mega.model.rlt`` (RLT, build_model, param_counts, vis)."""

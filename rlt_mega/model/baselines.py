@@ -15,12 +15,12 @@ the RLT (one block over a causal batch, with an optional K/V cache for increment
 are all they need.
 
 Per token the dense model runs L blocks, the looped R * L, the RLT L encoder + L decoder blocks
-(the decoder's with cross-attention): rlt_mega/plan/flops.py counts each.
+(the decoder's with cross-attention): rlt_mega/cost/flops.py counts each.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -29,8 +29,11 @@ from torch.utils.checkpoint import checkpoint
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
 from rlt_mega.model.attention import encoder_attention
 from rlt_mega.model.cache import KVCache
-from rlt_mega.model.rows import DenseRows, head_rows
+from rlt_mega.model.init import block_param_count, initial_value
 from rlt_mega.model.layers import Block, RMSNorm, Rotary
+
+if TYPE_CHECKING:  # the schedule's rows are passed in (a layout the model reads); model/ never imports them
+    from rlt_mega.schedule.dense import DenseRows
 
 
 class DenseLM(nn.Module):
@@ -69,8 +72,6 @@ class DenseLM(nn.Module):
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
         """As RLT.init_weights: every parameter a function of (seed, parameter name) alone."""
-        from rlt_mega.model.rlt import initial_value
-
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=generator))
         for name, p in self.named_parameters():
@@ -125,17 +126,16 @@ class DenseLM(nn.Module):
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0,
                 rows: Optional[DenseRows] = None) -> torch.Tensor:
         """tokens (B, T) -> logits (B, T, V), fp32; logits_t is the distribution of x_{t+1}.
-        ``rows`` (model/rows.py): with compaction the head runs at the
+        ``rows`` (schedule/dense.py): with compaction the head runs at the
         completion positions only, as RLT.forward's (0 elsewhere); the blocks run every position
         (they are parallel over positions: nothing to skip but padding)."""
-        return head_rows(self.head, self.hidden(tokens, cache, start), rows)
+        z = self.hidden(tokens, cache, start)
+        return self.head(z) if rows is None else rows.head(self.head, z)
 
 
 def dense_param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Closed-form parameter counts of DenseLM(cfg) by group (the looped model has the dense
     model's parameters: its loops share them)."""
-    from rlt_mega.model.rlt import block_param_count
-
     d, V = cfg.d_model, cfg.vocab_size
     counts = {
         "embed": V * d,

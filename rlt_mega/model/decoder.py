@@ -65,7 +65,7 @@ the deferred K/V rows, the embeddings' gradient: ``scratch_bytes()``), allocated
 backward and freed by ``release_scratch()``, which the dense schedule calls once its backward has
 returned everything: the encoder's backward and the optimizer step run without it (a second
 backward through the same graph allocates it again). The weight-gradient accumulators are the
-backward's too; it hands them to autograd and keeps no reference. plan/fused_memory.py models
+backward's too; it hands them to autograd and keeps no reference. cost/fused_memory.py models
 all of it for ``rlt-mega plan``.
 
 The capture-ready step (``static=True``). Nothing in a position's computation depends on t
@@ -83,7 +83,7 @@ masks per row: in the static form every piece already is a tensor). A per-row ke
 (documents in packed SFT) multiplies into the same additive masks, and a document start resets
 x to z_init for that row before the input layer.
 
-Rows (implemented, eager form only: model/rows.py). A :class:`DensePlan` (the learner's
+Rows (implemented, eager form only: schedule/dense.py). A :class:`DensePlan` (the learner's
 compaction and shared prompts) says which rows each position runs on; the step itself does not
 change: the per-position tensors are rows [:n] of their buffers, the batch-major K/V a prefix of
 the physical row order or gathered by index, and the run maps the caller's rows in and out.
@@ -92,16 +92,18 @@ the physical row order or gathered by index, and the run maps the caller's rows 
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from rlt_mega.model.kernels import Gemm, LayerGemms, attend, attention_grads, rms_backward, rms_forward, rope
 from rlt_mega.model.layout import StaticStep, Step
-from rlt_mega.model.rows import DensePlan
 from rlt_mega.model.stack import DecoderStack, KVState, WeightGrads
 from rlt_mega.model.workspace import Slab
+
+if TYPE_CHECKING:  # the schedule's rows are passed in (a layout the model reads); model/ never imports them
+    from rlt_mega.schedule.dense import DensePlan
 
 # Rows per weight-gradient GEMM: enough to run it at this CPU's matmul peak (measured: 96 GFLOP/s
 # at 512 rows, the same as a 2048^3 torch.mm).
@@ -149,7 +151,7 @@ class DecoderRun:
     any dtype, read only. grads: the accumulators of the deferred weight gradients (None: no
     backward). slots: activation slots (None: every position saved; a checkpointed run:
     :func:`checkpoint_slots`). static: the capture-ready form. rows: which rows each position
-    runs on (model/rows.py; None: all of them); x, e, y and their gradients stay (B, d) in
+    runs on (schedule/dense.py; None: all of them); x, e, y and their gradients stay (B, d) in
     the caller's order, dead rows 0."""
 
     def __init__(self, stack: DecoderStack, batch: int, capacity: int,

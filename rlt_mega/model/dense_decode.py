@@ -23,15 +23,17 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
 from rlt_mega.model.decoder import DecoderRun, StepRunner, checkpoint_slots
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.stack import DecoderStack, StackSpec, WeightGrads, fused_weights
-from rlt_mega.model.rows import DenseRows, DensePlan
 from rlt_mega.model.kernels import wide
+
+if TYPE_CHECKING:  # the schedule's rows are passed in (a layout the model reads); model/ never imports them
+    from rlt_mega.schedule.dense import DensePlan, DenseRows
 
 
 class ReduceGrad(torch.autograd.Function):
@@ -65,7 +67,7 @@ def compute_dtype_of(param_dtype: torch.dtype, device: torch.device) -> torch.dt
 
 
 @dataclass
-class _Plan:
+class _DenseCall:
     """What the Function needs besides its tensor inputs."""
 
     decoder: "Decoder"
@@ -81,7 +83,7 @@ class _Plan:
 
 class DenseDecode(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, plan: _Plan, emb: torch.Tensor, z0: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, plan: _DenseCall, emb: torch.Tensor, z0: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:
         B, T, d = emb.shape
         mem_flat, weights = tensors[:plan.num_memory], tensors[plan.num_memory:]
         memory = list(zip(mem_flat[0::2], mem_flat[1::2]))
@@ -215,7 +217,7 @@ class Decoder:
         """The dense schedule's decoder: emb (B, T, d), mem the memory K/V of ``RLT.memory_kv`` -> z
         (B, T, d), with full BPTT when anything requires grad.
 
-        rows (model/rows.py): each position runs only on the rows still inside their
+        rows (schedule/dense.py): each position runs only on the rows still inside their
         sequence (z is 0 past row b's ``rows.lengths[b]`` positions) and a shared prefix's
         positions once per group; the same function where it is defined, and the same gradient.
         documents (model/documents.py): packed rows, each document computed as if alone in its
@@ -253,16 +255,11 @@ class Decoder:
     def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpointed: bool,
                     compute: torch.dtype, plan_rows, documents):
         """The autograd Function over the sequence (a wrapper outside model/ may replace it)."""
-        plan = _Plan(self, model, spec, 2 * len(memory), checkpointed, compute, self.static, plan_rows, documents)
+        plan = _DenseCall(self, model, spec, 2 * len(memory), checkpointed, compute, self.static, plan_rows, documents)
         return DenseDecode.apply(plan, emb, z0, *flat_memory, *weights)
 
 
 def row_plan(rows: Optional[DenseRows], B: int, T: int, device: torch.device, static: bool) -> Optional[DensePlan]:
     """The DensePlan of ``rows`` for a run of B x T (None: every row at every position, also for
     the capture-ready form, whose shapes are fixed)."""
-    if rows is None or static:
-        return None
-    if rows.batch_size != B:
-        raise ValueError(f"dense rows describe {rows.batch_size} rows, the batch has {B}: build them from the "
-                         "batch's own rows")
-    return DensePlan(rows, T, device)
+    return None if rows is None or static else rows.plan(B, T, device)

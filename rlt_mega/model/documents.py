@@ -28,9 +28,8 @@ from typing import Optional
 
 import torch
 
-from rlt_mega.loss import DOC_STARTS
+from rlt_mega.loss import DENSE_ROWS, DOC_STARTS
 from rlt_mega.model.attention import encoder_attention
-from rlt_mega.model.rows import DENSE_ROWS
 
 
 class Documents:
@@ -101,7 +100,7 @@ class Documents:
 def forward_kwargs(batch: dict) -> dict:
     """The model's keyword arguments for a batch: ``documents`` where the batch is packed with
     resets, ``rows`` where a batch says which rows the dense decoder runs
-    (model/rows.py), nothing otherwise (so a plain batch calls any model as before)."""
+    (schedule/dense.py), nothing otherwise (so a plain batch calls any model as before)."""
     documents = Documents.of(batch)
     kwargs = {} if documents is None else {"documents": documents}
     if batch.get(DENSE_ROWS) is not None:

@@ -14,7 +14,7 @@ A step runs ``n`` of a run's ``batch`` rows (physical rows [:n], or the rows ``i
 So the schedules are layouts, not code paths:
 
 - the dense schedule: every row at position t (``Step.at``), or only the rows a batch needs
-  there (``rows``/``idx``: model/rows.py);
+  there (``rows``/``idx``: schedule/dense.py);
 - packed rows with document resets (``Step.documents``): column t, each row's RoPE position its
   document's, keys and memory of its own document only, z reset at a document's first position;
 - the rollout and replay with rows at their own positions (``Step.rows``): column and RoPE

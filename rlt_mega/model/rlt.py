@@ -25,9 +25,7 @@ the step with, is rlt_mega/reference.py.
 
 from __future__ import annotations
 
-import hashlib
-import math
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import nn
@@ -35,12 +33,15 @@ from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.model.attention import encoder_attention
+from rlt_mega.model.baselines import DenseLM, dense_param_counts
 from rlt_mega.model.cache import KVCache, MemoryKV
 from rlt_mega.model.documents import Documents
+from rlt_mega.model.init import block_param_count, initial_value
 from rlt_mega.model.dense_decode import Decoder
-from rlt_mega.model.rows import DenseRows, head_rows
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary
-from rlt_mega.model.prompt_pack import PromptPack
+
+if TYPE_CHECKING:  # the schedule's rows are passed in (a layout the model reads); model/ never imports them
+    from rlt_mega.schedule.dense import DenseRows
 
 
 def vis(t: int, C: int) -> int:
@@ -108,7 +109,7 @@ class RLT(nn.Module):
         """h: (B, n, d) at positions [start, start + n). With a cache, attends to the cached
         prefix as well (sampling / replay; no autograd through the cache). With documents
         (packed rows, the whole row: start 0, no cache; or a batch's prompt pack,
-        model/prompt_pack.py), RoPE positions and attention are the layout's own."""
+        schedule/prompt_pack.py), RoPE positions and attention are the layout's own."""
         blk = self.blocks[i]
         q, k, v = blk.attn.qkv(blk.attn_norm(h))
         if documents is not None:
@@ -163,16 +164,16 @@ class RLT(nn.Module):
                      documents: Optional[Documents] = None, rows: Optional[DenseRows] = None) -> torch.Tensor:
         """Decoder over every position of emb (B, T, d), full BPTT -> z (B, T, d): the decoder
         step (``self.decoder``, model/dense_decode.py) position by position. documents: packed
-        rows (model/documents.py); rows: the positions each row needs (model/rows.py)."""
+        rows (model/documents.py); rows: the positions each row needs (schedule/dense.py)."""
         return self.decoder.dense(self, emb, mem, z0, rows, documents)
 
     def dense_memory(self, emb: torch.Tensor, documents: Optional[Documents] = None,
                      rows: Optional[DenseRows] = None) -> torch.Tensor:
         """The dense schedule's memory m = memory_norm(encoder(emb)), (B, T, d). With rows whose
         groups share prefixes (the learner) each group's prefix is encoded once and each row's
-        own tokens after it (model/prompt_pack.py); m is then 0 past row b's rows.lengths[b]
+        own tokens after it (schedule/prompt_pack.py); m is then 0 past row b's rows.lengths[b]
         positions, which its decoder never reads."""
-        pack = PromptPack.of(rows, emb.shape[1], emb.device, documents)
+        pack = None if rows is None else rows.encoder_pack(emb.shape[1], emb.device, documents)
         if pack is None:
             return self.memory_norm(self.encode(emb, documents=documents))
         return pack.unpack(self.memory_norm(self.encode(pack.pack(emb), documents=pack)))
@@ -181,29 +182,19 @@ class RLT(nn.Module):
                 rows: Optional[DenseRows] = None) -> torch.Tensor:
         """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the
         distribution of x_{t+1}. ``documents``: the rows are packed documents, each computed
-        as if alone in its row (model/documents.py). ``rows`` (model/rows.py): row b's
+        as if alone in its row (model/documents.py). ``rows`` (schedule/dense.py): row b's
         logits are those of its completion positions [P_b - 1, rows.lengths[b]) when
         ``rows.compact`` (0 elsewhere: not computed), of [0, rows.lengths[b]) otherwise."""
         emb = self.embed(tokens)
         m = self.dense_memory(emb, documents, rows)
         z = self.decode_dense(emb, self.memory_kv(m), documents=documents, rows=rows)
-        return head_rows(self.head, z, rows)
-
-
-def block_param_count(cfg: ModelConfig) -> int:
-    """One shared block: attn_norm, q/k/v(+biases)/o, mlp_norm, gate/up/down."""
-    d, Dh = cfg.d_model, cfg.head_dim
-    q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
-    attn = d * q_out + 2 * d * kv_out + q_out * d + (q_out + 2 * kv_out if cfg.qkv_bias else 0)
-    return 2 * d + attn + 3 * d * cfg.ffn_hidden
+        return self.head(z) if rows is None else rows.head(self.head, z)
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, int]:
     """Closed-form parameter counts by group (tested against the real module), for every
     model.arch (the baselines: model/baselines.py)."""
     if cfg.arch != "rlt":
-        from rlt_mega.model.baselines import dense_param_counts
-
         return dense_param_counts(cfg)
     d, V, L, Dh = cfg.d_model, cfg.vocab_size, cfg.n_layers, cfg.head_dim
     q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
@@ -223,53 +214,9 @@ def param_counts(cfg: ModelConfig) -> dict[str, int]:
     return counts
 
 
-def parameter_seed(seed: int, name: str) -> int:
-    """The generator seed of one parameter: a hash of (seed, name), the same in every layout."""
-    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
-
-
-def initial_value(cfg: ModelConfig, name: str, shape: tuple, seed: int) -> torch.Tensor:
-    """The initial value of parameter ``name`` (its global name, as on one process), fp32 on the
-    CPU, drawn from its own generator (parameter_seed): N(0, init_std) for projections; the
-    projections that write into the residual stream (o, down, cross o, recur_proj) scaled by
-    1/sqrt(number of residual branches a token passes): 2 * 2L for an RLT (2L blocks), 2L for a
-    dense model, 2RL for a looped one (GPT-2 / Megatron convention). Embeddings N(0, embed_init_std): 1.0 when untied, so the token is not drowned
-    by the recurrence input (a departure from GPT-2's 0.02, measured in docs/stability.md). The
-    null memory and z_init are N(0, 1): they live where normalised vectors live. A tied
-    lm_head (a pipeline's last stage holds a copy) takes the embedding's value."""
-    if cfg.tie_embeddings and name == "lm_head.weight":
-        name = "embed.weight"
-    out = torch.empty(shape, dtype=torch.float32)
-    g = torch.Generator().manual_seed(parameter_seed(seed, name))
-    std = cfg.init_std
-    residual_out = ("attn.o", "mlp.down", "recur_proj")
-    if name.endswith("norm.weight"):
-        return out.fill_(1.0)
-    if name.endswith(".bias"):
-        return out.zero_()
-    if name in ("null_memory", "z_init"):
-        return out.normal_(0.0, 1.0, generator=g)
-    if name == "embed.weight":
-        return out.normal_(0.0, cfg.embed_init_std, generator=g)
-    if any(name.endswith(s + ".weight") or name == s + ".weight" for s in residual_out):
-        return out.normal_(0.0, std / math.sqrt(residual_branches(cfg)), generator=g)
-    return out.normal_(0.0, std, generator=g)
-
-
-def residual_branches(cfg: ModelConfig) -> int:
-    """Residual branches (attention + MLP per block) a token's stream passes."""
-    blocks = {"rlt": 2 * cfg.n_layers, "dense": cfg.n_layers, "looped": cfg.loops * cfg.n_layers}[cfg.arch]
-    return 2 * blocks
-
-
 def model_class(cfg: ModelConfig) -> type:
     """The module of model.arch: RLT, or model/baselines.py's DenseLM for dense and looped."""
-    if cfg.arch == "rlt":
-        return RLT
-    from rlt_mega.model.baselines import DenseLM
-
-    return DenseLM
+    return RLT if cfg.arch == "rlt" else DenseLM
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: Optional[int] = None) -> nn.Module:

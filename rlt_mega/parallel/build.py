@@ -2,7 +2,7 @@
 
 The model is created on the meta device (no memory), pruned to the rank's pipeline stage, its
 tensor-parallel layers swapped for megatron-core layers holding the rank's shard, and only
-then given storage: every parameter takes ``model.rlt.initial_value``, a function of (seed,
+then given storage: every parameter takes ``model.init.initial_value``, a function of (seed,
 parameter name) alone. So a rank holds its own shard plus, while a layer is being sharded, that
 one layer's full weight (the embedding, V x d, is the largest), instead of the whole fp32
 model (about 14 GB at rlt_48x48), and the distributed model still equals, parameter for
@@ -16,7 +16,8 @@ import torch
 from torch import nn
 
 from rlt_mega.config import ModelConfig
-from rlt_mega.model.rlt import RLT, build_model, initial_value
+from rlt_mega.model.init import initial_value
+from rlt_mega.model.rlt import RLT, build_model
 from rlt_mega.parallel.stage import prune_to_stage
 from rlt_mega.parallel.tp import apply_tensor_parallel
 

@@ -135,6 +135,27 @@ def _match(events: list[list]) -> dict[tuple, tuple]:
     return partner
 
 
+def _longest_paths(deps: dict[tuple, list], plus: dict[tuple, float]) -> dict[tuple, float]:
+    """Each node's finish time: the longest path to it (Kahn's order); nodes left out wait in a
+    cycle."""
+    users = defaultdict(list)
+    missing = {}
+    for node in plus:
+        missing[node] = len(deps[node])
+        for d in deps[node]:
+            users[d].append(node)
+    ready = deque(n for n, c in missing.items() if c == 0)
+    value: dict[tuple, float] = {}
+    while ready:
+        n = ready.popleft()
+        value[n] = max((value[d] for d in deps[n]), default=0.0) + plus[n]
+        for u in users[n]:
+            missing[u] -= 1
+            if missing[u] == 0:
+                ready.append(u)
+    return value
+
+
 def simulate_nccl(programs: Sequence[Sequence[Step]], streams: str = "channels", ahead: bool = True,
                   latency: float = 0.0, eager: bool = False) -> dict:
     """Runs the stages' programs under NCCL's rules (module docstring) -> {"makespan", "busy",
@@ -169,22 +190,7 @@ def simulate_nccl(programs: Sequence[Sequence[Step]], streams: str = "channels",
             node = ("c", r, k)
             deps[node] += ([("c", r, k - 1)] if k > 0 else []) + waits[k]
             plus[node] = programs[r][k].cost
-    # Longest paths in dependency order (Kahn); whatever is left is waiting in a cycle.
-    users = defaultdict(list)
-    missing = {}
-    for node in plus:
-        missing[node] = len(deps[node])
-        for d in deps[node]:
-            users[d].append(node)
-    ready = deque(n for n, c in missing.items() if c == 0)
-    value: dict[tuple, float] = {}
-    while ready:
-        n = ready.popleft()
-        value[n] = max((value[d] for d in deps[n]), default=0.0) + plus[n]
-        for u in users[n]:
-            missing[u] -= 1
-            if missing[u] == 0:
-                ready.append(u)
+    value = _longest_paths(deps, plus)
     if len(value) < len(plus):
         raise Deadlock(f"deadlock under NCCL's rules ({streams}): " + _where(programs, events, value))
     P = len(programs)

@@ -120,7 +120,7 @@ def resumable_on(layout: dict) -> str:
 
 def universal_checkpoint_info(cfg: ModelConfig) -> dict:
     """The ``universal_checkpoint_info`` DeepSpeed's converter needs to merge tensor-parallel
-    slices into full tensors (TP_PLAN): row-parallel weights are concatenated on dim 1,
+    slices into full tensors (TP_TABLE): row-parallel weights are concatenated on dim 1,
     replicated parameters (norms, recur_proj, null_memory, z_init, row-parallel biases) are
     checked equal on every TP rank and kept once (they get identical gradients and updates on
     every TP rank), everything else is concatenated on dim 0.

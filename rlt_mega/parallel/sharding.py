@@ -26,10 +26,10 @@ def adapt_for_rank(model: RLT, dims: ParallelDims, seed: int) -> RLT:
     replicated factor's gradient summed over the shards as megatron does for a replicated norm."""
     from rlt_mega.model.dense_decode import replicator
     from rlt_mega.model.lora import adapters, apply_lora
-    from rlt_mega.parallel.tp import SHARD_DIM, plan_kind
+    from rlt_mega.parallel.tp import SHARD_DIM, tp_kind
 
     def split(name: str):
-        kind = plan_kind(name) if dims.tp > 1 else None
+        kind = tp_kind(name) if dims.tp > 1 else None
         return None if kind is None else (SHARD_DIM[kind], dims.tp_rank, dims.tp)
 
     apply_lora(model, model.cfg.lora, seed, split, replicator(model.decoder.all_reduce))

@@ -38,7 +38,7 @@ checkpointing each position is recomputed from what the run keeps just before it
 same as on one process). Packed rows with document resets run the same step (model/layout.py):
 stage 0 restarts their z from z_init, and the restarts' gradient reaches z_init.
 
-A GRPO batch whose groups share prompts is encoded in its prompt pack (model/prompt_pack.py), as
+A GRPO batch whose groups share prompts is encoded in its prompt pack (schedule/prompt_pack.py), as
 on one process: stage 0 packs the embeddings, the encoder messages between stages are the packed
 (1, total, d) activations and their gradients, and the last stage unpacks the memory to the row
 layout (b, T, d) that every stage's cross K/V read.
@@ -52,14 +52,13 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rlt_mega.loss import LogitsLoss, Vocab
+from rlt_mega.loss import DENSE_ROWS, LogitsLoss, Vocab
 from rlt_mega.model.decoder import DecoderRun, checkpoint_slots
 from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.dense_decode import compute_dtype_of, row_plan
-from rlt_mega.model.rows import DENSE_ROWS, head_rows
-from rlt_mega.model.prompt_pack import PromptPack
 from rlt_mega.model.rlt import RLT
+from rlt_mega.schedule.prompt_pack import PromptPack
 
 
 def prune_to_stage(model: RLT, layers: range, is_first_stage: bool, is_last_stage: bool) -> RLT:
@@ -109,7 +108,7 @@ class _MicroBatch:
     e: Optional[torch.Tensor] = None  # stage 0: the embeddings (T, b, d), contiguous rows
     z0: Optional[torch.Tensor] = None  # stage 0: z_{-1} (b, d) with its graph into z_init
     docs: Optional[Documents] = None  # packed rows with document resets (model/documents.py)
-    pack: Optional[PromptPack] = None  # GRPO with shared prompts: the encoder's layout (model/prompt_pack.py)
+    pack: Optional[PromptPack] = None  # GRPO with shared prompts: the encoder's layout (schedule/prompt_pack.py)
 
 
 class RLTStage:
@@ -151,7 +150,8 @@ class RLTStage:
         T = batches[0]["inputs"].shape[1]
         self.mbs = [_MicroBatch(b["inputs"], b, docs=Documents.of(b)) for b in batches]
         for mb in self.mbs:  # the same layout on every stage: a function of the batch's rows
-            mb.pack = PromptPack.of(mb.batch.get(DENSE_ROWS), T, mb.inputs.device, mb.docs)
+            rows = mb.batch.get(DENSE_ROWS)
+            mb.pack = None if rows is None else rows.encoder_pack(T, mb.inputs.device, mb.docs)
         self.loss_scale, self.grad, self.loss = loss_scale, grad, loss
         self._start_decoder(batches[0]["inputs"].shape[0])
 
@@ -202,7 +202,7 @@ class RLTStage:
             slots = checkpoint_slots(b, T)
         if self.is_first_stage:
             mb.z0 = self.model.initial_state(b)  # (b, d), graph into z_init
-        rows = row_plan(mb.batch.get(DENSE_ROWS), b, T, mb.inputs.device, static=False)  # GRPO: rows.py
+        rows = row_plan(mb.batch.get(DENSE_ROWS), b, T, mb.inputs.device, static=False)  # GRPO: schedule/dense.py
         mb.run = DecoderRun(self.stack, b, T, [(dense.k[i], dense.v[i]) for i in self.layers],
                           grads=self.weight_grads, slots=slots, rows=rows, documents=mb.docs,
                           z0=mb.z0 if mb.docs is not None else None)
@@ -243,11 +243,12 @@ class RLTStage:
 
     def loss_fwd(self, j: int) -> torch.Tensor:
         """Head over all positions at once (one GEMM shape, as the dense model does; a GRPO batch with
-        compaction: over the positions its loss reads, model/rows.head_rows) -> the
+        compaction: over the positions its loss reads, DenseRows.head) -> the
         micro-batch's loss sum (fp32, no graph)."""
         mb = self.mbs[j]
         z = torch.cat([mb.z_cut[t] for t in range(len(mb.z_cut))], dim=1)  # (b, T, d)
-        logits = head_rows(self.model.head, z, mb.batch.get(DENSE_ROWS))  # (b, T, V / tp) fp32
+        rows = mb.batch.get(DENSE_ROWS)
+        logits = self.model.head(z) if rows is None else rows.head(self.model.head, z)  # (b, T, V / tp) fp32
         total = self.loss.logits_loss(logits, mb.batch, self.vocab)
         if self.grad:
             mb.loss = total * self.loss_scale

@@ -33,7 +33,7 @@ from rlt_mega.parallel.dims import ParallelDims
 # "row": input features split (input_is_parallel=True; output all-reduced); "vocab": embedding
 # rows split; "vocab_head": lm_head as a column-parallel layer whose local output is a vocab
 # shard (the loss is vocab_parallel_cross_entropy on it).
-TP_PLAN: dict[str, str] = {
+TP_TABLE: dict[str, str] = {
     "embed": "vocab",
     "blocks.*.attn.q": "column", "blocks.*.attn.k": "column", "blocks.*.attn.v": "column",
     "blocks.*.attn.o": "row",
@@ -50,18 +50,18 @@ TP_PLAN: dict[str, str] = {
 SHARD_DIM = {"column": 0, "vocab_head": 0, "vocab": 0, "row": 1}
 
 
-def plan_kind(name: str, plan: dict[str, str] = TP_PLAN) -> Optional[str]:
-    for pattern, kind in plan.items():
+def tp_kind(name: str, table: dict[str, str] = TP_TABLE) -> Optional[str]:
+    for pattern, kind in table.items():
         if fnmatch.fnmatchcase(name, pattern):
             return kind
     return None
 
 
-def param_shard_dim(param_name: str, plan: dict[str, str] = TP_PLAN) -> Optional[int]:
+def param_shard_dim(param_name: str, table: dict[str, str] = TP_TABLE) -> Optional[int]:
     """The dimension along which a parameter is split across TP ranks (None: replicated).
     A column layer's bias is split with its rows; a row layer's bias is replicated."""
     module, _, leaf = param_name.rpartition(".")
-    kind = plan_kind(module, plan)
+    kind = tp_kind(module, table)
     if kind is None:
         return None
     if leaf == "bias":
@@ -150,47 +150,55 @@ def _full(mod: nn.Module, name: str, leaf: str, init: Optional[InitFn]) -> torch
     return init(f"{name}.{leaf}", tuple(p.shape))
 
 
+def _shard_layer(name: str, mod: nn.Module, kind: str, dims: ParallelDims, init: Optional[InitFn],
+                 layers) -> nn.Module:
+    """The megatron-core layer of ``kind`` holding this rank's shard of ``mod``'s weights."""
+    ColumnLinear, RowLinear, VocabEmbedding = layers
+    dtype = next(mod.parameters()).dtype
+    cfg = _megatron_config(dims, dtype)
+    if kind == "vocab":
+        assert isinstance(mod, nn.Embedding), f"TP table: {name} is {type(mod).__name__}, expected nn.Embedding"
+        new = VocabEmbedding(mod.num_embeddings, mod.embedding_dim, init_method=_no_init, config=cfg,
+                             tp_group=dims.tp_group)
+        new.weight.copy_(_shard(_full(mod, name, "weight", init), 0, dims.tp_rank, dims.tp))
+    else:
+        assert isinstance(mod, nn.Linear), f"TP table: {name} is {type(mod).__name__}, expected nn.Linear"
+        bias = mod.bias is not None
+        if kind in ("column", "vocab_head"):
+            new = ColumnLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
+                               gather_output=False, tp_group=dims.tp_group)
+            new.weight.copy_(_shard(_full(mod, name, "weight", init), 0, dims.tp_rank, dims.tp))
+            if bias:
+                new.bias.copy_(_shard(_full(mod, name, "bias", init), 0, dims.tp_rank, dims.tp))
+        else:
+            new = RowLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
+                            input_is_parallel=True, skip_bias_add=False, tp_group=dims.tp_group)
+            new.weight.copy_(_shard(_full(mod, name, "weight", init), 1, dims.tp_rank, dims.tp))
+            if bias:
+                new.bias.copy_(_full(mod, name, "bias", init))
+    return new
+
+
 @torch.no_grad()
-def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, plan: dict[str, str] = TP_PLAN,
+def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, table: dict[str, str] = TP_TABLE,
                           init: Optional[InitFn] = None) -> nn.Module:
-    """Swaps the planned layers of ``model`` (in place) for megatron-core layers holding this
+    """Swaps the tabled layers of ``model`` (in place) for megatron-core layers holding this
     rank's shard of the current weights, or for layers on the meta device of ``init``'s values
     (then on the CPU). Returns the model. A no-op when tp == 1, and for layers swapped already."""
     if dims.tp == 1:
         return model
     from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 
-    ColumnLinear, RowLinear, VocabEmbedding = _make_layers()
+    layers = _make_layers()
     # An lm_head tied to embed shares one Parameter; after sharding both hold the same vocab
     # rows (both split dim 0 into contiguous blocks), and we tie the shards again below.
     tied = getattr(model, "lm_head", None) is not None and getattr(model, "embed", None) is not None \
         and model.lm_head.weight is model.embed.weight
-    targets = [(name, mod, plan_kind(name, plan)) for name, mod in model.named_modules()]
+    targets = [(name, mod, tp_kind(name, table)) for name, mod in model.named_modules()]
     for name, mod, kind in targets:
         if kind is None or getattr(mod, "is_tp_shard", False):
             continue
-        dtype = next(mod.parameters()).dtype
-        cfg = _megatron_config(dims, dtype)
-        if kind == "vocab":
-            assert isinstance(mod, nn.Embedding), f"TP plan: {name} is {type(mod).__name__}, expected nn.Embedding"
-            new = VocabEmbedding(mod.num_embeddings, mod.embedding_dim, init_method=_no_init, config=cfg,
-                                 tp_group=dims.tp_group)
-            new.weight.copy_(_shard(_full(mod, name, "weight", init), 0, dims.tp_rank, dims.tp))
-        else:
-            assert isinstance(mod, nn.Linear), f"TP plan: {name} is {type(mod).__name__}, expected nn.Linear"
-            bias = mod.bias is not None
-            if kind in ("column", "vocab_head"):
-                new = ColumnLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
-                                   gather_output=False, tp_group=dims.tp_group)
-                new.weight.copy_(_shard(_full(mod, name, "weight", init), 0, dims.tp_rank, dims.tp))
-                if bias:
-                    new.bias.copy_(_shard(_full(mod, name, "bias", init), 0, dims.tp_rank, dims.tp))
-            else:
-                new = RowLinear(mod.in_features, mod.out_features, config=cfg, init_method=_no_init, bias=bias,
-                                input_is_parallel=True, skip_bias_add=False, tp_group=dims.tp_group)
-                new.weight.copy_(_shard(_full(mod, name, "weight", init), 1, dims.tp_rank, dims.tp))
-                if bias:
-                    new.bias.copy_(_full(mod, name, "bias", init))
+        new = _shard_layer(name, mod, kind, dims, init, layers)
         new.is_tp_shard = True
         new.to(mod.weight.device if not mod.weight.is_meta else "cpu")
         # megatron marks shards only when it initialises them itself (perform_initialization);

@@ -1,4 +1,4 @@
-"""The rollout and replay schedule (model/plan.py: shared prompts, compaction, continuous
+"""The rollout and replay schedule (schedule/rows.py: shared prompts, compaction, continuous
 batching; all off is the lockstep schedule) as the program every stage of a model replica runs,
 through the sampler ring's description (``ring.row_ring_steps``). Rollout and replay both run it;
 with unchanged parameters and the recorded events their log-probs are equal bit for bit (same
@@ -26,7 +26,7 @@ last stage lp (S, capacity), the log-prob of the token at each position under th
 (or forced) it, and with a weight switch (partial rollouts) ``version`` (S, capacity), the policy
 version of that step.
 
-A weight switch (the plan's ``Switch`` before step k*, model/plan.py) calls ``load(v)``, which
+A weight switch (the plan's ``Switch`` before step k*, schedule/rows.py) calls ``load(v)``, which
 makes the stage's parameters version v in place, then prepares the decoder's products anew
 (``decoder.reload``); the K/V states, the encoder caches and z computed so far stay. Micro-batches
 run k-major on every stage (``row_ring_steps``), so every step before k* of every micro-batch ran
@@ -49,7 +49,7 @@ from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits
 from rlt_mega.rollout.ring import CTL_ROWS, RingStep, is_check, row_ring_steps
-from rlt_mega.model.plan import FromBatch, FromParked, RowPlan, StepPlan
+from rlt_mega.schedule.rows import FromBatch, FromParked, RowPlan, StepPlan
 
 
 class RowChooser(Protocol):

@@ -4,7 +4,7 @@ which messages each receives and sends (DESIGN section 5). A pure description: t
 replays the same steps for every stage, so the simulation checks what really runs (a test
 records the executor's messages and compares them with this description).
 
-Per micro-batch j, an item (k, j) is decoder step k of its plan (model/plan.py), in k-major
+Per micro-batch j, an item (k, j) is decoder step k of its plan (schedule/rows.py), in k-major
 order on every stage:
 
     in(k, j)             stage 0 (k >= 1): the tokens chosen at step k-1 and the rows' finish flags
@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Iterator, NamedTuple, Optional, Sequence
 
 from rlt_mega.parallel.nccl_sim import Msg
-from rlt_mega.model.plan import RowPlan
+from rlt_mega.schedule.rows import RowPlan
 
 CTL_ROWS = 2  # r_ctl: (CTL_ROWS, B) long; row 0: x_{t+1}, row 1: the rows' finish flags
 
@@ -64,7 +64,7 @@ def _encoder_messages(s: int, P: int, j: int, t: int) -> tuple[tuple, tuple]:
 
 
 def row_ring_steps(stage: int, num_stages: int, check_every: int, plans: Sequence[RowPlan]) -> Iterator[RingStep]:
-    """The steps of ``stage`` for micro-batches run by row plans (model/plan.py), in order.
+    """The steps of ``stage`` for micro-batches run by row plans (schedule/rows.py), in order.
     The plans are consulted lazily: ``may_run(k)`` decides which messages of step k are posted
     (before a check's flags are known), then, once the executor has taken item k's control
     message (stages < last) or chosen step k - 1's tokens (the last stage), ``begin(k)`` says

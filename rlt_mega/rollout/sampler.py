@@ -2,11 +2,11 @@
 "Exact log-probabilities").
 
 Both run one executor (``executor.RowExecutor``, the same program on one process and on every
-stage of a tensor/pipeline-parallel replica) with the same plan (model/plan.py), so that with
+stage of a tensor/pipeline-parallel replica) with the same plan (schedule/rows.py), so that with
 unchanged parameters their logits are equal bit for bit; they differ only in where the token after
 each step comes from (drawn, or read from the recorded rollout).
 
-The schedule of a batch of R prompts (model/plan.py): a prompt held by several rows (a GRPO
+The schedule of a batch of R prompts (schedule/rows.py): a prompt held by several rows (a GRPO
 group) runs once and forks into its rows at its last prompt position; a finished row leaves the
 batch at the next check; with ``slots`` below the rows a row waits for a freed slot. Every row is
 at its own position (its RoPE position, keys and vis(t)), and a memory block completes with one
@@ -27,7 +27,7 @@ plan from the recorded flags (tokens forced) and refuses a replay whose events o
 differ from the record's.
 
 Partial rollouts: a call may start under one policy version and switch to another before a fixed
-step (``generate(version=, switch=(step, version), load=)``, model/plan.py ``Switch``); each
+step (``generate(version=, switch=(step, version), load=)``, schedule/rows.py ``Switch``); each
 token's version is recorded (``Rollout.version``). A replay given the same ``load`` repeats the
 switch and equals mu bit for bit; without it the whole call runs under the current parameters.
 """
@@ -47,7 +47,7 @@ from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.executor import RowExecutor, RowResult, RowWork
 from rlt_mega.rollout.processing import Processing, draw_uniforms, make_generators, sample
 from rlt_mega.rollout.turns import Episode, EpisodeStats, forced_mask
-from rlt_mega.model.plan import RowLayout, RowPlan, RowRecord, RowSwitches, row_layout
+from rlt_mega.schedule.rows import RowLayout, RowPlan, RowRecord, RowSwitches, row_layout
 
 DEFAULT_CHECK_EVERY = 8
 
@@ -83,7 +83,7 @@ class Schedule:
     processing: Processing
     dtype: str  # "fp32" or "bf16"
     pad_id: int
-    rows: RowRecord  # the plan's record (model/plan.py): layout, the flags read at checks, the event log
+    rows: RowRecord  # the plan's record (schedule/rows.py): layout, the flags read at checks, the event log
     decoder: str = "fused"  # the decoder step that ran (the model's; "reference": rlt_mega/reference.py)
 
 
@@ -391,7 +391,7 @@ class Sampler:
     pipeline ring; each remains its own batch (own state, own schedule), so how batches are
     grouped never changes a value.
 
-    rows: the plan's options (model/plan.py: shared prompts, compaction, slots); ``LOCKSTEP``
+    rows: the plan's options (schedule/rows.py: shared prompts, compaction, slots); ``LOCKSTEP``
     is the lockstep schedule (the benchmarks' baseline arm). check_every: decoder steps between
     the host's reads of the finish flags. decoder: the decoder step (default: the model's own;
     rlt_mega/reference.py's for the benchmarks' reference arm). A replay always runs the plan its

@@ -13,7 +13,7 @@ and the row waits for a slot to re-enter where it left. When no other row could 
 (every unfinished row has just triggered) the answers are waited for at once and the rows stay.
 Those positions are *forced*, like prompt tokens: they run through the decoder and the encoder's
 memory blocks, carry no mu and no loss (``Rollout.mask`` is False there), and the plan logs them
-as ``Force`` events (model/plan.py) that the replay repeats. The environments themselves (the
+as ``Force`` events (schedule/rows.py) that the replay repeats. The environments themselves (the
 triggers, the caps on turns and observation tokens, the time limit) are rollout/env/.
 """
 

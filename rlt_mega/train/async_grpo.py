@@ -45,12 +45,12 @@ from rlt_mega.train.grpo_rounds import Round
 def queue_types() -> tuple:
     """The plain records a queue's state holds (the queued samples, their rollouts and recorded
     schedules: typed events, no callables): the allow-list of job_rank*.pt's weights-only load."""
-    from rlt_mega.model import plan
+    from rlt_mega.schedule import rows
     from rlt_mega.rollout.processing import Processing
     from rlt_mega.rollout.sampler import Rollout, Schedule
     from rlt_mega.rollout.turns import EpisodeStats
 
-    return (*plan.EVENTS.values(), plan.FromBatch, plan.FromParked, plan.Fresh, plan.RowRecord, plan.RowLayout,
+    return (*rows.EVENTS.values(), rows.FromBatch, rows.FromParked, rows.Fresh, rows.RowRecord, rows.RowLayout,
             Processing, Rollout, Schedule, EpisodeStats, Generated, Round)
 
 

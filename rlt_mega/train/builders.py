@@ -16,7 +16,7 @@ from rlt_mega.checkpoint_tools.training import is_training_checkpoint, load_trai
 from rlt_mega.config import Config, ConfigError, ModelConfig
 from rlt_mega.data.tokenizer import Tokenizer, check_same_tokenizer
 from rlt_mega.log import get_logger
-from rlt_mega.model import RLT, build_model
+from rlt_mega.model.rlt import RLT, build_model
 from rlt_mega.parallel.build import build_stage
 from rlt_mega.parallel.dims import ParallelDims, resolve_device
 from rlt_mega.parallel.engine import Engine, EngineConfig, LocalEngine

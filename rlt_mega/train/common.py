@@ -9,7 +9,7 @@ from typing import Callable, Optional, Sequence
 from rlt_mega.config import Config
 from rlt_mega.data.pairs import prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer
-from rlt_mega.model import RLT
+from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout import Processing, Sampler, SamplingParams
 from rlt_mega.rollout.env import Environments
 from rlt_mega.rollout.rewards import gsm8k_reward, score

@@ -66,7 +66,7 @@ from rlt_mega.parallel.roles import RoleChannel
 from rlt_mega.parallel.engine import Engine, EngineConfig
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
-from rlt_mega.model.plan import RowSwitches
+from rlt_mega.schedule.rows import RowSwitches
 from rlt_mega.rollout.env import EnvLimits, Environments, resolve_env
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties

@@ -26,8 +26,9 @@ from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
-from rlt_mega.model.rows import DENSE_ROWS, DensePlan
-from rlt_mega.model.prompt_pack import PromptPack
+from rlt_mega.loss import DENSE_ROWS
+from rlt_mega.schedule.dense import DensePlan
+from rlt_mega.schedule.prompt_pack import PromptPack
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import param_groups
@@ -37,7 +38,7 @@ from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generat
 from rlt_mega.rollout.env import EnvLimits, Environment, Environments, Turn
 from rlt_mega.rollout.rewards import score
 from rlt_mega.model.decoder import StepRunner
-from rlt_mega.model.plan import LOCKSTEP, Leave, RowSwitches
+from rlt_mega.schedule.rows import LOCKSTEP, Leave, RowSwitches
 from rlt_mega.train.common import max_new_tokens_for, sampling_params
 from rlt_mega.train.grpo import (batches_per_minibatch, build_trainer, engine_config, environments, grpo_config,
                                  loss_settings, request_seeds)
@@ -101,7 +102,7 @@ def _loader(model, versions: dict):
 def replay_exact(parallel: dict, dtype: str = "fp32", model: dict | None = None, rows: dict | None = None,
                  env: bool = False, switch: bool = False) -> dict:
     """Two ragged batches in flight (temperature 0.7, top-p 0.9, a stop token); bf16 as DeepSpeed
-    runs it (bf16 parameters). rows: the plan's options (model/plan.py), with grouped prompts;
+    runs it (bf16 parameters). rows: the plan's options (schedule/rows.py), with grouped prompts;
     None: the lockstep plan on ragged prompts. ``steps``: the model's decoder step's calls during
     the rollout and the replays (the step that ran, not only its values). env: an environment's
     observations inserted (a check every step, rollout/turns.py). switch: partial rollouts, the

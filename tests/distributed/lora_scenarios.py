@@ -173,7 +173,7 @@ def lora_replay_exact(parallel: dict, dtype: str = "fp32") -> dict:
     from rlt_mega.model.rlt import build_model
     from rlt_mega.parallel.sharding import adapt_for_rank, shard_for_rank
     from rlt_mega.rollout import Comms, Processing, Sampler, SamplingParams, generate
-    from rlt_mega.model.plan import LOCKSTEP
+    from rlt_mega.schedule.rows import LOCKSTEP
     from tests.distributed.grpo_scenarios import MODEL, RAGGED
 
     cfg = from_dict({"model": {**MODEL, "lora": {"rank": 4, "alpha": 8.0}}, "data": {"seq_len": 32},

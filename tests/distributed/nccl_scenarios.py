@@ -36,7 +36,7 @@ def ring_messages(parallel: dict, model: dict | None = None, check_every: int = 
     sampler ring, with the stage's P2P log on and the rollouts' records for the pure description;
     plan "lockstep" (ragged prompts) or "rows" (grouped prompts, shared and forked, slots < rows);
     with ``train``, then one training round on the training ring."""
-    from rlt_mega.model.plan import LOCKSTEP, RowSwitches, record_to_json
+    from rlt_mega.schedule.rows import LOCKSTEP, RowSwitches, record_to_json
     from tests.distributed.grpo_scenarios import GROUPED
 
     cfg = from_dict({"model": {**MODEL, **(model or {})}, "data": {"seq_len": 32}, "parallel": parallel})

@@ -7,7 +7,7 @@ from __future__ import annotations
 from rlt_mega.parallel.nccl_sim import posting_order, simulate_nccl
 from rlt_mega.parallel.pipeline import ring_programs as training_programs
 from rlt_mega.rollout.ring import row_ring_programs
-from rlt_mega.model.plan import Check, Enter, Fork, RowPlan, record_from_json
+from rlt_mega.schedule.rows import Check, Enter, Fork, RowPlan, record_from_json
 
 
 def _expected(programs, stage: int, ahead: bool) -> list:

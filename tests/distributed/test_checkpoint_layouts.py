@@ -25,7 +25,7 @@ from rlt_mega.checkpoint_tools.commands import export_path
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError
 from rlt_mega.checkpoint_tools.inspect_ckpt import format_report, inspect_path
 from rlt_mega.config import load_config
-from rlt_mega.model import RLT, build_model
+from rlt_mega.model.rlt import RLT, build_model
 from rlt_mega.parallel.reshard import to_universal
 from tests.distributed.checkpoint_scenarios import probe_tokens
 from tests.distributed.launch import result, run_ranks

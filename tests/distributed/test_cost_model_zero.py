@@ -1,5 +1,5 @@
 """The cost model's ZeRO memory against DeepSpeed itself on two gloo ranks (mp.spawn of
-rlt_mega.plan.measure.zero_probe; tests/unit/test_costmodel.py: the rest of the cost model)."""
+rlt_mega.cost.measure.zero_probe; tests/unit/test_costmodel.py: the rest of the cost model)."""
 
 import os
 
@@ -7,10 +7,10 @@ import pytest
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.parallel.dims import free_port
-from rlt_mega.plan.layout import Layout, ZeroBuckets
-from rlt_mega.plan.measure import zero_probe
-from rlt_mega.plan.memory import estimate_memory
-from rlt_mega.plan.params import rank_tensor_numels
+from rlt_mega.cost.layout import Layout, ZeroBuckets
+from rlt_mega.cost.measure import zero_probe
+from rlt_mega.cost.memory import estimate_memory
+from rlt_mega.cost.params import rank_tensor_numels
 
 CPU = dict(fused_rms_norm=False, foreach_optimizer=False)  # as tests/unit/test_costmodel.py
 

@@ -51,7 +51,7 @@ def test_export_training_checkpoint_logits_equal(trained, tmp_path):
     assert manifest["source"]["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
     assert manifest["tokenizer"] == "byte" and manifest["tied"] == {"lm_head.weight": "embed.weight"}
     trained_model = _model_from_checkpoint(tmp, step_dir)
-    from rlt_mega.model import RLT
+    from rlt_mega.model.rlt import RLT
     loaded = RLT(cfg)
     loaded.load_state_dict(sd)
     tokens = torch.randint(0, 260, (2, 12), generator=torch.Generator().manual_seed(0))

@@ -81,8 +81,8 @@ def test_chat_turns_laid_out_by_the_chat_template_token_in_token_out(tmp_path, c
     from rlt_mega.checkpoint_tools.export import export_model
     from rlt_mega.config import ModelConfig
     from rlt_mega.data.tokenizer import load_tokenizer
-    from rlt_mega.model import build_model
-    from rlt_mega.model.plan import Force
+    from rlt_mega.model.rlt import build_model
+    from rlt_mega.schedule.rows import Force
     from rlt_mega.rollout import Sampler
     from rlt_mega.train import grpo as grpo_module
 

@@ -17,7 +17,7 @@ from rlt_mega import cli
 from rlt_mega.checkpoint_tools import export_state_dict, load_exported
 from rlt_mega.data.pairs import prompt_ids
 from rlt_mega.data.tokenizer import byte_level
-from rlt_mega.model import RLT
+from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout import Processing, Sampler, SamplingParams
 
 pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ import torch
 from rlt_mega import cli
 from rlt_mega.checkpoint_tools import export_model
 from rlt_mega.config import load_config
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 
 TINY = ["model.vocab_size=260", "model.d_model=32", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
         "model.ffn_hidden=64", "model.memory_block=2", "model.max_seq_len=16", "data.seq_len=12",

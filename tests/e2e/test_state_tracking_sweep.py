@@ -4,7 +4,7 @@ evaluated at two lengths, through the trainer in subprocesses (tiny models, a fe
 import csv
 from pathlib import Path
 
-from rlt_mega.plan.sweep import load_sweep, main
+from rlt_mega.cost.sweep import load_sweep, main
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from rlt_mega.plan.sweep import load_sweep, main, run_dir, tokens_per_step, flops_per_token
+from rlt_mega.cost.sweep import load_sweep, main, run_dir, tokens_per_step, flops_per_token
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")

@@ -12,7 +12,7 @@ import torch
 
 from rlt_mega.config import ConfigError
 from rlt_mega.data.tokenizer import load_tokenizer
-from rlt_mega.model.plan import RowSwitches
+from rlt_mega.schedule.rows import RowSwitches
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.rollout import Comms, Sampler
 from rlt_mega.train.grpo import build_trainer, grpo_config

@@ -13,11 +13,11 @@ from torch.utils.flop_counter import FlopCounterMode
 from rlt_mega.checkpoint_tools import import_hf, load_exported
 from rlt_mega.checkpoint_tools.export import export_model, init_from, read_config
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, ParallelConfig
-from rlt_mega.model import build_model, param_counts
+from rlt_mega.model.rlt import build_model, param_counts
 from rlt_mega.model.baselines import DenseLM, require_rlt
 from rlt_mega.parallel.dims import resolve_layout
-from rlt_mega.plan.flops import flop_rows, summarize
-from rlt_mega.plan.params import rank_param_counts, rank_tensor_numels
+from rlt_mega.cost.flops import flop_rows, summarize
+from rlt_mega.cost.params import rank_param_counts, rank_tensor_numels
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from rlt_mega.config import ModelConfig
-from rlt_mega.model import build_model
-from rlt_mega.model import rlt as rlt_module
+from rlt_mega.model.rlt import build_model
+from rlt_mega.model import init as rlt_module
 from rlt_mega.parallel import build
 from rlt_mega.parallel.dims import split_layers
 

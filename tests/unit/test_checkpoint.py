@@ -193,7 +193,7 @@ def test_resave_interrupted_between_the_renames_restores_the_old_copy(tmp_path, 
 # ------------------------------------------------------------------------ loading errors
 def test_check_weights_names_shape_mismatches_in_one_line(tmp_path):
     from rlt_mega.config import ModelConfig
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
 
     small = ModelConfig(d_model=16, n_heads=2, n_layers=2, ffn_hidden=32, vocab_size=50)
     save_model(build_model(small, seed=0), str(tmp_path / "model.safetensors"))

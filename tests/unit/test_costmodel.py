@@ -18,15 +18,15 @@ from rlt_mega.model.decoder import DecoderRun, checkpoint_slots
 from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.workspace import WORKSPACE
 from rlt_mega.model.rlt import build_model
-from rlt_mega.plan.fused_memory import fused_weight_bytes, run_buffer_bytes, run_scratch_bytes
-from rlt_mega.plan.comm import bubble_fraction, comm_per_step, ring_ticks
-from rlt_mega.plan.costmodel import estimate, format_report
-from rlt_mega.plan.flops import flop_rows, sdpa_rows, summarize
-from rlt_mega.plan.layout import Layout
+from rlt_mega.cost.fused_memory import fused_weight_bytes, run_buffer_bytes, run_scratch_bytes
+from rlt_mega.cost.comm import bubble_fraction, comm_per_step, ring_ticks
+from rlt_mega.cost.costmodel import estimate, format_report
+from rlt_mega.cost.flops import flop_rows, sdpa_rows, summarize
+from rlt_mega.cost.layout import Layout
 from rlt_mega.parallel.dims import free_port
-from rlt_mega.plan.measure import count_flops, peak_step_memory
-from rlt_mega.plan.memory import estimate_memory
-from rlt_mega.plan.params import rank_param_counts, rank_tensor_numels, stage_layers
+from rlt_mega.cost.measure import count_flops, peak_step_memory
+from rlt_mega.cost.memory import estimate_memory
+from rlt_mega.cost.params import rank_param_counts, rank_tensor_numels, stage_layers
 
 CONFIGS = {
     "tiny": dict(vocab_size=260, d_model=64, n_layers=2, n_heads=4, max_seq_len=64),
@@ -291,7 +291,7 @@ def test_peak_forward_backward_memory_bf16(mode, enc):
     assert predicted == pytest.approx(measured, rel=0.15), rep.phases
 
 
-# The fused decoder (the default): its slab, weight copies and accumulators (plan/fused_memory.py).
+# The fused decoder (the default): its slab, weight copies and accumulators (cost/fused_memory.py).
 FUSED_CASES = [("tiny", "none", False, 8, 16), ("gqa_bias", "step", False, 8, 16),
                ("tied_unshared", "every_k", True, 8, 16),
                ("small", "step", False, 16, 48)]  # T > W = 32: the checkpointed slots shrink

@@ -1,4 +1,4 @@
-"""The GRPO learner's dense schedule following the data (model/rows.py): compaction (each
+"""The GRPO learner's dense schedule following the data (schedule/dense.py): compaction (each
 position on the rows still inside their sequence) and shared prompts (a group's prompt run once,
 then forked), against the plain padded dense schedule: the logits the loss reads and every
 parameter's gradient in float64 (1e-12) and fp32 (1e-5 relative, norm-wise); C in {1, 3}, G in
@@ -17,9 +17,10 @@ from rlt_mega.config import CheckpointingConfig, ConfigError, load_config
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, dense_rows
 from rlt_mega.learner.objective import GRPOPart, grpo_batch
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.model.dense_decode import Decoder
-from rlt_mega.model.rows import DENSE_ROWS, DenseRows, DensePlan
+from rlt_mega.loss import DENSE_ROWS
+from rlt_mega.schedule.dense import DenseRows, DensePlan
 from rlt_mega.rollout import Processing, SamplingParams, generate
 from rlt_mega.train.grpo import grpo_config
 from tests.unit.test_fused_decoder import V, cfg_of, rel
@@ -120,7 +121,7 @@ def test_the_plan_runs_only_the_row_steps_the_data_needs():
 
 
 def test_the_dense_plan_is_the_row_schedule_run_over_the_batch():
-    """DensePlan's rows come from the sampler's RowPlan (model/plan.py); against the rule written
+    """DensePlan's rows come from the sampler's RowPlan (schedule/rows.py); against the rule written
     directly: row b runs [0, L_b), a shared group's other rows only [p, L_b), the representative
     (longest) row runs the prefix; rows of length 0 never run; forks at p."""
     rng = random.Random(0)
@@ -174,7 +175,7 @@ def test_the_capture_ready_form_runs_every_row():
 def test_the_prompt_pack_encodes_each_prompt_once_and_equals_the_padded_encoder(kv_heads):
     """MQA and MHA (the other tests run GQA); a row whose completion is one token (no own
     positions), one with none (L = 0: not packed); float64 against every row encoded whole."""
-    from rlt_mega.model.prompt_pack import PromptPack
+    from rlt_mega.schedule.prompt_pack import PromptPack
 
     x, lengths, plens, groups = grouped_batch([3, 5, 4], 3, seed=7)
     lengths[1], lengths[4] = plens[1], 0

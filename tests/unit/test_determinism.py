@@ -13,7 +13,7 @@ import torch.distributed as dist
 from rlt_mega import determinism
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, OptimConfig, ParallelConfig, TrainConfig
 from rlt_mega.learner.logprob import dense_logprobs
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims, init_distributed, local_rank, rank_device, resolve_layout
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
 from rlt_mega.parallel.grads import split_fp32

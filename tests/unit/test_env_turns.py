@@ -17,8 +17,8 @@ import torch
 from rlt_mega.config import ModelConfig
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.logprob import dense_logprobs
-from rlt_mega.model import build_model
-from rlt_mega.model.plan import Enter, Force, Leave, RowSwitches, record_from_json, record_to_json
+from rlt_mega.model.rlt import build_model
+from rlt_mega.schedule.rows import Enter, Force, Leave, RowSwitches, record_from_json, record_to_json
 from rlt_mega.rollout import Processing, Sampler, SamplingParams, generate, process_logits, replay
 from rlt_mega.rollout.env import Chat, EnvLimits, Environment, Environments, Turn
 

@@ -16,7 +16,7 @@ from rlt_mega.checkpoint_tools import (
 from rlt_mega.checkpoint_tools import commands
 from rlt_mega.checkpoint_tools.inspect_ckpt import inspect_path
 from rlt_mega.config import ConfigError, ModelConfig, TrainConfig
-from rlt_mega.model import RLT, build_model, param_counts
+from rlt_mega.model.rlt import RLT, build_model, param_counts
 
 
 def tiny(**kw) -> ModelConfig:

@@ -11,7 +11,8 @@ import torch
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, load_config
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_inputs, dense_logprobs, dense_logprobs_from_logits
-from rlt_mega.model import build_model, decoder as fused_run, kernels as fused
+from rlt_mega.model import decoder as fused_run, kernels as fused
+from rlt_mega.model.rlt import build_model
 from rlt_mega.model.dense_decode import Decoder
 from rlt_mega.parallel.cuda_graphs import GraphedDecoder, install_cuda_graphs
 from rlt_mega.reference import ReferenceDecoder, reference_forward

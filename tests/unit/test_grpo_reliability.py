@@ -13,7 +13,7 @@ pytest.importorskip("rlt_mega.learner.grpo", reason="needs GRPO (branch rollout)
 from rlt_mega.config import ModelConfig  # noqa: E402
 from rlt_mega.learner.grpo import group_advantages, grpo_loss  # noqa: E402
 from rlt_mega.learner.logprob import dense_logprobs  # noqa: E402
-from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.model.rlt import build_model  # noqa: E402
 from rlt_mega.rollout import SamplingParams, generate  # noqa: E402
 from rlt_mega.rollout.rewards import score  # noqa: E402
 

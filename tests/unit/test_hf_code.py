@@ -10,7 +10,7 @@ import transformers
 
 from rlt_mega.checkpoint_tools import export_state_dict
 from rlt_mega.config import ModelConfig
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.reference import reference_forward
 
 

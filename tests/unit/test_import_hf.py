@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from rlt_mega.checkpoint_tools import CheckpointFormatError, convert_hf, import_hf, load_exported
-from rlt_mega.model import RLT
+from rlt_mega.model.rlt import RLT
 
 transformers = pytest.importorskip("transformers")
 

@@ -22,7 +22,7 @@ from rlt_mega.config import ConfigError, load_config
 from rlt_mega.parallel.dims import micro_batch_plan, resolve_layout, split_layers
 from rlt_mega.parallel.engine import EngineConfig
 from rlt_mega.parallel.launch import launch
-from rlt_mega.plan.cli import main as plan_main
+from rlt_mega.cost.cli import main as plan_main
 
 CONFIG = "configs/tiny_cpu.yaml"
 MODEL = ["model.d_model=32", "model.n_heads=4", "model.n_kv_heads=2", "model.ffn_hidden=64", "data.seq_len=8",

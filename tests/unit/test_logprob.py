@@ -11,7 +11,7 @@ import torch
 from rlt_mega.config import ModelConfig
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs, mismatch_metrics, replay_logprobs
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.rollout import Processing, SamplingParams, generate
 
 PROMPTS = [[1, 2, 3], [6, 7, 8, 9, 10], [3, 5, 7, 9, 11, 13], [4, 4]]

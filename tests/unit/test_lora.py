@@ -11,7 +11,7 @@ import torch
 from torch.nn.utils import parametrize
 
 from rlt_mega.config import ConfigError, LoraConfig, ModelConfig, from_dict
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.model.lora import (adapter_param_count, adapter_state, adapters, apply_lora, load_adapter_state,
                                  merged_state)
 from rlt_mega.reference import reference_forward
@@ -176,9 +176,9 @@ def test_planner_counts_adapters_and_their_optimizer_memory():
     """The planner's adapters: the module count at tp = pp = 1 and summed over a pipeline's
     stages; Adam's moments and the master copy are the adapters' only."""
     from rlt_mega.config import load_config
-    from rlt_mega.plan.costmodel import estimate
-    from rlt_mega.plan.layout import Layout
-    from rlt_mega.plan.params import rank_adapter_numels
+    from rlt_mega.cost.costmodel import estimate
+    from rlt_mega.cost.layout import Layout
+    from rlt_mega.cost.params import rank_adapter_numels
 
     for cfg in (cfg_of(), cfg_of(share_weights=False, lora=LoraConfig(rank=3, targets=["k", "up", "cross_o"]))):
         assert sum(rank_adapter_numels(cfg)) == adapter_param_count(cfg)

@@ -7,7 +7,7 @@ import torch
 from reference import reference_logits
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
-from rlt_mega.model import build_model, param_counts, vis
+from rlt_mega.model.rlt import build_model, param_counts, vis
 from rlt_mega.model.cache import KVCache
 
 

@@ -12,7 +12,7 @@ from rlt_mega.parallel.nccl_sim import Deadlock, Mismatch, Msg, Step, check_pair
 from rlt_mega.parallel.p2p import pipeline_channels
 from rlt_mega.parallel.pipeline import ring_programs, simulate
 from rlt_mega.rollout.ring import row_ring_programs
-from rlt_mega.model.plan import Enter, RowPlan, planned_record, row_layout
+from rlt_mega.schedule.rows import Enter, RowPlan, planned_record, row_layout
 
 PS, MS = [2, 3, 4], [1, 2, 3, 4, 8]
 

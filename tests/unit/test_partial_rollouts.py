@@ -1,4 +1,4 @@
-"""Partial rollouts at the sampler (rollout/sampler.py, model/plan.py ``Switch``): a call that
+"""Partial rollouts at the sampler (rollout/sampler.py, schedule/rows.py ``Switch``): a call that
 starts under policy version A and switches to version B before step k* (a memory-block
 boundary). Every token's mu comes from the version that drew it: tokens drawn before k* equal a
 replay under A alone, and the replay that repeats the switch (A, then B at k*) equals mu on every
@@ -14,7 +14,7 @@ import json
 import pytest
 import torch
 
-from rlt_mega.model.plan import RowSwitches, Switch, record_from_json, record_to_json, row_layout
+from rlt_mega.schedule.rows import RowSwitches, Switch, record_from_json, record_to_json, row_layout
 from rlt_mega.reference import ReferenceDecoder
 from rlt_mega.rollout import Sampler
 from tests.unit.test_row_schedule import PROMPTS, SEEDS, params, tiny

@@ -59,7 +59,7 @@ def test_eval_cli_reports_sampled_figures(tmp_path, capsys):
     from rlt_mega.checkpoint_tools.export import export_model
     from rlt_mega.cli import main
     from rlt_mega.config import ModelConfig
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
 
     data = tmp_path / "test.jsonl"
     data.write_text("".join(json.dumps({"question": f"q{i}", "answer": f"#### {i}"}) + "\n" for i in range(3)))

@@ -11,11 +11,11 @@ import pytest
 from rlt_mega.cli import main as rlt_main
 from rlt_mega.config import load_config
 from rlt_mega.model.rlt import param_counts
-from rlt_mega.plan.cli import main as plan_main
-from rlt_mega.plan.costmodel import estimate
-from rlt_mega.plan.layout import Layout
+from rlt_mega.cost.cli import main as plan_main
+from rlt_mega.cost.costmodel import estimate
+from rlt_mega.cost.layout import Layout
 from rlt_mega.config import ConfigError
-from rlt_mega.plan.planner import Hardware, evaluate, explain, format_rows_curve, plan_layouts, rows_curve, step_time
+from rlt_mega.cost.planner import Hardware, evaluate, explain, format_rows_curve, plan_layouts, rows_curve, step_time
 
 ROOT = Path(__file__).resolve().parents[2]
 RLT_48 = ROOT / "configs" / "rlt_48x48.yaml"
@@ -69,7 +69,7 @@ def test_step_time_follows_the_hardware(rlt48):
 def test_plan_command_costs_a_config():
     out = io.StringIO()
     args = ["--config", str(ROOT / "configs" / "tiny_cpu.yaml"), "--json", "train.micro_batch_size=4"]
-    from rlt_mega.plan.cli import add_arguments, run_plan
+    from rlt_mega.cost.cli import add_arguments, run_plan
     import argparse
 
     assert run_plan(add_arguments(argparse.ArgumentParser()).parse_args(args), out=out) == 0

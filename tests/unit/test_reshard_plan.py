@@ -9,7 +9,7 @@ import pytest
 
 from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.config import ModelConfig
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.reshard import (REPLICATED, SAME, UNIVERSAL, resumable_on, resume_plan,
                                        universal_checkpoint_info)
 

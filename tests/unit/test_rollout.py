@@ -8,7 +8,7 @@ import torch
 
 from rlt_mega.config import ModelConfig
 from rlt_mega.learner.logprob import dense_logprobs
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.rollout import (Processing, SamplingParams, draw_uniforms, generate, make_generators, process_logits,
                               replay, sample)
 

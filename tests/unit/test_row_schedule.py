@@ -1,4 +1,4 @@
-"""The row schedule (model/plan.py): shared prompts forked into their rows, compaction and
+"""The row schedule (schedule/rows.py): shared prompts forked into their rows, compaction and
 continuous batching. Its replay repeats every recorded event and is torch.equal to mu (fp32 and
 bf16, C in {1, 3}, ragged prompts, G in {1, 4}, stop tokens at different steps, slots < rows, the
 model's decoder step and the reference's); mu is still the real sampling distribution; every
@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from rlt_mega.config import ConfigError, ModelConfig, SamplingConfig, load_config
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.reference import ReferenceDecoder
 from rlt_mega.rollout import Processing, Rollout, Sampler, SamplingParams, Schedule, generate, process_logits, replay
-from rlt_mega.model.plan import (LOCKSTEP, Encode, Enter, Fork, Leave, RowPlan, RowSwitches, planned_record,
+from rlt_mega.schedule.rows import (LOCKSTEP, Encode, Enter, Fork, Leave, RowPlan, RowSwitches, planned_record,
                                  record_from_json, record_to_json, row_layout)
 from tests.unit.test_rollout import chi_square_pvalue
 from tests.unit.test_sampler_checks import HostReads

@@ -7,13 +7,13 @@ replay stays torch.equal to mu."""
 import pytest
 import torch
 
-from rlt_mega.model.plan import LOCKSTEP, RowSwitches
+from rlt_mega.schedule.rows import LOCKSTEP, RowSwitches
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlt_mega.config import ModelConfig
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.rollout import Processing, Sampler, SamplingParams, generate, replay
-from rlt_mega.model.plan import LOCKSTEP, RowSwitches
+from rlt_mega.schedule.rows import LOCKSTEP, RowSwitches
 
 PROMPTS = [[1, 2, 3], [6, 7, 8, 9, 10], [3, 5, 7, 9, 11, 13], [4, 4]]
 aten = torch.ops.aten

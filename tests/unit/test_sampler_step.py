@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from rlt_mega.config import ModelConfig
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.model.decoder import StepRunner
 from rlt_mega.reference import ReferenceDecoder
 from rlt_mega.rollout import Processing, SamplingParams, generate, replay
-from rlt_mega.model.plan import LOCKSTEP, RowSwitches
+from rlt_mega.schedule.rows import LOCKSTEP, RowSwitches
 
 V = 64
 PROMPTS = [[1, 2, 3], [6, 7, 8, 9, 10], [8, 9, 10, 11, 12, 13, 14, 15], [3, 5, 7, 9, 11, 13], [1, 2, 3]]

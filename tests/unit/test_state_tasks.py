@@ -10,7 +10,7 @@ from rlt_mega.config import STATE_TASKS, ConfigError, StateTaskConfig, load_conf
 from rlt_mega.data.state_tasks import (PERMUTATIONS, SEQUENCE_ACCURACY, TOKEN_ACCURACY, LengthEval, StateTaskBatches,
                                        generate, num_symbols)
 from rlt_mega.loss import IGNORE, WHOLE_VOCAB
-from rlt_mega.plan.sweep_stats import accuracy_table
+from rlt_mega.cost.sweep_stats import accuracy_table
 
 TASK = StateTaskConfig(modulus=7, p_write=0.2, p_read=0.3, num_eval=10, eval_batch=4)
 

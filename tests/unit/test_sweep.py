@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlt_mega.config import ConfigError
-from rlt_mega.plan.sweep import command, expand, flops_per_token, plot, run_dir, run_sweep, write_csv
+from rlt_mega.cost.sweep import command, expand, flops_per_token, plot, run_dir, run_sweep, write_csv
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny_cpu.yaml")
@@ -82,7 +82,7 @@ def test_collect_writes_csv_and_plot(tmp_path):
 
 
 def test_trailing_mean():
-    from rlt_mega.plan.sweep import trailing_mean
+    from rlt_mega.cost.sweep import trailing_mean
 
     assert trailing_mean([4.0, 2.0, 0.0, 2.0], 2) == [4.0, 3.0, 1.0, 1.0]
     assert trailing_mean([1.0, 2.0], 1) == [1.0, 2.0]
@@ -108,7 +108,7 @@ def _families(tmp_path, **extra):
 
 
 def test_seeds_and_budgets_expand_into_iso_compute_runs(tmp_path):
-    from rlt_mega.plan.sweep import steps_for_budget, tokens_per_step
+    from rlt_mega.cost.sweep import steps_for_budget, tokens_per_step
 
     sweep = _families(tmp_path, seeds=[0, 1], budgets=["1.0e10", 2.0e10])  # YAML reads 1.0e10 as a string
     assert len(sweep.runs) == 8
@@ -139,7 +139,7 @@ def test_two_families_two_seeds_give_means_spreads_fits_and_one_plot(tmp_path):
     exponents, the report prints them, the plot has the families in one figure."""
     import matplotlib.image
 
-    from rlt_mega.plan.sweep import report
+    from rlt_mega.cost.sweep import report
 
     sweep = _families(tmp_path, seeds=[0, 1], budgets=[1.0e10, 4.0e10])
     alpha = {"dense": 0.10, "looped": 0.20}
@@ -174,7 +174,7 @@ def test_two_families_two_seeds_give_means_spreads_fits_and_one_plot(tmp_path):
 
 
 def test_power_law_fit_edge_cases():
-    from rlt_mega.plan.sweep import power_law_fit
+    from rlt_mega.cost.sweep import power_law_fit
 
     exact = power_law_fit([1e9, 1e10, 1e11], [4.0, 2.0, 1.0])
     assert exact["alpha"] == pytest.approx(0.30103, rel=1e-4) and exact["r2"] == pytest.approx(1.0)

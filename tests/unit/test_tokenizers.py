@@ -16,7 +16,7 @@ from rlt_mega.data.chat import CHATML
 from rlt_mega.data.pairs import pair_ids, prompt_ids
 from rlt_mega.data.tokenizer import TokenizerError, byte_level, check_same_tokenizer, load_tokenizer
 from rlt_mega.data.tokenizer_train import save, train_bpe
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 
 
 def test_bpe_round_trips_any_text_and_rejects_tiny_vocabularies(tmp_path):

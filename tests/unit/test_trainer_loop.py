@@ -173,7 +173,7 @@ def test_the_single_process_layout_has_no_process_group_and_identity_collectives
 
 
 def test_both_engines_implement_the_engine_protocol():
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
     from rlt_mega.parallel.distributed import DistributedEngine
 
     cfg = load_config(None, ["model.d_model=32", "model.n_heads=2", "model.n_layers=1"])

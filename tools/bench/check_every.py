@@ -1,6 +1,6 @@
 """What ``sampling.check_every`` costs the row schedule (issue 12): the decoder row-steps that
 rows run past their end before a check reads their flag, against the host reads it saves.
-Host-side only (model/plan.py's plan, no model): seconds.
+Host-side only (schedule/rows.py's plan, no model): seconds.
 
 The calls are tools/bench/rollout_rows.py's (8 GSM8K train questions x G = 8, completion
 lengths as varied as real solutions): row b ends after its budget n_b, i.e. after the step at
@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 from rollout_rows import gsm8k_call  # noqa: E402
 
-from rlt_mega.model.plan import RowPlan, row_layout  # noqa: E402
+from rlt_mega.schedule.rows import RowPlan, row_layout  # noqa: E402
 
 
 def plan_call(prompts: list, budgets: list[int], memory_block: int, slots, check_every: int) -> tuple[int, int, int]:

@@ -32,7 +32,7 @@ import rlt_mega.parallel.cuda_graphs as cuda_graphs
 from rlt_mega.model.dense_decode import Decoder
 from harness import Results, add_common_args, add_json_arg, best_of_rounds, describe, setup
 from rlt_mega.config import load_config
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 
 
 def separate_buffers(self, owner, pooled=True):

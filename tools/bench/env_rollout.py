@@ -30,7 +30,7 @@ import harness  # noqa: E402
 from rollout_rows import gsm8k_call  # noqa: E402
 
 from rlt_mega.config import ModelConfig  # noqa: E402
-from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.model.rlt import build_model  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams  # noqa: E402
 from rlt_mega.rollout.env.base import Calls, Pending, Turn  # noqa: E402
 from rlt_mega.rollout.env.calculator import evaluate, format_value  # noqa: E402

@@ -12,11 +12,11 @@ the clipped surrogate on random advantages (a random model's rewards are all 0: 
 the same), AdamW. Variants, each from the same initial weights, timed in interleaved rounds
 (best of --repeats per phase, one thread, process CPU time by default, tools/bench/harness.py):
 
-- off: the baseline arm: the lockstep plan for the rollout (model/plan.py LOCKSTEP), the first
+- off: the baseline arm: the lockstep plan for the rollout (schedule/rows.py LOCKSTEP), the first
   minibatch replayed (grpo.skip_onpolicy_replay false) and the learner's padded dense schedule
   (dense_logprobs with compaction and sharing off);
 - on: what the trainer runs: shared prompts and compaction in the rollout, the replay and the
-  learner's dense schedule (model/rows.py), the first minibatch's replay skipped (its value is mu);
+  learner's dense schedule (schedule/dense.py), the first minibatch's replay skipped (its value is mu);
 - slots: on, with sampling.slots = rows / 4 (continuous batching): its sequential decoder
   steps per call against lockstep's with the same rows (what it trades on a bandwidth-bound GPU).
 
@@ -44,10 +44,10 @@ from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.learner.grpo import grpo_loss  # noqa: E402
 from rlt_mega.learner.logprob import dense_logprobs, dense_rows, hybrid_logprobs  # noqa: E402
-from rlt_mega.model import build_model  # noqa: E402
-from rlt_mega.model.rows import DensePlan  # noqa: E402
+from rlt_mega.model.rlt import build_model  # noqa: E402
+from rlt_mega.schedule.dense import DensePlan  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams  # noqa: E402
-from rlt_mega.model.plan import LOCKSTEP, RowSwitches  # noqa: E402
+from rlt_mega.schedule.rows import LOCKSTEP, RowSwitches  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)

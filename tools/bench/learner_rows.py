@@ -1,5 +1,5 @@
 """The GRPO learner's dense schedule following the data (issue 12 deliverable 5,
-model/rows.py) against the padded dense schedule, side by side in one run (prints
+schedule/dense.py) against the padded dense schedule, side by side in one run (prints
 figures; asserts nothing).
 
 One learner call: GSM8K prompts x G (8 x 8 = 64 rows by default), tokenised by the byte-level BPE
@@ -7,14 +7,14 @@ of tools/bench/rollout_rows.py, each completion its gold solution's token length
 random tokens (``gsm8k_call``); small_cpu, random weights, fp32. Each variant runs the dense
 forward and backward (encoder, decoder, head, a loss of the logits), timed by phase in
 interleaved rounds (the head with compaction only at the positions the loss reads:
-model/rows.head_rows; best of --repeats, one thread, process CPU time by default,
+DenseRows.head (schedule/dense.py); best of --repeats, one thread, process CPU time by default,
 tools/bench/harness.py):
 
 - padded: every row at every position (grpo.dense_compact / dense_share_prompts false);
 - compact: each position only on the rows still inside their sequence, the head only on the
   completion positions;
 - compact+share: and each group's prompt once in the decoder, forked into its rows, and in the
-  encoder (model/prompt_pack.py: each row's own tokens after its group's prompt; the default).
+  encoder (schedule/prompt_pack.py: each row's own tokens after its group's prompt; the default).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/learner_rows.py --data DIR
     OMP_NUM_THREADS=1 PYTHONPATH=. python tools/bench/learner_rows.py --data DIR --quick   # 2 x 8 rows
@@ -33,8 +33,8 @@ import harness  # noqa: E402
 from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
-from rlt_mega.model import build_model  # noqa: E402
-from rlt_mega.model.rows import DenseRows, DensePlan, head_rows  # noqa: E402
+from rlt_mega.model.rlt import build_model  # noqa: E402
+from rlt_mega.schedule.dense import DenseRows, DensePlan  # noqa: E402
 
 
 def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:
@@ -42,11 +42,11 @@ def dense_step(model, x: torch.Tensor, rows, clock) -> dict[str, float]:
     out = {}
     t0 = clock()
     emb = model.embed(x)
-    mem = model.memory_kv(model.dense_memory(emb, rows=rows))  # with shared prompts: model/prompt_pack.py
+    mem = model.memory_kv(model.dense_memory(emb, rows=rows))  # with shared prompts: schedule/prompt_pack.py
     t1 = clock()
     z = model.decode_dense(emb, mem, rows=rows)
     t2 = clock()
-    head_rows(model.head, z, rows).mean().backward()  # with compaction: the positions the loss reads only
+    (model.head(z) if rows is None else rows.head(model.head, z)).mean().backward()  # with compaction: the positions the loss reads only
     t3 = clock()
     model.zero_grad(set_to_none=True)
     out.update(encoder=t1 - t0, decoder_forward=t2 - t1, backward=t3 - t2, step=t3 - t0)

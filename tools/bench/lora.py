@@ -26,7 +26,7 @@ import torch
 
 from harness import Results, add_common_args, add_json_arg, describe, peak_tensor_bytes, setup, timed_rounds
 from rlt_mega.config import LoraConfig, load_config
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.model.lora import apply_lora
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
@@ -102,8 +102,8 @@ def section(res: Results, title: str, steps: dict, models: dict, repeats: int, c
 
 
 def planner_lines(res: Results, rank: int) -> None:
-    from rlt_mega.plan.costmodel import estimate
-    from rlt_mega.plan.layout import Layout
+    from rlt_mega.cost.costmodel import estimate
+    from rlt_mega.cost.layout import Layout
 
     print(f"\n## planner (rlt-mega plan --config configs/rlt_48x48.yaml), full against r={rank} adapters")
     reps = {}

@@ -43,7 +43,7 @@ import harness  # noqa: E402  (tools/bench is not a package: the scripts run as 
 
 from rlt_mega.checkpoint_tools import convert_hf  # noqa: E402
 from rlt_mega.config import load_config  # noqa: E402
-from rlt_mega.model import RLT  # noqa: E402
+from rlt_mega.model.rlt import RLT  # noqa: E402
 from rlt_mega.reference import ReferenceDecoder  # noqa: E402
 from rlt_mega.rollout import Processing, SamplingParams, generate  # noqa: E402
 

@@ -40,7 +40,7 @@ from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.learner.grpo import group_advantages, grpo_loss  # noqa: E402
 from rlt_mega.learner.logprob import (dense_logprobs, hybrid_logprobs, mismatch_metrics,  # noqa: E402
                                       replay_logprobs)
-from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.model.rlt import build_model  # noqa: E402
 from rlt_mega.reference import ReferenceDecoder  # noqa: E402
 from rlt_mega.rollout import Processing, SamplingParams, generate  # noqa: E402
 

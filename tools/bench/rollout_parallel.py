@@ -36,7 +36,7 @@ import harness  # noqa: E402
 from rollout_rows import gsm8k_args, gsm8k_call, parse_gsm8k_args  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
-from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.model.rlt import build_model  # noqa: E402
 from rlt_mega.parallel.dims import ParallelDims  # noqa: E402
 from rlt_mega.parallel.sharding import shard_for_rank  # noqa: E402
 from rlt_mega.reference import ReferenceDecoder  # noqa: E402

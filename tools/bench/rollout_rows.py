@@ -10,7 +10,7 @@ token; the model is random, so real stopping would not give realistic lengths). 
 L=4, C=8), random weights, fp32, check_every 8. Variants, timed side by side in interleaved
 rounds (tools/bench/harness.py: best of --repeats, one thread, process CPU time by default):
 
-- lockstep: the plan with sharing and compaction off, one slot a row (model/plan.py LOCKSTEP);
+- lockstep: the plan with sharing and compaction off, one slot a row (schedule/rows.py LOCKSTEP);
 - share: shared prompts only; compact: compaction only; all: both (the default);
 - slots: all, with sampling.slots = rows / 4 (continuous batching).
 
@@ -40,9 +40,9 @@ import harness  # noqa: E402
 
 from rlt_mega.config import load_config  # noqa: E402
 from rlt_mega.data.tokenizer_train import train_bpe  # noqa: E402
-from rlt_mega.model import build_model  # noqa: E402
+from rlt_mega.model.rlt import build_model  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams, replay  # noqa: E402
-from rlt_mega.model.plan import LOCKSTEP, RowSwitches  # noqa: E402
+from rlt_mega.schedule.rows import LOCKSTEP, RowSwitches  # noqa: E402
 
 def gsm8k_call(data: str, num_prompts: int, group: int, vocab: int, seed: int) -> tuple[list, list, dict]:
     """(prompts (rows), per-row budgets, stats) from GSM8K's train split (``data``/train.jsonl)."""

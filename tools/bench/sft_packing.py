@@ -40,7 +40,7 @@ from rlt_mega.data.pairs import pair_ids
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.data.tokenizer_train import train_bpe
 from rlt_mega.loss import count_tokens
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
 from rlt_mega.train.sft import sft_batch

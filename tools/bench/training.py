@@ -11,7 +11,7 @@ Sections
   forward+backward FLOP rate (dense schedule, full BPTT) at d=512 H=8 ffn=1408 L=4 B=8
   T=--dec-len, the decoder step and the reference, against a 2048^3 torch.mm in the same run (this
   CPU's fp32 matmul peak at the same thread count), and the encoder's. FLOPs are counted by torch's
-  FlopCounterMode on the reference (rlt_mega.plan.measure.count_flops: matmuls and attention,
+  FlopCounterMode on the reference (rlt_mega.cost.measure.count_flops: matmuls and attention,
   nothing elementwise) and used as the work of both paths (the fused path recomputes no more than
   the module path does). Each position-layer's time is split into GEMM and the rest by the share
   of the matrix-product operators' self time (mm, addmm, bmm, baddbmm, oneDNN linear) in one
@@ -43,11 +43,11 @@ import torch
 from harness import (Results, add_common_args, add_json_arg, best_of_rounds, describe, peak_rss, peak_tensor_bytes, round_ratios, setup,
                      timed_rounds)
 from rlt_mega.config import CheckpointingConfig, load_config
-from rlt_mega.model import build_model
+from rlt_mega.model.rlt import build_model
 from rlt_mega.model.workspace import WORKSPACE
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import EngineConfig, LocalEngine
-from rlt_mega.plan.measure import count_flops
+from rlt_mega.cost.measure import count_flops
 from rlt_mega.reference import reference_decode, reference_forward
 
 MODES = {  # label -> checkpointing

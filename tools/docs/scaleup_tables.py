@@ -1,7 +1,7 @@
 """A MkDocs hook (mkdocs.yml ``hooks:``): the scale-up study's tables in docs/scale_up.md are
 rendered at build time from the sweep's own results (docs/scaleup/results.csv, written by
 ``tools/sweep.py ... --combined docs/scaleup``) by the sweep's Markdown renderer
-(rlt_mega/plan/sweep_stats.py ``markdown``), in place of the page's marker. Rerunning the sweep
+(rlt_mega/cost/sweep_stats.py ``markdown``), in place of the page's marker. Rerunning the sweep
 updates the page; nothing is typed."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def read_results(path: Path) -> list[dict]:
 def tables() -> str:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from rlt_mega.plan.sweep_stats import markdown
+    from rlt_mega.cost.sweep_stats import markdown
 
     return markdown(read_results(ROOT / "docs" / "scaleup" / "results.csv"))
 

@@ -70,7 +70,7 @@ def _graphed(model) -> None:
 
 def check(cfg, device, args, inject: bool = False) -> dict:
     from rlt_mega.config import CheckpointingConfig
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
 
     models = {"module": build_model(cfg, device, seed=0),  # run as the reference
               "fused": build_model(cfg, device, seed=0), "graphs": build_model(cfg, device, seed=0)}

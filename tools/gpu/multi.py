@@ -47,7 +47,7 @@ def main() -> int:
 
     from rlt_mega.config import from_dict
     from rlt_mega.determinism import configure
-    from rlt_mega.model import build_model
+    from rlt_mega.model.rlt import build_model
     from rlt_mega.parallel.dims import ParallelDims
     from rlt_mega.parallel.engine import EngineConfig, LocalEngine
     from rlt_mega.parallel.gather import gather_full

@@ -6,7 +6,7 @@
 Without ``--nodes`` it costs the layout the config describes (parallel.*, train.*; dp from
 ``--world-size`` when parallel.dp is null). With ``--nodes`` it ranks every layout that fits.
 ``register(subparsers)`` adds the subcommand to the package CLI; ``python -m
-rlt_mega.plan.cli`` runs it standalone.
+rlt_mega.cost.cli`` runs it standalone.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import sys
 from typing import Optional
 
 from rlt_mega.config import ConfigError, load_config
-from rlt_mega.plan.costmodel import estimate, format_report
-from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.planner import Hardware, explain, format_rows_curve, plan_layouts, plan_to_dict, rows_curve
+from rlt_mega.cost.costmodel import estimate, format_report
+from rlt_mega.cost.layout import Layout
+from rlt_mega.cost.planner import Hardware, explain, format_rows_curve, plan_layouts, estimate_to_dict, rows_curve
 
 HELP = "cost model of a configuration, or the parallel layouts that fit a cluster"
 
@@ -100,7 +100,7 @@ def run_plan(args, out=None) -> int:
     if args.json:
         curve = rows_curve(plans)
         out.write(json.dumps({"hardware": vars(hw), "considered": considered, "fit": len(plans),
-                              "plans": [plan_to_dict(p) for p in plans[:args.top]], "rows_curve": curve},
+                              "plans": [estimate_to_dict(p) for p in plans[:args.top]], "rows_curve": curve},
                              indent=2) + "\n")
         return 0
     out.write(f"{hw.nodes} x {hw.gpus_per_node} GPUs of {hw.gpu_mem_gb:g} GB; T={cfg.data.seq_len}, "

@@ -3,8 +3,8 @@ schedule; docs/design.md, "The learner follows the data").
 
 A batch is B rows of different lengths, and the rows of a group share their prefix. The padded
 dense schedule runs every position on all B rows; a :class:`DensePlan` tells a
-model/decoder.DecoderRun, position by position, which rows are *active*. It is the sampler's row
-plan (model/plan.py ``RowPlan``, one slot a sequence, so step k is position k) run over the batch,
+model/decoder.py's DecoderRun, position by position, which rows are *active*. It is the sampler's row
+plan (schedule/rows.py ``RowPlan``, one slot a sequence, so step k is position k) run over the batch,
 with each entry (a shared prefix) run by one of its rows:
 
 - compaction: row b needs positions [0, L_b) only (``L_b = P_b + n_b - 1``: the last position
@@ -41,10 +41,11 @@ from typing import Optional, Sequence
 
 import torch
 
-from rlt_mega.model import plan as schedule
+from rlt_mega.loss import DENSE_ROWS  # noqa: F401 (the batch dict's key of a DenseRows)
+from rlt_mega.model.documents import Documents
 from rlt_mega.model.layout import to_device
-
-DENSE_ROWS = "dense_rows"  # the batch dict's key of a DenseRows
+from rlt_mega.schedule import rows as schedule
+from rlt_mega.schedule.prompt_pack import PromptPack
 
 
 @dataclass(frozen=True)
@@ -83,18 +84,33 @@ class DenseRows:
                  enumerate(zip(self.prompt_lens, self.lengths)) if n > 0]
         return (torch.cat(spans) if spans else torch.zeros(0, dtype=torch.long)).to(device)
 
+    def head(self, head, z: torch.Tensor) -> torch.Tensor:
+        """``head(z)`` (z (B, T, d) -> logits (B, T, V)) computed at the positions the loss
+        reads only (``read_index``; 0 elsewhere) when ``compact``: the prompt and padding
+        positions are most of a learner's batch, and the head (a d x V GEMM and its gradients) is
+        the learner's largest product after the decoder. Without compaction every position."""
+        if not self.compact:
+            return head(z)
+        B, T, d = z.shape
+        idx = self.read_index(T, z.device)
+        picked = head(z.reshape(B * T, d).index_select(0, idx))  # (M, V)
+        return picked.new_zeros(B * T, picked.shape[-1]).index_copy(0, idx, picked).view(B, T, -1)
 
-def head_rows(head, z: torch.Tensor, rows: Optional[DenseRows]) -> torch.Tensor:
-    """``head(z)`` (z (B, T, d) -> logits (B, T, V)) computed at the positions the loss
-    reads only (``rows.read_index``; 0 elsewhere) when ``rows.compact``: the prompt and padding
-    positions are most of a learner's batch, and the head (a d x V GEMM and its gradients) is the
-    learner's largest product after the decoder. Without rows (or compaction) every position."""
-    if rows is None or not rows.compact:
-        return head(z)
-    B, T, d = z.shape
-    idx = rows.read_index(T, z.device)
-    picked = head(z.reshape(B * T, d).index_select(0, idx))  # (M, V)
-    return picked.new_zeros(B * T, picked.shape[-1]).index_copy(0, idx, picked).view(B, T, -1)
+    def encoder_pack(self, T: int, device: torch.device,
+                     documents: Optional[Documents] = None) -> Optional[PromptPack]:
+        """The encoder's layout of a batch with shared prefixes (schedule/prompt_pack.py); None
+        without groups (every row encoded whole) or for packed documents (their own layout)."""
+        if documents is not None or self.groups is None:
+            return None
+        return PromptPack(self, T, device)
+
+    def plan(self, B: int, T: int, device: torch.device) -> "DensePlan":
+        """The DensePlan of these rows for a run of B x T (the model's decoder reads it)."""
+        if self.batch_size != B:
+            raise ValueError(f"dense rows describe {self.batch_size} rows, the batch has {B}: build them from the "
+                             "batch's own rows")
+        return DensePlan(self, T, device)
+
 
 
 def stack_rows(parts: Sequence[Optional[DenseRows]]) -> Optional[DenseRows]:
@@ -157,6 +173,20 @@ class RowStep:
         return gx.new_zeros(self.out_src.shape[0], gx.shape[1]).index_copy_(0, self.caller, gx)
 
 
+def _kv_copies(log: list, layout, rep: dict[int, int], phys: dict[int, int], T: int,
+               device: torch.device) -> dict[int, list[KVCopy]]:
+    """Position -> the K/V copies of the forks there: each entry's representative into the other
+    rows of its group that have work past the fork."""
+    forks: dict[int, list[KVCopy]] = {}
+    for e in log:
+        if isinstance(e, schedule.Fork) and e.step + 1 < T:
+            r = rep[e.entry]
+            others = [phys[b] for b in e.rows if b != r and layout.last_position(b) >= layout.prompt_lens[b]]
+            if others:
+                forks.setdefault(e.step + 1, []).append(KVCopy(e.step + 1, phys[r], to_device(others, device)))
+    return forks
+
+
 class DensePlan:
     """The rows of every position [0, T) of a run of B rows (see the module docstring).
 
@@ -182,13 +212,7 @@ class DensePlan:
         plan, active_at = schedule.RowPlan(layout, schedule.planned_record(layout, lambda b: T + 1)), []
         while (sp := plan.begin(len(active_at))) is not None:
             active_at.append(sorted(phys[rep.get(s, s)] for s in sp.seqs))
-        forks: dict[int, list[KVCopy]] = {}
-        for e in plan.log:
-            if isinstance(e, schedule.Fork) and e.step + 1 < T:
-                r = rep[e.entry]
-                others = [phys[b] for b in e.rows if b != r and layout.last_position(b) >= layout.prompt_lens[b]]
-                if others:
-                    forks.setdefault(e.step + 1, []).append(KVCopy(e.step + 1, phys[r], to_device(others, device)))
+        forks = _kv_copies(plan.log, layout, rep, phys, T, device)
         self.B, self.T, self.device = B, T, device
         self.perm = to_device(order, device)
         self.inverse = to_device([phys[b] for b in range(B)], device)

@@ -70,11 +70,11 @@ import yaml
 
 from rlt_mega.config import Config, ConfigError, load_config, read_yaml
 from rlt_mega.log import get_logger
-from rlt_mega.plan.flops import flop_rows, summarize
-from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.memory import estimate_memory
-from rlt_mega.plan.sweep_stats import power_law_fit  # noqa: F401 (re-exported)
-from rlt_mega.plan.sweep_stats import (ACCURACY_KINDS, accuracy_lengths, aggregate, fit_families, fit_metric,
+from rlt_mega.cost.flops import flop_rows, summarize
+from rlt_mega.cost.layout import Layout
+from rlt_mega.cost.memory import estimate_memory
+from rlt_mega.cost.sweep_stats import power_law_fit  # noqa: F401 (re-exported)
+from rlt_mega.cost.sweep_stats import (ACCURACY_KINDS, accuracy_lengths, aggregate, fit_families, fit_metric,
                                        markdown, report)
 
 log = get_logger(__name__)
@@ -530,7 +530,7 @@ def estimate_run(run: Run) -> dict:
     """What the cost model and the planner expect of one run before it runs: parameters,
     training FLOPs, steps, the predicted peak memory of a step (CPU layout), and the planner's
     step time on one GPU of its default hardware (planner.Hardware) with the run's layout."""
-    from rlt_mega.plan.planner import Hardware, step_time
+    from rlt_mega.cost.planner import Hardware, step_time
 
     cfg = run.config
     steps = cfg.train.steps
@@ -545,7 +545,7 @@ def estimate_run(run: Run) -> dict:
 
 def dry_run(sweeps: list[Sweep], out) -> None:
     """Each run's command and estimate, then the totals."""
-    from rlt_mega.plan.planner import Hardware
+    from rlt_mega.cost.planner import Hardware
 
     hw = Hardware()
     total_flops = total_gpu_s = 0.0

@@ -1,5 +1,5 @@
 """What a sweep's runs say together: each point's mean and spread over its seeds, a power law of
-loss against compute per family, and the text and Markdown tables of both (plan/sweep.py runs
+loss against compute per family, and the text and Markdown tables of both (cost/sweep.py runs
 the sweep; these are pure functions of its rows, one dict per run)."""
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 change is recorded and the replay repeats it): shared prefixes, compaction and continuous
 batching, as a pure host-side plan that every stage of a replica derives alike. The sampler's
 rollout and replay run it step by step (rollout/executor.py); the learner's dense step runs the
-same plan position by position (model/rows.py ``DensePlan``).
+same plan position by position (schedule/dense.py ``DensePlan``).
 
 Sequences: the call's R rows are sequences 0 .. R-1; with shared prompts every distinct prompt
 that two or more rows hold is an *entry*, sequence R + u. An entry runs through its prompt once
@@ -21,7 +21,7 @@ before step k in this order:
 2. length: a row past its last possible step (P + max_new_tokens - 2) leaves;
 3. a check (k % check_every == 0): the finish flags read there (the one host read of issue 16's
    design) end rows: with ``compact`` they leave, and finished waiting rows are dropped; rows whose
-   environment call starts there (flag code 2, rollout/turns.py) leave, their state parked, and
+   environment call starts there (``Flag.AWAY``, rollout/turns.py) leave, their state parked, and
    rejoin the waiting rows at the next check (its answer forced, ``Force``) unless it ended them;
 4. free slots take waiting rows (FIFO), then sequences not started yet (FIFO): a fresh sequence
    gets its prompt's prefill, a waiting row its entry's forked state (*parked* on the device
@@ -55,7 +55,17 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Optional, Sequence
+
+
+class Flag(IntEnum):
+    """A row's finish flag as a check reads it (one code per row, host values; the sampler's
+    ``flag_codes``, carried to the earlier stages in the ring's control message)."""
+
+    RUNNING = 0
+    FINISHED = 1
+    AWAY = 2  # leaving the batch for an environment call (rollout/turns.py)
 
 
 @dataclass(frozen=True)
@@ -336,10 +346,10 @@ class RowPlan:
 
     # ------------------------------------------------------------------ the flags
     def set_flags(self, k: int, finished: Sequence[int]) -> None:
-        """The rows' finish flags (R,) read at check k (host values): 1 (True) finished, 2 leaving
-        the batch for an environment call (rollout/turns.py), 0 running."""
-        self.flags[k] = [b for b, f in enumerate(finished) if f == 1 and b not in self.done]
-        away = [b for b, f in enumerate(finished) if f == 2]
+        """The rows' finish flags (R,) read at check k (host values, ``Flag`` codes; a bool is
+        FINISHED or RUNNING)."""
+        self.flags[k] = [b for b, f in enumerate(finished) if f == Flag.FINISHED and b not in self.done]
+        away = [b for b, f in enumerate(finished) if f == Flag.AWAY]
         if away:
             self.away[k] = away
 
@@ -358,76 +368,19 @@ class RowPlan:
 
     # ------------------------------------------------------------------ one step
     def begin(self, k: int) -> Optional[StepPlan]:
-        """Applies the events before step k (module docstring) -> the step's plan, or None when
-        the call is over."""
-        L, R = self.layout, self.layout.num_rows
+        """Applies the events before step k (module docstring: forks, length, a check, free
+        slots) -> the step's plan, or None when the call is over."""
         if self.over:
             return None
-        prev_rows = {s: i for i, s in enumerate(self.prev.seqs)} if self.prev is not None else {}
-        park: list[tuple[int, int]] = []
         if self.prev is not None and not self.may_run(k):
             return self._finish(k)
-        # 1. forks of step k - 1
-        for u in self._forks:
-            self._leave(u, k, "fork")
-            rows = L.entry_rows[u - R]
-            for b in rows:
-                if self._starts(b):
-                    self.waiting.append(b)
-                else:
-                    self.done.add(b)
-            self.log.append(Fork(k - 1, u, tuple(rows)))
-        # 2. length
-        for s in self.batch():
-            if s < R and self.pos[s] + 1 > L.last_position(s):
-                self.done.add(s)
-                self._leave(s, k, "length")
-        # 3. a check
-        if k > 0 and k % L.check_every == 0:
-            newly = self._check_flags(k)
-            self.done.update(newly)
-            self.log += (self.recorded.forces if self.recorded is not None else self.forces).get(k, [])
-            if newly:
-                self.log.append(Check(k, tuple(newly)))
-            # rows back from their environment call (the answer was waited for at this check) wait
-            # for a slot; rows whose call starts here leave, their state parked until they re-enter
-            # (a row forked at the last step, still waiting, keeps its entry's state instead)
-            self.waiting.extend(b for b in self.out if b not in self.done)
-            self.out = list((self.recorded.away if self.recorded is not None else self.away).get(k, []))
-            for b in self.out:
-                if b in self.slots:
-                    park.append((b, prev_rows[b]))
-                    self.parked.add(b)
-                    self.resume[b] = self.pos[b] + 1
-                    self._leave(b, k, "env")
-                else:
-                    self.waiting.remove(b)
-            if L.compact:
-                for s in self.batch():
-                    if s in self.done:
-                        self._leave(s, k, "finished")
-            self.waiting = deque(b for b in self.waiting if b not in self.done)
-            if all(s in self.done for s in self.batch()) and not self.waiting and not self.pending and not self.out:
-                return self._finish(k)
-        # 4. free slots
-        entering: dict[int, Source] = {}
-        for i in range(L.slots):
-            if self.slots[i] is not None:
-                continue
-            if self.waiting:
-                b = self.waiting.popleft()
-                u = R + L.entry_of[b]
-                if b in self.resume:  # back from an environment call: its own parked state
-                    entering[b] = FromParked(b)
-                else:
-                    entering[b] = FromBatch(prev_rows[u]) if u in prev_rows and u in self._forks else FromParked(u)
-            elif self.pending:
-                b = self.pending.popleft()
-                entering[b] = Fresh()
-            else:
-                break
-            self.slots[i] = b
-            self.log.append(Enter(k, b, i))
+        prev_rows = {s: i for i, s in enumerate(self.prev.seqs)} if self.prev is not None else {}
+        park: list[tuple[int, int]] = []
+        self._fork_rows(k)
+        self._length_rule(k)
+        if k > 0 and k % self.layout.check_every == 0 and self._check(k, prev_rows, park):
+            return self._finish(k)
+        entering = self._fill_slots(k, prev_rows)
         for u in self._forks:  # rows of this fork still waiting: keep its state
             if self._still_parked(u):
                 park.append((u, prev_rows[u]))
@@ -439,11 +392,88 @@ class RowPlan:
                 raise RuntimeError(f"row plan: step {k} has no row to run while rows {self.out} wait for their "
                                    "environment calls (the sampler waits at once when no other row can run)")
             return self._finish(k)
+        return self._step_plan(k, seqs, entering, prev_rows, park)
+
+    def _fork_rows(self, k: int) -> None:
+        """1. The entries that forked at step k - 1 leave; their rows wait for a slot."""
+        R = self.layout.num_rows
+        for u in self._forks:
+            self._leave(u, k, "fork")
+            rows = self.layout.entry_rows[u - R]
+            for b in rows:
+                if self._starts(b):
+                    self.waiting.append(b)
+                else:
+                    self.done.add(b)
+            self.log.append(Fork(k - 1, u, tuple(rows)))
+
+    def _length_rule(self, k: int) -> None:
+        """2. A row past its last possible step leaves."""
+        for s in self.batch():
+            if s < self.layout.num_rows and self.pos[s] + 1 > self.layout.last_position(s):
+                self.done.add(s)
+                self._leave(s, k, "length")
+
+    def _check(self, k: int, prev_rows: dict[int, int], park: list[tuple[int, int]]) -> bool:
+        """3. The check at step k: finished rows (leave with ``compact``), rows back from their
+        environment call (they wait for a slot), rows whose call starts here (they leave, their
+        state parked until they re-enter; a row forked at the last step, still waiting, keeps its
+        entry's state instead). True when the call is over."""
+        newly = self._check_flags(k)
+        self.done.update(newly)
+        self.log += (self.recorded.forces if self.recorded is not None else self.forces).get(k, [])
+        if newly:
+            self.log.append(Check(k, tuple(newly)))
+        self.waiting.extend(b for b in self.out if b not in self.done)
+        self.out = list((self.recorded.away if self.recorded is not None else self.away).get(k, []))
+        for b in self.out:
+            if b in self.slots:
+                park.append((b, prev_rows[b]))
+                self.parked.add(b)
+                self.resume[b] = self.pos[b] + 1
+                self._leave(b, k, "env")
+            else:
+                self.waiting.remove(b)
+        if self.layout.compact:
+            for s in self.batch():
+                if s in self.done:
+                    self._leave(s, k, "finished")
+        self.waiting = deque(b for b in self.waiting if b not in self.done)
+        return all(s in self.done for s in self.batch()) and not self.waiting and not self.pending and not self.out
+
+    def _fill_slots(self, k: int, prev_rows: dict[int, int]) -> dict[int, Source]:
+        """4. Free slots take waiting rows (FIFO), then sequences not started yet -> where each
+        entering sequence's state comes from."""
+        R = self.layout.num_rows
+        entering: dict[int, Source] = {}
+        for i in range(self.layout.slots):
+            if self.slots[i] is not None:
+                continue
+            if self.waiting:
+                b = self.waiting.popleft()
+                u = R + self.layout.entry_of[b]
+                if b in self.resume:  # back from an environment call: its own parked state
+                    entering[b] = FromParked(b)
+                else:
+                    entering[b] = FromBatch(prev_rows[u]) if u in prev_rows and u in self._forks else FromParked(u)
+            elif self.pending:
+                b = self.pending.popleft()
+                entering[b] = Fresh()
+            else:
+                break
+            self.slots[i] = b
+            self.log.append(Enter(k, b, i))
+        return entering
+
+    def _step_plan(self, k: int, seqs: list[int], entering: dict[int, Source], prev_rows: dict[int, int],
+                   park: list[tuple[int, int]]) -> StepPlan:
+        """Step k's batch ``seqs`` after the events: positions, the build from step k - 1's batch,
+        the encoder calls, the forks after this step and the targets of its draws."""
+        L, R = self.layout, self.layout.num_rows
         switch = None
         if L.switch and k == L.switch[0]:  # the call runs on past the switch: the new version from here
             switch = L.switch[1]
             self.log.append(Switch(k, switch))
-        # positions
         for s in seqs:
             if s in entering:
                 self.pos[s] = (0 if isinstance(entering[s], Fresh) else self.resume.pop(s) if s in self.resume
@@ -455,19 +485,17 @@ class RowPlan:
         unpark = [u for u in sorted(self.parked) if not self._still_parked(u)]
         self.parked.difference_update(unpark)
         calls = self._calls(k, seqs, [s for s in seqs if isinstance(entering.get(s), Fresh)])
-        # forks after this step, and the targets of its draws
         expand, targets, target_pos = [], [], []
         for i, s in enumerate(seqs):
             p = self.pos[s]
-            if s >= R and p == L.last_position(s):
+            if s >= R and p == L.last_position(s):  # an entry forks after this step: a draw per row
                 self._forks.append(s)
-                for b in L.entry_rows[s - R]:
-                    expand.append(i)
-                    targets.append(b)
-                    target_pos.append(p)
+                drawn = L.entry_rows[s - R]
             else:
+                drawn = (s,)
+            for b in drawn:
                 expand.append(i)
-                targets.append(s)
+                targets.append(b)
                 target_pos.append(p)
         plan = StepPlan(k, seqs, [self.pos[s] for s in seqs], build, park, unpark, calls,
                         None if len(expand) == len(seqs) else expand, targets, target_pos, switch)

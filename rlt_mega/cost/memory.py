@@ -40,7 +40,7 @@ boundary; the backward recomputes one encoder block or one decoder segment at a 
 
 The decoder step (model/decoder.py) keeps none of its per-position tensors in autograd: its run's
 slab, its weight copies and its gradient accumulators are the decoder's items
-(plan/fused_memory.py says what they hold and how long they live).
+(cost/fused_memory.py says what they hold and how long they live).
 """
 
 from __future__ import annotations
@@ -49,9 +49,9 @@ from dataclasses import dataclass, field
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
 from rlt_mega.parallel.zero import bucket_elements
-from rlt_mega.plan.fused_memory import fused_weight_bytes, fused_weight_numels, run_buffer_bytes, run_scratch_bytes
-from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.params import rank_adapter_numels, rank_param_counts, rank_tensor_numels, stage_layers
+from rlt_mega.cost.fused_memory import fused_weight_bytes, fused_weight_numels, run_buffer_bytes, run_scratch_bytes
+from rlt_mega.cost.layout import Layout
+from rlt_mega.cost.params import rank_adapter_numels, rank_param_counts, rank_tensor_numels, stage_layers
 
 
 @dataclass
@@ -235,7 +235,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     dkv_grad = 0.0 if (baseline or fused) else n * 2 * 4 * kv  # (the fused run's are in its slab)
     retained = act["decoder_kv"] + dkv_grad  # live until the loss is dropped
     # The fused decoder: its slab (act["decoder"]) and its weight copies live until the loss is
-    # dropped; the accumulators through the decoder's backward (plan/fused_memory.py).
+    # dropped; the accumulators through the decoder's backward (cost/fused_memory.py).
     held, accumulators, scratch = 0.0, 0.0, 0.0
     if fused:
         # the backward's scratch, per position: freed at the end of the dense schedule's decoder

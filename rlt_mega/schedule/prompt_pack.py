@@ -26,14 +26,16 @@ decoder then runs on the row layout as before. The object takes the place of a D
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.layout import to_device
-from rlt_mega.model.rows import DenseRows
+
+if TYPE_CHECKING:  # the rows build their pack (DenseRows.encoder_pack): no import at run time
+    from rlt_mega.schedule.dense import DenseRows
 
 
 @dataclass
@@ -86,15 +88,6 @@ class PromptPack:
         self.unpack_index = to_device([self.total if j < 0 else j for j in unpack], device)
         self.B, self.T = B, T
         self._rope: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @classmethod
-    def of(cls, rows: Optional[DenseRows], T: int, device: torch.device,
-           documents: Optional[Documents] = None) -> Optional["PromptPack"]:
-        """The pack of a batch with shared prefixes; None without (every row encoded whole)
-        or for packed documents (their own layout, model/documents.py)."""
-        if documents is not None or rows is None or rows.groups is None:
-            return None
-        return cls(rows, T, device)
 
     @property
     def shape(self) -> tuple[int, int]:

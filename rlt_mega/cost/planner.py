@@ -40,12 +40,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
-from rlt_mega.plan.comm import comm_per_step, ring_ticks
-from rlt_mega.plan.flops import flop_rows
-from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.memory import estimate_memory
+from rlt_mega.cost.comm import comm_per_step, ring_ticks
+from rlt_mega.cost.flops import flop_rows
+from rlt_mega.cost.layout import Layout
+from rlt_mega.cost.memory import estimate_memory
 from rlt_mega.parallel.dims import check_tp
-from rlt_mega.plan.params import rank_param_counts, stage_layers
+from rlt_mega.cost.params import rank_param_counts, stage_layers
 
 DECODER_OPS_FORWARD = 50  # aten operators per decoder layer and position (forward)
 DECODER_OPS_BACKWARD = 120
@@ -95,7 +95,7 @@ class Hardware:
 
 
 @dataclass
-class Plan:
+class LayoutEstimate:
     layout: Layout
     step_time: float
     peak_memory: float
@@ -234,20 +234,20 @@ def candidate_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch
     return out
 
 
-def evaluate(cfg: ModelConfig, lay: Layout, hw: Hardware, mem: Optional[float] = None) -> Plan:
+def evaluate(cfg: ModelConfig, lay: Layout, hw: Hardware, mem: Optional[float] = None) -> LayoutEstimate:
     """The plan of one layout: its step time by component, peak memory (``mem`` when known),
     tokens/s and MFU."""
     mem = peak_memory(cfg, lay) if mem is None else mem
     parts = step_time(cfg, lay, hw)
     flops = sum(r.forward + r.backward for r in flop_rows(cfg, lay.seq_len, None, "flash")) * lay.sequences_per_step
     peak = (hw.peak_tflops_fp32 if lay.dtype == "fp32" else hw.peak_tflops_bf16) * 1e12
-    return Plan(lay, parts["total"], mem, parts, lay.tokens_per_step / parts["total"],
+    return LayoutEstimate(lay, parts["total"], mem, parts, lay.tokens_per_step / parts["total"],
                 flops / parts["total"] / (peak * hw.world_size))
 
 
 def plan_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int,
                  dtype: str = "bf16", top: Optional[int] = None,
-                 max_global_batch: Optional[int] = None) -> tuple[list[Plan], int]:
+                 max_global_batch: Optional[int] = None) -> tuple[list[LayoutEstimate], int]:
     """Layouts that fit, highest tokens/s first (ties: less memory), and the number of
     candidates considered."""
     candidates = candidate_layouts(cfg, hw, seq_len, global_batch, dtype, max_global_batch)
@@ -260,10 +260,10 @@ def plan_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int
     return (plans[:top] if top else plans), len(candidates)
 
 
-def rows_curve(plans: list[Plan]) -> list[dict]:
+def rows_curve(plans: list[LayoutEstimate]) -> list[dict]:
     """Predicted MFU against rows per decoder step: for each micro-batch B among the layouts
     that fit (``plans``), the best of them. Where the list ends is the memory limit."""
-    best: dict[int, Plan] = {}
+    best: dict[int, LayoutEstimate] = {}
     for p in plans:
         B = p.layout.micro_batch_size
         if B not in best or p.tokens_per_s > best[B].tokens_per_s:
@@ -284,7 +284,7 @@ def format_rows_curve(curve: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def explain(plans: list[Plan], cfg: ModelConfig, hw: Hardware) -> str:
+def explain(plans: list[LayoutEstimate], cfg: ModelConfig, hw: Hardware) -> str:
     """Why the first plan: its time budget, and the best plan of each other kind."""
     if not plans:
         return ("No layout fits: even the most sharded layout with full checkpointing exceeds "
@@ -346,7 +346,7 @@ def explain(plans: list[Plan], cfg: ModelConfig, hw: Hardware) -> str:
     return "\n".join(lines)
 
 
-def plan_to_dict(p: Plan) -> dict:
+def estimate_to_dict(p: LayoutEstimate) -> dict:
     lay = asdict(p.layout)
     return {"layout": lay, "describe": p.describe(), "step_time_s": p.step_time,
             "peak_memory_bytes": p.peak_memory, "tokens_per_s": p.tokens_per_s, "mfu": p.mfu,

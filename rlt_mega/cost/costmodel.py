@@ -12,13 +12,13 @@ from __future__ import annotations
 import dataclasses
 
 from rlt_mega.config import ModelConfig
-from rlt_mega.plan.comm import bubble_fraction, comm_per_step, encoder_bubble_fraction, ring_ticks
-from rlt_mega.plan.flops import flop_rows, summarize
-from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.memory import estimate_memory
+from rlt_mega.cost.comm import bubble_fraction, comm_per_step, encoder_bubble_fraction, ring_ticks
+from rlt_mega.cost.flops import flop_rows, summarize
+from rlt_mega.cost.layout import Layout
+from rlt_mega.cost.memory import estimate_memory
 from rlt_mega.parallel.dims import check_tp
 from rlt_mega.model.lora import adapter_param_count
-from rlt_mega.plan.params import model_param_counts, rank_param_counts, stage_layers
+from rlt_mega.cost.params import model_param_counts, rank_param_counts, stage_layers
 
 
 def stage_flops(cfg: ModelConfig, layout: Layout, stage: int) -> dict:

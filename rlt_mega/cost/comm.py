@@ -29,8 +29,8 @@ gradients.
 from __future__ import annotations
 
 from rlt_mega.config import ModelConfig
-from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.params import rank_param_counts, stage_layers
+from rlt_mega.cost.layout import Layout
+from rlt_mega.cost.params import rank_param_counts, stage_layers
 
 
 def ring_ticks(seq_len: int, micro_batches: int, stages: int) -> int:

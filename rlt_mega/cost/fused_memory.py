@@ -1,4 +1,4 @@
-"""Memory of the decoder step (model/decoder.py) on one rank, for plan/memory.py.
+"""Memory of the decoder step (model/decoder.py) on one rank, for cost/memory.py.
 
 The fused path keeps nothing in autograd's graph per position: one run per micro-batch owns a
 slab of preallocated buffers (``DecoderRun.buffer_bytes()`` names them; :func:`run_buffer_bytes`
@@ -39,8 +39,8 @@ from rlt_mega.config import ModelConfig
 from rlt_mega.model import kernels as fused_kernels
 from rlt_mega.model.decoder import KV_CHUNK, checkpoint_slots, wgrad_positions
 from rlt_mega.model.workspace import SLAB_ALIGN
-from rlt_mega.plan.layout import Layout
-from rlt_mega.plan.params import stage_layers
+from rlt_mega.cost.layout import Layout
+from rlt_mega.cost.params import stage_layers
 
 PURPOSES = ("saved", "wgrad_ring", "kv_rows", "kv", "input_grads")
 
