@@ -34,6 +34,7 @@ setup(
             "wandb>=0.31",  # logging.wandb; its offline runs are read back by tests/e2e/test_wandb.py
             "pytest>=8.0",
             "pytest-timeout>=2.2",
+            "pytest-xdist>=3.5",  # launch/test.sh runs the suite on two workers (tests/conftest.py: the groups)
             "hypothesis>=6.100",
             "matplotlib>=3.7",
             # the documentation site (mkdocs.yml), built with --strict by tests/unit/test_docs.py

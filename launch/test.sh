@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: creates or reuses .venv, installs rlt_mega and its dependencies, runs pytest.
-# The 15 slowest tests are listed at the end (the suite has a 20-minute budget).
+# The 15 slowest tests are listed at the end (the suite has a 15-minute budget, the unit tier 90 s).
+# It runs on RLT_TEST_WORKERS pytest-xdist workers (default 2, this machine's cores): each test file
+# runs whole on one worker, the distributed tier on one (tests/conftest.py); `-n 0` runs in-process.
 # Extra arguments go to pytest (e.g. `bash launch/test.sh tests/unit/test_model.py -k visibility`);
 # `bash launch/test.sh -m unit` runs one tier (unit, distributed, e2e: pytest.ini).
 set -euo pipefail
@@ -15,4 +17,5 @@ if [ ! -f "$VERL_DIR/verl/trainer/ppo/core_algos.py" ]; then
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 fi
 export RLT_VERL_DIR="$VERL_DIR"
-exec python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 "${@:-tests}"
+exec python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 \
+  -n "${RLT_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"

@@ -18,8 +18,15 @@ torch.use_deterministic_algorithms(True)
 TIERS = ("unit", "distributed", "e2e")  # the folders, and their markers (pytest.ini)
 
 
+# Under pytest-xdist (`--dist loadgroup`, launch/test.sh) a group runs whole on one worker: a test
+# file is a group (its module fixtures are built once), and the distributed tier is one group (its
+# scenarios share one launch per rank count, tests/distributed/conftest.py). tryfirst: xdist reads
+# the groups in its own collection hook.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
         if parts and parts[0] in TIERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
+        group = "distributed" if parts and parts[0] == "distributed" else "/".join(parts)
+        item.add_marker(pytest.mark.xdist_group(group))
