@@ -61,18 +61,12 @@ def _gather(n: int, size: float) -> float:
     return (n - 1) / n * size if n > 1 else 0.0
 
 
-def comm_per_step(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, dict[str, float]]:
-    """Bytes sent and messages per optimizer step by one rank of ``stage``, by group."""
-    tp, pp, dp = layout.tp, layout.pp, layout.dp
-    a = layout.act_bytes
-    w = 4 if layout.dtype == "fp32" else 2
+def _tp_per_micro(cfg: ModelConfig, layout: Layout, n: int, first: bool, last: bool) -> tuple[float, int]:
+    """Tensor-parallel all-reduce bytes and messages of one rank per micro-batch (n layers)."""
+    if layout.tp == 1:
+        return 0.0, 0
+    tp, a, ck = layout.tp, layout.act_bytes, layout.checkpointing
     B, T, d = layout.micro_batch_size, layout.seq_len, cfg.d_model
-    n = len(stage_layers(cfg.n_layers, pp, layout.pp_split)[stage])
-    first, last = stage == 0, stage == pp - 1
-    ck = layout.checkpointing
-    micro = layout.micro_batches * layout.grad_accum  # micro-batches per optimizer step
-
-    # --- tensor parallel, per micro-batch
     enc_ar = 2 * n * (2 + (1 if ck.encoder else 0))  # fwd 2, bwd 2, recompute 2 per block
     dec_ar = 3 * n * T * (2 + (1 if ck.decoder != "none" else 0))
     tp_bytes = (enc_ar * _allreduce(tp, B * T * d * a) + dec_ar * _allreduce(tp, B * d * a)
@@ -84,20 +78,27 @@ def comm_per_step(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, dic
     if last:
         tp_bytes += _allreduce(tp, B * T * d * a) + 3 * _allreduce(tp, B * T * 4)
         tp_msgs += 4
-    if tp == 1:
-        tp_bytes, tp_msgs = 0.0, 0
+    return tp_bytes, tp_msgs
 
-    # --- pipeline, per micro-batch (sends of this rank)
-    pp_bytes, pp_msgs = 0.0, 0
-    if pp > 1:
-        act = B * T * d * a
-        pp_bytes += act * ((not last) + (not first))  # encoder forward, backward
-        pp_bytes += act * (pp - 1 if last else 1)  # memory broadcast (last) / its gradient
-        pp_bytes += 2 * T * B * d * a  # decoder state forward (ring) and its gradient
-        pp_msgs += (not last) + (not first) + (pp - 1 if last else 1) + 2 * T
 
-    # --- data parallel, per optimizer step
-    counts = rank_param_counts(cfg, tp, pp, stage, layout.pp_split)
+def _pp_per_micro(cfg: ModelConfig, layout: Layout, first: bool, last: bool) -> tuple[float, int]:
+    """Pipeline bytes and messages this rank sends per micro-batch."""
+    pp = layout.pp
+    if pp == 1:
+        return 0.0, 0
+    B, T, d = layout.micro_batch_size, layout.seq_len, cfg.d_model
+    act = B * T * d * layout.act_bytes
+    pp_bytes = act * ((not last) + (not first))  # encoder forward, backward
+    pp_bytes += act * (pp - 1 if last else 1)  # memory broadcast (last) / its gradient
+    pp_bytes += 2 * T * B * d * layout.act_bytes  # decoder state forward (ring) and its gradient
+    return pp_bytes, (not last) + (not first) + (pp - 1 if last else 1) + 2 * T
+
+
+def _dp_per_step(cfg: ModelConfig, layout: Layout, stage: int, micro: int, first: bool,
+                 last: bool) -> tuple[float, int]:
+    """Data-parallel bytes and messages of one rank per optimizer step (ZeRO stage aware)."""
+    dp, w = layout.dp, 4 if layout.dtype == "fp32" else 2
+    counts = rank_param_counts(cfg, layout.tp, layout.pp, stage, layout.pp_split)
     psi = counts["total"]
     dp_bytes, dp_msgs = 0.0, 0
     if dp > 1:
@@ -107,15 +108,26 @@ def comm_per_step(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, dic
             dp_bytes, dp_msgs = 2 * _gather(dp, psi * w), 2
         else:
             regather = psi > layout.buckets.stage3_max_live_parameters
-            gathers = (1 + (T if regather else 1)) * 2  # forward and backward, per micro-batch
+            gathers = (1 + (layout.seq_len if regather else 1)) * 2  # forward and backward, per micro-batch
             dp_bytes = micro * (gathers * _gather(dp, psi * w) + _gather(dp, psi * w))
             dp_msgs = micro * (gathers + 1)
     # Tied embeddings with P > 1: the lm_head copy's gradient is all-reduced with embed's.
-    if pp > 1 and cfg.tie_embeddings and (first or last):
+    if layout.pp > 1 and cfg.tie_embeddings and (first or last):
         dp_bytes += _allreduce(2, (counts["embed"] + counts["lm_head"]) * w)
         dp_msgs += 1
+    return dp_bytes, dp_msgs
+
+
+def comm_per_step(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, dict[str, float]]:
+    """Bytes sent and messages per optimizer step by one rank of ``stage``, by group."""
+    n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
+    first, last = stage == 0, stage == layout.pp - 1
+    micro = layout.micro_batches * layout.grad_accum  # micro-batches per optimizer step
+    tp_bytes, tp_msgs = _tp_per_micro(cfg, layout, n, first, last)
+    pp_bytes, pp_msgs = _pp_per_micro(cfg, layout, first, last)
+    dp_bytes, dp_msgs = _dp_per_step(cfg, layout, stage, micro, first, last)
     return {
-        "tp": {"bytes": micro * tp_bytes, "messages": micro * tp_msgs, "group_size": tp},
-        "pp": {"bytes": micro * pp_bytes, "messages": micro * pp_msgs, "group_size": pp},
-        "dp": {"bytes": dp_bytes, "messages": dp_msgs, "group_size": dp},
+        "tp": {"bytes": micro * tp_bytes, "messages": micro * tp_msgs, "group_size": layout.tp},
+        "pp": {"bytes": micro * pp_bytes, "messages": micro * pp_msgs, "group_size": layout.pp},
+        "dp": {"bytes": dp_bytes, "messages": dp_msgs, "group_size": layout.dp},
     }

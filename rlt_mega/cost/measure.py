@@ -100,43 +100,47 @@ def zero_probe(rank: int, world_size: int, port: int, model_cfg: dict, cases: li
     deepspeed.utils.logger.setLevel(logging.WARNING)
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no JIT-built op on CPU
     deepspeed.init_distributed(dist_backend="gloo")
-    from rlt_mega.config import CheckpointingConfig, ModelConfig
-    from rlt_mega.model.rlt import build_model
+    from rlt_mega.config import ModelConfig
 
     cfg = ModelConfig(**model_cfg)
-    out = []
-    for case in cases:
-        model = build_model(cfg, seed=0)
-        model.set_checkpointing(CheckpointingConfig(**case.get("checkpointing", {})))
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-        buckets = case.get("buckets", {})
-        ds_config = {
-            "train_micro_batch_size_per_gpu": case["batch"], "gradient_accumulation_steps": 1,
-            "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
-            "zero_optimization": {"stage": case["zero_stage"], **buckets},
-        }
-        gen = torch.Generator().manual_seed(rank)
-        tokens = torch.randint(0, cfg.vocab_size, (case["batch"], case["seq_len"]), generator=gen)
-        targets = torch.randint(0, cfg.vocab_size, (case["batch"], case["seq_len"]), generator=gen)
-        tracker = _PeakTracker()
-        tracker.track_external(model, tokens, targets)
-        with tracker:
-            engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
-            for i in range(2):
-                if i == 1:  # measure the steady state only
-                    tracker.reset_mod_stats()
-                    tracker._peak_mem = {}
-                loss = F.cross_entropy(engine(tokens).flatten(0, 1), targets.flatten())
-                engine.backward(loss)
-                engine.step()
-                del loss
-        zero_opt = engine.optimizer
-        inner = zero_opt.optimizer
-        moments = sum(t.numel() for s in inner.state.values() for t in s.values()
-                      if torch.is_tensor(t) and t.dim() > 0)
-        masters = getattr(zero_opt, "single_partition_of_fp32_groups", None) or \
-            getattr(zero_opt, "fp32_partitioned_groups_flat", [])
-        out.append({"peak": int(tracker.get_tracker_snapshot("peak")[tokens.device]["Total"]),
-                    "moments_numel": int(moments), "master_numel": int(sum(t.numel() for t in masters))})
-        del engine, zero_opt, inner, model, optimizer
-    results[rank] = out
+    results[rank] = [_zero_case(cfg, case, rank) for case in cases]
+
+
+def _zero_case(cfg, case: dict, rank: int) -> dict:
+    """One case of :func:`zero_probe`: peak storage bytes of the second step, Adam moments and
+    fp32 master numel on this rank."""
+    import deepspeed
+
+    from rlt_mega.config import CheckpointingConfig
+    from rlt_mega.model.rlt import build_model
+
+    model = build_model(cfg, seed=0)
+    model.set_checkpointing(CheckpointingConfig(**case.get("checkpointing", {})))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    ds_config = {
+        "train_micro_batch_size_per_gpu": case["batch"], "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+        "zero_optimization": {"stage": case["zero_stage"], **case.get("buckets", {})},
+    }
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, cfg.vocab_size, (case["batch"], case["seq_len"]), generator=gen)
+    targets = torch.randint(0, cfg.vocab_size, (case["batch"], case["seq_len"]), generator=gen)
+    tracker = _PeakTracker()
+    tracker.track_external(model, tokens, targets)
+    with tracker:
+        engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+        for i in range(2):
+            if i == 1:  # measure the steady state only
+                tracker.reset_mod_stats()
+                tracker._peak_mem = {}
+            loss = F.cross_entropy(engine(tokens).flatten(0, 1), targets.flatten())
+            engine.backward(loss)
+            engine.step()
+            del loss
+    zero_opt = engine.optimizer
+    moments = sum(t.numel() for s in zero_opt.optimizer.state.values() for t in s.values()
+                  if torch.is_tensor(t) and t.dim() > 0)
+    masters = getattr(zero_opt, "single_partition_of_fp32_groups", None) or \
+        getattr(zero_opt, "fp32_partitioned_groups_flat", [])
+    return {"peak": int(tracker.get_tracker_snapshot("peak")[tokens.device]["Total"]),
+            "moments_numel": int(moments), "master_numel": int(sum(t.numel() for t in masters))}

@@ -190,33 +190,37 @@ class RingSchedule:
                 posted = post(program[k + 1]) if k + 1 < len(program) else []
                 x = ins[0] if ins else None
                 t0 = time.perf_counter()
-                if op.kind == "enc_fwd":
-                    out = stage.enc_fwd(op.j, x)
-                elif op.kind == "mem_fwd":
-                    out = stage.mem_fwd(op.j, x)
-                elif op.kind == "dec_fwd":
-                    out = stage.dec_fwd(op.j, op.t, x)
-                elif op.kind == "loss_fwd":
+                if op.kind == "loss_fwd":
                     part = stage.loss_fwd(op.j)
                     out, loss_sum = None, part if loss_sum is None else loss_sum + part
-                elif op.kind == "loss_bwd":
-                    out = stage.loss_bwd(op.j)
-                elif op.kind == "dec_bwd":
-                    out = stage.dec_bwd(op.j, op.t, x)
-                elif op.kind == "mem_bwd":
-                    out = stage.mem_bwd(op.j)
-                    if s == P - 1:
-                        mem_grads[op.j] = sum(ins, out)
-                elif op.kind == "enc_bwd":
-                    out = stage.enc_bwd(op.j, mem_grads.pop(op.j) if s == P - 1 else x)
-                else:  # pragma: no cover
-                    raise AssertionError(f"unknown pipeline op {op}")
+                else:
+                    out = self._compute(op, x, ins, mem_grads)
                 self.busy_s += time.perf_counter() - t0
                 for dst, stream in sends:
                     p2p.send(out, dst, stream)
         p2p.drain()
         stage.finish()
         return loss_sum
+
+    def _compute(self, op: Op, x: Optional[torch.Tensor], ins: list, mem_grads: dict) -> Optional[torch.Tensor]:
+        """The stage's work for one op other than ``loss_fwd``: what it sends on. The last stage
+        sums the memory gradients of every stage into ``mem_grads`` (the encoder's backward reads
+        them)."""
+        stage, last = self.stage, self.s == self.P - 1
+        if op.kind in ("enc_fwd", "mem_fwd"):
+            return getattr(stage, op.kind)(op.j, x)
+        if op.kind in ("dec_fwd", "dec_bwd"):
+            return getattr(stage, op.kind)(op.j, op.t, x)
+        if op.kind == "loss_bwd":
+            return stage.loss_bwd(op.j)
+        if op.kind == "mem_bwd":
+            out = stage.mem_bwd(op.j)
+            if last:
+                mem_grads[op.j] = sum(ins, out)
+            return out
+        if op.kind == "enc_bwd":
+            return stage.enc_bwd(op.j, mem_grads.pop(op.j) if last else x)
+        raise AssertionError(f"unknown pipeline op {op}")  # pragma: no cover
 
 
 def simulate(num_stages: int, num_micro: int, seq_len: int, backward: bool = True, cost=_default_cost,
