@@ -430,29 +430,8 @@ def plot(sweep: "Sweep | list[Sweep]", path: Path, title: Optional[str] = None,
     families = list(dict.fromkeys(r.family for _, r in pairs))
     colours = {f: plt.get_cmap("tab10")(i % 10) for i, f in enumerate(families)}
     fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=100)
-    for point in dict.fromkeys((id(s), r.point or r.name) for s, r in pairs):  # mean training curve over seeds
-        runs = [(s, r) for s, r in pairs if (id(s), r.point or r.name) == point]
-        curves = [[(rec["train/tokens"] * flops_per_token(r.config), rec["train/loss"])
-                   for rec in read_records(s, r) if "train/loss" in rec] for s, r in runs]
-        curves = [c for c in curves if c]
-        if not curves:
-            continue
-        n = min(len(c) for c in curves)
-        xs = [curves[0][i][0] for i in range(n)]
-        ys = trailing_mean([sum(c[i][1] for c in curves) / len(curves) for i in range(n)], sweep.smooth)
-        ax.plot(xs, ys, color=colours[runs[0][1].family], linewidth=0.8, alpha=0.35)
-    for family in families:
-        ps = [p for p in points if p["family"] == family and math.isfinite(p[metric])]
-        if not ps:
-            continue
-        fit = fits[family]
-        name = family + (f" (alpha={fit['alpha']:.3f})" if math.isfinite(fit["alpha"]) else "")
-        ax.errorbar([p["compute_flops"] for p in ps], [p[metric] for p in ps], yerr=[p[metric + "_std"] for p in ps],
-                    fmt="o", color=colours[family], markersize=4, capsize=3, label=name)
-        if math.isfinite(fit["alpha"]):
-            lo, hi = fit["compute_min"], fit["compute_max"]
-            xs = [lo * (hi / lo) ** (i / 20) for i in range(21)]
-            ax.plot(xs, [fit["a"] * x ** -fit["alpha"] for x in xs], "--", color=colours[family], linewidth=1.2)
+    _plot_curves(ax, pairs, colours, sweep.smooth)
+    _plot_fits(ax, families, points, fits, metric, colours)
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("training compute (FLOPs, forward + backward)")
@@ -465,6 +444,37 @@ def plot(sweep: "Sweep | list[Sweep]", path: Path, title: Optional[str] = None,
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _plot_curves(ax, pairs: list, colours: dict, smooth: int) -> None:
+    """Each point's mean training curve over its seeds (thin), loss against compute."""
+    for point in dict.fromkeys((id(s), r.point or r.name) for s, r in pairs):
+        runs = [(s, r) for s, r in pairs if (id(s), r.point or r.name) == point]
+        curves = [[(rec["train/tokens"] * flops_per_token(r.config), rec["train/loss"])
+                   for rec in read_records(s, r) if "train/loss" in rec] for s, r in runs]
+        curves = [c for c in curves if c]
+        if not curves:
+            continue
+        n = min(len(c) for c in curves)
+        xs = [curves[0][i][0] for i in range(n)]
+        ys = trailing_mean([sum(c[i][1] for c in curves) / len(curves) for i in range(n)], smooth)
+        ax.plot(xs, ys, color=colours[runs[0][1].family], linewidth=0.8, alpha=0.35)
+
+
+def _plot_fits(ax, families: list, points: list, fits: dict, metric: str, colours: dict) -> None:
+    """Each family's final losses with their spread over seeds and its fitted power law."""
+    for family in families:
+        ps = [p for p in points if p["family"] == family and math.isfinite(p[metric])]
+        if not ps:
+            continue
+        fit = fits[family]
+        name = family + (f" (alpha={fit['alpha']:.3f})" if math.isfinite(fit["alpha"]) else "")
+        ax.errorbar([p["compute_flops"] for p in ps], [p[metric] for p in ps], yerr=[p[metric + "_std"] for p in ps],
+                    fmt="o", color=colours[family], markersize=4, capsize=3, label=name)
+        if math.isfinite(fit["alpha"]):
+            lo, hi = fit["compute_min"], fit["compute_max"]
+            xs = [lo * (hi / lo) ** (i / 20) for i in range(21)]
+            ax.plot(xs, [fit["a"] * x ** -fit["alpha"] for x in xs], "--", color=colours[family], linewidth=1.2)
 
 
 def plot_accuracy(rows: list[dict], path: Path, title: Optional[str] = None) -> None:
