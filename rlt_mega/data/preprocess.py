@@ -129,6 +129,28 @@ def _pool(workers: int, tokenizer_spec: str, text_field: Optional[str]):
     return context.Pool(workers, initializer=_init_worker, initargs=(tokenizer_spec, text_field))
 
 
+def _tokenize_all(pool, rows, chunk: int, workers: int, writer, result: PreprocessResult, bar) -> None:
+    """Chunks of ``rows`` tokenized by the pool and written in order, at most 2 x workers in
+    flight (the reader never runs ahead of the writer)."""
+
+    def write(done) -> None:
+        tokens, lengths, bad, size, pid, cpu = done.get()
+        result.worker_cpu[pid] = result.worker_cpu.get(pid, 0.0) + cpu
+        writer.add(tokens, lengths)
+        result.skipped.update(bad)
+        result.text_bytes += size
+        bar.update(size)
+        bar.set_postfix(docs=f"{writer.num_docs:,}", tok=f"{writer.num_tokens:,}", refresh=False)
+
+    in_flight: deque = deque()
+    for batch in rows.iter(batch_size=chunk):
+        in_flight.append(pool.apply_async(tokenize_chunk, (batch,)))
+        if len(in_flight) >= 2 * workers:
+            write(in_flight.popleft())
+    while in_flight:
+        write(in_flight.popleft())
+
+
 # ------------------------------------------------------------------------------ the job
 def preprocess(source: str, tokenizer: str, out: str, workers: int = 1, text_field: Optional[str] = None,
                hub_config: Optional[str] = None, split: str = "train", overwrite: bool = False,
@@ -153,22 +175,7 @@ def preprocess(source: str, tokenizer: str, out: str, workers: int = 1, text_fie
         bar = tqdm(total=total, unit="B", unit_scale=True, desc=f"preprocess {os.path.basename(out)}",
                    disable=not progress, dynamic_ncols=True)
 
-        def write(done) -> None:
-            tokens, lengths, bad, size, pid, cpu = done.get()
-            result.worker_cpu[pid] = result.worker_cpu.get(pid, 0.0) + cpu
-            writer.add(tokens, lengths)
-            result.skipped.update(bad)
-            result.text_bytes += size
-            bar.update(size)
-            bar.set_postfix(docs=f"{writer.num_docs:,}", tok=f"{writer.num_tokens:,}", refresh=False)
-
-        in_flight: deque = deque()
-        for batch in rows.iter(batch_size=chunk):
-            in_flight.append(pool.apply_async(tokenize_chunk, (batch,)))
-            if len(in_flight) >= 2 * workers:  # bounded: the reader never runs ahead of the writer
-                write(in_flight.popleft())
-        while in_flight:
-            write(in_flight.popleft())
+        _tokenize_all(pool, rows, chunk, workers, writer, result, bar)
         result.documents, result.tokens = writer.num_docs, writer.num_tokens
         if result.documents == 0:
             raise DataError(f"{source} has no usable documents"
