@@ -37,16 +37,9 @@ import functools
 
 from rlt_mega.config import ModelConfig
 from rlt_mega.model import kernels as fused_kernels
-from rlt_mega.model.decoder import KV_CHUNK, checkpoint_slots, wgrad_positions
-from rlt_mega.model.workspace import SLAB_ALIGN
+from rlt_mega.model.run_buffers import PURPOSES, bytes_by_purpose, run_buffers
 from rlt_mega.cost.layout import Layout
 from rlt_mega.cost.params import stage_layers
-
-PURPOSES = ("saved", "wgrad_ring", "kv_rows", "kv", "input_grads")
-
-
-def _aligned(nbytes: float) -> int:
-    return -(-int(nbytes) // SLAB_ALIGN) * SLAB_ALIGN
 
 
 def _shapes(cfg: ModelConfig, layout: Layout) -> tuple[int, int, int, int, int]:
@@ -55,52 +48,35 @@ def _shapes(cfg: ModelConfig, layout: Layout) -> tuple[int, int, int, int, int]:
     return cfg.d_model, cfg.head_dim, cfg.n_heads // tp, cfg.n_kv_heads // tp, cfg.ffn_hidden // tp
 
 
-def _checkpointed(layout: Layout) -> bool:
-    return layout.checkpointing.decoder != "none"
+def segment_of(layout: Layout):
+    """The decoder run's segment length k (None: not checkpointed): model/dense_decode.segment_length."""
+    ck = layout.checkpointing
+    if ck.decoder == "none":
+        return None
+    return 1 if ck.decoder == "step" else ck.decoder_k
 
 
 def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = True,
                      scratch: bool = False) -> dict[str, int]:
     """One micro-batch's slab by purpose, in bytes: DecoderRun.buffer_bytes() of the run the dense
-    schedule (or a pipeline stage) builds for B = micro_batch_size rows of T = seq_len positions."""
+    schedule (or a pipeline stage) builds for B = micro_batch_size rows of T = seq_len positions,
+    from the list it allocates (model/run_buffers.py). scratch: {"scratch": the backward's part}."""
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
-    out = _run_buffer_bytes(_shapes(cfg, layout), n, layout.micro_batch_size, layout.seq_len, layout.act_bytes,
-                            _checkpointed(layout), stage == 0, grad)
-    if scratch:
-        return {"scratch": out["wgrad_ring"] + out["kv_rows"] + out["input_grads"] + out["kv_grads"]}
-    return {k: v for k, v in out.items() if k != "kv_grads"}
+    return dict(_run_buffer_bytes(_shapes(cfg, layout), n, layout.micro_batch_size, layout.seq_len,
+                                  layout.act_bytes, segment_of(layout), stage == 0, grad, scratch))
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for the same shapes across its thousands of layouts
-def _run_buffer_bytes(shapes: tuple, n: int, B: int, T: int, a: int, checkpointed: bool, first: bool,
-                      grad: bool) -> dict[str, int]:
-    """run_buffer_bytes of n layers of these shapes, "kv" holding the K/V gradients, also named
-    apart as "kv_grads" (part of the scratch); ``first``: the stage that holds the recurrence input."""
+def _run_buffer_bytes(shapes: tuple, n: int, B: int, T: int, a: int, checkpoint, first: bool, grad: bool,
+                      scratch: bool) -> tuple:
     d, Dh, h, h_kv, F = shapes
-    g, BH, S = h // h_kv, B * h_kv, 1 + T  # S: the null slot + every position's memory
-    st = 4  # the statistics dtype (1/rms, K/V gradients, the K/V rows): fp32
-    W, Wkv = wgrad_positions(B, T), min(KV_CHUNK, T)
-    slots = checkpoint_slots(B, T) if checkpointed else T
-    out = dict.fromkeys((*PURPOSES, "kv_grads"), 0)
-    if n:  # every layer's buffers are the same: one layer's, times n below
-        one = 1 if checkpointed else slots  # qk, cq, gu: one slot when checkpointed
-        for width, rows in (((h + h_kv) * Dh, one), (h * Dh, one), (2 * F, one), (F, slots)):  # qk cq gu f
-            out["saved"] += _aligned(rows * B * width * a) if grad else 0  # (a run without backward keeps none)
-        for width, size in ((d, a), (1, st), (h * Dh, a), (d, a), (1, st), (h * Dh, a), (d, a), (1, st)):
-            out["saved"] += _aligned(T * B * width * size) if grad else 0  # a1 r1 o1 a2 r2 c a3 r3
-        out["kv"] += 2 * _aligned(B * h_kv * Dh * T * a) + 2 * _aligned(BH * Dh * S * a)
-        if grad:
-            for width in ((h + 2 * h_kv) * Dh, d, h * Dh, d, 2 * F, d):  # dqkv g2 dcq g3 dgu g4
-                out["wgrad_ring"] += _aligned(W * B * width * a)
-            out["kv_grads"] += 2 * _aligned(B * h_kv * Dh * T * st) + 2 * _aligned(BH * Dh * S * st)
-            for keys in (T, S):  # self, memory: q and do rows, p and ds rows
-                out["kv_rows"] += 2 * _aligned(BH * Wkv * g * Dh * st) + 2 * _aligned(BH * Wkv * g * keys * st)
-    out = {k: n * v for k, v in out.items()}
-    if first and grad:  # the recurrence input: a0 and r0, and u's gradient
-        out["saved"] += _aligned(T * B * d * a) + _aligned(T * B * st)
-        out["input_grads"] += _aligned(T * B * d * a)
-    out["kv"] += out["kv_grads"]
-    return out
+    # the stream and compute dtypes are the run's activation dtype; statistics fp32
+    roles = {"compute": a, "stream": a, "stat": 4}
+    buffers = run_buffers(range(n), B, T, 1 + T, d, Dh, h, h_kv, F, grad=grad, with_input=first,
+                          checkpoint=checkpoint)
+    if scratch:
+        return (("scratch", sum(bytes_by_purpose(buffers, roles, backward=True).values())),)
+    return tuple(bytes_by_purpose(buffers, roles).items())
 
 
 def run_scratch_bytes(cfg: ModelConfig, layout: Layout, stage: int) -> int:

@@ -99,49 +99,23 @@ import torch.nn.functional as F
 
 from rlt_mega.model.kernels import Gemm, LayerGemms, attend, attention_grads, rms_backward, rms_forward, rope
 from rlt_mega.model.layout import StaticStep, Step
+from rlt_mega.model.run_buffers import KV_CHUNK, PURPOSES, RING, SAVED, ring_slots, run_buffers, wgrad_positions
 from rlt_mega.model.stack import DecoderStack, KVState, WeightGrads
 from rlt_mega.model.workspace import Slab
 
 if TYPE_CHECKING:  # the schedule's rows are passed in (a layout the model reads); model/ never imports them
     from rlt_mega.schedule.dense import DensePlan
 
-# Rows per weight-gradient GEMM: enough to run it at this CPU's matmul peak (measured: 96 GFLOP/s
-# at 512 rows, the same as a 2048^3 torch.mm).
-WGRAD_ROWS = 512
-# Positions per deferred K/V-gradient chunk: the direct part grows with it, the per-chunk GEMM's
-# inner dimension too.
-KV_CHUNK = 16
-
 def _as(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """x in ``dtype``; without a dispatch when it already is (the per-position loop's common case)."""
     return x if x.dtype == dtype else x.to(dtype)
-
-
-def wgrad_positions(batch: int, capacity: int) -> int:
-    """W: positions per weight-gradient flush, a function of the batch size alone (capped at
-    the capacity)."""
-    return max(1, min(capacity, math.ceil(WGRAD_ROWS / batch)))
-
-
-def checkpoint_slots(batch: int, capacity: int) -> int:
-    """Activation slots of a checkpointed run: each position's slot tensors are recomputed just
-    before its backward, and the one read later (the down product's input, at its chunk's
-    weight-gradient flush) must live until then: one chunk. The others (RoPE'd q/k, the cross
-    query, gate/up: ``_ONE_SLOT``) are read by the position's own backward only: one slot."""
-    return wgrad_positions(batch, capacity)
 
 
 # ------------------------------------------------------------------------------------------
 # The run
 # ------------------------------------------------------------------------------------------
 
-_SAVED = ("qk", "cq", "gu", "f")  # per layer and activation slot: recomputed when checkpointed
-_ONE_SLOT = ("qk", "cq", "gu")  # (checkpointed) read by the position's own backward only
-# per layer and position, kept in every mode (see "Checkpointing"): the normalised inputs of the
-# three norms with their 1/rms, and the two attention outputs
-_POSITIONAL = ("a1", "r1", "a2", "r2", "a3", "r3", "o1", "c")
-_RING = ("dqkv", "g2", "dcq", "g3", "dgu", "g4")  # per layer and ring slot: the products' dY
-_NOT_KEPT = dict.fromkeys((*_SAVED, *_POSITIONAL))  # (read only) a forward that keeps nothing of these
+_NOT_KEPT = dict.fromkeys(SAVED)  # (read only) a forward that keeps nothing of these
 
 
 class DecoderRun:
@@ -156,8 +130,9 @@ class DecoderRun:
 
     def __init__(self, stack: DecoderStack, batch: int, capacity: int,
                  memory: Optional[Sequence[tuple[torch.Tensor, torch.Tensor]]] = None, grads: Optional[WeightGrads] = None,
-                 slots: Optional[int] = None, static: bool = False, rows: Optional[DensePlan] = None,
-                 state: Optional[KVState] = None, documents=None, z0: Optional[torch.Tensor] = None) -> None:
+                 checkpoint: Optional[int] = None, static: bool = False, rows: Optional[DensePlan] = None,
+                 state: Optional[KVState] = None, documents=None, z0: Optional[torch.Tensor] = None,
+                 embeddings: Optional[torch.Tensor] = None, keep_inputs: bool = True) -> None:
         spec = stack.spec
         if rows is not None and (static or rows.B != batch or rows.T < capacity):
             raise ValueError(f"a row plan of {rows.B} rows x {rows.T} positions for a {'static ' if static else ''}"
@@ -167,75 +142,46 @@ class DecoderRun:
             raise ValueError("a decoder run takes the memory K/V (the dense schedule) or a K/V state (the rollout)")
         if documents is not None and (static or rows is not None or (spec.with_input and z0 is None)):
             raise ValueError("packed documents run the eager form on every row, and need z_init (z0) to restart from")
+        if checkpoint is not None and checkpoint < 1:
+            raise ValueError(f"a checkpointed run recomputes segments of k >= 1 positions, not {checkpoint}")
         self.stack, self.B, self.capacity, self.grads, self.static = stack, batch, capacity, grads, static
         self.row_plan = rows
-        B, d, Dh, ffn = batch, stack.d, spec.head_dim, stack.ffn
+        B, d, Dh = batch, stack.d, spec.head_dim
         h, h_kv = spec.num_heads, spec.num_kv_heads
         self.h, self.h_kv, self.g = h, h_kv, (h // h_kv if h_kv else 0)
-        BH, g = B * h_kv, self.g
-        cd, sd, st = stack.compute_dtype, stack.stream_dtype, stack.stat_dtype
-        self.slots = capacity if slots is None else slots
+        BH = B * h_kv
+        grad = grads is not None
+        # checkpoint: segments of k positions recomputed before their backward (model/run_buffers.py)
+        self.checkpoint = checkpoint if grad else None
+        self.slots = ring_slots(batch, capacity, self.checkpoint)
         self.chunk = wgrad_positions(batch, capacity)
         self.kv_chunk = min(KV_CHUNK, capacity)
-        grad = grads is not None
         self.documents = documents
         self.z0 = None if z0 is None else z0.detach()  # z_init per row: where a packed document restarts
         self.z0_grad: Optional[torch.Tensor] = None  # its gradient from the restarts (added by the caller)
+        self.embeddings = embeddings  # (T, B, d), any strides: e_t for a segment's recomputation
         if state is not None:
             S = next(iter(state.mkt4.values())).shape[-1] if state.mkt4 else 1
         else:
             S = memory[0][0].shape[2] if len(memory) else 1
         self.mem_capacity = S
-        widths = {"a1": d, "r1": 1, "qk": (h + h_kv) * Dh, "o1": h * Dh, "a2": d, "r2": 1, "cq": h * Dh,
-                  "c": h * Dh, "a3": d, "r3": 1, "gu": 2 * ffn, "f": ffn,
-                  "dqkv": (h + 2 * h_kv) * Dh, "g2": d, "dcq": h * Dh, "g3": d, "dgu": 2 * ffn, "g4": d}
-        dtypes = {"r1": st, "r2": st, "r3": st, "g2": sd, "g3": sd, "g4": sd}
-        # the forward's buffers (what the backward reads), and the backward's own scratch (the
-        # rings, K/V gradients and rows, the embeddings' gradient): see "Memory" above
+        # the forward's buffers (what the backward reads: the kept tensors and the K/V), and the
+        # backward's own scratch (the rings, K/V gradients and rows, the embeddings' gradient):
+        # both from the one list the planner prices (model/run_buffers.py)
+        buffers = run_buffers(spec.layers, B, capacity, S, d, Dh, h, h_kv, stack.ffn, grad=grad,
+                              with_input=spec.with_input, checkpoint=self.checkpoint, static=static,
+                              own_kv=state is None, keep_inputs=keep_inputs)
+        dtypes = {"compute": stack.compute_dtype, "stream": stack.stream_dtype, "stat": stack.stat_dtype}
         slab, scratch = Slab(stack.device), Slab(stack.device)
-        self._purpose: dict[str, str] = {}
-
-        def add(name: str, purpose: str, shape: tuple, dtype: torch.dtype, zero: bool = False,
-                backward: bool = False) -> None:
-            # under a row plan the deferred K/V rows of the rows a position does not run stay 0
-            self._purpose[name] = purpose
-            (scratch if backward else slab).add(name, shape, dtype, zero or (rows is not None and purpose == "kv_rows"))
-
-        for i in spec.layers:
-            if grad:  # a run without backward keeps nothing
-                for n in _SAVED:
-                    rows = 1 if (slots is not None and n in _ONE_SLOT) else self.slots
-                    add(f"{n}{i}", "saved", (rows, B, widths[n]), dtypes.get(n, cd))
-                for n in _POSITIONAL:
-                    add(f"{n}{i}", "saved", (capacity, B, widths[n]), dtypes.get(n, cd))
-            if state is None:  # decoder K/V, keys transposed (KVState): (B, h_kv, Dh, cap), (B, h_kv, cap, Dh)
-                add(f"kt{i}", "kv", (B, h_kv, Dh, capacity), cd, zero=True)
-                add(f"v{i}", "kv", (B, h_kv, capacity, Dh), cd, zero=True)
-                add(f"mkt{i}", "kv", (B, h_kv, Dh, S), cd)
-                add(f"mv{i}", "kv", (B, h_kv, S, Dh), cd)
-            if grad:
-                for n in _RING:
-                    add(f"{n}{i}", "wgrad_ring", (self.chunk, B, widths[n]), dtypes.get(n, cd), backward=True)
-                add(f"gkt{i}", "kv", (B, h_kv, Dh, capacity), st, zero=True, backward=True)
-                add(f"gv{i}", "kv", (B, h_kv, capacity, Dh), st, zero=True, backward=True)
-                add(f"gmkt{i}", "kv", (BH, Dh, S), st, zero=True, backward=True)
-                add(f"gmv{i}", "kv", (BH, S, Dh), st, zero=True, backward=True)
-                if not static:  # the chunk's stored rows for the deferred K/V gradients (batch-major)
-                    W = self.kv_chunk
-                    for kind, n_keys in (("s", capacity), ("m", S)):
-                        add(f"q{kind}{i}", "kv_rows", (BH, W * g, Dh), st, backward=True)
-                        add(f"do{kind}{i}", "kv_rows", (BH, W * g, Dh), st, backward=True)
-                        add(f"p{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True, backward=True)
-                        add(f"ds{kind}{i}", "kv_rows", (BH, W * g, n_keys), st, zero=True, backward=True)
-        if spec.with_input and grad:
-            add("a0", "saved", (capacity, B, d), cd)
-            add("r0", "saved", (capacity, B, 1), st)
-            add("du", "input_grads", (capacity, B, d), sd, backward=True)  # u_t's: recur's dY and the embedding's
+        self._purpose = {b.name: b.purpose for b in buffers}
+        for b in buffers:  # under a row plan the deferred K/V rows of the rows a position does not run stay 0
+            (scratch if b.backward else slab).add(b.name, b.shape, dtypes[b.role],
+                                                  b.zero or (rows is not None and b.purpose == "kv_rows"))
         self._sizes = {**slab.sizes(), **scratch.sizes()}
         self._scratch_sizes = scratch.sizes()
         self.tensors = slab.allocate(self)
-        self.buf = {i: ({n: self.tensors[f"{n}{i}"] for n in (*_SAVED, *_POSITIONAL)} if grad else {})
-                    for i in spec.layers}
+        self.buf = {i: ({n: self.tensors[f"{n}{i}"] for n in SAVED} if grad else {}) for i in spec.layers}
+        self.xs = self.tensors.get("x")  # (T, B, d): the kept stage inputs of a checkpointed run
         self.state = state
         if state is None:
             self.state = KVState(*({i: self.tensors[f"{n}{i}"] for i in spec.layers} for n in ("kt", "v", "mkt", "mv")))
@@ -249,8 +195,8 @@ class DecoderRun:
             self._bind_scratch()
         self.position = None
         if static:
-            self.position = StaticStep(capacity, S, self.slots, self.chunk, stack.C, stack.tables, cd, stack.device,
-                                       batch)
+            self.position = StaticStep(capacity, S, self.slots, self.chunk, stack.C, stack.tables,
+                                       stack.compute_dtype, stack.device, batch)
 
     def buffer_bytes(self) -> dict[str, int]:
         """This run's buffers by purpose, in bytes (the backward's scratch included, allocated
@@ -258,7 +204,7 @@ class DecoderRun:
         outputs), what deferring costs ("wgrad_ring": the products' output gradients; "kv_rows":
         the rows of the deferred K/V gradients), the K/V with their gradients ("kv"), and the
         embeddings' gradient ("input_grads")."""
-        out = dict.fromkeys(("saved", "wgrad_ring", "kv_rows", "kv", "input_grads"), 0)
+        out = dict.fromkeys(PURPOSES, 0)
         for name, nbytes in self._sizes.items():
             out[self._purpose[name]] += nbytes
         return out
@@ -276,7 +222,7 @@ class DecoderRun:
         self._scratch_names = tuple(tensors)
         self.tensors.update(tensors)
         for i in spec.layers:
-            self.buf[i].update({n: tensors[f"{n}{i}"] for n in _RING})
+            self.buf[i].update({n: tensors[f"{n}{i}"] for n in RING})
         self.du = tensors["du"] if spec.with_input else None
         self.gkt4 = {i: tensors[f"gkt{i}"] for i in spec.layers}
         self.gv4 = {i: tensors[f"gv{i}"] for i in spec.layers}
@@ -297,7 +243,7 @@ class DecoderRun:
         for name in self._scratch_names:
             del self.tensors[name]
         for i in self.stack.spec.layers:
-            for n in _RING:
+            for n in RING:
                 del self.buf[i][n]
         self.du = self.gkt4 = self.gv4 = self.gkt = self.gv = self.gmkt = self.gmv = self.kv_rows = None
         self._scratch_names = ()
@@ -346,19 +292,25 @@ class DecoderRun:
                 mode: str = "save") -> Optional[torch.Tensor]:
         """Position t: x (B, d) in the stream dtype (z_{t-1} with the input layer), e (B, d)
         contiguous, the embedding of x_t (input layer only) -> y (B, d). mode: "save" (keep
-        everything the backward reads), "checkpoint" (keep the K/V and the per-position
-        tensors only), "recompute" (after "checkpoint", just before this position's backward:
-        the rest from what was kept; x and e unused, returns None) or "none" (no backward:
-        keep the K/V only)."""
+        everything the backward reads), "checkpoint" (keep the K/V and the stage input x only),
+        "recompute" (after "checkpoint", in the backward: position t again from the kept x into
+        its ring slot, the K/V left as they are; x and e unused, returns None; ``backward`` runs
+        it a segment at a time) or "none" (no backward: keep the K/V only)."""
+        if mode == "checkpoint" and self.xs is not None:
+            self.xs[t].copy_(x)
+        if mode == "recompute":
+            x = self.xs[t]
+            e = None if self.embeddings is None else self.embeddings[t].contiguous()
         step = None if self.row_plan is None else self.row_plan.step(t)
         if step is None:
-            return self.step_forward(self.at(t), x, e, mode)
+            y = self.step_forward(self.at(t), x, e, mode)
+            return None if mode == "recompute" else y
         pos = self.at(t)
-        if self.grads is not None and step.n < self.B:
-            self._zero_idle_inputs(pos, step.n, mode)
+        if self.grads is not None and step.n < self.B and mode != "checkpoint":
+            self._zero_idle_inputs(pos, step.n)
         if mode == "recompute":
             if step.n:
-                self.step_forward(pos, None, None, mode)
+                self.step_forward(pos, step.gather(x), None if e is None else step.gather(e), mode)
             return None
         for fork in step.forks:  # the representative's K/V history into the group's other rows
             for i in self.stack.spec.layers:
@@ -370,28 +322,30 @@ class DecoderRun:
         y = self.step_forward(pos, step.gather(x), None if e is None else step.gather(e), mode)
         return step.outputs(y)
 
-    def _zero_idle_inputs(self, pos, n: int, mode: str) -> None:
+    def recompute(self, t0: int, t1: int) -> None:
+        """Positions [t0, t1) of a checkpointed run again, in order, from the kept stage inputs
+        into their ring slots (attention included: it reads the kept K/V)."""
+        if self.stack.spec.with_input and self.embeddings is None:
+            raise ValueError("a checkpointed run with the input layer recomputes from the embeddings: pass "
+                             "embeddings= (T, B, d) to DecoderRun")
+        for t in range(t0, t1):
+            self.forward(t, None, None, mode="recompute")
+
+    def _zero_idle_inputs(self, pos, n: int) -> None:
         """Under a row plan: rows [n:] of the products' inputs that the weight-gradient flush
         reads at this position are zeros (their output gradients are zero too, and 0 x whatever
         a reused buffer held could be NaN)."""
         for i in self.stack.spec.layers:
             b = self.buf[i]
-            if mode != "recompute":
-                for name in ("a1", "o1", "a2", "c", "a3"):
-                    b[name][pos.t, n:].zero_()
-            if mode != "checkpoint":
-                b["f"][pos.slot, n:].zero_()
-        if self.stack.spec.with_input and mode != "recompute":
-            self.a0[pos.t, n:].zero_()
+            for name in ("a1", "o1", "a2", "c", "a3", "f"):
+                b[name][pos.slot, n:].zero_()
+        if self.stack.spec.with_input:
+            self.a0[pos.slot, n:].zero_()
 
-    def step_forward(self, pos, x: Optional[torch.Tensor], e: Optional[torch.Tensor], mode: str) -> Optional[torch.Tensor]:
+    def step_forward(self, pos, x: Optional[torch.Tensor], e: Optional[torch.Tensor], mode: str) -> torch.Tensor:
         stack = self.stack
+        keep = mode in ("save", "recompute")
         with torch.autocast(device_type=stack.device.type, enabled=False):
-            if mode == "recompute":
-                for i in stack.spec.layers:
-                    self._layer_recompute(i, pos)
-                return None
-            keep = mode != "none"
             if stack.spec.with_input:
                 if pos.reset is not None:  # a packed document starts here: its rows restart from z_init
                     x = torch.where(pos.reset[:, None], self.z0, x)
@@ -404,11 +358,11 @@ class DecoderRun:
     def _norm(self, x: torch.Tensor, pos, buf_a: Optional[torch.Tensor], buf_r: Optional[torch.Tensor]) -> torch.Tensor:
         """x / rms(x), kept with 1/rms in the position-indexed buffers when given."""
         a, r = rms_forward(x, self.stack.norm, self.stack.compute_dtype,
-                           out=None if buf_a is None else pos.out_t(buf_a),
-                           out_r=None if buf_r is None else pos.out_t(buf_r))
+                           out=None if buf_a is None else pos.out(buf_a),
+                           out_r=None if buf_r is None else pos.out(buf_r))
         if buf_a is not None:
-            pos.keep_t(buf_r, r)
-            pos.keep_t(buf_a, a)
+            pos.keep(buf_r, r)
+            pos.keep(buf_a, a)
         return a
 
     def _residual(self, gemm: Gemm, a: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -422,21 +376,21 @@ class DecoderRun:
     def _layer_forward(self, i: int, pos, x: torch.Tensor, mode: str) -> torch.Tensor:
         w, B, Dh = self.stack.layers[i], pos.n, self.stack.spec.head_dim
         h, h_kv, g = self.h, self.h_kv, self.g
-        keep = mode != "none"  # the per-position tensors
+        keep = mode in ("save", "recompute")  # what the backward reads, into the position's slot
         b = self.buf[i] if keep else _NOT_KEPT
-        s = b if mode == "save" else _NOT_KEPT  # the slot tensors
         # self-attention over the decoder's K/V of positions [0, t]
         a1 = self._norm(x, pos, b["a1"], b["r1"])
-        qk, v = self._qk(w, pos, a1, s["qk"])
-        pos.write_kv(self.state.kt4[i], self.state.v4[i], qk[:, h:], v)
+        qk, v = self._qk(w, pos, a1, b["qk"])
+        if mode != "recompute":  # (recomputing: the same values are there already)
+            pos.write_kv(self.state.kt4[i], self.state.v4[i], qk[:, h:], v)
         x = self._residual(w.o, self._attention(i, "s", pos, qk[:, :h].reshape(B * h_kv, g, Dh), keep), x)
         # cross-attention into {null} + the visible memory
         a2 = self._norm(x, pos, b["a2"], b["r2"])
-        cq = pos.keep(s["cq"], w.cross_q(a2))  # (B, h Dh)
+        cq = pos.keep(b["cq"], w.cross_q(a2))  # (B, h Dh)
         x = self._residual(w.cross_o, self._attention(i, "m", pos, cq.view(B * h_kv, g, Dh), keep), x)
         # SwiGLU MLP
         a3 = self._norm(x, pos, b["a3"], b["r3"])
-        return self._residual(w.down, self._mlp(w, pos, a3, s["gu"], s["f"]), x)
+        return self._residual(w.down, self._mlp(w, pos, a3, b["gu"], b["f"]), x)
 
     def _qk(self, w: LayerGemms, pos, a1: torch.Tensor, buf: Optional[torch.Tensor]
             ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -456,34 +410,28 @@ class DecoderRun:
         ffn = gu.shape[1] // 2
         return pos.keep(buf_f, torch.mul(F.silu(gu[:, :ffn]), gu[:, ffn:], out=pos.out(buf_f)))
 
-    def _layer_recompute(self, i: int, pos) -> None:
-        """The slot tensors of layer i at pos from the per-position ones: the three products that
-        read the normalised inputs, RoPE and SwiGLU; no norm, no attention, no residual product,
-        and nothing from any other position or layer."""
-        w, b = self.stack.layers[i], self.buf[i]
-        self._qk(w, pos, pos.load_t(b["a1"]), b["qk"])
-        pos.keep(b["cq"], w.cross_q(pos.load_t(b["a2"])))
-        self._mlp(w, pos, pos.load_t(b["a3"]), b["gu"], b["f"])
-
     def _attention(self, i: int, kind: str, pos, q: torch.Tensor, keep: bool) -> torch.Tensor:
         """Layer i's self ("s") or memory ("m") attention of q (B h_kv, g, Dh) -> (B, h Dh),
         kept per position when ``keep``."""
         buf = self.buf[i]["o1" if kind == "s" else "c"] if keep else None
         st = self.state
         keys_t, values = pos.self_keys(st.kt[i], st.v[i]) if kind == "s" else pos.mem_keys(st.mkt[i], st.mv[i])
-        out = None if buf is None else pos.out_t(buf)
+        out = None if buf is None else pos.out(buf)
         y = attend(q, keys_t, values, pos.self_mask if kind == "s" else pos.mem_mask,
                    out=None if out is None else out.view(q.shape)).view(pos.n, -1)
-        return y if buf is None else pos.keep_t(buf, y)
+        return y if buf is None else pos.keep(buf, y)
 
     # ------------------------------------------------------------------ backward
     def backward(self, t: int, gy: torch.Tensor) -> torch.Tensor:
         """Position t, after every later position: gy (B, d), the gradient of y -> the gradient
-        of x (B, d) in the stream dtype. Reads position t's saved tensors (a forward with
-        save=True since its chunk was last flushed). Flushes the deferred gradients when t is
-        the first position of a chunk."""
+        of x (B, d) in the stream dtype. Reads position t's saved tensors: kept by the forward
+        ("save"), or, checkpointed, recomputed here with the rest of t's segment of k positions
+        when t is the segment's last. Flushes the deferred gradients when t is the first position
+        of a chunk."""
         if not self._scratch_names:
             self._bind_scratch()
+        if self.xs is not None and (t + 1 == self.capacity or (t + 1) % self.checkpoint == 0):
+            self.recompute(t - t % self.checkpoint, t + 1)
         pos = self.at(t)
         step = None if self.row_plan is None else self.row_plan.step(t)
         if step is None:
@@ -495,7 +443,7 @@ class DecoderRun:
                 gx = torch.zeros_like(gy, dtype=self.stack.stream_dtype)
             if step.n < self.B:  # the other rows' output gradients are zeros in the flushes
                 for i in self.stack.spec.layers:
-                    for name in _RING:
+                    for name in RING:
                         self.buf[i][name][pos.ring, step.n:].zero_()
                 if self.stack.spec.with_input:
                     self.du[t, step.n:].zero_()
@@ -538,7 +486,7 @@ class DecoderRun:
             # the recurrence input: u = e + recur(a0), a0 = z_{t-1} / rms; du is e's gradient too
             pos.put(self.du, pos.t, g)
             da0 = stack.recur.grad_input(_as(g, stack.compute_dtype))
-            gx = rms_backward(da0, pos.load_t(self.a0), pos.load_t(self.r0), stack.norm, None).to(stack.stream_dtype)
+            gx = rms_backward(da0, pos.load(self.a0), pos.load(self.r0), stack.norm, None).to(stack.stream_dtype)
             if pos.reset is not None:  # the restarted rows' gradient is z_init's, not z_{t-1}'s
                 restart = pos.reset[:, None]
                 g0 = torch.where(restart, gx, torch.zeros((), dtype=gx.dtype, device=gx.device))
@@ -570,7 +518,7 @@ class DecoderRun:
             torch.ops.aten.silu_backward.grad_input(df * up, gate, grad_input=dgu[:, :ffn])
             torch.mul(df, F.silu(gate), out=dgu[:, ffn:])
         da3 = self._reduce(w.gate_up.grad_input(dgu))
-        g3 = pos.keep_ring(b["g3"], rms_backward(da3, pos.load_t(b["a3"]), pos.load_t(b["r3"]), nc, g4,
+        g3 = pos.keep_ring(b["g3"], rms_backward(da3, pos.load(b["a3"]), pos.load(b["r3"]), nc, g4,
                                                  out=pos.out_ring(b["g3"])))
         # cross-attention: x3 = x2 + cross_o(attend(cross_q(a2), memory))
         dc = w.cross_o.grad_input(_as(g3, cd)).view(BH, g, Dh)
@@ -578,7 +526,7 @@ class DecoderRun:
         dcq = self._attention_backward(i, "m", pos, cq, dc, pos.out_ring(b["dcq"]))
         dcq = pos.keep_ring(b["dcq"], dcq.view(B, h * Dh))
         da2 = self._reduce(w.cross_q.grad_input(dcq))
-        g2 = pos.keep_ring(b["g2"], rms_backward(da2, pos.load_t(b["a2"]), pos.load_t(b["r2"]), nc, g3,
+        g2 = pos.keep_ring(b["g2"], rms_backward(da2, pos.load(b["a2"]), pos.load(b["r2"]), nc, g3,
                                                  out=pos.out_ring(b["g2"])))
         # self-attention: x2 = x1 + o(attend(q, K/V of [0, t]))
         do1 = w.o.grad_input(_as(g2, cd)).view(BH, g, Dh)
@@ -594,7 +542,7 @@ class DecoderRun:
             rope(dqk, pos.cos, pos.sin_bwd, out=dqkv[:, :(h + h_kv) * Dh].view(B, h + h_kv, Dh))
             dqkv[:, (h + h_kv) * Dh:].view(B, h_kv, Dh).copy_(dv_t)
         da1 = self._reduce(w.qkv.grad_input(dqkv))
-        g1 = rms_backward(da1, pos.load_t(b["a1"]), pos.load_t(b["r1"]), nc, g2,
+        g1 = rms_backward(da1, pos.load(b["a1"]), pos.load(b["r1"]), nc, g2,
                           out=None if into is None else pos.out_ring(into))
         return g1 if into is None else pos.keep_ring(into, g1)
 
@@ -687,9 +635,8 @@ class DecoderRun:
 
         for i in self.stack.spec.layers:
             b = self.buf[i]
-            saved = {name: b[name][t0:t1] for name in ("a1", "a2", "a3", "o1", "c")}
-            saved["f"] = b["f"][s0:s0 + n]
-            ring = {name: b[name][:n] for name in _RING}
+            saved = {name: b[name][s0:s0 + n] for name in ("a1", "a2", "a3", "o1", "c", "f")}
+            ring = {name: b[name][:n] for name in RING}
             add((i, "qkv"), ring["dqkv"], saved["a1"])
             if (i, "qkv_bias") in acc:
                 bias = acc[(i, "qkv_bias")]
@@ -700,7 +647,7 @@ class DecoderRun:
             add((i, "gate_up"), ring["dgu"], saved["a3"])
             add((i, "down"), ring["g4"], saved["f"])
         if self.stack.spec.with_input:
-            add((-1, "recur"), self.du[t0:t1], self.a0[t0:t1])
+            add((-1, "recur"), self.du[t0:t1], self.a0[s0:s0 + n])
 
     # ------------------------------------------------------------------ results
     def memory_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

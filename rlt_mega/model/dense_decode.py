@@ -12,10 +12,11 @@ z (B, T, d). Backward returns the gradient of each: the three BPTT paths (recurr
 K/V, encoder memory) are all inside it, none detached.
 
 Checkpointing (train.checkpointing.decoder): "none" saves everything the backward reads;
-"step" and "every_k" (one mode here) keep the per-position tensors only and recompute the rest
-of each position just before its backward (what is kept and why: model/decoder.py's docstring). The
+"every_k" keeps per position only the decoder's input z_{t-1} (and the K/V), and recomputes
+each segment of ``decoder_k`` positions, attention included, into a ring just before the
+segment's backward; "step" is k = 1 (what is kept and why: model/decoder.py's docstring). The
 recomputation repeats the same operations on the same values, and the deferred-gradient flushes
-do not depend on the mode (decoder.wgrad_positions, KV_CHUNK), so every mode gives
+do not depend on the mode (run_buffers.wgrad_positions, KV_CHUNK), so every mode gives
 bit-identical gradients.
 """
 
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 
-from rlt_mega.model.decoder import DecoderRun, StepRunner, checkpoint_slots
+from rlt_mega.model.decoder import DecoderRun, StepRunner
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.stack import DecoderStack, StackSpec, WeightGrads, fused_weights
 from rlt_mega.model.kernels import wide
@@ -74,7 +75,7 @@ class _DenseCall:
     model: object
     spec: StackSpec
     num_memory: int  # 2 x layers: k, v per layer
-    checkpointed: bool  # keep the per-position tensors only, recompute the rest before each backward
+    checkpoint: Optional[int]  # k: keep the inputs only, recompute segments of k positions (None: keep all)
     compute_dtype: torch.dtype
     static: bool
     rows: Optional[DensePlan] = None  # which rows each position runs on (None: all)
@@ -88,12 +89,14 @@ class DenseDecode(torch.autograd.Function):
         mem_flat, weights = tensors[:plan.num_memory], tensors[plan.num_memory:]
         memory = list(zip(mem_flat[0::2], mem_flat[1::2]))
         stack = plan.decoder.stack(plan.model, plan.spec, weights, B, True, emb.dtype, plan.compute_dtype)
-        slots = checkpoint_slots(B, T) if plan.checkpointed else None
-        # the accumulators are made by the backward (allocate=False: not alive until then)
-        run = DecoderRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights, allocate=False), slots=slots,
-                       static=plan.static, rows=plan.rows, documents=plan.documents, z0=z0)
+        checkpointed = plan.checkpoint is not None
+        # the accumulators are made by the backward (allocate=False: not alive until then); a
+        # checkpointed run recomputes from the embeddings (emb: saved below anyway)
+        run = DecoderRun(stack, B, T, memory, grads=WeightGrads(plan.spec, weights, allocate=False),
+                         checkpoint=plan.checkpoint, static=plan.static, rows=plan.rows, documents=plan.documents,
+                         z0=z0, embeddings=emb.detach().transpose(0, 1) if checkpointed else None)
         e = emb.detach().transpose(0, 1).contiguous()  # (T, B, d): one contiguous row block per position
-        zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if plan.checkpointed else "save")
+        zs = _run_forward(run, e, z0.detach(), mode="checkpoint" if checkpointed else "save")
         ctx.plan, ctx.run, ctx.T = plan, run, T
         ctx.weights = [w.detach() for w in weights]
         # emb is saved only as a witness: autograd frees saved tensors after a backward that does
@@ -110,9 +113,7 @@ class DenseDecode(torch.autograd.Function):
         run.reset_grads()
         gz = grad_z.transpose(0, 1)  # (T, B, d) view
         carry = None  # the gradient of z_{t} through the recurrence, from position t + 1
-        for t in reversed(range(ctx.T)):
-            if plan.checkpointed:
-                run.forward(t, None, None, mode="recompute")
+        for t in reversed(range(ctx.T)):  # (checkpointed: the run recomputes each segment before its backward)
             gy = gz[t] if carry is None else gz[t] + carry
             carry = run.backward(t, gy)
         mem_grads = [g for pair in run.memory_grads() for g in pair]
@@ -247,16 +248,23 @@ class Decoder:
                 stack = self.stack(model, spec, weights, B, False, emb.dtype, compute)
                 run = DecoderRun(stack, B, T, memory, static=self.static, rows=plan_rows, documents=documents, z0=z0)
                 return _run_forward(run, emb.transpose(0, 1).contiguous(), z0, mode="none").transpose(0, 1)
-        checkpointed = model.checkpointing.decoder != "none"
         flat_memory = [t for pair in memory for t in pair]
-        return self._dense_grad(model, emb, z0, memory, flat_memory, spec, weights, checkpointed, compute,
-                                plan_rows, documents)
+        return self._dense_grad(model, emb, z0, memory, flat_memory, spec, weights, segment_length(model.checkpointing),
+                                compute, plan_rows, documents)
 
-    def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpointed: bool,
+    def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpoint: Optional[int],
                     compute: torch.dtype, plan_rows, documents):
         """The autograd Function over the sequence (a wrapper outside model/ may replace it)."""
-        plan = _DenseCall(self, model, spec, 2 * len(memory), checkpointed, compute, self.static, plan_rows, documents)
+        plan = _DenseCall(self, model, spec, 2 * len(memory), checkpoint, compute, self.static, plan_rows, documents)
         return DenseDecode.apply(plan, emb, z0, *flat_memory, *weights)
+
+
+def segment_length(checkpointing) -> Optional[int]:
+    """train.checkpointing -> the decoder run's segment length k (None: no recomputation):
+    "step" is k = 1, "every_k" k = decoder_k."""
+    if checkpointing.decoder == "none":
+        return None
+    return 1 if checkpointing.decoder == "step" else checkpointing.decoder_k
 
 
 def row_plan(rows: Optional[DenseRows], B: int, T: int, device: torch.device, static: bool) -> Optional[DensePlan]:

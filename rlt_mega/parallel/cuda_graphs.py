@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from rlt_mega.model.decoder import DecoderRun, checkpoint_slots
+from rlt_mega.model.decoder import DecoderRun
 from rlt_mega.model.stack import DecoderStack, StackSpec, WeightGrads
 from rlt_mega.model.dense_decode import Decoder
 
@@ -60,15 +60,16 @@ class CapturedRun:
     """A static DecoderRun whose per-position steps are captured (see the module docstring).
 
     stack: built from private copies of the weights (:meth:`load_weights` refreshes them);
-    memory_like: per layer, memory K/V of the shapes to come; checkpointed: keep the per-position
-    tensors only and recompute the rest before each position's backward."""
+    memory_like: per layer, memory K/V of the shapes to come; checkpoint: k, recompute segments of
+    k positions before their backward from the inputs (z and the embeddings: this object's
+    buffers), None: keep everything."""
 
     def __init__(self, stack: DecoderStack, spec: StackSpec, weights, batch: int, capacity: int,
-                 memory_like, checkpointed: bool, capture: bool) -> None:
-        self.stack, self.spec, self.B, self.T, self.checkpointed = stack, spec, batch, capacity, checkpointed
-        slots = checkpoint_slots(batch, capacity) if checkpointed else None
-        self.run = DecoderRun(stack, batch, capacity, memory_like, grads=WeightGrads(spec, weights), slots=slots,
-                            static=True)
+                 memory_like, checkpoint, capture: bool) -> None:
+        self.stack, self.spec, self.B, self.T, self.checkpoint = stack, spec, batch, capacity, checkpoint
+        checkpointed = checkpoint is not None
+        self.run = DecoderRun(stack, batch, capacity, memory_like, grads=WeightGrads(spec, weights),
+                              checkpoint=checkpoint, static=True, keep_inputs=False)
         self.busy = False
         device, d = stack.device, stack.d
         self.e = torch.zeros(capacity, batch, d, dtype=stack.stream_dtype, device=device)
@@ -93,7 +94,9 @@ class CapturedRun:
     def _recompute(self) -> None:
         pos = self.run.position
         pos.update()
-        self.run.step_forward(pos, None, None, "recompute")
+        x = self.zs.index_select(0, pos.t1).squeeze(0)
+        e = self.e.index_select(0, pos.t1).squeeze(0)
+        self.run.step_forward(pos, x, e, "recompute")
 
     def _backward(self) -> None:
         pos = self.run.position
@@ -131,10 +134,13 @@ class CapturedRun:
         run.reset_grads()
         self.gz.copy_(grad_z.transpose(0, 1))
         self.carry.zero_()
+        k = self.checkpoint
         for t in reversed(range(self.T)):
+            if k is not None and (t + 1 == self.T or (t + 1) % k == 0):  # t's segment again, in order
+                for u in range(t - t % k, t + 1):
+                    run.position.t.fill_(u)
+                    self.recompute_body()
             run.position.t.fill_(t)
-            if self.recompute_body is not None:
-                self.recompute_body()
             self.backward_body()
             if t % run.chunk == 0:
                 run.flush(t, min(t + run.chunk, self.T))
@@ -189,16 +195,16 @@ class GraphedDecoder(Decoder):
         super().__init__(all_reduce=all_reduce, static=True)
         self.graphs = GraphCache()
 
-    def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpointed, compute, plan_rows,
+    def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpoint, compute, plan_rows,
                     documents):
         B, T, _ = emb.shape
-        key = (B, T, emb.dtype, compute, checkpointed, tuple(spec.keys), tuple(tuple(w.shape) for w in weights),
+        key = (B, T, emb.dtype, compute, checkpoint, tuple(spec.keys), tuple(tuple(w.shape) for w in weights),
                tuple(tuple(k.shape) for k, _ in memory))
 
         def build() -> CapturedRun:
             private = [w.detach().clone() for w in weights]  # the graphs read these; refreshed per forward
             stack = self.stack(model, spec, private, B, True, emb.dtype, compute)
-            return CapturedRun(stack, spec, private, B, T, memory, checkpointed, capture=emb.is_cuda)
+            return CapturedRun(stack, spec, private, B, T, memory, checkpoint, capture=emb.is_cuda)
 
         captured = self.graphs.get(key, build)
         return GraphedDecode.apply(captured, len(flat_memory), emb, z0, *flat_memory, *weights)

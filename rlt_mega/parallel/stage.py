@@ -53,10 +53,10 @@ import torch
 from torch import nn
 
 from rlt_mega.loss import DENSE_ROWS, LogitsLoss, Vocab
-from rlt_mega.model.decoder import DecoderRun, checkpoint_slots
+from rlt_mega.model.decoder import DecoderRun
 from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.documents import Documents
-from rlt_mega.model.dense_decode import compute_dtype_of, row_plan
+from rlt_mega.model.dense_decode import compute_dtype_of, row_plan, segment_length
 from rlt_mega.model.rlt import RLT
 from rlt_mega.schedule.prompt_pack import PromptPack
 
@@ -197,14 +197,13 @@ class RLTStage:
         dense = self.model.memory_kv(mb.m_in, layers=self.layers)
         mb.mem_out = [t for i in self.layers for t in (dense.k[i], dense.v[i])]
         b, T = mb.inputs.shape
-        slots = None
-        if self.grad and self.model.checkpointing.decoder != "none":
-            slots = checkpoint_slots(b, T)
+        checkpoint = segment_length(self.model.checkpointing) if self.grad else None
         if self.is_first_stage:
             mb.z0 = self.model.initial_state(b)  # (b, d), graph into z_init
         rows = row_plan(mb.batch.get(DENSE_ROWS), b, T, mb.inputs.device, static=False)  # GRPO: schedule/dense.py
         mb.run = DecoderRun(self.stack, b, T, [(dense.k[i], dense.v[i]) for i in self.layers],
-                          grads=self.weight_grads, slots=slots, rows=rows, documents=mb.docs,
+                          grads=self.weight_grads, checkpoint=checkpoint, rows=rows, documents=mb.docs,
+                          embeddings=mb.e if self.is_first_stage and checkpoint is not None else None,
                           z0=mb.z0 if mb.docs is not None else None)
 
     def _fwd_mode(self) -> str:
@@ -231,8 +230,6 @@ class RLTStage:
         if g is None:
             g = torch.zeros(mb.inputs.shape[0], 1, self.model.cfg.d_model, dtype=self.dtype,
                             device=mb.inputs.device)
-        if self.model.checkpointing.decoder != "none":
-            mb.run.forward(t, None, None, mode="recompute")
         gx = mb.run.backward(t, g.squeeze(1).to(self.dtype))
         if self.is_first_stage and t == 0:
             if mb.run.z0_grad is not None:  # the rows restarted from z_init at packed documents' starts

@@ -81,3 +81,36 @@ def fused_vs_module(model=None, parallel=None, train=None, persistence_threshold
     out["grad_scale"] = max(float(g.abs().max()) for g in ref.grads().values())
     _close(dims, engine)
     return out
+
+
+def checkpointing_bit_identical(model=None, parallel=None, train=None) -> dict:
+    """One backward of the engine with the decoder checkpointed "none", "step" and "every_k"
+    (k = 3), the same batch: losses and every gathered gradient equal bit for bit. Flushes of
+    8 rows (W = 2 positions at B = 4) make the recomputation ring (4 slots at k = 3) shorter
+    than the sequence."""
+    from rlt_mega.model import run_buffers
+
+    results = {}
+    rows = run_buffers.WGRAD_ROWS
+    run_buffers.WGRAD_ROWS = 8
+    try:
+        for decoder, k in (("none", 4), ("step", 1), ("every_k", 3)):
+            cfg = make_cfg(model or {}, parallel, {**(train or {}), "checkpointing": {"decoder": decoder,
+                                                                                      "decoder_k": k}})
+            dims, engine = _engine(cfg)
+            with count_calls() as counts:
+                loss, _, _ = engine.backward_step(local_batches(cfg, 0, dims))
+            full = {n: g.detach().clone() for n, g in gather_full(engine.gradients(), dims).items()}
+            results[decoder] = (float(loss), full, counts["fused_positions"])
+            _close(dims, engine)
+    finally:
+        run_buffers.WGRAD_ROWS = rows
+    base_loss, base, base_positions = results["none"]
+    out = {"compared": len(base), "fused_positions": base_positions,
+           "scale": max(float(g.abs().max()) for g in base.values())}
+    for decoder in ("step", "every_k"):
+        loss, grads, positions = results[decoder]
+        out[decoder] = {"loss_equal": loss == base_loss, "names_equal": sorted(grads) == sorted(base),
+                        "unequal": [n for n in base if n not in grads or not grads[n].equal(base[n])],
+                        "more_positions": positions > base_positions}  # the recomputation ran
+    return out

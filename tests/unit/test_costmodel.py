@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
 from rlt_mega.model import kernels as fused_kernels
-from rlt_mega.model.decoder import DecoderRun, checkpoint_slots
+from rlt_mega.model.decoder import DecoderRun
 from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.workspace import WORKSPACE
 from rlt_mega.model.rlt import build_model
@@ -335,9 +335,9 @@ def test_fused_run_buffers_equal_the_model(name, dtype, mode, pp, stage, monkeyp
     stack = model.decoder.stack(model, spec, weights, B, True, torch_dtype, torch_dtype)
     h_kv, Dh = cfg.n_kv_heads, cfg.head_dim
     memory = [(torch.zeros(B, h_kv, 1 + T, Dh, dtype=torch_dtype),) * 2 for _ in layers]
-    slots = checkpoint_slots(B, T) if mode != "none" else None
+    checkpoint = {"none": None, "step": 1, "every_k": 3}[mode]
     grads = WeightGrads(spec, weights)
-    run = DecoderRun(stack, B, T, memory, grads=grads, slots=slots)
+    run = DecoderRun(stack, B, T, memory, grads=grads, checkpoint=checkpoint)
     layout = Layout(seq_len=T, micro_batch_size=B, pp=pp, dtype=dtype, onednn_weights=True,
                     checkpointing=CheckpointingConfig(decoder=mode, decoder_k=3), **CPU)
     assert run_buffer_bytes(cfg, layout, stage) == run.buffer_bytes()

@@ -11,7 +11,7 @@ import torch
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig, load_config
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_inputs, dense_logprobs, dense_logprobs_from_logits
-from rlt_mega.model import decoder as fused_run, kernels as fused
+from rlt_mega.model import kernels as fused, run_buffers
 from rlt_mega.model.rlt import build_model
 from rlt_mega.model.dense_decode import Decoder
 from rlt_mega.parallel.cuda_graphs import GraphedDecoder, install_cuda_graphs
@@ -132,23 +132,59 @@ def test_fused_gradient_matches_central_finite_differences(name):
 
 
 MODES = [dict(decoder="step"), dict(decoder="every_k", decoder_k=3), dict(decoder="every_k", decoder_k=7),
-         dict(decoder="step", encoder=True)]
+         dict(decoder="every_k", decoder_k=40), dict(decoder="step", encoder=True)]
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
-def test_checkpointing_modes_give_bit_identical_gradients(kernel, static, monkeypatch):
-    """Saving everything against recomputing each position from what a checkpointed run keeps
-    (model/decoder.py; in this path "step" and "every_k" are one mode). T = 37 spans several
-    K/V-gradient chunks (16) and, with 8-row weight-gradient flushes (W = 4 positions at B = 2),
-    ten flushes through a 4-slot ring."""
-    monkeypatch.setattr(fused_run, "WGRAD_ROWS", 8)
+@pytest.mark.parametrize("form", ["eager", "static", "graphs"])
+def test_checkpointing_modes_give_bit_identical_gradients(kernel, form, monkeypatch):
+    """Saving everything against recomputing segments of k positions (attention included) from the
+    stage inputs a checkpointed run keeps (model/decoder.py). T = 37 spans several K/V-gradient
+    chunks (16) and, with 8-row weight-gradient flushes (W = 4 positions at B = 2), ten flushes
+    through the ring: k = 1 (a ring of W slots), 3 and 7 (segments across flushes), 40 (past the
+    capacity: one segment)."""
+    monkeypatch.setattr(run_buffers, "WGRAD_ROWS", 8)
     cfg, x = cfg_of(memory_block=3, max_seq_len=64), tokens(B=2, T=37)
-    base_loss, base = loss_and_grads(cfg, x, static=static)
+    static, graphs = form == "static", form == "graphs"
+    base_loss, base = loss_and_grads(cfg, x, static=static, graphs=graphs)
     for mode in MODES:
-        loss, other = loss_and_grads(cfg, x, ckpt=mode, static=static)
+        loss, other = loss_and_grads(cfg, x, ckpt=mode, static=static, graphs=graphs)
         assert torch.equal(loss, base_loss), mode
         for n in base:
             assert torch.equal(other[n], base[n]), (mode, n)
+
+
+@pytest.mark.parametrize("precision", ["bf16_weights", "bf16_autocast"])
+@pytest.mark.parametrize("C", [1, 3])
+def test_checkpointing_is_bit_identical_in_bf16(precision, C, monkeypatch):
+    """The same in bf16 (bf16 weights and activations, or fp32 weights under autocast: the
+    stream fp32, the products bf16), memory blocks of 1 and 3."""
+    monkeypatch.setattr(run_buffers, "WGRAD_ROWS", 8)
+    cfg, x = cfg_of(memory_block=C, max_seq_len=64), tokens(B=2, T=23)
+    kw = dict(dtype=torch.bfloat16) if precision == "bf16_weights" else dict(autocast=True)
+    base_loss, base = loss_and_grads(cfg, x, **kw)
+    for mode in (dict(decoder="step"), dict(decoder="every_k", decoder_k=5)):
+        loss, other = loss_and_grads(cfg, x, ckpt=mode, **kw)
+        assert torch.equal(loss, base_loss), mode
+        for n in base:
+            assert torch.equal(other[n], base[n]), (mode, n)
+
+
+def test_a_checkpointed_run_keeps_the_inputs_and_a_ring():
+    """What recomputation saves: a checkpointed run's activations are a ring of whole flush chunks
+    covering W + k - 1 positions, next to the stage inputs (T, B, d); "step" keeps the tensors
+    only its own backward reads in one slot."""
+    assert run_buffers.ring_slots(2, 37, None) == 37
+    W = run_buffers.wgrad_positions(2, 37)  # 256 at the default 512 rows: capped at the capacity
+    assert W == 37 and run_buffers.ring_slots(2, 37, 1) == 37
+    assert run_buffers.wgrad_positions(16, 512) == 32
+    assert [run_buffers.ring_slots(16, 512, k) for k in (1, 2, 16, 33, 34, 600)] == [32, 64, 64, 64, 96, 512]
+    bufs = {b.name: b for b in run_buffers.run_buffers(range(1), 16, 512, 513, 8, 4, 2, 1, 12, grad=True,
+                                                         with_input=True, checkpoint=1)}
+    assert bufs["x"].shape == (512, 16, 8) and bufs["a10"].shape[0] == 32 and bufs["qk0"].shape[0] == 1
+    assert bufs["f0"].shape[0] == 32 and bufs["a0"].shape[0] == 32 and bufs["du"].shape[0] == 512
+    none = {b.name for b in run_buffers.run_buffers(range(1), 16, 512, 513, 8, 4, 2, 1, 12, grad=True,
+                                                    with_input=True)}
+    assert "x" not in none
 
 
 @pytest.mark.parametrize("form", ["static", "graphs"])
