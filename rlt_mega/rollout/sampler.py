@@ -328,7 +328,8 @@ class _Draw:
             if room <= 0:
                 self.reason[b] = 3
                 continue
-            if not ids:
+            if not ids:  # an empty answer: the next model turn starts here (the call is never asked again)
+                self.turn_start[b] = self.turn_seen[b] = num_new[b]
                 continue
             start = self.prompt_lens[b] + num_new[b]
             self.tokens[b, start:start + len(ids)] = to_device(ids, self.tokens.device)

@@ -386,3 +386,66 @@ def test_a_slow_environment_runs_while_the_other_rows_decode(monkeypatch):
     assert all(st.tool_errors == 0 for st in ro.episodes)
     assert sum(st.departures for st in ro.episodes) == away
     assert torch.equal(replay(model, ro), ro.mu)
+
+
+def sample_rows(model, prompts, env, limits, max_new=40):
+    """``sample`` with one record per row ({"row": b}: a user environment's start sees it)."""
+    episodes = Environments(env, encode, limits).episodes([{"row": b} for b in range(len(prompts))])
+    sampler = Sampler(model, check_every=1)
+    params = SamplingParams(Processing(temperature=1.0), max_new_tokens=max_new, stop_token_ids=(2,))
+    ro = sampler.generate([prompts], params, [list(range(100, 100 + len(prompts)))], pad_id=0,
+                          decode=decode, episodes=[episodes])[0]
+    return sampler, ro, episodes
+
+
+class Calls(Environment):
+    """Triggered by the common characters; records every call (row, the model's turn) and answers
+    ``answer(row, number of the row's call)``."""
+
+    triggers = tuple("aeiostnr")
+
+    def __init__(self, answer):
+        self.answer, self.asked, self.lock = answer, [], threading.Lock()
+
+    def start(self, record):
+        return record["row"]
+
+    def step(self, row, text):
+        with self.lock:
+            n = sum(r == row for r, _ in self.asked)
+            self.asked.append((row, text))
+        return self.answer(row, n)
+
+
+def test_an_empty_observation_restarts_the_model_turn():
+    """An environment that answers "" (and one whose episode budget is spent) never sees the same
+    written call twice: the model's turns it is asked about are consecutive pieces of the
+    completion (their concatenation is the completion up to the last call, no piece repeated),
+    env/turns and env/tool_calls count the calls asked, and the replay stays exact."""
+    model = tiny(1)
+    env = Calls(lambda row, n: Turn(observation="", tool_call=True))
+    _, ro, _ = sample_rows(model, PROMPTS[8:] + PROMPTS[:2], env, EnvLimits(max_turns=8))
+    assert not forces(ro)  # nothing inserted
+    asked = 0
+    for b, st in enumerate(ro.episodes):
+        texts = [text for r, text in env.asked if r == b]
+        asked += len(texts)
+        completion = decode(list(ro.completion(b)))
+        assert completion.startswith("".join(texts)), (b, texts, completion)  # each piece once, in order
+        assert st.turns == st.tool_calls == len(texts) and not st.truncated
+        if ro.finish_reasons[b] == "env":  # only past max_turns
+            assert len(texts) == 8
+    assert asked >= 4  # calls happened
+    assert torch.equal(replay(model, ro), ro.mu)
+    # the observation budget spent by the first call: the next trigger ends the episode, truncated
+    env = Calls(lambda row, n: Turn(observation="=" * 9, tool_call=True))
+    _, ro, _ = sample_rows(model, PROMPTS[8:] + PROMPTS[:2], env, EnvLimits(max_turns=8, max_turn_tokens=4,
+                                                                            max_episode_tokens=4))
+    for b, st in enumerate(ro.episodes):
+        calls = sum(r == b for r, _ in env.asked)
+        assert calls <= 1 and st.turns == st.tool_calls == calls and st.observation_tokens == 4 * calls
+        if calls and ro.finish_reasons[b] == "env":
+            assert st.truncated
+    assert "env" in ro.finish_reasons
+    assert torch.equal(replay(model, ro), ro.mu)
+

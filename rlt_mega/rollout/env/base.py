@@ -5,7 +5,8 @@ An ``Environment`` declares its triggers (stop strings; ``triggered`` may refine
 a triggered model turn with a ``Turn``: an observation (text, tokenized here once), or the end of
 the episode. ``start`` makes a row's state from its prompt record. The limits (``EnvLimits``):
 turns per episode, observation tokens per turn and per episode (longer observations are cut,
-counted as truncated), and a time limit per call (past it: an error observation, counted)."""
+counted as truncated; with the episode's observation budget spent the episode ends at its next
+trigger), and a time limit per call (past it: an error observation, counted)."""
 
 from __future__ import annotations
 
@@ -148,8 +149,9 @@ class EnvEpisode:
 
     def submit(self, ids: Sequence[int], text: str) -> Pending:
         """Starts the answer to a triggered turn (the environment's call runs on its own thread);
-        past max_turns the episode ends without a call."""
-        if self.turns >= self.limits.max_turns:
+        past max_turns, or with the episode's observation budget spent, the episode ends without a
+        call (truncated)."""
+        if self.turns >= self.limits.max_turns or self.tokens >= self.limits.max_episode_tokens:
             return Pending(None, self._response, Response(done=True, truncated=True))
         self.turns += 1
         state = self.state
