@@ -178,7 +178,7 @@ class _Draw:
         # Positions < forced_end are forced (the prompt, then each observation inserted so far).
         self.forced_end = self.prompt_t.clone()  # (S,)
         self.plan, self.episodes, self.once = plan, episodes, once
-        self.stats = None if episodes is None else [EpisodeStats() for _ in range(num_rows)]
+        self.stats = None if episodes is None else [EpisodeStats(faults=int(e.start_failed)) for e in episodes]
         self.turn_start = [0] * num_rows  # completion index where each row's current model turn began
         self.turn_seen = [0] * num_rows  # completion tokens already offered to the episode
         self.calls: dict = {}  # row -> its episode's answer under way (TP rank 0 only)
@@ -317,6 +317,7 @@ class _Draw:
             st.turns += int(not r.done)
             st.tool_calls += int(r.tool_call)
             st.tool_errors += int(r.error)
+            st.faults += int(r.fault)
             st.truncated |= r.truncated
             if r.done:
                 self.reason[b] = 4

@@ -20,7 +20,7 @@ from rlt_mega.learner.logprob import dense_logprobs
 from rlt_mega.model.rlt import build_model
 from rlt_mega.schedule.rows import Enter, Force, Leave, RowSwitches, record_from_json, record_to_json
 from rlt_mega.rollout import Processing, Sampler, SamplingParams, generate, process_logits, replay
-from rlt_mega.rollout.env import Chat, EnvLimits, Environment, Environments, Turn
+from rlt_mega.rollout.env import Chat, EnvFaults, EnvLimits, Environment, Environments, Turn
 
 ALPHABET = "0123456789+-*/()<>=. abcdefghijklmnopqrstuvwxyz"  # ids 1..47; 0 is pad
 V = len(ALPHABET) + 1
@@ -449,3 +449,50 @@ def test_an_empty_observation_restarts_the_model_turn():
     assert "env" in ro.finish_reasons
     assert torch.equal(replay(model, ro), ro.mu)
 
+
+class Faulty(Calls):
+    """A user environment with bugs: start raises for row 0; step raises at each row's first call,
+    answers a str instead of a Turn at its second, an int observation at its third, then "=>"."""
+
+    def start(self, record):
+        if record["row"] == 0:
+            raise KeyError("question")
+        return record["row"]
+
+
+def faulty_answer(row, n):
+    if n == 0:
+        raise ValueError(f"no tool for row {row}")
+    return ["42", Turn(observation=7), Turn(observation="=>", tool_call=True)][min(n - 1, 2)]
+
+
+def test_an_environments_faults_are_named_once_counted_and_stop_the_run(caplog):
+    model = tiny(1)
+    env = Faulty(faulty_answer)
+    with caplog.at_level("WARNING", logger="rlt_mega.rollout.env.base"):
+        _, ro, episodes = sample_rows(model, PROMPTS[8:] + PROMPTS[:2], env, EnvLimits(max_turns=8, max_errors=3))
+    assert ro.episodes[0].faults == 1 and ro.finish_reasons[0] == "env"  # start failed: ended at its first trigger
+    assert not any(r == 0 for r, _ in env.asked)
+    for b, st in enumerate(ro.episodes[1:], 1):
+        calls = sum(r == b for r, _ in env.asked)
+        assert st.faults == min(calls, 3) and st.tool_errors == min(calls, 3), (b, calls, st)
+    fs = forces(ro)  # the faults' answers are error observations
+    assert any(f.ids == tuple(encode("error>>")) for f in fs) and any(f.ids == tuple(encode("=>")) for f in fs)
+    assert torch.equal(replay(model, ro), ro.mu)
+    warned = [r.getMessage() for r in caplog.records]
+    name = f"{Faulty.__module__}:{Faulty.__qualname__}"
+    for kind in ("start failed (KeyError: 'question')", "step failed (ValueError: no tool for row",
+                 "step failed (TypeError: returned str '42', not a Turn)",
+                 "step failed (TypeError: returned an observation of type int 7, not a str)"):
+        assert sum(kind in w and name in w for w in warned) == 1, (kind, warned)  # each kind named once
+    faults = sum(st.faults for st in ro.episodes)
+    assert faults >= 4  # each kind at least once
+    reason, hint = episodes[0].faults.over_limit(faults)  # what the trainer stops with
+    assert reason.startswith(f"the environment grpo.env={name} failed {faults} times in one step, more than "
+                             "grpo.max_env_errors=3 (")
+    assert "start x1: KeyError: 'question'" in reason and "step x" in reason and ": ValueError: no tool" in reason
+    assert ": TypeError: returned str '42', not a Turn" in reason and "of type int 7, not a str" in reason
+    assert "max_env_errors (0: never stop)" in hint and "\n" not in reason + hint
+    assert episodes[0].faults.over_limit(3) is None  # within the limit
+    assert "(on another rank)" in episodes[0].faults.over_limit(4)[0]  # the counts started again
+    assert EnvFaults(env, 0).over_limit(10**6) is None  # 0: never stop
