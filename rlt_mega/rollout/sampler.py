@@ -427,8 +427,9 @@ class Sampler:
         if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
             raise ValueError(f"{len(batches)} batches, {len(params)} sampling params, {len(seeds)} seed lists: "
                              "give at least one batch and one of each per batch")
-        for prompts, p, batch_seeds in zip(batches, params, seeds):
+        for i, (prompts, p, batch_seeds) in enumerate(zip(batches, params, seeds)):
             _check_request(prompts, p, batch_seeds, decode)
+            _check_vocabulary(prompts, pad_id, self.model.cfg.vocab_size, i)
         if episodes is not None:
             if self.check_every != 1:
                 raise ValueError(f"environment turns need check_every=1 (got {self.check_every}): an observation "
@@ -522,6 +523,21 @@ def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, see
         raise ValueError("stop_strings need a decode function (token ids -> text)")
     if params.row_budgets and len(params.row_budgets) != len(prompts):
         raise ValueError(f"{len(params.row_budgets)} row_budgets for {len(prompts)} prompts: give one per prompt")
+
+
+def _check_vocabulary(prompts: Sequence[Sequence[int]], pad_id: int, vocab_size: int, batch: int) -> None:
+    """Every prompt token id (and the pad id) is a row of the embedding: else one line naming the
+    row and the id, before any work (not an IndexError from inside a decoder step)."""
+    if not 0 <= pad_id < vocab_size:
+        raise ValueError(f"pad id {pad_id} is outside the model's vocabulary [0, {vocab_size}) "
+                         f"(model.vocab_size={vocab_size}): the tokenizer and the model disagree")
+    for b, prompt in enumerate(prompts):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None) if prompt else None
+        if bad is not None:
+            raise ValueError(f"prompt row {b} of batch {batch} holds token id {bad} (position "
+                             f"{list(prompt).index(bad)}), outside the model's vocabulary [0, {vocab_size}) "
+                             f"(model.vocab_size={vocab_size}): the tokenizer and the model disagree "
+                             "(check data.tokenizer and model.vocab_size)")
 
 
 def _rollout(res: RowResult, work: RowWork, chooser: _Draw, processing: Processing, dtype: str, pad_id: int,
