@@ -33,8 +33,9 @@ import random
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -146,6 +147,61 @@ def require_writable(path: str | Path, key: str) -> None:
     except OSError as exc:
         raise CheckpointError(f"{key}={path} is not writable ({exc.strerror}): choose a directory this run "
                               f"can write") from None
+
+
+@dataclass(frozen=True)
+class OutputKind:
+    """What a command writes with ``--overwrite``: ``name`` for the messages ("an export");
+    ``marker``: the file only that command writes, by which an earlier output is known. With
+    ``suffixes`` the output is a prefix whose files are ``prefix + suffix`` (an indexed
+    dataset's .bin/.idx/.json) and ``marker`` is the suffix of the file that marks it."""
+    name: str
+    marker: str
+    suffixes: tuple[str, ...] = ()
+
+
+def check_output(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False, *,
+                 kind: OutputKind) -> None:
+    """The one guard of every command that writes a directory (or a prefix's files) and may
+    replace it with ``--overwrite`` (export, import, preprocess, tokenizer training, sweeps),
+    called before any work is spent: the output must not be, contain or lie inside one of its
+    ``inputs`` (replacing it would delete what it is read from); an existing output is replaced
+    only with ``overwrite``, and only when it is an earlier output of the same kind (it holds
+    ``kind.marker``) or an empty directory. Anything else is refused with one line, never deleted."""
+    out = Path(out)
+    targets = [Path(f"{out}{suffix}") for suffix in kind.suffixes] or [out]
+    noun = "output file" if kind.suffixes else "output directory"
+    for target in targets:
+        here = target.resolve()
+        for given in inputs:
+            source = Path(given).resolve()
+            relation = ("is" if here == source else "contains" if source.is_relative_to(here)
+                        else "lies inside" if here.is_relative_to(source) else None)
+            if relation:
+                raise FileExistsError(f"{target}: the {noun} {relation} the input {given}; writing it would "
+                                      f"destroy what is read: choose an {noun} outside the input")
+    if kind.suffixes:
+        existing = [t for t in targets if t.exists()]
+        if not existing:
+            return
+        if not overwrite:
+            raise FileExistsError(f"{' and '.join(map(str, existing))} exist: pass --overwrite to replace "
+                                  f"{kind.name}, or choose another output")
+        if any(t.is_dir() for t in existing) or not Path(f"{out}{kind.marker}").is_file():
+            raise FileExistsError(f"{existing[0]}: exists and is not part of {kind.name} (no {out}{kind.marker}): "
+                                  f"--overwrite replaces only {kind.name}; choose another output (or remove "
+                                  "the file yourself)")
+        return
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out}: exists and is not a directory; choose another output path")
+    if out.is_dir() and any(out.iterdir()):
+        if not overwrite:
+            raise FileExistsError(f"{out}: exists and is not empty; choose another output directory "
+                                  f"or pass --overwrite to replace {kind.name} there")
+        if not (out / kind.marker).is_file():
+            raise FileExistsError(f"{out}: exists and is not {kind.name} (no {kind.marker}): --overwrite "
+                                  f"replaces only {kind.name} or an empty directory; choose another output "
+                                  "directory (or remove this one yourself)")
 
 
 class CheckpointManager:

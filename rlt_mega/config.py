@@ -515,6 +515,11 @@ class GRPOConfig:
     max_turn_tokens: int = 32
     max_episode_tokens: int = 256
     env_time_limit: float = 2.0
+    # Faults of the environment's own code (an exception in start() or step(), a step() answering
+    # with something other than a Turn, a non-str observation) are error observations, each kind
+    # named once in the log and every one counted (env/faults); more than this many in one step
+    # stop the run naming them (0: never stop).
+    max_env_errors: int = 8
     # A NaN or infinite reward scores 0 (a failure) and is counted (reward/nonfinite); this many
     # steps in a row with one stop the run, naming the function (0: never stop).
     max_nonfinite_reward_steps: int = 3
@@ -612,6 +617,7 @@ class GRPOConfig:
         _check(0 < self.is_band_low <= 1 <= self.is_band_high,
                f"grpo.is_band_low={self.is_band_low}, grpo.is_band_high={self.is_band_high}: the band of kept "
                "ratios must hold 1 (0 < low <= 1 <= high)")
+        _check(self.max_env_errors >= 0, f"grpo.max_env_errors={self.max_env_errors}: must be >= 0 (0: never stop)")
         _check(self.max_nonfinite_reward_steps >= 0,
                f"grpo.max_nonfinite_reward_steps={self.max_nonfinite_reward_steps}: must be >= 0 (0: never stop)")
 

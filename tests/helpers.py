@@ -145,6 +145,26 @@ class FrequentChat(Chat):
         return len(text) >= 4 or " " in text
 
 
+class BrokenStep(FrequentChat):
+    """A user environment with a bug in step (grpo.env=helpers:BrokenStep): every call raises."""
+
+    def step(self, state, text):
+        raise ZeroDivisionError("division by zero")
+
+
+class BrokenStart(FrequentChat):
+    """A user environment with a bug in start (grpo.env=helpers:BrokenStart) and answers of the
+    wrong type: a str for a Turn."""
+
+    def start(self, record):
+        if record["question"].endswith("1"):
+            raise KeyError("turns")
+        return super().start(record)
+
+    def step(self, state, text):
+        return "more"
+
+
 def own_turn_and_seven(completion: str, answer) -> float:
     """A GRPO reward for FrequentChat runs on records {"answer": "#### <i>", "turns": ["s<i>", ...]}:
     1 when the completion holds its own prompt's first scripted user turn, -1 when it holds another

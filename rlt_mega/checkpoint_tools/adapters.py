@@ -16,12 +16,13 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch
 from safetensors.torch import save_file
 
-from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.checkpoint import CheckpointError, OutputKind, check_output
+from rlt_mega.checkpoint_tools.files import atomic_directory
 from rlt_mega.config import Config, LoraConfig
 from rlt_mega.model.rlt import build_model
 from rlt_mega.model.lora import adapter_state, apply_lora, base_state, has_adapters, state_hash
@@ -61,25 +62,31 @@ def merged_export_state(cfg: Config, step_dir: Path) -> tuple[dict[str, torch.Te
 PEFT_PREFIX = "base_model.model."
 
 
-def export_peft(cfg: Config, step_dir: Path, out_dir: Path, base_path: Optional[str] = None) -> Path:
+PEFT = OutputKind("a peft adapter directory", "adapter_config.json")  # what `export --adapters` writes
+
+
+def export_peft(cfg: Config, step_dir: Path, out_dir: Path, base_path: Optional[str] = None, *,
+                overwrite: bool = False, inputs: Iterable[str | Path] = ()) -> Path:
     """A peft LoRA directory of checkpoint ``step_dir``'s adapters: adapter_config.json (explicit
-    target module names, r, lora_alpha) and adapter_model.safetensors (peft's key names)."""
+    target module names, r, lora_alpha) and adapter_model.safetensors (peft's key names), written
+    atomically; ``inputs`` (the checkpoint, the base) may not be replaced (checkpoint.check_output)."""
+    inputs = [*inputs, step_dir]
+    check_output(out_dir, inputs, overwrite, kind=PEFT)  # before the base is built
     model = adapted_model(cfg, step_dir)
     if not has_adapters(model):
         raise CheckpointError(f"checkpoint {step_dir} has no adapters")
     lora = cfg.model.lora
     state = adapter_state(model)
     modules = sorted({k.rsplit(".", 1)[0] for k in state})
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=False)
     tensors = {}
     for k, v in state.items():
         module, which = k.rsplit(".", 1)
         tensors[f"{PEFT_PREFIX}{module}.{which}.weight"] = v.detach().cpu().contiguous()
-    save_file(tensors, str(out / "adapter_model.safetensors"))
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank, "lora_alpha": lora.alpha,
               "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
               "target_modules": modules, "base_model_name_or_path": base_path,
               "inference_mode": True}
-    (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    with atomic_directory(out_dir, overwrite, inputs, kind=PEFT) as tmp:
+        save_file(tensors, str(tmp / "adapter_model.safetensors"))
+        (tmp / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return Path(out_dir)

@@ -8,13 +8,15 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Iterable
 
 from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.checkpoint_tools import training
 from rlt_mega.checkpoint_tools.export import (
     DEFAULT_MAX_SHARD_SIZE, MANIFEST_NAME, export_state_dict, load_exported, read_manifest,
 )
-from rlt_mega.checkpoint_tools.files import CheckpointFormatError, check_output
+from rlt_mega.checkpoint import check_output
+from rlt_mega.checkpoint_tools.files import EXPORT, CheckpointFormatError
 from rlt_mega.checkpoint_tools.hf_import import import_hf
 from rlt_mega.checkpoint_tools.inspect_ckpt import format_report, inspect_path
 
@@ -24,24 +26,26 @@ USER_ERRORS = (CheckpointFormatError, CheckpointError, FileExistsError, FileNotF
 
 def export_path(src: str | Path, out_dir: str | Path, *, dtype: str = "auto",
                 max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, tokenizer=None,
-                overwrite: bool = False, weights: str = "auto") -> Path:
+                overwrite: bool = False, weights: str = "auto", inputs: Iterable[str | Path] = ()) -> Path:
     """Exports ``src`` into ``out_dir``: a training checkpoint (a step directory, or the newest
     valid one under checkpoint.dir; ``weights``: "auto", "consolidated" or "shards", see
     training.weights_source), or an export directory (re-exported, e.g. in bf16 or with other
-    shard sizes). The optimizer state is never exported."""
+    shard sizes). The optimizer state is never exported. ``inputs``: further paths the output may
+    not replace (the checkpoint root a step directory was found under)."""
     src = Path(src)
-    check_output(out_dir, [src], overwrite)  # before the weights are read
+    inputs = [*inputs, src]  # as given first: the message names what the user typed
+    check_output(out_dir, inputs, overwrite, kind=EXPORT)  # before the weights are read
     if training.is_training_checkpoint(src):
         run_cfg, sd, source = training.load_training_weights(src, weights)
         return export_state_dict(sd, run_cfg.model, out_dir, tokenizer=tokenizer or training.tokenizer_of(run_cfg),
                                  max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite,
-                                 inputs=[src])
+                                 inputs=inputs)
     if (src / MANIFEST_NAME).is_file():
         cfg, sd = load_exported(src)  # verified: shapes and sha256
         source = {"kind": "export", "path": str(src.resolve()), "from": read_manifest(src).get("source")}
         return export_state_dict(sd, cfg, out_dir, tokenizer=tokenizer if tokenizer else _tokenizer_of(src),
                                  max_shard_size=max_shard_size, dtype=dtype, source=source, overwrite=overwrite,
-                                 inputs=[src])
+                                 inputs=inputs)
     raise CheckpointFormatError(f"{src}: nothing to export: expected a training checkpoint (step_N/ with "
                                 f"manifest.json, or checkpoint.dir) or an RLT export directory (with "
                                 f"{MANIFEST_NAME}); a Hugging Face checkpoint is converted with `rlt-mega import`")
@@ -174,17 +178,12 @@ def _run_adapter_export(a: argparse.Namespace) -> str:
                               "--adapters (a peft adapter directory)")
     step_dir, cfg, _ = training.read_checkpoint(a.src)
     if a.adapters:
-        if Path(a.out_dir).exists() and not a.overwrite:
-            raise FileExistsError(f"{a.out_dir} exists: choose another directory or pass --overwrite")
-        if Path(a.out_dir).exists():
-            import shutil
-
-            shutil.rmtree(a.out_dir)
         base = cfg.train.init_from or None
-        out = export_peft(cfg, step_dir, Path(a.out_dir), base)
+        out = export_peft(cfg, step_dir, Path(a.out_dir), base, overwrite=a.overwrite,
+                          inputs=[a.src, *([base] if base else [])])
         return (f"exported the adapters of {step_dir} -> {out} (peft LoRA, r={cfg.model.lora.rank}); load them with "
                 f"peft.PeftModel.from_pretrained onto the transformers export of the base "
                 f"({base or f'the model of train.seed={cfg.train.seed}: export it with --merge from step 0'})")
     out = export_path(step_dir, a.out_dir, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer,
-                      overwrite=a.overwrite)
+                      overwrite=a.overwrite, inputs=[a.src])
     return f"exported {step_dir} with its adapters merged -> {out}; start a run from it with train.init_from={out}"

@@ -24,7 +24,7 @@ from typing import Any, Iterable, Iterator
 import torch
 from safetensors import SafetensorError, safe_open
 
-from rlt_mega.checkpoint import fsync_dir
+from rlt_mega.checkpoint import OutputKind, check_output, fsync_dir
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -177,40 +177,17 @@ def save_safetensors(state_dict: dict[str, torch.Tensor], out_dir: Path, max_sha
     return sorted(p.name for p in Path(out_dir).glob("model*.safetensors*"))
 
 
-def check_output(out_dir: str | Path, inputs: Iterable[str | Path] = (), overwrite: bool = False) -> None:
-    """The checks before a tool writes ``out_dir`` (called before any work, and again by
-    :func:`atomic_directory`): the output must not be, contain or lie inside one of its
-    ``inputs`` (replacing it would delete what it is read from); a non-empty output is replaced
-    only with ``overwrite``, and only when it is itself an export (it has rlt_export.json): a
-    directory of anything else is never deleted."""
-    out = Path(out_dir)
-    here = out.resolve()
-    for given in inputs:
-        source = Path(given).resolve()
-        relation = ("is" if here == source else "contains" if source.is_relative_to(here)
-                    else "lies inside" if here.is_relative_to(source) else None)
-        if relation:
-            raise FileExistsError(f"{out}: the output directory {relation} the input {given}; writing it would "
-                                  "destroy what is read: choose an output directory outside the input")
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out}: exists and is not a directory; choose another output path")
-    if out.is_dir() and any(out.iterdir()):
-        if not overwrite:
-            raise FileExistsError(f"{out}: exists and is not empty; choose another output directory "
-                                  "or pass overwrite=True (--overwrite) to replace an earlier export there")
-        if not (out / EXPORT_MANIFEST).is_file():
-            raise FileExistsError(f"{out}: exists and is not an export (no {EXPORT_MANIFEST}): --overwrite replaces "
-                                  "only an earlier export or an empty directory; choose another output directory "
-                                  "(or remove this one yourself)")
+EXPORT = OutputKind("an export", EXPORT_MANIFEST)  # what `rlt-mega export` and `import` write
 
 
 @contextmanager
-def atomic_directory(out_dir: str | Path, overwrite: bool = False, inputs: Iterable[str | Path] = ()) -> Iterator[Path]:
+def atomic_directory(out_dir: str | Path, overwrite: bool = False, inputs: Iterable[str | Path] = (),
+                     kind: OutputKind = EXPORT) -> Iterator[Path]:
     """Yields a fresh sibling directory to write into; on success it replaces ``out_dir`` by a
     rename, so a crash while writing never leaves a half-written export where a reader looks
-    (and never damages an existing one). What may be replaced: :func:`check_output`."""
+    (and never damages an existing one). What may be replaced: checkpoint.check_output."""
     out = Path(out_dir)
-    check_output(out, inputs, overwrite)
+    check_output(out, inputs, overwrite, kind=kind)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()

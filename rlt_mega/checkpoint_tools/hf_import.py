@@ -34,7 +34,8 @@ from rlt_mega.checkpoint_tools.export import (
     CONFIG_NAME, DEFAULT_MAX_SHARD_SIZE, TOKENIZER_FILES, empty_model, export_state_dict, expected_shapes,
     tied_aliases,
 )
-from rlt_mega.checkpoint_tools.files import CheckpointFormatError, SafetensorsDir, check_output, read_json
+from rlt_mega.checkpoint import check_output
+from rlt_mega.checkpoint_tools.files import EXPORT, CheckpointFormatError, SafetensorsDir, read_json
 from rlt_mega.checkpoint_tools.hf_dense import hf_names  # HF name -> model name, shared with the dense export
 
 log = get_logger(__name__)
@@ -194,7 +195,7 @@ def import_hf(hf_dir: str | Path, out_dir: str | Path, *, memory_block: int = 1,
     ``tokenizer``: "auto" copies the tokenizer files found in hf_dir (if any), None copies none,
     or a path as in :func:`export_state_dict`.
     """
-    check_output(out_dir, [hf_dir], overwrite)  # before the conversion's work
+    check_output(out_dir, [hf_dir], overwrite, kind=EXPORT)  # before the conversion's work
     cfg, sd, source = convert_hf(hf_dir, memory_block=memory_block, seed=seed, max_seq_len=max_seq_len,
                                  dtype=dtype, arch=arch)
     if tokenizer == "auto":

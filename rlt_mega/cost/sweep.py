@@ -68,6 +68,7 @@ from typing import Any, Optional
 
 import yaml
 
+from rlt_mega.checkpoint import OutputKind, check_output
 from rlt_mega.config import Config, ConfigError, load_config, read_yaml
 from rlt_mega.log import get_logger
 from rlt_mega.cost.flops import flop_rows, summarize
@@ -290,6 +291,10 @@ def execute(sweep: Sweep, run: Run, force: bool = False) -> dict:
     result_path = d / "result.json"
     if result_path.exists() and not force:
         return json.loads(result_path.read_text())
+    # an interrupted attempt is rerun (its tb/ and checkpoints/ removed below): only a sweep run's own
+    # directory (with output.log) or an empty one, never a folder of other files that has the run's name
+    if not (d / LOCK_NAME).exists():  # (a lock: another sweep process's run, output.log not yet opened)
+        check_output(d, [sweep.base], overwrite=True, kind=SWEEP_RUN)
     d.mkdir(parents=True, exist_ok=True)
     if not _claim(d / LOCK_NAME):
         log.info("sweep run %s: another sweep process is running it (%s); skipped", run.name, d / LOCK_NAME)
@@ -317,6 +322,7 @@ def execute(sweep: Sweep, run: Run, force: bool = False) -> dict:
 
 
 LOCK_NAME = "running.lock"
+SWEEP_RUN = OutputKind("a sweep run's directory", "output.log")  # execute opens output.log before the run starts
 
 
 def _claim(lock: Path) -> bool:
@@ -609,7 +615,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.dry_run:
         dry_run(sweeps, sys.stdout)
         return 0
-    rows = [row for sweep in sweeps for row in run_sweep(sweep, force=args.force, only_collect=args.collect)]
+    try:
+        rows = [row for sweep in sweeps for row in run_sweep(sweep, force=args.force, only_collect=args.collect)]
+    except FileExistsError as exc:  # a run's directory that is not a sweep run's (checkpoint.check_output)
+        sys.stderr.write(f"sweep: error: {exc}\n")
+        return 2
     out = sweeps[0].out
     if len(sweeps) > 1:
         out = Path(args.combined)

@@ -24,10 +24,11 @@ import os
 import struct
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import numpy as np
 
+from rlt_mega.checkpoint import OutputKind, check_output
 from rlt_mega.data.datasets import DataError
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.data.windows import TokenWindows, token_dtype
@@ -39,6 +40,8 @@ _HEADER = b"MMIDIDX\x00\x00"  # megatron-core's _INDEX_HEADER
 _HEADER_BYTES = 34  # magic (9), version (8), dtype code (1), sequence count (8), document count (8)
 _DTYPE_SIZES = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 8, 7: 4, 8: 2}  # megatron-core's DType codes
 FORMAT = "rlt_mega indexed v1"
+# what preprocess writes (PREFIX.bin/.idx/.json); --overwrite replaces only such a dataset
+INDEXED = OutputKind("an indexed dataset", ".idx", (".bin", ".idx", ".json"))
 
 
 def _megatron():
@@ -204,15 +207,12 @@ class IndexedWriter:
     three files into place (the metadata, the data, the index last); ``abort`` removes them.
     """
 
-    def __init__(self, prefix: str, tokenizer: Tokenizer, overwrite: bool = False) -> None:
+    def __init__(self, prefix: str, tokenizer: Tokenizer, overwrite: bool = False,
+                 inputs: Iterable[str | Path] = ()) -> None:
         self.prefix = os.path.expanduser(prefix)
         self.tokenizer = tokenizer
         bin_path, idx_path, meta_path = paths(self.prefix)
-        if not overwrite:
-            existing = [str(p) for p in (bin_path, idx_path) if p.exists()]
-            if existing:
-                raise DataError(f"{' and '.join(existing)} exist: pass --overwrite to replace them, or choose "
-                                "another --out")
+        check_output(self.prefix, inputs, overwrite, kind=INDEXED)
         bin_path.parent.mkdir(parents=True, exist_ok=True)
         remove_stale_parts(self.prefix)
         self.tmp = f"{self.prefix}.tmp{os.getpid()}"

@@ -22,6 +22,7 @@ import os
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional
 
 import numpy as np
@@ -162,9 +163,9 @@ def preprocess(source: str, tokenizer: str, out: str, workers: int = 1, text_fie
         raise DataError(f"--workers {workers}: must be >= 1")
     if chunk < 1:
         raise DataError(f"--chunk {chunk}: must be >= 1")
-    tok = load_tokenizer(tokenizer)
+    inputs = [p for p in (source, tokenizer) if Path(p).exists()]  # local files: never written over
+    writer = IndexedWriter(out, load_tokenizer(tokenizer), overwrite=overwrite, inputs=inputs)
     cfg = DataConfig(hub_config=hub_config, text_field=text_field)
-    writer = IndexedWriter(out, tok, overwrite=overwrite)
     result = PreprocessResult(prefix=writer.prefix, workers=workers)
     start, start_cpu = time.perf_counter(), time.process_time()
     pool, bar = None, None
@@ -218,7 +219,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "for any other value")
     p.add_argument("--chunk", type=int, default=256, help="documents per worker task (default: 256; the "
                    "tokenizer's Python lists cost ~36 bytes a token, so larger chunks cost memory)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing dataset at --out")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier indexed dataset at --out (never the input, nor other files)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 

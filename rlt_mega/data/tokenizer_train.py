@@ -26,6 +26,7 @@ from typing import Iterable, Optional
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from rlt_mega.checkpoint import OutputKind, check_output
 from rlt_mega.config import DataConfig
 from rlt_mega.data.chat import CHATML, CHATML_TOKENS
 from rlt_mega.data.datasets import DataError, DataStats, load_records, text_of
@@ -34,6 +35,7 @@ from rlt_mega.log import get_logger
 
 log = get_logger(__name__)
 
+TOKENIZER = OutputKind("a tokenizer directory", "tokenizer.json")  # what --overwrite may replace
 HELP = "train a byte-level BPE tokenizer (HF tokenizers) on a dataset"
 NUM_BYTES = 256
 
@@ -110,13 +112,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=0, help="train on the first N records only (0: all)")
     p.add_argument("--chat-template", default=None,
                    help="'chatml' (adds <|im_start|>, <|im_end|>) or a Jinja file, stored for data.chat_template")
-    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR's tokenizer files if they exist")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT_DIR if it holds an earlier tokenizer (never the data, nor a directory of other files)")
 
 
 def run(a: argparse.Namespace) -> str:
     out = Path(a.out_dir)
-    if (out / "tokenizer.json").exists() and not a.overwrite:
-        raise FileExistsError(f"{out / 'tokenizer.json'} exists: pass --overwrite to replace it")
+    inputs = [p for p in (a.data, a.chat_template) if p is not None and Path(p).exists()]  # local files only
+    check_output(out, inputs, a.overwrite, kind=TOKENIZER)
     template, extra = _chat_template(a.chat_template)
     stats = DataStats()
     train = _texts(a.data, "train", a.text_field, a.limit, stats, a.hub_config)

@@ -178,7 +178,7 @@ class _Draw:
         # Positions < forced_end are forced (the prompt, then each observation inserted so far).
         self.forced_end = self.prompt_t.clone()  # (S,)
         self.plan, self.episodes, self.once = plan, episodes, once
-        self.stats = None if episodes is None else [EpisodeStats() for _ in range(num_rows)]
+        self.stats = None if episodes is None else [EpisodeStats(faults=int(e.start_failed)) for e in episodes]
         self.turn_start = [0] * num_rows  # completion index where each row's current model turn began
         self.turn_seen = [0] * num_rows  # completion tokens already offered to the episode
         self.calls: dict = {}  # row -> its episode's answer under way (TP rank 0 only)
@@ -317,6 +317,7 @@ class _Draw:
             st.turns += int(not r.done)
             st.tool_calls += int(r.tool_call)
             st.tool_errors += int(r.error)
+            st.faults += int(r.fault)
             st.truncated |= r.truncated
             if r.done:
                 self.reason[b] = 4
@@ -328,7 +329,8 @@ class _Draw:
             if room <= 0:
                 self.reason[b] = 3
                 continue
-            if not ids:
+            if not ids:  # an empty answer: the next model turn starts here (the call is never asked again)
+                self.turn_start[b] = self.turn_seen[b] = num_new[b]
                 continue
             start = self.prompt_lens[b] + num_new[b]
             self.tokens[b, start:start + len(ids)] = to_device(ids, self.tokens.device)
@@ -425,8 +427,9 @@ class Sampler:
         if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
             raise ValueError(f"{len(batches)} batches, {len(params)} sampling params, {len(seeds)} seed lists: "
                              "give at least one batch and one of each per batch")
-        for prompts, p, batch_seeds in zip(batches, params, seeds):
+        for i, (prompts, p, batch_seeds) in enumerate(zip(batches, params, seeds)):
             _check_request(prompts, p, batch_seeds, decode)
+            _check_vocabulary(prompts, pad_id, self.model.cfg.vocab_size, i)
         if episodes is not None:
             if self.check_every != 1:
                 raise ValueError(f"environment turns need check_every=1 (got {self.check_every}): an observation "
@@ -520,6 +523,21 @@ def _check_request(prompts: Sequence[Sequence[int]], params: SamplingParams, see
         raise ValueError("stop_strings need a decode function (token ids -> text)")
     if params.row_budgets and len(params.row_budgets) != len(prompts):
         raise ValueError(f"{len(params.row_budgets)} row_budgets for {len(prompts)} prompts: give one per prompt")
+
+
+def _check_vocabulary(prompts: Sequence[Sequence[int]], pad_id: int, vocab_size: int, batch: int) -> None:
+    """Every prompt token id (and the pad id) is a row of the embedding: else one line naming the
+    row and the id, before any work (not an IndexError from inside a decoder step)."""
+    if not 0 <= pad_id < vocab_size:
+        raise ValueError(f"pad id {pad_id} is outside the model's vocabulary [0, {vocab_size}) "
+                         f"(model.vocab_size={vocab_size}): the tokenizer and the model disagree")
+    for b, prompt in enumerate(prompts):
+        bad = next((t for t in prompt if not 0 <= t < vocab_size), None) if prompt else None
+        if bad is not None:
+            raise ValueError(f"prompt row {b} of batch {batch} holds token id {bad} (position "
+                             f"{list(prompt).index(bad)}), outside the model's vocabulary [0, {vocab_size}) "
+                             f"(model.vocab_size={vocab_size}): the tokenizer and the model disagree "
+                             "(check data.tokenizer and model.vocab_size)")
 
 
 def _rollout(res: RowResult, work: RowWork, chooser: _Draw, processing: Processing, dtype: str, pad_id: int,

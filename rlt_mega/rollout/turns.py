@@ -34,10 +34,13 @@ class Response:
     tool_call: bool = False  # the turn was a tool call
     error: bool = False  # the tool call failed (the observation says why)
     truncated: bool = False  # a cap (turns, observation tokens) cut the episode
+    fault: bool = False  # the environment's code failed (raised, or answered with the wrong type): counted
 
 
 class Episode(Protocol):
     """One row's environment (rollout/env/ builds them from the prompt's record)."""
+
+    start_failed: bool  # its start raised (a fault, counted once; the episode ends at its first trigger)
 
     def triggered(self, ids: Sequence[int], text: str) -> bool:
         """Whether the model's turn so far (its ids and their text) hands over to the environment."""
@@ -63,6 +66,7 @@ class EpisodeStats:
     departures: int = 0  # calls that ran while the row was out of the batch (the others decoding meanwhile)
     blocking_waits: int = 0  # calls waited for at once, the row in its slot: no other row could run meanwhile
     truncated: bool = False  # cut by a limit: max_turns, an observation cap, or the row's token budget
+    faults: int = 0  # faults of the environment's code (rollout/env/base.py, EnvFaults): its start, its calls
 
 
 def forced_mask(prompt_lens: Sequence[int], completion_lens: Sequence[int], forces, shape, device):

@@ -404,6 +404,8 @@ class GRPOJob:
         })
         self.state.completions += sum(len(rnd.rows) for rnd in rounds) * dims.dp
         self._check_rewards(scalars, done + 1)
+        if self.envs is not None and (stop := self.envs.over_limit(scalars["env/faults"])):
+            raise StepFailed(*stop, scalars)
         return scalars
 
     def _target(self, data_step: int) -> int:
@@ -577,7 +579,7 @@ def environments(cfg: Config, tokenizer: Tokenizer) -> Optional[Environments]:
         env = resolve_env(g.env)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    limits = EnvLimits(g.max_turns, g.max_turn_tokens, g.max_episode_tokens, g.env_time_limit)
+    limits = EnvLimits(g.max_turns, g.max_turn_tokens, g.max_episode_tokens, g.env_time_limit, g.max_env_errors)
     if tokenizer.use_chat_template:  # turns laid out by the template; its turn end hands over
         return Environments(env, tokenizer.encode, limits, tokenizer.chat_turn, tokenizer.turn_end_id)
     return Environments(env, tokenizer.encode, limits)

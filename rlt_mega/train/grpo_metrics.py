@@ -60,7 +60,8 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                      "env_observation_tokens": src * sum(e.observation_tokens for e in episodes),
                      "env_truncated": src * sum(e.truncated for e in episodes),
                      "env_departures": src * sum(e.departures for e in episodes),
-                     "env_blocking_waits": src * sum(e.blocking_waits for e in episodes)})
+                     "env_blocking_waits": src * sum(e.blocking_waits for e in episodes),
+                     "env_faults": src * sum(e.faults for e in episodes)})
         maxs["env_observation_tokens_max"] = max((e.observation_tokens for e in episodes), default=0)
     learner = {k: 0.0 for k in ("tokens", "ratio_sum", "clipped", "support_miss", "kl_sum", "diff_sum",
                                 "miss_dense_sum", "first_tokens", "first_kl_sum",
@@ -143,7 +144,8 @@ def reduce_step_metrics(dims: ParallelDims, rewards: Sequence[float], failures: 
                     # calls per completion that ran while the row was out of the batch (its slot given to
                     # another row), and that the rollout waited for at once, no other row able to run
                     "env/departures": r["env_departures"] / rows,
-                    "env/blocking_waits": r["env_blocking_waits"] / rows})
+                    "env/blocking_waits": r["env_blocking_waits"] / rows,
+                    "env/faults": r["env_faults"]})  # the environment's code failing (rollout/env/base.py)
     if with_correction:  # rho = pi_old / mu, the policy change since the samples were drawn
         out.update({"is/rho_min": r["rho_min"] if r["rho_min"] != INF else 1.0, "is/rho_mean": r["rho_sum"] / tokens,
                     "is/rho_max": r["rho_max"] if r["rho_max"] != -INF else 1.0,

@@ -32,7 +32,7 @@ def chats(tmp_path):
     path.write_text("\n".join(good[:5] + bad + good[5:]) + "\n")
     return path
 METRICS = ["env/turns", "env/tool_calls", "env/tool_errors", "env/observation_tokens",
-           "env/observation_tokens_max", "env/truncated", "env/departures", "env/blocking_waits"]
+           "env/observation_tokens_max", "env/truncated", "env/departures", "env/blocking_waits", "env/faults"]
 
 
 def test_grpo_with_an_environment_is_exact_and_resumes_exactly(tmp_path, chats):
@@ -61,6 +61,29 @@ def test_grpo_with_an_environment_is_exact_and_resumes_exactly(tmp_path, chats):
     assert main(["eval", *common, "grpo.env=", "--data", str(chats), "--limit", "6", "--output", str(out)]) == 0
     without = [json.loads(line)["completion"] for line in out.read_text().splitlines()]
     assert len(with_env) == len(without) == 6 and not any("User:" in c for c in without)
+
+
+def test_an_environments_faults_are_counted_and_too_many_stop_the_run(tmp_path, chats, capsys):
+    """A user environment that raises in start() for some rows and answers a str instead of a Turn
+    runs on (error observations, env/faults logged, the replay exact); one that raises at every
+    call stops the run after its first step with one line naming the class, the method, the
+    exception and the count."""
+    env = [a for a in ENV if not a.startswith("grpo.env=")]
+    assert main(grpo_args(tmp_path, chats, "start", "train.steps=1", *env, "grpo.env=helpers:BrokenStart",
+                          "grpo.max_env_errors=0")) == 0
+    records = [r for r in read_metrics(tmp_path / "start" / "tb") if "reward/mean" in r]
+    assert records[0]["env/faults"] > 0 and records[0]["ratio/onpolicy_max_dev"] == 0.0
+    capsys.readouterr()
+    assert main(grpo_args(tmp_path, chats, "step", "train.steps=3", *env, "grpo.env=helpers:BrokenStep",
+                          "grpo.max_env_errors=2")) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    stop = [line for line in lines if line.startswith("rlt-mega grpo: stopped: ")]
+    assert len(stop) == 1 and stop[0].startswith(
+        "rlt-mega grpo: stopped: the environment grpo.env=helpers:BrokenStep failed "), lines
+    assert "more than grpo.max_env_errors=2 (step x" in stop[0] and ": ZeroDivisionError: division by zero)" in stop[0]
+    assert "Traceback" not in "\n".join(lines)
+    records = [r for r in read_metrics(tmp_path / "step" / "tb") if "reward/mean" in r]
+    assert len(records) == 1 and records[0]["env/faults"] > 2  # the step is logged before the stop
 
 
 def test_an_environment_needs_a_check_every_step(tmp_path, prompts, capsys):  # noqa: F811

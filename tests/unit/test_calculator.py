@@ -33,6 +33,33 @@ def test_the_observation_follows_gsm8k():
     assert env.step(None, "<<50%*20=").observation == "10>>"
 
 
+# the number format (issue 47): integers exact, other values rounded half away from zero to 6 decimals,
+# never -0, no float artifacts; x only between two operands
+FORMAT = [("0.3-0.1-0.2", "0"), ("10**20/3", "33333333333333333333.333333"), ("10**20+1", "100000000000000000001"),
+          ("0.1+0.2", "0.3"), ("2/3", "0.666667"), ("-2/3", "-0.666667"), ("-7/2", "-3.5"), ("-1/3000000000", "0"),
+          ("0.0000005", "0.000001"), ("-0.0000005", "-0.000001"), ("0.00000049", "0"), ("-0.00000049", "0"),
+          ("1.10*3", "3.3"), ("(2/3)**-2", "2.25"), ("2**0.5", "1.414214"), ("4**0.5", "2"), ("7//2", "3"),
+          ("3x4", "12"), ("3 x 4", "12"), ("(1+2)x(3)", "9"), ("50%x4", "2"), ("0.5x4", "2"), ("0 x 5", "0"),
+          ("10**30", str(10 ** 30))]
+
+
+@pytest.mark.parametrize("expr,value", FORMAT)
+def test_the_number_format(expr, value):
+    assert format_value(evaluate(expr)) == value
+    assert Calculator().step(None, f"so <<{expr}=").observation == value + ">>"
+
+
+MALFORMED = ["2xx3", "0x10", "0XfF", "1e3", "1E3", "1_000", "0b101", "0o17", "2x", "x3", "3xx4", "1.2.3", "1j"]
+
+
+@pytest.mark.parametrize("expr", MALFORMED)
+def test_malformed_calls(expr):
+    with pytest.raises(CalcError):
+        evaluate(expr)
+    turn = Calculator().step(None, f"so <<{expr}=")
+    assert turn.error and turn.observation == "error>>"
+
+
 MALICIOUS = ["__import__('os').system('ls')", "().__class__", "a.b", "x", "open", "lambda: 1", "[1] * 9",
              "9**9**9", "10**400", "2**-9999", "(" * 200 + "1" + ")" * 200, "-" * 5000 + "1", "1+" * 300 + "1",
              "1e308*1e308", "1/0", "1%0", "0**-1", "'a'*3", "1 if 1 else 2", "f(1)", "", "=", "1;2", "print(1)",

@@ -20,7 +20,7 @@ from rlt_mega.learner.logprob import dense_logprobs
 from rlt_mega.model.rlt import build_model
 from rlt_mega.schedule.rows import Enter, Force, Leave, RowSwitches, record_from_json, record_to_json
 from rlt_mega.rollout import Processing, Sampler, SamplingParams, generate, process_logits, replay
-from rlt_mega.rollout.env import Chat, EnvLimits, Environment, Environments, Turn
+from rlt_mega.rollout.env import Chat, EnvFaults, EnvLimits, Environment, Environments, Turn
 
 ALPHABET = "0123456789+-*/()<>=. abcdefghijklmnopqrstuvwxyz"  # ids 1..47; 0 is pad
 V = len(ALPHABET) + 1
@@ -386,3 +386,113 @@ def test_a_slow_environment_runs_while_the_other_rows_decode(monkeypatch):
     assert all(st.tool_errors == 0 for st in ro.episodes)
     assert sum(st.departures for st in ro.episodes) == away
     assert torch.equal(replay(model, ro), ro.mu)
+
+
+def sample_rows(model, prompts, env, limits, max_new=40):
+    """``sample`` with one record per row ({"row": b}: a user environment's start sees it)."""
+    episodes = Environments(env, encode, limits).episodes([{"row": b} for b in range(len(prompts))])
+    sampler = Sampler(model, check_every=1)
+    params = SamplingParams(Processing(temperature=1.0), max_new_tokens=max_new, stop_token_ids=(2,))
+    ro = sampler.generate([prompts], params, [list(range(100, 100 + len(prompts)))], pad_id=0,
+                          decode=decode, episodes=[episodes])[0]
+    return sampler, ro, episodes
+
+
+class Calls(Environment):
+    """Triggered by the common characters; records every call (row, the model's turn) and answers
+    ``answer(row, number of the row's call)``."""
+
+    triggers = tuple("aeiostnr")
+
+    def __init__(self, answer):
+        self.answer, self.asked, self.lock = answer, [], threading.Lock()
+
+    def start(self, record):
+        return record["row"]
+
+    def step(self, row, text):
+        with self.lock:
+            n = sum(r == row for r, _ in self.asked)
+            self.asked.append((row, text))
+        return self.answer(row, n)
+
+
+def test_an_empty_observation_restarts_the_model_turn():
+    """An environment that answers "" (and one whose episode budget is spent) never sees the same
+    written call twice: the model's turns it is asked about are consecutive pieces of the
+    completion (their concatenation is the completion up to the last call, no piece repeated),
+    env/turns and env/tool_calls count the calls asked, and the replay stays exact."""
+    model = tiny(1)
+    env = Calls(lambda row, n: Turn(observation="", tool_call=True))
+    _, ro, _ = sample_rows(model, PROMPTS[8:] + PROMPTS[:2], env, EnvLimits(max_turns=8))
+    assert not forces(ro)  # nothing inserted
+    asked = 0
+    for b, st in enumerate(ro.episodes):
+        texts = [text for r, text in env.asked if r == b]
+        asked += len(texts)
+        completion = decode(list(ro.completion(b)))
+        assert completion.startswith("".join(texts)), (b, texts, completion)  # each piece once, in order
+        assert st.turns == st.tool_calls == len(texts) and not st.truncated
+        if ro.finish_reasons[b] == "env":  # only past max_turns
+            assert len(texts) == 8
+    assert asked >= 4  # calls happened
+    assert torch.equal(replay(model, ro), ro.mu)
+    # the observation budget spent by the first call: the next trigger ends the episode, truncated
+    env = Calls(lambda row, n: Turn(observation="=" * 9, tool_call=True))
+    _, ro, _ = sample_rows(model, PROMPTS[8:] + PROMPTS[:2], env, EnvLimits(max_turns=8, max_turn_tokens=4,
+                                                                            max_episode_tokens=4))
+    for b, st in enumerate(ro.episodes):
+        calls = sum(r == b for r, _ in env.asked)
+        assert calls <= 1 and st.turns == st.tool_calls == calls and st.observation_tokens == 4 * calls
+        if calls and ro.finish_reasons[b] == "env":
+            assert st.truncated
+    assert "env" in ro.finish_reasons
+    assert torch.equal(replay(model, ro), ro.mu)
+
+
+class Faulty(Calls):
+    """A user environment with bugs: start raises for row 0; step raises at each row's first call,
+    answers a str instead of a Turn at its second, an int observation at its third, then "=>"."""
+
+    def start(self, record):
+        if record["row"] == 0:
+            raise KeyError("question")
+        return record["row"]
+
+
+def faulty_answer(row, n):
+    if n == 0:
+        raise ValueError(f"no tool for row {row}")
+    return ["42", Turn(observation=7), Turn(observation="=>", tool_call=True)][min(n - 1, 2)]
+
+
+def test_an_environments_faults_are_named_once_counted_and_stop_the_run(caplog):
+    model = tiny(1)
+    env = Faulty(faulty_answer)
+    with caplog.at_level("WARNING", logger="rlt_mega.rollout.env.base"):
+        _, ro, episodes = sample_rows(model, PROMPTS[8:] + PROMPTS[:2], env, EnvLimits(max_turns=8, max_errors=3))
+    assert ro.episodes[0].faults == 1 and ro.finish_reasons[0] == "env"  # start failed: ended at its first trigger
+    assert not any(r == 0 for r, _ in env.asked)
+    for b, st in enumerate(ro.episodes[1:], 1):
+        calls = sum(r == b for r, _ in env.asked)
+        assert st.faults == min(calls, 3) and st.tool_errors == min(calls, 3), (b, calls, st)
+    fs = forces(ro)  # the faults' answers are error observations
+    assert any(f.ids == tuple(encode("error>>")) for f in fs) and any(f.ids == tuple(encode("=>")) for f in fs)
+    assert torch.equal(replay(model, ro), ro.mu)
+    warned = [r.getMessage() for r in caplog.records]
+    name = f"{Faulty.__module__}:{Faulty.__qualname__}"
+    for kind in ("start failed (KeyError: 'question')", "step failed (ValueError: no tool for row",
+                 "step failed (TypeError: returned str '42', not a Turn)",
+                 "step failed (TypeError: returned an observation of type int 7, not a str)"):
+        assert sum(kind in w and name in w for w in warned) == 1, (kind, warned)  # each kind named once
+    faults = sum(st.faults for st in ro.episodes)
+    assert faults >= 4  # each kind at least once
+    reason, hint = episodes[0].faults.over_limit(faults)  # what the trainer stops with
+    assert reason.startswith(f"the environment grpo.env={name} failed {faults} times in one step, more than "
+                             "grpo.max_env_errors=3 (")
+    assert "start x1: KeyError: 'question'" in reason and "step x" in reason and ": ValueError: no tool" in reason
+    assert ": TypeError: returned str '42', not a Turn" in reason and "of type int 7, not a str" in reason
+    assert "max_env_errors (0: never stop)" in hint and "\n" not in reason + hint
+    assert episodes[0].faults.over_limit(3) is None  # within the limit
+    assert "(on another rank)" in episodes[0].faults.over_limit(4)[0]  # the counts started again
+    assert EnvFaults(env, 0).over_limit(10**6) is None  # 0: never stop

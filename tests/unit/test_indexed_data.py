@@ -56,7 +56,7 @@ def test_round_trip_every_document_token_for_token(tmp_path):
     preprocess(str(corpus), "byte", str(tmp_path / "one"), workers=1, progress=False)
     for suffix in (".bin", ".idx"):
         assert (tmp_path / f"one{suffix}").read_bytes() == open(prefix + suffix, "rb").read()
-    with pytest.raises(DataError, match="exist: pass --overwrite"):
+    with pytest.raises(FileExistsError, match="exist: pass --overwrite"):
         preprocess(str(corpus), "byte", str(tmp_path / "one"), progress=False)
 
 

@@ -124,3 +124,22 @@ def test_checking_less_often_changes_no_completion(dtype):
                 assert (ro.tokens[b, end:] == 0).all(), (k, b)
             assert torch.equal(replay(model, ro), ro.mu), k
         assert runs[8].schedule.rows.num_steps >= ref.schedule.rows.num_steps  # up to check_every - 1 steps more
+
+
+@pytest.mark.parametrize("bad,position", [(48, 2), (-1, 0), (10**6, 1)])
+def test_prompt_ids_outside_the_vocabulary_are_named_before_sampling(bad, position):
+    """A prompt id the embedding has no row for (a tokenizer larger than model.vocab_size, a
+    negative id): one line naming the batch, the row, the id and its position, before any step
+    (not an IndexError from inside the decoder)."""
+    prompt = [5, 6, 7]
+    prompt[position] = bad
+    sampler = Sampler(tiny(), check_every=4)
+    with pytest.raises(ValueError) as err:
+        sampler.generate([PROMPTS, PROMPTS[:2] + [prompt]], SamplingParams(max_new_tokens=4),
+                         [[1, 2, 3, 4], [5, 6, 7]], pad_id=0)
+    assert str(err.value) == (
+        f"prompt row 2 of batch 1 holds token id {bad} (position {position}), outside the model's vocabulary "
+        "[0, 48) (model.vocab_size=48): the tokenizer and the model disagree (check data.tokenizer and "
+        "model.vocab_size)")
+    with pytest.raises(ValueError, match=r"^pad id 48 is outside the model's vocabulary \[0, 48\)"):
+        sampler.generate([PROMPTS], SamplingParams(max_new_tokens=4), [[1, 2, 3, 4]], pad_id=48)

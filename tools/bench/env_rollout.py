@@ -32,7 +32,7 @@ from rollout_rows import gsm8k_call  # noqa: E402
 from rlt_mega.config import ModelConfig  # noqa: E402
 from rlt_mega.model.rlt import build_model  # noqa: E402
 from rlt_mega.rollout import Processing, Sampler, SamplingParams  # noqa: E402
-from rlt_mega.rollout.env.base import Calls, Pending, Turn  # noqa: E402
+from rlt_mega.rollout.env.base import Call, Calls, Pending, Turn  # noqa: E402
 from rlt_mega.rollout.env.calculator import evaluate, format_value  # noqa: E402
 from rlt_mega.rollout.turns import Response  # noqa: E402
 
@@ -41,6 +41,8 @@ class PacedCalculator:
     """A row's calculator episode (rollout/turns.py ``Episode``) triggered every ``gap`` model
     tokens; each call evaluates one of GSM8K's annotations (after ``latency`` seconds) and
     inserts its ``value>>`` ids."""
+
+    start_failed = False
 
     def __init__(self, gap: int, expressions: list[str], vocab: int, latency: float = 0.0) -> None:
         self.gap, self.expressions, self.vocab, self.calls, self.latency = gap, expressions, vocab, 0, latency
@@ -57,8 +59,9 @@ class PacedCalculator:
             time.sleep(self.latency)
             return Turn(observation=format_value(evaluate(expression)) + ">>", tool_call=True)
 
-        def response(turn: Turn) -> Response:
-            return Response(ids=tuple(10 + (ord(c) % (self.vocab - 10)) for c in turn.observation), tool_call=True)
+        def response(done: Call) -> Response:
+            ids = tuple(10 + (ord(c) % (self.vocab - 10)) for c in done.turn().observation)
+            return Response(ids=ids, tool_call=True)
 
         return Pending(self.threads.start(call), response)
 

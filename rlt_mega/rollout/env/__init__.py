@@ -4,7 +4,7 @@ inserts their observations). Built in: ``calculator`` (GSM8K's ``<<expression=va
 
 from __future__ import annotations
 
-from rlt_mega.rollout.env.base import Calls, EnvEpisode, EnvLimits, Environment, Environments, Turn
+from rlt_mega.rollout.env.base import Calls, EnvEpisode, EnvFaults, EnvLimits, Environment, Environments, Turn
 from rlt_mega.rollout.env.calculator import Calculator
 from rlt_mega.rollout.env.chat import Chat
 from rlt_mega.rollout.rewards import resolve_named
@@ -20,5 +20,5 @@ def resolve_env(spec: str) -> Environment:
     return cls()
 
 
-__all__ = ["Calls", "EnvEpisode", "EnvLimits", "Environment", "Environments", "Turn", "Calculator", "Chat",
+__all__ = ["Calls", "EnvEpisode", "EnvFaults", "EnvLimits", "Environment", "Environments", "Turn", "Calculator", "Chat",
            "ENVIRONMENTS", "resolve_env"]
