@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -155,7 +156,20 @@ def _completion_values(lp: torch.Tensor, prompt_lens: Sequence[int], completion_
     return torch.where(mask, lp.gather(1, step + 1), torch.zeros((), device=lp.device))
 
 
-_REASONS = ("", "stop_token", "stop_string", "length", "env")  # finish codes on the device: 0 while running
+class Finish(IntEnum):
+    """A row's finish code on the device (``_Chooser.reason``); its ``label`` is the
+    ``finish_reasons`` string. Distinct from the plan's ``Flag`` (schedule/rows.py)."""
+
+    RUNNING = 0
+    STOP_TOKEN = 1
+    STOP_STRING = 2
+    LENGTH = 3
+    ENV = 4  # the environment ended the episode
+
+    @property
+    def label(self) -> str:
+        return "length" if self is Finish.RUNNING else self.name.lower()  # still running at the end: length
+
 
 
 class _Draw:
@@ -189,7 +203,7 @@ class _Draw:
         self.num_rows = num_rows
         self.is_row = torch.arange(S, device=device) < num_rows
         self.num_new = torch.zeros(S, dtype=torch.long, device=device)  # tokens drawn per row
-        self.reason = torch.zeros(S, dtype=torch.long, device=device)  # index into _REASONS
+        self.reason = torch.zeros(S, dtype=torch.long, device=device)  # a Finish per row
         self.stop_ids = to_device(list(params.stop_token_ids), device)
         budgets = list(params.row_budgets)
         budgets += [params.max_new_tokens] * (S - len(budgets))  # (the entries': unused)
@@ -201,7 +215,7 @@ class _Draw:
         self.lookback = max((len(x.encode("utf-8")) for x in params.stop_strings), default=0) + 3
 
     def choose_rows(self, targets, positions, logprobs):
-        sampling = self.is_row[targets] & (self.forced_end[targets] <= positions + 1) & (self.reason[targets] == 0)
+        sampling = self.is_row[targets] & (self.forced_end[targets] <= positions + 1) & (self.reason[targets] == Finish.RUNNING)
         draw_index = self.num_new[targets].clamp(max=self.u.shape[1] - 1)
         drawn = sample(logprobs, self.u[targets, draw_index])
         self._sampling = sampling
@@ -211,18 +225,18 @@ class _Draw:
         sampling = self._sampling
         num_new = self.num_new[targets] + sampling.long()
         reason = self.reason[targets]
-        running = reason == 0
+        running = reason == Finish.RUNNING
         if len(self.stop_ids):
             stop = sampling & torch.isin(tokens, self.stop_ids)
-            reason = torch.where(running & stop, 1, reason)
-            running = reason == 0
+            reason = torch.where(running & stop, Finish.STOP_TOKEN, reason)
+            running = reason == Finish.RUNNING
         length = sampling & (num_new == self.budget[targets])
-        self.reason[targets] = torch.where(running & length, 3, reason)
+        self.reason[targets] = torch.where(running & length, Finish.LENGTH, reason)
         self.num_new[targets] = num_new
 
     def flag_codes(self):
         """1 finished, 2 away in an environment call (left at this check), else 0."""
-        done = (self.reason[:self.num_rows] != 0).long()
+        done = (self.reason[:self.num_rows] != Finish.RUNNING).long()
         return done if not self.away else torch.where(self.away_t, 2, done)
 
     def check(self, t: int) -> None:
@@ -255,9 +269,9 @@ class _Draw:
             if end is None:
                 continue
             length = start - P + end + 1  # the completion ends with the token that completed it
-            if reason[b] == 1 and length == num_new[b]:
+            if reason[b] == Finish.STOP_TOKEN and length == num_new[b]:
                 continue
-            self.num_new[b], self.reason[b], self.checked[b] = length, 2, length
+            self.num_new[b], self.reason[b], self.checked[b] = length, Finish.STOP_STRING, length
             self.tokens[b, P + length:] = self.pad_id
 
     def _turns(self, k: int) -> None:
@@ -272,7 +286,7 @@ class _Draw:
             self.away_t[back] = False
             self._answer(k, back)
         num_new, reason = self.num_new[:R].tolist(), self.reason[:R].tolist()
-        rows = [b for b in range(R) if reason[b] == 0 and num_new[b] > self.turn_seen[b]]
+        rows = [b for b in range(R) if reason[b] == Finish.RUNNING and num_new[b] > self.turn_seen[b]]
         if not rows:
             return
         lo = min(self.prompt_lens[b] + self.turn_start[b] for b in rows)
@@ -295,7 +309,7 @@ class _Draw:
 
         self.once(submit)
         leaving = [b for b, _, _ in asked]
-        if any(reason[b] == 0 for b in sorted(set(range(R)) - set(leaving))):
+        if any(reason[b] == Finish.RUNNING for b in sorted(set(range(R)) - set(leaving))):
             self.away = leaving
             self.away_t[leaving] = True
             for b in leaving:
@@ -320,14 +334,14 @@ class _Draw:
             st.faults += int(r.fault)
             st.truncated |= r.truncated
             if r.done:
-                self.reason[b] = 4
+                self.reason[b] = Finish.ENV
                 continue
             room = budget[b] - num_new[b] - 1  # positions left for the observation, one draw after it
             ids = list(r.ids[:max(room, 0)])
             if len(ids) < len(r.ids):
                 st.truncated = True
             if room <= 0:
-                self.reason[b] = 3
+                self.reason[b] = Finish.LENGTH
                 continue
             if not ids:  # an empty answer: the next model turn starts here (the call is never asked again)
                 self.turn_start[b] = self.turn_seen[b] = num_new[b]
@@ -547,7 +561,7 @@ def _rollout(res: RowResult, work: RowWork, chooser: _Draw, processing: Processi
     plan, layout = work.plan, work.plan.layout
     R = layout.num_rows
     completion_lens = chooser.num_new[:R].tolist()
-    finish_reasons = [_REASONS[r] or "length" for r in chooser.reason[:R].tolist()]
+    finish_reasons = [Finish(r).label for r in chooser.reason[:R].tolist()]
     T = max(P + n for P, n in zip(layout.prompt_lens, completion_lens))
     record = plan.record()
     mask = _sampled_mask(layout.prompt_lens, completion_lens, record, res.lp.device)
