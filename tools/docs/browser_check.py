@@ -7,7 +7,7 @@ than the server's fails to resolve, and any request to one is itself a fault), a
 - phone (390 px): a code block or table wider than the column that does not scroll visibly;
 
 and at either: a Mermaid block not rendered to SVG, a literal ``\\|`` or a raw Sphinx role
-(``:class:``) in the text, a broken image, a link to a page or anchor the site lacks, a script
+(``:class:``) in the text, a list rendered as a paragraph of "- " lines, a broken image, a link to a page or anchor the site lacks, a script
 error or an error logged to the console, a request that left the machine or failed.
 
     npm ci --prefix tools/docs && mkdocs build --strict --site-dir /tmp/site
@@ -78,6 +78,8 @@ async (width, shrink) => {
   for (const m of text.matchAll(/.{0,30}\\\|.{0,30}/g)) faults.push('literal \\| in the text: ' + m[0]);
   for (const m of text.matchAll(/.{0,30}:(?:py:)?(?:class|func|meth|attr|mod|obj|exc|data):`?.{0,30}/g))
     faults.push('raw Sphinx role in the text: ' + m[0]);
+  for (const p of document.querySelectorAll('article p'))
+    if (/(^|\n)[-*] \S/.test(p.innerText)) faults.push('a list rendered as a paragraph: ' + p.innerText.slice(0, 60));
   for (const img of document.images)
     if (!img.complete || img.naturalWidth === 0) faults.push('broken image: ' + img.getAttribute('src'));
   const links = [...document.querySelectorAll('a[href]')].map((a) => a.href);
