@@ -197,10 +197,12 @@ class Browser:
             raise RuntimeError(f"{method}: {data['error']}")
         return data["result"]
 
-    async def load(self, url: str, width: str) -> tuple[dict, list[dict]]:
+    async def resize(self, width: str) -> None:
         w, h = WIDTHS[width]
         await self.send("Emulation.setDeviceMetricsOverride", session=True, width=w, height=h,
                         deviceScaleFactor=1, mobile=width == "phone")
+
+    async def load(self, url: str) -> None:
         self.events.clear()
         await self.send("Page.navigate", session=True, url=url)
         deadline = time.monotonic() + 30
@@ -208,11 +210,13 @@ class Browser:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url} did not load in 30 s")
             await asyncio.sleep(0.01)
+
+    async def measure(self, url: str, width: str) -> dict:
         result = await self.send("Runtime.evaluate", session=True, expression=f"({PAGE_CHECK})({json.dumps(width)}, {SHRINK})",
                                  awaitPromise=True, returnByValue=True)
         if "exceptionDetails" in result:
             raise RuntimeError(f"the page check failed on {url}: {result['exceptionDetails']}")
-        return result["result"]["value"], list(self.events)
+        return result["result"]["value"]
 
     async def close(self):
         self.reader.cancel()
@@ -281,13 +285,19 @@ async def check_site(site: Path, pages: list[str] | None = None) -> dict[str, li
     with Server(site) as server, tempfile.TemporaryDirectory() as profile:
         browser = await Browser.start(profile, "127.0.0.1")
         try:
-            for page in pages:
+            for page in pages:  # loaded once at desktop width, then measured at each width
                 url = server.base + page.removesuffix("index.html")
+                await browser.resize("desktop")
+                await browser.load(url)
                 for width in WIDTHS:
-                    found, events = await browser.load(url, width)
-                    for f in found["faults"] + event_faults(events, server.base):
-                        faults.setdefault(page, []).append(f"[{width}] {f}" if width == "phone" else f)
+                    if width != "desktop":
+                        await browser.resize(width)
+                    found = await browser.measure(url, width)
+                    for f in found["faults"]:
+                        faults.setdefault(page, []).append(f"[{width}] {f}" if width != "desktop" else f)
                     links_of[page], ids_of[page] = found["links"], set(found["ids"])
+                for f in event_faults(browser.events, server.base):
+                    faults.setdefault(page, []).append(f)
         finally:
             await browser.close()
     for page, links in links_of.items():
