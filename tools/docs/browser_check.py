@@ -41,12 +41,12 @@ SHRINK = 0.75  # a diagram drawn wider than the column may be shrunk to this, no
 # Runs in the page once it has loaded: waits for the diagrams, then measures. Returns a list of
 # faults (strings) and the page's links and anchors for the link check.
 PAGE_CHECK = r"""
-async (width, shrink) => {
+async (width, shrink, waitMs) => {
   const faults = [];
   const t0 = Date.now();
   const diagrams = () => [...document.querySelectorAll('.mermaid')];
   const svgOf = (e) => (e.shadowRoot && e.shadowRoot.querySelector('svg')) || e.querySelector('svg');
-  while (diagrams().some((e) => !svgOf(e)) && Date.now() - t0 < 10000)
+  while (diagrams().some((e) => !svgOf(e)) && Date.now() - t0 < waitMs)
     await new Promise((r) => setTimeout(r, 25));
   await new Promise((r) => requestAnimationFrame(() => requestAnimationFrame(r)));
   const column = document.querySelector('.md-content__inner');
@@ -79,7 +79,7 @@ async (width, shrink) => {
   for (const m of text.matchAll(/.{0,30}:(?:py:)?(?:class|func|meth|attr|mod|obj|exc|data):`?.{0,30}/g))
     faults.push('raw Sphinx role in the text: ' + m[0]);
   for (const p of document.querySelectorAll('article p'))
-    if (/(^|\n)[-*] \S/.test(p.innerText)) faults.push('a list rendered as a paragraph: ' + p.innerText.slice(0, 60));
+    if (/(^|\n)\s*[-*] \S/.test(p.textContent)) faults.push('a list rendered as a paragraph: ' + p.innerText.slice(0, 60));
   for (const img of document.images)
     if (!img.complete || img.naturalWidth === 0) faults.push('broken image: ' + img.getAttribute('src'));
   const links = [...document.querySelectorAll('a[href]')].map((a) => a.href);
@@ -211,8 +211,9 @@ class Browser:
                 raise RuntimeError(f"{url} did not load in 30 s")
             await asyncio.sleep(0.01)
 
-    async def measure(self, url: str, width: str) -> dict:
-        result = await self.send("Runtime.evaluate", session=True, expression=f"({PAGE_CHECK})({json.dumps(width)}, {SHRINK})",
+    async def measure(self, url: str, width: str, wait_ms: int) -> dict:
+        expression = f"({PAGE_CHECK})({json.dumps(width)}, {SHRINK}, {wait_ms})"
+        result = await self.send("Runtime.evaluate", session=True, expression=expression,
                                  awaitPromise=True, returnByValue=True)
         if "exceptionDetails" in result:
             raise RuntimeError(f"the page check failed on {url}: {result['exceptionDetails']}")
@@ -275,8 +276,9 @@ def link_faults(links: list[str], base: str, site: Path, ids_of: dict[str, set])
     return out
 
 
-async def check_site(site: Path, pages: list[str] | None = None) -> dict[str, list[str]]:
-    """{page: [fault, ...]} for every page (only those with faults)."""
+async def check_site(site: Path, pages: list[str] | None = None, wait_ms: int = 10000) -> dict[str, list[str]]:
+    """{page: [fault, ...]} for every page (only those with faults). ``wait_ms``: how long a
+    page's diagrams may take to be drawn."""
     site = Path(site).resolve()
     pages = pages or site_pages(site)
     faults: dict[str, list[str]] = {}
@@ -292,7 +294,7 @@ async def check_site(site: Path, pages: list[str] | None = None) -> dict[str, li
                 for width in WIDTHS:
                     if width != "desktop":
                         await browser.resize(width)
-                    found = await browser.measure(url, width)
+                    found = await browser.measure(url, width, wait_ms)
                     for f in found["faults"]:
                         faults.setdefault(page, []).append(f"[{width}] {f}" if width != "desktop" else f)
                     links_of[page], ids_of[page] = found["links"], set(found["ids"])
