@@ -7,8 +7,10 @@ than the server's fails to resolve, and any request to one is itself a fault), a
 - phone (390 px): a code block or table wider than the column that does not scroll visibly;
 
 and at either: a Mermaid block not rendered to SVG, a literal ``\\|`` or a raw Sphinx role
-(``:class:``) in the text, a list rendered as a paragraph of "- " lines, a broken image, a link to a page or anchor the site lacks, a script
-error or an error logged to the console, a request that left the machine or failed.
+(``:class:``) in the text, a list rendered as a paragraph of "- " lines, a broken image, a link
+to a page or anchor the site lacks, a script error or an error logged to the console, a request
+that left the machine or failed; and the site's search, for a few queries a reader makes
+(``SEARCHES``), lists the page they want first.
 
     npm ci --prefix tools/docs && mkdocs build --strict --site-dir /tmp/site
     python tools/docs/browser_check.py /tmp/site            # prints the faults, exits 1 if any
@@ -92,6 +94,28 @@ async (width, shrink, waitMs) => {
 OPEN_SHADOW = """
 const attach = Element.prototype.attachShadow;
 Element.prototype.attachShadow = function (init) { return attach.call(this, {...init, mode: 'open'}); };
+"""
+
+
+# Searches a reader makes, the page each must rank first or second, and pages it must rank above.
+SEARCHES = [("grpo_gsm8k", "guide/cluster/", []), ("grpo", "guide/grpo/", ["performance/", "reference/api/"]),
+            ("sbatch", "guide/cluster/", [])]
+SEARCH = r"""
+async (q) => {
+  const input = document.querySelector('.md-search__input');
+  input.focus(); input.value = q;
+  input.dispatchEvent(new Event('input', {bubbles: true}));
+  input.dispatchEvent(new KeyboardEvent('keyup', {bubbles: true, key: q.slice(-1)}));
+  const t0 = Date.now();
+  let pages = [];
+  while (Date.now() - t0 < 10000) {
+    await new Promise((r) => setTimeout(r, 50));
+    pages = [...document.querySelectorAll('.md-search-result__item > a')].map((a) => new URL(a.href).pathname);
+    const meta = document.querySelector('.md-search-result__meta');
+    if (pages.length || (meta && /No matching/.test(meta.textContent))) break;
+  }
+  return [...new Set(pages)];
+}
 """
 
 
@@ -219,6 +243,12 @@ class Browser:
             raise RuntimeError(f"the page check failed on {url}: {result['exceptionDetails']}")
         return result["result"]["value"]
 
+    async def search(self, query: str) -> list[str]:
+        """The pages the site's search lists for a query, best first (paths from the site's root)."""
+        result = await self.send("Runtime.evaluate", session=True, expression=f"({SEARCH})({json.dumps(query)})",
+                                 awaitPromise=True, returnByValue=True)
+        return [p.lstrip("/") for p in result["result"]["value"]]
+
     async def close(self):
         self.reader.cancel()
         await self.ws.close()
@@ -276,9 +306,10 @@ def link_faults(links: list[str], base: str, site: Path, ids_of: dict[str, set])
     return out
 
 
-async def check_site(site: Path, pages: list[str] | None = None, wait_ms: int = 10000) -> dict[str, list[str]]:
-    """{page: [fault, ...]} for every page (only those with faults). ``wait_ms``: how long a
-    page's diagrams may take to be drawn."""
+async def check_site(site: Path, pages: list[str] | None = None, wait_ms: int = 10000,
+                     searches=SEARCHES) -> dict[str, list[str]]:
+    """{page: [fault, ...]} for every page (only those with faults; "search" for the searches).
+    ``wait_ms``: how long a page's diagrams may take to be drawn."""
     site = Path(site).resolve()
     pages = pages or site_pages(site)
     faults: dict[str, list[str]] = {}
@@ -300,6 +331,16 @@ async def check_site(site: Path, pages: list[str] | None = None, wait_ms: int = 
                     links_of[page], ids_of[page] = found["links"], set(found["ids"])
                 for f in event_faults(browser.events, server.base):
                     faults.setdefault(page, []).append(f)
+            await browser.resize("desktop")
+            await browser.load(server.base)
+            for query, best, below in searches:
+                found = await browser.search(query)
+                rank = {page: i for i, page in reversed(list(enumerate(found)))}
+                if best not in found[:2]:
+                    faults.setdefault("search", []).append(f"{query!r} lists {found[:3]} first, not {best}")
+                for other in below:
+                    if other in rank and rank[other] < rank.get(best, len(found)):
+                        faults.setdefault("search", []).append(f"{query!r} ranks {other} above {best}")
         finally:
             await browser.close()
     for page, links in links_of.items():
