@@ -17,5 +17,17 @@ if [ ! -f "$VERL_DIR/verl/trainer/ppo/core_algos.py" ]; then
     2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 fi
 export RLT_VERL_DIR="$VERL_DIR"
+# The documentation's Mermaid, served by the site itself (tools/docs/package-lock.json), and a
+# headless Chromium for tests/e2e/test_docs_browser.py, beside the venv and without root
+# (tools/docs/install_chromium.sh: Debian's chromium-headless-shell); each installed once.
+if [ ! -f tools/docs/node_modules/mermaid/dist/mermaid.min.js ]; then
+  command -v npm >/dev/null || { echo "launch/test.sh: npm is needed to install the docs' Mermaid (tools/docs)" >&2; exit 1; }
+  npm ci --prefix tools/docs --no-audit --no-fund --loglevel=error
+fi
+CHROMIUM_DIR="${RLT_CHROMIUM_DIR:-$VENV/chromium}"
+if [ -z "${RLT_CHROMIUM:-}" ] && [ ! -x "$CHROMIUM_DIR/usr/lib/chromium/chromium-headless-shell" ]; then
+  bash tools/docs/install_chromium.sh "$CHROMIUM_DIR"
+fi
+export RLT_CHROMIUM_DIR="$CHROMIUM_DIR"
 exec python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 \
   -n "${RLT_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import html
 import io
+import re
 import sys
 import tokenize
 import typing
@@ -77,7 +79,22 @@ def _default(f: dataclasses.Field):
 
 
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("\n", " ")
+    """Text for a table cell: a pipe outside code is escaped; a code span holding one becomes
+    HTML code with the pipe as an entity (Markdown would show a code span's ``\\|`` as is)."""
+    out = []
+    for i, part in enumerate(re.split(r"(`[^`]*`)", text.replace("\n", " "))):
+        if i % 2 == 0:
+            out.append(part.replace("|", "\\|"))
+        elif "|" in part:
+            out.append("<code>" + html.escape(part[1:-1]).replace("|", "&#124;") + "</code>")
+        else:
+            out.append(part)
+    return "".join(out)
+
+
+def _key(path: str) -> str:
+    """A key as code that breaks only after a dot in a narrow column, never inside a name."""
+    return "<code>" + path.replace(".", ".<wbr>") + "</code>"
 
 
 def keys(cls=None, prefix: str = "") -> list[tuple[str, type, dataclasses.Field]]:
@@ -108,21 +125,22 @@ def render() -> str:
         "combination stops the run with a message naming the key.",
         "",
     ]
-    section = None
+    sections: dict[str, list] = {}  # one section per dataclass, in order of first appearance
     for path, cls, f in keys():
-        head = path.rsplit(".", 1)[0]
-        if head != section:
-            section = head
-            lines += ["", f"## `{head}`", ""]
-            doc = cls.__doc__ or ""
-            if doc and not doc.startswith(cls.__name__ + "("):  # dataclass's generated signature
-                lines += [" ".join(doc.split()), ""]
-            lines += ["| key | type | default | description |", "|---|---|---|---|"]
-        hint = typing.get_type_hints(cls)[f.name]
-        default = _default(f)
-        shown = "required" if default is dataclasses.MISSING else f"`{default!r}`"
-        lines.append(f"| `{path}` | `{_cell(_type_name(hint))}` | {_cell(shown)} | "
-                     f"{_cell(comments.get((cls.__name__, f.name), ''))} |")
+        sections.setdefault(path.rsplit(".", 1)[0], []).append((path, cls, f))
+    for head, fields in sections.items():
+        cls = fields[0][1]
+        lines += ["", f"## `{head}`", ""]
+        doc = cls.__doc__ or ""
+        if doc and not doc.startswith(cls.__name__ + "("):  # dataclass's generated signature
+            lines += [" ".join(doc.split()), ""]
+        lines += ["| key | type | default | description |", "|---|---|---|---|"]
+        for path, cls, f in fields:
+            hint = typing.get_type_hints(cls)[f.name]
+            default = _default(f)
+            shown = "required" if default is dataclasses.MISSING else f"`{default!r}`"
+            lines.append(f"| {_key(path)} | {_cell('`' + _type_name(hint) + '`')} | {_cell(shown)} | "
+                         f"{_cell(comments.get((cls.__name__, f.name), ''))} |")
     return "\n".join(lines) + "\n"
 
 
