@@ -328,6 +328,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast around the forward
+    # How bf16 runs make the bf16 copy of the fp32 masters that the step and the sampler read
+    # (rlt_mega/precision.py, docs/stability.md): "nearest" (round to nearest even) or
+    # "stochastic" (unbiased; a hash of (master, train.seed, step): reproduced and resumed bit for bit).
+    bf16_cast: Literal["nearest", "stochastic"] = "nearest"
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     eval_every: int = 50
     eval_batches: int = 4

@@ -64,6 +64,7 @@ from rlt_mega.determinism import configure as configure_determinism
 from rlt_mega.parallel.dims import ParallelDims, init_distributed, micro_batch_plan
 from rlt_mega.parallel.roles import RoleChannel
 from rlt_mega.parallel.engine import Engine, EngineConfig
+from rlt_mega.precision import mean_metrics
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.schedule.rows import RowSwitches
@@ -401,6 +402,7 @@ class GRPOJob:
             "train/grad_norm": max(s.grad_norm for s in step_stats),
             "train/lr": step_stats[-1].lr,
             "train/nonfinite_skipped": float(self.state.nonfinite_total),
+            **mean_metrics([s.precision for s in step_stats]),  # bf16: the copy's lag (precision.py)
         })
         self.state.completions += sum(len(rnd.rows) for rnd in rounds) * dims.dp
         self._check_rewards(scalars, done + 1)
