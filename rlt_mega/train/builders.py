@@ -23,6 +23,7 @@ from rlt_mega.learner.distill import Teacher
 from rlt_mega.parallel.dims import ParallelDims, resolve_device, split_layers
 from rlt_mega.parallel.engine import Engine, EngineConfig, LocalEngine
 from rlt_mega.parallel.sharding import adapt_for_rank, shard_for_rank
+from rlt_mega.parallel.tp import apply_tensor_parallel
 from rlt_mega.rollout import Sampler
 
 log = get_logger(__name__)
@@ -101,8 +102,8 @@ def build_teacher(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, engine:
         model = init_stage_from(path, teacher_cfg, layers, dims.is_first_stage, dims.is_last_stage)
     except (CheckpointError, CheckpointFormatError, OSError, KeyError, RuntimeError) as exc:
         raise ConfigError(f"grpo.teacher={path} does not load: {exc}") from None
-    model = shard_for_rank(model, dims)
-    model = model.to(next(engine.module.parameters()).dtype).requires_grad_(False).eval()
+    apply_tensor_parallel(model, dims)  # (not shard_for_rank: that would prune to the student's layers)
+    model = model.to(dims.device, next(engine.module.parameters()).dtype).requires_grad_(False).eval()
     log.info("grpo.teacher: %s (%d layers, d_model %d), teacher_coef %s", path, teacher_cfg.n_layers,
              teacher_cfg.d_model, cfg.grpo.teacher_coef)
     sampler = Sampler(model, comms, layers, check_every=cfg.sampling.check_every, rows=rows)
