@@ -33,6 +33,51 @@ fi
 # min(pi_old / mu, 2) (token_tis), at half the synchronous learning rate: the decoupled ratio lets
 # each step move as far from its starting policy as a synchronous step does, on samples one
 # version older, and at 1e-4 the held-out accuracy trailed by 0.03-0.08 (docs/guide/demo.md).
+# `bash launch/demo.sh --distill` (default RUN=runs/demo_distill): on-policy distillation
+# (docs/guide/grpo.md#distillation): the demo's model after SFT and GRPO is the teacher (TEACHER=dir
+# reuses an export of it instead of training one), a smaller RLT (configs/demo_distill_sft.yaml:
+# d_model 64) is SFT'd on the same data, then GRPO from the student's export twice with the same
+# steps and seed: alone, and with grpo.teacher (teacher_coef 1: the teacher's per-token reverse KL
+# alone; dynamic sampling off, as a group of equal task rewards still carries the teacher's signal); held-out accuracy by step and by wall-clock second for both, beside the teacher's, in
+# $RUN/distill.json (docs/guide/grpo.md renders docs/demo/distill_*.json).
+if [ "${1:-}" = "--distill" ]; then
+  shift
+  RUN="${RUN:-runs/demo_distill}"
+  rm -rf "$RUN"
+  START=$SECONDS
+  read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
+  read -r -a GRPO_EXTRA <<< "${GRPO_OVERRIDES:-}"
+  read -r -a PROBLEM_ARGS <<< "${PROBLEMS:-}"
+  echo "== 1. generated problems -> $RUN/data"
+  python launch/demo_problems.py "$RUN/data" ${PROBLEM_ARGS[@]+"${PROBLEM_ARGS[@]}"}
+  TEACHER_DIR="${TEACHER:-}"
+  if [ -z "$TEACHER_DIR" ]; then
+    echo "== 2. the teacher: the demo's SFT then GRPO (configs/demo_sft.yaml, configs/demo_grpo.yaml)"
+    rlt-mega sft --config configs/demo_sft.yaml data.train=$RUN/data checkpoint.dir=$RUN/teacher_sft/checkpoints \
+      logging.dir=$RUN/teacher_sft/tb "$@" ${SFT_EXTRA[@]+"${SFT_EXTRA[@]}"}
+    rlt-mega export $RUN/teacher_sft/checkpoints $RUN/teacher_sft/export
+    rlt-mega grpo --config configs/demo_grpo.yaml data.train=$RUN/data train.init_from=$RUN/teacher_sft/export \
+      checkpoint.dir=$RUN/teacher/checkpoints logging.dir=$RUN/teacher/tb "$@" ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
+    rlt-mega export $RUN/teacher/checkpoints $RUN/teacher/export
+    TEACHER_DIR=$RUN/teacher/export
+  fi
+  echo "== 3. the student: a smaller RLT, SFT on the same data (configs/demo_distill_sft.yaml)"
+  rlt-mega sft --config configs/demo_distill_sft.yaml data.train=$RUN/data checkpoint.dir=$RUN/student_sft/checkpoints \
+    logging.dir=$RUN/student_sft/tb "$@" ${SFT_EXTRA[@]+"${SFT_EXTRA[@]}"}
+  rlt-mega export $RUN/student_sft/checkpoints $RUN/student_sft/export
+  for ARM in grpo distill; do
+    echo "== 4. the student's GRPO: $ARM"
+    rlt-mega grpo --config configs/demo_distill_grpo.yaml data.train=$RUN/data train.init_from=$RUN/student_sft/export \
+      checkpoint.dir=$RUN/$ARM/checkpoints logging.dir=$RUN/$ARM/tb \
+      $( [ $ARM = distill ] && echo grpo.teacher=$TEACHER_DIR grpo.dynamic_sampling=false ) "$@" ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
+  done
+  echo "== 5. the teacher on the held-out problems"
+  TEACHER_ACC=$(rlt-mega eval --config configs/demo_grpo.yaml train.init_from=$TEACHER_DIR "$@" \
+    --data $RUN/data/test.jsonl --output $RUN/teacher_eval.jsonl | grep -o "greedy accuracy: [0-9.]*" | grep -o "[0-9.]*$")
+  python launch/demo_distill_curves.py "$RUN" --teacher-accuracy "$TEACHER_ACC" --json "$RUN/distill.json" --run="--distill $*"
+  echo "demo finished in $((SECONDS - START)) s"
+  exit 0
+fi
 GRPO=(rlt-mega grpo)
 ASYNC=()
 VARIANT=""  # recorded with the curves (docs/demo/*.json: `bash launch/demo.sh $VARIANT...`)

@@ -328,6 +328,10 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"  # "auto": cuda when available, else cpu
     dtype: Literal["fp32", "bf16"] = "fp32"  # bf16: autocast around the forward
+    # How bf16 runs make the bf16 copy of the fp32 masters that the step and the sampler read
+    # (rlt_mega/precision.py, docs/stability.md): "nearest" (round to nearest even) or
+    # "stochastic" (unbiased; a hash of (master, train.seed, step): reproduced and resumed bit for bit).
+    bf16_cast: Literal["nearest", "stochastic"] = "nearest"
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     eval_every: int = 50
     eval_batches: int = 4
@@ -554,8 +558,18 @@ class GRPOConfig:
     # sampler_replicas; 0: colocated. Every replica has the learner's layout by construction (dp 1,
     # ZeRO <= 2); more than one sampler needs dynamic_sampling off.
     sampler_replicas: int = 0
+    # On-policy distillation (learner/distill.py): an export directory (rlt-mega export, or an
+    # imported Llama/Qwen2: rlt-mega import) whose model scores every sampled token in the
+    # learner's replay pass; per-token advantage teacher_coef * (log teacher - log mu) +
+    # (1 - teacher_coef) * the task advantage. null: no teacher.
+    teacher: Optional[str] = None
+    teacher_coef: float = 1.0
 
     def __post_init__(self) -> None:
+        _check(self.teacher is None or bool(str(self.teacher).strip()),
+               "grpo.teacher is empty: give an export directory (rlt-mega export / rlt-mega import), or null")
+        _check(0.0 <= self.teacher_coef <= 1.0,
+               f"grpo.teacher_coef={self.teacher_coef}: must be in [0, 1] (1: distillation alone, 0: the task reward alone)")
         _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1")
         _check(self.group_size >= 2, f"grpo.group_size={self.group_size}: group advantages need >= 2")
         _check(self.minibatches >= 1 and self.epochs >= 1, "grpo.minibatches and grpo.epochs must be >= 1")

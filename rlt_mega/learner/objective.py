@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.correction import Correction, is_weights, ratio_by_version
+from rlt_mega.learner.distill import distill_advantages, distill_metrics
 from rlt_mega.learner.grpo import grpo_loss
 from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_rows, hybrid_logprobs,
                                      mismatch_metrics)
@@ -54,6 +55,9 @@ class GRPOPart:
     # (B, N) the proximal policy's log-probs (a stale sample under grpo.is_correction: the
     # replay with the step's starting parameters); None: the ratio is against mu, no correction
     proximal: Optional[torch.Tensor] = None
+    # (B, N) the teacher's log-probs of the sampled tokens (grpo.teacher, learner/distill.py),
+    # attached by Teacher.score; None: no distillation
+    teacher: Optional[torch.Tensor] = None
 
     def loss_mask(self) -> torch.Tensor:
         """(B, N) bool: the completion tokens that carry loss."""
@@ -92,6 +96,7 @@ class LossSettings:
     loss_agg_length: int = 0
     entropy_coef: float = 0.0
     correction: Correction = Correction()
+    teacher_coef: float = 1.0  # grpo.teacher_coef: the distillation advantage's weight (learner/distill.py)
 
 
 class GRPOObjective(LogitsLoss):
@@ -123,7 +128,10 @@ class GRPOObjective(LogitsLoss):
             old, weights = ro.mu, None
             if part.proximal is not None:
                 old, weights = part.proximal, is_weights(part.proximal, ro.mu, part.loss_mask(), s.correction)
-            out = grpo_loss(logp, old, part.advantages, part.loss_mask(), s.eps_low, s.eps_high,
+            advantages = part.advantages
+            if part.teacher is not None:  # on-policy distillation: per-token advantages
+                advantages = distill_advantages(part.teacher, ro.mu, part.advantages, part.loss_mask(), s.teacher_coef)
+            out = grpo_loss(logp, old, advantages, part.loss_mask(), s.eps_low, s.eps_high,
                             ref_logp=part.ref, kl_coef=kl_coef, loss=s.loss, clip_ratio_c=s.clip_ratio_c,
                             kl_estimator=s.kl_estimator, loss_agg=s.loss_agg,
                             entropy=entropy if s.entropy_coef else entropy.detach(), entropy_coef=s.entropy_coef,
@@ -132,6 +140,8 @@ class GRPOObjective(LogitsLoss):
             if weights is not None:
                 record.update(correction_metrics(part.proximal, ro.mu, part.loss_mask(), weights))
             record.update(mismatch_metrics(ro.mu, dense, part.replay, ro.mask))
+            if part.teacher is not None:
+                record.update(distill_metrics(part.teacher, ro.mu, part.loss_mask()))
             if ro.version is not None:  # the staleness metrics, by each token's own policy version
                 record["by_version"] = ratio_by_version(out.ratio, part.loss_mask(), ro.version.to(out.ratio.device))
             self.records.append(record)

@@ -62,11 +62,16 @@ def _clipped_objective(ratio: torch.Tensor, adv: torch.Tensor, clip: ClipRange
     return loss, is_clipped
 
 
+def _per_token(advantages: torch.Tensor) -> torch.Tensor:
+    """(B,) one advantage per row, or (B, N) one per token (learner/distill.py) -> broadcastable to (B, N)."""
+    return advantages if advantages.dim() == 2 else advantages[:, None]
+
+
 @register_policy_loss("clip")
 def clip_loss(logp, mu, miss, advantages, mask, clip: ClipRange):
     # A support miss has ratio 0: its loss min(0, (1 - eps_low) A) is a constant.
     ratio = torch.where(miss, torch.zeros_like(logp), torch.exp(logp - mu))  # (B, N)
-    adv = advantages[:, None].to(ratio.dtype)
+    adv = _per_token(advantages).to(ratio.dtype)
     loss, is_clipped = _clipped_objective(ratio, adv, clip)
     return loss, ratio, is_clipped
 
@@ -80,7 +85,7 @@ def gspo_loss(logp, mu, miss, advantages, mask, clip: ClipRange):
     per_token = logp - logp.detach() + seq_log_ratio.detach()  # value: the sequence's; gradient: the token's
     ratio = torch.exp(torch.clamp(per_token, max=10.0))
     ratio = torch.where(miss.any(dim=1, keepdim=True), torch.zeros_like(ratio), ratio)
-    adv = advantages[:, None].to(ratio.dtype)
+    adv = _per_token(advantages).to(ratio.dtype)
     loss, is_clipped = _clipped_objective(ratio, adv, clip)
     return loss, ratio, is_clipped
 

@@ -51,8 +51,8 @@ from rlt_mega.parallel.sampling_copy import SamplingCopy
 from rlt_mega.parallel.sharding import shard_for_rank
 from rlt_mega.parallel.stage import RLTStage
 from rlt_mega.parallel.tp import ShardedVocab, gather_vocab
-from rlt_mega.parallel.zero import (ZeroStepper, grad_accum_dtype, init_deepspeed, mark_for_grad_norm,
-                                   sync_pipeline_replicas)
+from rlt_mega.parallel.zero import (DeepSpeedCopy, ZeroStepper, grad_accum_dtype, init_deepspeed,
+                                   mark_for_grad_norm, sync_pipeline_replicas)
 
 
 class DistributedEngine:
@@ -84,6 +84,10 @@ class DistributedEngine:
         self.ds = init_deepspeed(model, dims, optim, self.zero_stage, self.bf16, ds_micro, self.ds_accum,
                                  accum_dtype, parallel.grad_reduce_dtype)
         self.stepper = ZeroStepper(self.ds, dims, optim, self.zero_stage, self.bf16)
+        # bf16: the copy of the masters under train.bf16_cast, and its lag (zero.py)
+        self.copy = DeepSpeedCopy(self.ds, dims, engine.bf16_cast, engine.seed) if self.bf16 else None
+        if self.copy is not None:
+            self.copy.remake(0)
         self.lr_factor = lr_lambda(optim, engine.total_steps)
         self.steps_taken = 0  # optimizer steps applied: the position in the learning-rate schedule
         self.vocab = ShardedVocab(dims)
@@ -182,11 +186,15 @@ class DistributedEngine:
         lr = self.optim.lr * self.lr_factor(self.steps_taken)
         if self.dims.pp > 1 and not finite:
             return StepStats(loss=step_loss, grad_norm=float("nan"), lr=lr, num_tokens=int(count), skipped=True)
+        if self.copy is not None:
+            self.copy.before_step()
         grad_norm, applied = self.stepper.step(lr, skip=not finite)
         skipped = not (applied and math.isfinite(grad_norm))
         if not skipped:
             self.steps_taken += 1
-        return StepStats(loss=step_loss, grad_norm=grad_norm, lr=lr, num_tokens=int(count), skipped=skipped)
+        metrics = {} if self.copy is None else self.copy.after_step(not skipped, self.steps_taken)
+        return StepStats(loss=step_loss, grad_norm=grad_norm, lr=lr, num_tokens=int(count), skipped=skipped,
+                         precision=metrics)
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[dict], loss: LogitsLoss = LM_LOSS) -> float:
@@ -244,3 +252,5 @@ class DistributedEngine:
 
     def load(self, directory: Path) -> None:
         self.load_state_dict(self.files.load(directory))
+        if self.copy is not None:  # DeepSpeed's load makes the nearest copy: remake the run's
+            self.copy.remake(self.steps_taken)

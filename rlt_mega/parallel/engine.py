@@ -21,6 +21,7 @@ each job derives from its config in one place.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -40,7 +41,7 @@ from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
 from rlt_mega.model.documents import forward_kwargs
 from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims
-from rlt_mega.precision import precision
+from rlt_mega.precision import CopyLag, bf16_copy, cast_key, precision
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,14 @@ class EngineConfig:
     dtype: str = "fp32"  # "fp32" or "bf16" (precision.DTYPES)
     checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
     cuda_graphs: bool = False  # train.cuda_graphs: the fused decoder's positions as captured CUDA graphs
+    bf16_cast: str = "nearest"  # train.bf16_cast: how bf16 runs make the copy of the fp32 masters
+    seed: int = 0  # train.seed: the key of the stochastic cast (precision.cast_key)
 
     @classmethod
     def from_train(cls, train: TrainConfig) -> "EngineConfig":
         return cls(total_steps=train.steps, micro_batch_size=train.micro_batch_size, grad_accum=train.grad_accum,
-                   dtype=train.dtype, checkpointing=train.checkpointing, cuda_graphs=train.cuda_graphs)
+                   dtype=train.dtype, checkpointing=train.checkpointing, cuda_graphs=train.cuda_graphs,
+                   bf16_cast=train.bf16_cast, seed=train.seed)
 
 
 @dataclass
@@ -70,6 +74,8 @@ class StepStats:
     lr: float
     num_tokens: int  # the step's global count (loss tokens of all ranks, for the token losses)
     skipped: bool  # non-finite loss or gradient norm: no update
+    # bf16: precision.CopyLag's metrics of the step (precision/stale_fraction, precision/copy_lag)
+    precision: dict = field(default_factory=dict)
 
 
 @runtime_checkable
@@ -143,7 +149,11 @@ def build_optimizer(model: nn.Module, optim: OptimConfig, total_steps: int
 class LocalEngine:
     """The whole model on one device (the single-process layout): AdamW, the learning-rate
     schedule, gradient accumulation over the step's batches, clipping, non-finite steps
-    skipped. bf16 is autocast over fp32 parameters."""
+    skipped. bf16 is autocast over fp32 parameters: under train.bf16_cast=nearest they are the
+    masters, and autocast's round-to-nearest makes the copy each product reads; under
+    stochastic the optimizer steps separate fp32 masters and the module's trained parameters
+    hold their stochastic bf16 copy (``_Bf16Masters``), which every product, the sampler and
+    the replay read exactly as stored."""
 
     def __init__(self, model: nn.Module, dims: ParallelDims, optim: OptimConfig, engine: EngineConfig) -> None:
         if dims.world_size != 1:
@@ -156,6 +166,7 @@ class LocalEngine:
             install_cuda_graphs(model)
         self.optimizer, self.scheduler = build_optimizer(model, optim, engine.total_steps)
         self._base_sha = None  # under adapters: the frozen base's hash, computed at the first save
+        self.masters = _Bf16Masters(model, self.optimizer, engine) if engine.dtype == "bf16" else None
 
     @property
     def module(self) -> nn.Module:
@@ -180,11 +191,19 @@ class LocalEngine:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, clip))
         lr = self.optimizer.param_groups[0]["lr"]
         skipped = not (math.isfinite(loss_sum) and math.isfinite(grad_norm))
+        metrics = {}
         if not skipped:
+            if self.masters is not None:
+                self.masters.before_step()
             self.optimizer.step()
             self.scheduler.step()
+            if self.masters is not None:
+                metrics = self.masters.after_step(self.scheduler.last_epoch)
         self.optimizer.zero_grad(set_to_none=True)
-        return StepStats(loss=loss_sum, grad_norm=grad_norm, lr=lr, num_tokens=int(total), skipped=skipped)
+        if self.masters is not None:
+            self.masters.zero_grad()
+        return StepStats(loss=loss_sum, grad_norm=grad_norm, lr=lr, num_tokens=int(total), skipped=skipped,
+                         precision=metrics)
 
     @torch.no_grad()
     def eval_loss(self, batches: Sequence[dict], loss: LogitsLoss = LM_LOSS) -> float:
@@ -210,11 +229,17 @@ class LocalEngine:
     def layout(self) -> dict:
         return {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
 
+    def _holding_masters(self):
+        """A context in which the module's parameters are the fp32 masters (what checkpoints
+        store; the copy is remade from them on load); nothing to swap without separate masters."""
+        return self.masters.in_module() if self.masters is not None else contextlib.nullcontext()
+
     def save(self, directory: Path) -> None:
-        if has_adapters(self.model):  # the adapters only, and the hash of the frozen base
-            save_adapters(self.model, directory, self._base_hash())
-        else:
-            save_model(self.model, str(directory / "model.safetensors"))
+        with self._holding_masters():
+            if has_adapters(self.model):  # the adapters only, and the hash of the frozen base
+                save_adapters(self.model, directory, self._base_hash())
+            else:
+                save_model(self.model, str(directory / "model.safetensors"))
         torch.save(self.state_dict(), directory / "engine.pt")
 
     def _base_hash(self) -> str:
@@ -236,6 +261,91 @@ class LocalEngine:
         except (KeyError, ValueError, TypeError) as exc:  # torch's messages for a mismatched optimizer
             raise CheckpointError(f"checkpoint {directory}: the optimizer state does not fit this model "
                                   f"({type(exc).__name__}: {exc})") from None
+        if self.masters is not None:  # the loaded weights are the masters: remake the step's copy
+            self.masters.reload(self.scheduler.last_epoch)
+
+
+class _Bf16Masters:
+    """The local engine's bf16 copy (LocalEngine's docstring) and its lag metrics.
+
+    nearest: the trained parameters are the masters; the copy is their nearest bf16, which
+    autocast makes at each product, so nothing is stored and the metrics compare the casts.
+    stochastic: ``masters`` are fp32 tensors the optimizer steps (its parameter groups are
+    rewritten to them at construction, before any state exists); after each applied step the
+    module's parameter becomes precision.bf16_copy(master, key of the step's count), stored in
+    fp32 (every value a bf16 one, so autocast's cast of it is exact). The first copy, keyed by
+    step 0, is made at construction."""
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, engine: EngineConfig) -> None:
+        self.cast, self.seed = engine.bf16_cast, engine.seed
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.stochastic = self.cast == "stochastic"
+        self.masters = self.params
+        if self.stochastic:
+            self.masters = [nn.Parameter(p.detach().clone()) for p in self.params]
+            master_of = {id(p): m for p, m in zip(self.params, self.masters)}
+            for group in optimizer.param_groups:
+                group["params"] = [master_of[id(p)] for p in group["params"]]
+            self.remake(0)
+        self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def copy_of(self, i: int, step: int) -> torch.Tensor:
+        return bf16_copy(self.masters[i], self.cast, cast_key(self.seed, step))
+
+    @torch.no_grad()
+    def remake(self, step: int) -> None:
+        """The module's parameters := the copy of the masters made at optimizer step ``step``."""
+        if self.stochastic:
+            for i, p in enumerate(self.params):
+                p.copy_(self.copy_of(i, step))
+
+    def before_step(self) -> None:
+        """The gradient moves to the masters (stochastic); the masters and copies are kept to
+        measure the step."""
+        if self.stochastic:
+            for p, m in zip(self.params, self.masters):
+                m.grad, p.grad = p.grad, None
+        self._before = [(m.detach().clone(), p.detach().to(torch.bfloat16))
+                        for p, m in zip(self.params, self.masters)]
+
+    @torch.no_grad()
+    def after_step(self, step: int) -> dict[str, float]:
+        """Remakes the copy of the applied step ``step`` (the count of applied steps) and returns
+        its precision metrics (one process: the sums are the totals)."""
+        self.remake(step)
+        lag = CopyLag()
+        for (m0, c0), p, m in zip(self._before, self.params, self.masters):
+            copy = p.detach().to(torch.bfloat16)
+            lag.add(m0, m.detach(), c0, copy)
+        self._before = []
+        return CopyLag.metrics(lag.tensor("cpu"))
+
+    def zero_grad(self) -> None:
+        for m in self.masters:
+            m.grad = None
+
+    @torch.no_grad()
+    def reload(self, step: int) -> None:
+        """After a checkpoint's weights were loaded into the module (they are the masters)."""
+        if self.stochastic:
+            for p, m in zip(self.params, self.masters):
+                m.copy_(p)
+            self.remake(step)
+
+    @contextlib.contextmanager
+    def in_module(self):
+        """The module's parameters hold the masters' storage inside the context."""
+        if not self.stochastic:
+            yield
+            return
+        held = [p.data for p in self.params]
+        for p, m in zip(self.params, self.masters):
+            p.data = m.data
+        try:
+            yield
+        finally:
+            for p, d in zip(self.params, held):
+                p.data = d
 
 
 def check_layout(directory: Path, layout: dict) -> None:

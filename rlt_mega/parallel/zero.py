@@ -217,3 +217,99 @@ class ZeroStepper:
         norm = self.engine.get_global_grad_norm()
         norm = float(norm) if norm is not None else float("nan")
         return norm, bool(self.engine.was_step_applied()) and not skip
+
+
+class DeepSpeedCopy:
+    """train.bf16_cast under DeepSpeed: the bf16 copy its optimizers make of their fp32 masters
+    after each step (round to nearest, a plain ``copy_``), remade by precision.bf16_copy when
+    the cast is stochastic, and the copy's lag measured (precision.CopyLag) under either cast.
+
+    Where each of DeepSpeed 0.19.8's bf16 optimizers keeps the pair (master, copy):
+    * FP16_UnfusedOptimizer (bf16 without ZeRO): ``fp32_groups`` / ``fp16_groups``, whole
+      parameters on every rank (its step: ``fp16_param.data.copy_(fp32_param.data)``);
+    * BF16_Optimizer (ZeRO-1, fp32 accumulation): this rank's partition of each flat group,
+      ``fp32_groups_flat_partition[i]`` / ``bf16_partitioned_groups[i][partition]``, then an
+      all-gather of the bf16 partitions (``update_lp_params``);
+    * DeepSpeedZeroOptimizer (ZeRO-1/2): ``single_partition_of_fp32_groups[i]`` /
+      ``parallel_partitioned_bit16_groups[i][partition]``, then the same all-gather;
+    * DeepSpeedZeroOptimizer_Stage3: ``fp32_partitioned_groups_flat[i]`` /
+      ``fp16_partitioned_groups_flat[i]``, the parameters' partitions (gathered at each use).
+    The stochastic copy is a function of (master, train.seed, step) alone (precision.py), so the
+    partitions and replicas of one weight agree without any exchange beyond DeepSpeed's own
+    all-gather. The metrics' sums run over every rank's pairs: a weight that several ranks hold
+    whole (every weight under data parallelism without ZeRO, the norms under tensor
+    parallelism) counts once per holder, which weights the fractions, not their meaning."""
+
+    def __init__(self, ds, dims, cast: str, seed: int) -> None:
+        self.ds, self.dims, self.cast, self.seed = ds, dims, cast, seed
+        self._before: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def _partition(self, i: int) -> int:
+        import deepspeed.comm as ds_dist
+
+        return ds_dist.get_rank(group=self.ds.optimizer.real_dp_process_group[i])
+
+    def pairs(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's (fp32 master, bf16 copy) tensors, in a fixed order."""
+        opt = self.ds.optimizer
+        if hasattr(opt, "bf16_partitioned_groups"):  # BF16_Optimizer
+            return [(m, opt.bf16_partitioned_groups[i][self._partition(i)])
+                    for i, m in enumerate(opt.fp32_groups_flat_partition)]
+        if hasattr(opt, "parallel_partitioned_bit16_groups"):  # ZeRO-1/2
+            return [(m, opt.parallel_partitioned_bit16_groups[i][self._partition(i)])
+                    for i, m in enumerate(opt.single_partition_of_fp32_groups)]
+        if hasattr(opt, "fp16_partitioned_groups_flat"):  # ZeRO-3
+            return list(zip(opt.fp32_partitioned_groups_flat, opt.fp16_partitioned_groups_flat))
+        if hasattr(opt, "fp32_groups") and hasattr(opt, "fp16_groups"):  # FP16_UnfusedOptimizer
+            return [(m, p.data) for g32, g16 in zip(opt.fp32_groups, opt.fp16_groups) for m, p in zip(g32, g16)]
+        raise TypeError(f"train.dtype=bf16: no fp32 masters found in DeepSpeed's {type(opt).__name__}")
+
+    @torch.no_grad()
+    def remake(self, step: int) -> None:
+        """The copy := precision.bf16_copy of the masters at optimizer step ``step`` (stochastic
+        only: DeepSpeed's own copy is the nearest one), then DeepSpeed's all-gather of the
+        partitions where it partitions (collective over the data-parallel group)."""
+        if self.cast != "stochastic":
+            return
+        from rlt_mega.precision import bf16_copy, cast_key
+
+        key = cast_key(self.seed, step)
+        for master, copy in self.pairs():
+            copy.copy_(bf16_copy(master.detach().view(copy.shape), self.cast, key))
+        opt = self.ds.optimizer
+        flat = getattr(opt, "bf16_groups_flat", None) or getattr(opt, "bit16_groups_flat", None)
+        if flat is not None:
+            from deepspeed.runtime.utils import all_gather_dp_groups
+
+            parts = getattr(opt, "bf16_partitioned_groups", None) or opt.parallel_partitioned_bit16_groups
+            all_gather_dp_groups(groups_flat=flat, partitioned_param_groups=parts,
+                                 dp_process_group=opt.real_dp_process_group,
+                                 start_alignment_factor=opt.nccl_start_alignment_factor,
+                                 allgather_bucket_size=opt.allgather_bucket_size)
+        elif hasattr(opt, "_unflatten_partitioned_parameters"):  # ZeRO-3: the parameters' partitions
+            for i in range(len(opt.fp16_partitioned_groups_flat)):
+                opt._unflatten_partitioned_parameters(i)
+            if opt.persistent_parameters:  # those kept whole (the small ones) are gathered again from
+                from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus  # their partitions
+
+                for p in opt.persistent_parameters:  # (all_gather skips a parameter marked available)
+                    p.ds_status = ZeroParamStatus.NOT_AVAILABLE
+                opt.persistent_parameters[0].all_gather(opt.persistent_parameters)
+
+    def before_step(self) -> None:
+        self._before = [(m.detach().clone(), c.detach().clone()) for m, c in self.pairs()]
+
+    @torch.no_grad()
+    def after_step(self, applied: bool, step: int) -> dict[str, float]:
+        """After DeepSpeed's step: the copy of step ``step`` (the count of applied steps) and the
+        step's precision metrics over every rank (collective); {} when no update was applied."""
+        from rlt_mega.precision import CopyLag
+
+        before, self._before = self._before, []
+        if not applied:
+            return {}
+        self.remake(step)
+        lag = CopyLag()
+        for (m0, c0), (m, c) in zip(before, self.pairs()):
+            lag.add(m0, m.detach(), c0, c.detach())
+        return CopyLag.metrics(self.dims.all_reduce(lag.tensor(self.dims.device), axis="world").cpu())

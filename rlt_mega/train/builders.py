@@ -11,16 +11,20 @@ from typing import Optional
 from torch import nn
 
 from rlt_mega.checkpoint import CheckpointError
-from rlt_mega.checkpoint_tools.export import init_from, init_stage_from
+from rlt_mega.checkpoint_tools.export import init_from, init_stage_from, read_config
+from rlt_mega.checkpoint_tools.files import CheckpointFormatError
 from rlt_mega.checkpoint_tools.training import is_training_checkpoint, load_training_weights
 from rlt_mega.config import Config, ConfigError, ModelConfig
 from rlt_mega.data.tokenizer import Tokenizer, check_same_tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.model.rlt import RLT, build_model
 from rlt_mega.parallel.build import build_stage
-from rlt_mega.parallel.dims import ParallelDims, resolve_device
+from rlt_mega.learner.distill import Teacher
+from rlt_mega.parallel.dims import ParallelDims, resolve_device, split_layers
 from rlt_mega.parallel.engine import Engine, EngineConfig, LocalEngine
 from rlt_mega.parallel.sharding import adapt_for_rank, shard_for_rank
+from rlt_mega.parallel.tp import apply_tensor_parallel
+from rlt_mega.rollout import Sampler
 
 log = get_logger(__name__)
 
@@ -65,6 +69,45 @@ def reference_model(cfg: Config, dims: ParallelDims, engine: Engine) -> nn.Modul
     local engine autocasts over fp32)."""
     model = shard_for_rank(initial_model(cfg, dims), dims)
     return model.to(next(engine.module.parameters()).dtype).requires_grad_(False).eval()
+
+
+def build_teacher(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, engine: Engine, comms, rows) -> Teacher:
+    """grpo.teacher (learner/distill.py): the export's model, frozen, in this rank's layout (its
+    own layers split over the pipeline stages by the same rule, parallel.dims.split_layers),
+    replaying with the student's decoder step, rows and dtype. Everything that would make its
+    scores meaningless or its replay impossible is refused here, before step 1: an export that
+    does not load, another tokenizer or vocabulary, another memory block."""
+    path = cfg.grpo.teacher
+    check_same_tokenizer(tokenizer, path, "grpo.teacher")
+    try:
+        teacher_cfg = read_config(path)
+    except (CheckpointError, CheckpointFormatError, OSError) as exc:
+        raise ConfigError(f"grpo.teacher={path} does not load: {exc}") from None
+    student = cfg.model
+    if teacher_cfg.vocab_size != student.vocab_size:
+        raise ConfigError(f"grpo.teacher={path} has a vocabulary of {teacher_cfg.vocab_size} tokens (its "
+                          f"model.vocab_size) but the student has model.vocab_size={student.vocab_size} (data.tokenizer="
+                          f"{tokenizer.name}): the teacher scores the student's token ids, so both need one tokenizer "
+                          "and vocabulary")
+    if teacher_cfg.memory_block != student.memory_block:
+        raise ConfigError(f"grpo.teacher={path} has model.memory_block={teacher_cfg.memory_block} but the student "
+                          f"has {student.memory_block}: the teacher replays the student's rollout schedule; export "
+                          f"(or import) the teacher with memory_block {student.memory_block}")
+    if teacher_cfg.arch != "rlt":
+        raise ConfigError(f"grpo.teacher={path} is a model.arch={teacher_cfg.arch} export: the teacher replays the "
+                          "rollout schedule, which is the RLT's; import the Llama/Qwen2 checkpoint with "
+                          "`rlt-mega import` (without --arch dense)")
+    layers = split_layers(teacher_cfg.n_layers, dims.pp)[dims.pp_rank]
+    try:
+        model = init_stage_from(path, teacher_cfg, layers, dims.is_first_stage, dims.is_last_stage)
+    except (CheckpointError, CheckpointFormatError, OSError, KeyError, RuntimeError) as exc:
+        raise ConfigError(f"grpo.teacher={path} does not load: {exc}") from None
+    apply_tensor_parallel(model, dims)  # (not shard_for_rank: that would prune to the student's layers)
+    model = model.to(dims.device, next(engine.module.parameters()).dtype).requires_grad_(False).eval()
+    log.info("grpo.teacher: %s (%d layers, d_model %d), teacher_coef %s", path, teacher_cfg.n_layers,
+             teacher_cfg.d_model, cfg.grpo.teacher_coef)
+    sampler = Sampler(model, comms, layers, check_every=cfg.sampling.check_every, rows=rows)
+    return Teacher(sampler, str(path))
 
 
 def inference_model(cfg: Config) -> RLT:

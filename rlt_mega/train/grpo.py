@@ -55,6 +55,7 @@ from rlt_mega.data.datasets import PROMPT_COLUMNS, DataStats, prompt_record, tra
 from rlt_mega.data.pairs import RecordOrder, fitting_prompts, prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.learner.correction import Correction
+from rlt_mega.learner.distill import Teacher, distill_step_metrics
 from rlt_mega.learner.grpo import group_advantages
 from rlt_mega.learner.objective import GRPOObjective, GRPOPart, LossSettings, grpo_batch
 from rlt_mega.log import get_logger
@@ -64,6 +65,7 @@ from rlt_mega.determinism import configure as configure_determinism
 from rlt_mega.parallel.dims import ParallelDims, init_distributed, micro_batch_plan
 from rlt_mega.parallel.roles import RoleChannel
 from rlt_mega.parallel.engine import Engine, EngineConfig
+from rlt_mega.precision import mean_metrics
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms, Rollout, Sampler
 from rlt_mega.schedule.rows import RowSwitches
@@ -72,7 +74,7 @@ from rlt_mega.rollout.rewards import RewardFn, resolve_reward, score
 from rlt_mega.rollout.shaping import overlong_penalties
 from rlt_mega.train.async_grpo import (ColocatedSource, DataStepVersions, Generated, KeptVersions, RemoteSource,
                                       StalenessPipeline, flat_parameters, queue_types, run_sampler)
-from rlt_mega.train.builders import build_engine, check_vocab, reference_model
+from rlt_mega.train.builders import build_engine, build_teacher, check_vocab, reference_model
 from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, max_new_tokens_for, sampled_scores, sampling_params
 from rlt_mega.train.grpo_metrics import reduce_step_metrics
@@ -103,8 +105,9 @@ class GRPOJob:
 
     def __init__(self, cfg: Config, dims: ParallelDims, engine: Engine, sampler: Callable[[], Sampler],
                  tokenizer: Tokenizer, train_records, eval_records, reward_fn: RewardFn, timers: Timers,
-                 reference: Optional[Sampler] = None) -> None:
+                 reference: Optional[Sampler] = None, teacher: Optional[Teacher] = None) -> None:
         self.cfg, self.dims, self.engine, self.sampler, self.tokenizer = cfg, dims, engine, sampler, tokenizer
+        self.teacher = teacher  # grpo.teacher: scores each learned batch (learner/distill.py)
         self.train_records, self.eval_records, self.reward_fn = train_records, eval_records, reward_fn
         self.timers, self.reference = timers, reference
         self.order = RecordOrder(len(train_records), cfg.train.seed, cfg.data.shuffle)
@@ -357,6 +360,9 @@ class GRPOJob:
                         replays = {r: policy.replay(rounds[r].rollouts[k]) for r in used}
                 batches = self._minibatch(rounds, k, advantages, replays,
                                           None if proximal is None else proximal[k])
+                if self.teacher is not None:
+                    with self.timers("teacher"):
+                        self.teacher.score(batches)
                 with self.timers("update"):
                     stats = self.engine.train_step(batches, self.objective)
                 t_learn += time.perf_counter() - t0
@@ -401,7 +407,10 @@ class GRPOJob:
             "train/grad_norm": max(s.grad_norm for s in step_stats),
             "train/lr": step_stats[-1].lr,
             "train/nonfinite_skipped": float(self.state.nonfinite_total),
+            **mean_metrics([s.precision for s in step_stats]),  # bf16: the copy's lag (precision.py)
         })
+        if self.teacher is not None:
+            scalars.update(distill_step_metrics(dims, self.objective.records))
         self.state.completions += sum(len(rnd.rows) for rnd in rounds) * dims.dp
         self._check_rewards(scalars, done + 1)
         if self.envs is not None and (stop := self.envs.over_limit(scalars["env/faults"])):
@@ -531,7 +540,8 @@ def loss_settings(cfg: Config) -> LossSettings:
                         kl_coef=0.0 if g.kl_in_reward else g.kl_coef, loss=g.policy_loss, clip_ratio_c=g.clip_ratio_c,
                         kl_estimator=g.kl_estimator, loss_agg=g.loss_agg,
                         loss_agg_length=g.loss_agg_length or cfg.sampling.max_new_tokens, entropy_coef=g.entropy_coef,
-                        correction=Correction(g.is_correction, g.is_cap, g.is_band_low, g.is_band_high))
+                        correction=Correction(g.is_correction, g.is_cap, g.is_band_low, g.is_band_high),
+                        teacher_coef=g.teacher_coef)
 
 
 def grpo_config(cfg: Config) -> Config:
@@ -653,6 +663,8 @@ def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: 
     if cfg.grpo.kl_coef > 0:  # the initial policy in the same layout, frozen
         reference = Sampler(reference_model(cfg, dims, engine), comms, dims.layers, check_every=every, rows=rows)
 
+    teacher = build_teacher(cfg, dims, tokenizer, engine, comms, rows) if cfg.grpo.teacher else None
+
     def policy() -> Sampler:
         return Sampler(engine.sampling_module(), comms, dims.layers, check_every=every, rows=rows)
 
@@ -660,7 +672,7 @@ def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: 
              "minibatches of %d batches, %d epochs", len(train_recs), len(eval_recs), cfg.grpo.prompts_per_step,
              cfg.grpo.group_size, dims.dp, cfg.grpo.minibatches, batches_per_minibatch(cfg), cfg.grpo.epochs)
     timers = phase_timers()
-    return GRPOJob(cfg, dims, engine, policy, tokenizer, train_recs, eval_recs, reward_fn, timers, reference)
+    return GRPOJob(cfg, dims, engine, policy, tokenizer, train_recs, eval_recs, reward_fn, timers, reference, teacher)
 
 
 def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs, eval_recs) -> dict:

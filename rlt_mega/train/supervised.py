@@ -74,7 +74,7 @@ class SupervisedJob:
         self.state.tokens += tokens
         self._window_tokens += tokens
         scalars = {"train/loss": stats.loss, "train/grad_norm": stats.grad_norm, "train/lr": stats.lr,
-                   "train/tokens": self.state.tokens}
+                   "train/tokens": self.state.tokens, **stats.precision}
         if self._count_nonfinite(stats, done + 1):
             limit = self.train.max_nonfinite_in_a_row
             raise StepFailed(f"{self.state.nonfinite_in_a_row} non-finite steps in a row up to step {done + 1} "

@@ -384,3 +384,43 @@ def dynamic_sampling_step(parallel: dict, grpo: dict | None = None) -> dict:
     trainer.engine.close()
     dims.destroy()
     return {"scalars": scalars, "kept_rows": kept_rows, "dp": dims.dp}
+
+
+# ------------------------------------------------------------------------------------------
+# grpo.teacher: the teacher's scores on this layout against one process
+# ------------------------------------------------------------------------------------------
+
+TEACHER = dict(MODEL, d_model=48, n_layers=3, ffn_hidden=96)  # a larger RLT of the student's vocabulary
+
+
+def teacher_scores(parallel: dict, teacher_dir: str, train: dict | None = None, grpo: dict | None = None) -> dict:
+    """One GRPO step with grpo.teacher (learner/distill.py) on this layout: the teacher (its own
+    3 layers split over the stages, its heads over the TP ranks) scores every learned rollout;
+    the scores on the loss rank against the whole teacher replaying the same rollouts on one
+    process. Rank 0 writes the teacher's export into ``teacher_dir`` first."""
+    import torch.distributed as dist
+
+    from rlt_mega.checkpoint_tools.export import export_model
+    from rlt_mega.config import ModelConfig
+
+    cfg = grpo_config(grpo_cfg(parallel, train, {"teacher": teacher_dir, **(grpo or {})}))
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
+    teacher_cfg = ModelConfig(**TEACHER)
+    whole = build_model(teacher_cfg, "cpu", seed=5)
+    if dims.rank == 0:
+        export_model(whole, teacher_cfg, teacher_dir, overwrite=True)
+    dist.barrier()
+    trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, records(), [])
+    parts = []
+    original = trainer.engine.train_step
+    trainer.engine.train_step = lambda batches, loss: parts.extend(p for b in batches for p in b["parts"]) or \
+        original(batches, loss)
+    scalars = trainer.job.step(0)
+    scored = [p for p in parts if p.teacher is not None]
+    diff = max((float((p.teacher - replay(whole, p.rollout)).abs().max()) for p in scored), default=float("inf"))
+    out = {"is_loss_rank": dims.is_loss_rank, "num_scored": len(scored), "num_parts": len(parts),
+           "teacher_diff_one_process": diff, "scalars": scalars,
+           "tokens": sum(int(p.loss_mask().sum()) for p in scored)}
+    trainer.engine.close()
+    dims.destroy()
+    return out

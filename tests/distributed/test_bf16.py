@@ -2,7 +2,9 @@
 TP=2, ZeRO-2, PP=2 with ZeRO-1 and ZeRO-3; ZeRO-1/2/3 accumulate the micro-batches' bf16
 gradients in fp32 (parallel.grad_accum_dtype, against references that accumulate in fp32 and in
 bf16; tests/distributed/nccl_scenarios.py); and the pipeline hands its fp32 gradient sums to
-DeepSpeed's fp32 accumulators exactly (three bf16 backwards) under ZeRO-1 and -2."""
+DeepSpeed's fp32 accumulators exactly (three bf16 backwards) under ZeRO-1 and -2. And
+train.bf16_cast=stochastic on every DeepSpeed bf16 optimizer (tests/distributed/precision_scenarios.py):
+the copy is the stochastic one of the masters, the metrics are reported, a resume is exact."""
 
 import pytest
 
@@ -14,7 +16,10 @@ N = "nccl_scenarios."
 ACCUM = [(N + "bf16_accumulates_in_fp32", {"parallel": {"zero_stage": z}}) for z in (1, 2, 3)]
 HANDOVER = [(N + "pipeline_handover_keeps_fp32", {"parallel": {"pp": 2, "zero_stage": z, "micro_batches": 2}})
             for z in (1, 2)]
-SCENARIOS = {2: BF16 + ACCUM + HANDOVER}
+CAST = [("precision_scenarios.stochastic_copy", {"parallel": p})
+        for p in ({"tp": 2, "zero_stage": 0}, {"zero_stage": 1}, {"zero_stage": 2}, {"zero_stage": 3},
+                  {"pp": 2, "zero_stage": 1, "micro_batches": 2})]
+SCENARIOS = {2: BF16 + ACCUM + HANDOVER + CAST}
 
 
 @pytest.mark.parametrize("name,args", BF16)
@@ -39,3 +44,12 @@ def test_the_pipeline_hands_its_fp32_sums_to_deepspeed_exactly(ranks, name, args
         assert r["pieces"] == 3 and r["params"] > 0
         assert r["sums_are_not_bf16"]  # so a bf16 hand-over would have changed them
         assert r["equal"], r
+
+
+@pytest.mark.parametrize("name,args", CAST)
+def test_stochastic_cast_on_every_deepspeed_optimizer(ranks, name, args):
+    for r in ranks(2).each(name, args):
+        assert r["pairs_stochastic"] and r["params_stochastic"], r
+        assert len(r["stale_fraction"]) == 3 and all(0.0 <= x <= 1.0 for x in r["stale_fraction"]), r
+        assert all(x > 0 and x < float("inf") for x in r["copy_lag"]), r
+        assert r["resumed_equal"] and r["num_tensors"] > 0, r

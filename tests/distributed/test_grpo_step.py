@@ -29,7 +29,13 @@ TWO += [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "zero_s
                                                    "sampling": ENV["sampling"]}),
         ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
                                                    "train": {"grad_accum": 2}, **ENV})]
-SCENARIOS = {2: TWO, 4: FOUR}
+# grpo.teacher (learner/distill.py): a larger teacher's scores under TP=2 and PP=2 (its three
+# layers split 2 + 1) against the whole teacher on one process
+TEACHER = [("grpo_scenarios.teacher_scores", {"parallel": {"tp": 2, "zero_stage": 1},
+                                              "teacher_dir": "{shared}/teacher_tp2"}),
+           ("grpo_scenarios.teacher_scores", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
+                                              "train": {"grad_accum": 2}, "teacher_dir": "{shared}/teacher_pp2"})]
+SCENARIOS = {2: TWO + TEACHER, 4: FOUR}
 
 
 def check_grpo_step(r: dict, args: dict) -> None:
@@ -68,3 +74,14 @@ def test_a_grpo_step_on_two_ranks_matches_one_process(ranks, name, args):
 def test_a_grpo_step_on_four_ranks_matches_one_process(ranks, name, args):
     for r in ranks(4).each(name, args):
         check_grpo_step(r, args)
+
+
+@pytest.mark.parametrize("name,args", TEACHER)
+def test_teacher_scores_on_two_ranks_match_one_process(ranks, name, args):
+    for r in ranks(2).each(name, args):
+        assert r["scalars"]["ratio/onpolicy_max_dev"] == 0.0  # the student's replay is mu with a teacher
+        assert r["num_parts"] > 0
+        if r["is_loss_rank"]:  # (the scores live where the loss is computed)
+            assert r["num_scored"] == r["num_parts"] and r["tokens"] > 0
+            assert r["teacher_diff_one_process"] <= 1e-5, r["teacher_diff_one_process"]
+        assert r["scalars"]["distill/reverse_kl"] != 0.0
