@@ -4,16 +4,20 @@
 ::
 
     out_dir/
-      config.json                 {"model_type": "rlt", <every ModelConfig field>, + the keys
-                                  transformers reads: auto_map, architectures, token ids, dtype}
-      model.safetensors           full (unsharded) tensors under the single-process names,
-        or model-0000k-of-0000n.safetensors + model.safetensors.index.json above a size limit
-      rlt_export.json             format version, sha256/shape/dtype of every tensor, tied
-                                  names, the tokenizer files, where the weights came from
-      configuration_rlt.py        the model for transformers, needing nothing of rlt_mega:
-      modeling_rlt.py               AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True)
-      tokenizer.json ...          when a tokenizer was given (AutoTokenizer loads them;
-      generation_config.json        hf_files.py says what is written for which tokenizer)
+      config.json             {"model_type": "rlt", <every ModelConfig field>, + the
+                              keys transformers reads: auto_map, architectures,
+                              token ids, dtype}
+      model.safetensors       full (unsharded) tensors under the single-process
+                              names, or model-0000k-of-0000n.safetensors +
+                              model.safetensors.index.json above a size limit
+      rlt_export.json         format version, sha256/shape/dtype of every tensor,
+                              tied names, the tokenizer files, where the weights
+                              came from
+      configuration_rlt.py,   the model for transformers, needing nothing of
+      modeling_rlt.py         rlt_mega: AutoModelForCausalLM.from_pretrained(
+                              out_dir, trust_remote_code=True)
+      tokenizer.json ...,     when a tokenizer was given (AutoTokenizer loads them;
+      generation_config.json  hf_files.py says what is written for which tokenizer)
 
 Tied weights (``lm_head.weight`` when model.tie_embeddings) are stored once, under
 ``embed.weight``; :func:`load_exported` puts the alias back, so the state dict it returns

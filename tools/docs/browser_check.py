@@ -28,6 +28,7 @@ import functools
 import http.server
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
@@ -39,6 +40,9 @@ from urllib.parse import unquote, urlsplit
 
 WIDTHS = {"desktop": (1280, 900), "phone": (390, 844)}
 SHRINK = 0.75  # a diagram drawn wider than the column may be shrunk to this, no further
+# Generous limits, not measurements: on a machine shared by many jobs a start or a page can take long
+START_S = 120  # Chromium's start
+CALL_S = 300  # one DevTools call (a page's check waits for its diagrams inside it)
 
 # Runs in the page once it has loaded: waits for the diagrams, then measures. Returns a list of
 # faults (strings) and the page's links and anchors for the link check.
@@ -178,16 +182,26 @@ class Browser:
              "--remote-debugging-port=0", f"--user-data-dir={profile}", "--disable-background-networking",
              f"--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE {allow_host}", "about:blank"],
             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True)
-        url, seen, deadline = None, [], time.monotonic() + 30
+        lines: queue.Queue = queue.Queue()  # its stderr, read in a thread: a hung start cannot block
+
+        def drain():
+            for line in proc.stderr:
+                lines.put(line)
+            lines.put(None)
+
+        threading.Thread(target=drain, daemon=True).start()
+        url, seen, deadline = None, [], time.monotonic() + START_S
         while url is None:
-            line = proc.stderr.readline()
-            if not line and proc.poll() is not None or time.monotonic() > deadline:
+            try:
+                line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                line = None
+            if line is None:
                 proc.kill()
-                raise RuntimeError("Chromium did not start:\n" + "".join(seen[-20:]))
+                raise RuntimeError(f"Chromium did not start in {START_S} s:\n" + "".join(seen[-20:]))
             seen.append(line)
             m = re.search(r"DevTools listening on (ws://\S+)", line)
             url = m.group(1) if m else None
-        threading.Thread(target=proc.stderr.read, daemon=True).start()  # keeps its pipe drained
         http_session = aiohttp.ClientSession()
         ws = await http_session.ws_connect(url, max_msg_size=0)
         self = cls(proc, ws)
@@ -216,7 +230,7 @@ class Browser:
         if session:
             msg["sessionId"] = self.session
         await self.ws.send_str(json.dumps(msg))
-        data = await asyncio.wait_for(fut, 60)
+        data = await asyncio.wait_for(fut, CALL_S)
         if "error" in data:
             raise RuntimeError(f"{method}: {data['error']}")
         return data["result"]
@@ -229,10 +243,10 @@ class Browser:
     async def load(self, url: str) -> None:
         self.events.clear()
         await self.send("Page.navigate", session=True, url=url)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + CALL_S
         while not any(e["method"] == "Page.loadEventFired" for e in self.events):
             if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} did not load in 30 s")
+                raise RuntimeError(f"{url} did not load in {CALL_S} s")
             await asyncio.sleep(0.01)
 
     async def measure(self, url: str, width: str, wait_ms: int) -> dict:

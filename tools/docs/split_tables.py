@@ -20,6 +20,7 @@ COLUMN_PX = 712  # a table's room in the content column with both sidebars (1280
 CHAR_PX = 8.0  # a character of a bold header of 12.8 px, a little above its mean width
 CODE_CHAR_PX = 7.0  # a character of code in a table (0.85 em, monospace), plus its padding below
 CODE_PAD_PX = 6
+CODE_MIN_CHARS = 12  # code breaks anywhere, but a column narrower than this reads badly
 PAD_PX = 32  # a cell's left and right padding (1.25 em each)
 MIN_COLUMN_PX = 106  # the theme's least header width (5 rem) and its borders, as measured
 FENCE = re.compile(r"^\s*(```|~~~)")
@@ -49,14 +50,24 @@ def cells(row: str) -> list[str]:
 
 
 def word_px(cell: str) -> float:
-    """The width of a cell's longest unbreakable piece."""
+    """The width of a cell's widest piece the browser cannot break: a run of text without a
+    space (code spans and the text touching them included). Code breaks anywhere (the theme's
+    rule), so it counts for at most CODE_MIN_CHARS, except code with <wbr> break points (config
+    keys), which breaks only there."""
     best = 0.0
-    for part in re.split(r"(`[^`]*`)", cell):
-        code = part.startswith("`")
-        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", part.strip("`"))
-        text = re.sub(r"<[^>]+>|\*\*|\\", "", text)
-        for word in text.split():
-            best = max(best, len(word) * CODE_CHAR_PX + CODE_PAD_PX if code else len(word) * CHAR_PX)
+    cell = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", cell)  # a link's text
+    cell = re.sub(r"<code>(.*?)</code>", lambda m: "`" + m.group(1).replace("<wbr>", "\0") + "`", cell)
+    cell = re.sub(r"<(?!wbr)[^>]+>|\*\*|\\", "", cell).replace("<wbr>", " ")
+    for word in re.split(r"\s+", cell):
+        px, parts = 0.0, re.split(r"(`[^`]*`)", word)
+        for part in parts:
+            if part.startswith("`"):
+                pieces = part.strip("`").split("\0")
+                n = max(map(len, pieces)) if len(pieces) > 1 else min(len(pieces[0]), CODE_MIN_CHARS)
+                px += n * CODE_CHAR_PX + CODE_PAD_PX
+            else:
+                px += len(part) * CHAR_PX
+        best = max(best, px)
     return best
 
 
