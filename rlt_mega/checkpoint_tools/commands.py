@@ -10,12 +10,11 @@ import json
 from pathlib import Path
 from typing import Iterable
 
-from rlt_mega.checkpoint import CheckpointError
+from rlt_mega.checkpoint import CheckpointError, check_output
 from rlt_mega.checkpoint_tools import training
 from rlt_mega.checkpoint_tools.export import (
     DEFAULT_MAX_SHARD_SIZE, MANIFEST_NAME, export_state_dict, load_exported, read_manifest,
 )
-from rlt_mega.checkpoint import check_output
 from rlt_mega.checkpoint_tools.files import EXPORT, CheckpointFormatError
 from rlt_mega.checkpoint_tools.hf_import import import_hf
 from rlt_mega.checkpoint_tools.inspect_ckpt import format_report, inspect_path
@@ -177,13 +176,13 @@ def _run_adapter_export(a: argparse.Namespace) -> str:
         raise CheckpointError(f"{a.src} holds adapters: export with --merge (a full export, adapters merged) or "
                               "--adapters (a peft adapter directory)")
     step_dir, cfg, _ = training.read_checkpoint(a.src)
+    base = cfg.train.init_from or None  # read too: never replaced by the output
+    inputs = [a.src, *([base] if base else [])]
     if a.adapters:
-        base = cfg.train.init_from or None
-        out = export_peft(cfg, step_dir, Path(a.out_dir), base, overwrite=a.overwrite,
-                          inputs=[a.src, *([base] if base else [])])
+        out = export_peft(cfg, step_dir, Path(a.out_dir), base, overwrite=a.overwrite, inputs=inputs)
         return (f"exported the adapters of {step_dir} -> {out} (peft LoRA, r={cfg.model.lora.rank}); load them with "
                 f"peft.PeftModel.from_pretrained onto the transformers export of the base "
                 f"({base or f'the model of train.seed={cfg.train.seed}: export it with --merge from step 0'})")
     out = export_path(step_dir, a.out_dir, dtype=a.dtype, max_shard_size=a.max_shard_size, tokenizer=a.tokenizer,
-                      overwrite=a.overwrite, inputs=[a.src])
+                      overwrite=a.overwrite, inputs=inputs)
     return f"exported {step_dir} with its adapters merged -> {out}; start a run from it with train.init_from={out}"

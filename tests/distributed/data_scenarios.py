@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from rlt_mega.checkpoint import load_torch
 from rlt_mega.config import from_dict
 from rlt_mega.data.datasets import DataStats
 from rlt_mega.data.pretraining import pretraining_data
@@ -111,7 +112,7 @@ def streamed_training(dir: str) -> dict:
         (ckpt / "latest").write_text("step_00000002")
         shutil.rmtree(ckpt / "step_00000003")
     dims.barrier()
-    saved = torch.load(ckpt / "step_00000002" / "trainer.pt", weights_only=False)["job"]["data"]
+    saved = load_torch(ckpt / "step_00000002" / "trainer.pt", deepspeed=True)["job"]["data"]
     train(cfg("split", resume="auto"))
     full = load_file(root / "full" / "ckpt" / "step_00000006" / "model.safetensors")
     resumed = load_file(ckpt / "step_00000006" / "model.safetensors")

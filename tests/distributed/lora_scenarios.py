@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from rlt_mega.checkpoint import load_torch
 from rlt_mega.config import LoraConfig
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.model.lora import adapter_state, adapters, apply_lora
@@ -123,7 +124,7 @@ def lora_checkpoint_round_trip(parallel: dict, shared: str) -> dict:
     first.job.step(0)
     first.engine.save(directory)
     dims.barrier()
-    saved = torch.load(next((directory / "deepspeed").glob("*mp_rank_*model_states.pt")), weights_only=False)
+    saved = load_torch(next((directory / "deepspeed").glob("*mp_rank_*model_states.pt")), deepspeed=True)
     module_keys = list(saved["module"].keys())
     second = trainer_of()
     second.engine.load(directory)

@@ -233,7 +233,7 @@ def resume(model=None, parallel=None, train=None, optim=None, phase="save", ckpt
     if phase == "save":
         torch.save(mine, ref_file)
     else:
-        ref = torch.load(ref_file)
+        ref = torch.load(ref_file, weights_only=True)
         out["equal"] = set(mine) == set(ref) and all(torch.equal(mine[k], ref[k]) for k in ref)
         out["max_diff"] = max(float((mine[k] - ref[k]).abs().max()) for k in ref)
     _close(dims, engine)

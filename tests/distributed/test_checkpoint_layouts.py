@@ -20,6 +20,7 @@ import torch
 from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
 from rlt_mega import cli
+from rlt_mega.checkpoint import load_torch
 from rlt_mega.checkpoint_tools import export_model, load_exported
 from rlt_mega.checkpoint_tools.commands import export_path
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError
@@ -114,12 +115,12 @@ def test_export_from_tp2_pp2_shards_equals_consolidated_deepspeed_and_the_traini
     to_universal(shards_step / "deepspeed", tmp_path / "universal" / "deepspeed")
     _, ours = load_exported(tmp_path / "shards")
     zero = tmp_path / "universal" / "deepspeed" / "zero"
-    merged = {p.name: torch.load(p / "fp32.pt", weights_only=False)["param"] for p in zero.iterdir() if p.is_dir()}
+    merged = {p.name: load_torch(p / "fp32.pt", deepspeed=True)["param"] for p in zero.iterdir() if p.is_dir()}
     assert set(merged) == set(ours)  # lm_head.weight: the last stage's tied copy
     for name, tensor in merged.items():
         assert torch.equal(tensor, ours[name]), name
     run_cfg = load_config(shards_step / "config.yaml")
-    trained = torch.load(root / "tp2pp2" / "logits.pt")
+    trained = torch.load(root / "tp2pp2" / "logits.pt", weights_only=True)
     assert trained.shape == (4, 8, 32)
     assert float((logits_of(tmp_path / "shards", run_cfg) - trained).abs().max()) < 1e-6
 
@@ -138,7 +139,7 @@ def test_export_from_zero3_shards_equals_consolidated_and_deepspeed_zero_to_fp32
     for name, tensor in reference.items():
         assert torch.equal(tensor, ours[name]), name
     run_cfg = load_config(shards_step / "config.yaml")
-    trained = torch.load(root / "zero3" / "logits.pt")
+    trained = torch.load(root / "zero3" / "logits.pt", weights_only=True)
     assert float((logits_of(tmp_path / "shards", run_cfg) - trained).abs().max()) < 1e-6
 
 
@@ -172,10 +173,10 @@ def test_a_tp2_pp2_run_from_an_export_has_its_logits_and_exports_back_identicall
                                                                                  tmp_path):
     started = four[1]
     run_cfg = make_cfg(TIED, TP2PP2)
-    logits = torch.load(root / "init" / "logits.pt")
+    logits = torch.load(root / "init" / "logits.pt", weights_only=True)
     assert float((logits - logits_of(source_export, run_cfg)).abs().max()) < 1e-6
     # again from the engine's gathered weights, and from its shards-only checkpoint
-    export_model(torch.load(root / "init" / "again.pt"), run_cfg.model, tmp_path / "gathered")
+    export_model(torch.load(root / "init" / "again.pt", weights_only=True), run_cfg.model, tmp_path / "gathered")
     export_path(started["shards"], tmp_path / "from_shards")
     assert tensors_of(tmp_path / "gathered") == tensors_of(source_export)
     assert tensors_of(tmp_path / "from_shards") == tensors_of(source_export)
@@ -193,15 +194,15 @@ def test_a_dp_change_resumes_with_the_optimizer_state(two, one, root, tmp_path):
     assert len(names) == len(list(build_model(make_cfg().model, "meta").parameters()))
     for name in names:
         for state in ("fp32", "exp_avg", "exp_avg_sq", "step"):
-            a, b = (torch.load(d / "deepspeed" / "zero" / name / f"{state}.pt", weights_only=False)
+            a, b = (load_torch(d / "deepspeed" / "zero" / name / f"{state}.pt", deepspeed=True)
                     for d in (saved, reloaded))
             a, b = (x["param"] if isinstance(x, dict) else x for x in (a, b))
             assert torch.equal(torch.as_tensor(a), torch.as_tensor(b)), (name, state)
             if state == "exp_avg_sq":
                 assert float(torch.as_tensor(a).abs().max()) > 0  # moments after 2 steps, not zeros
     # Two more steps on DP=1 continue the DP=2 run; a weights-only restart (fresh Adam) does not.
-    uninterrupted = torch.load(root / "dp" / "uninterrupted.pt")
-    diffs = {tag: max(float((torch.load(root / "dp" / f"{tag}.pt")[k] - v).abs().max()) for k, v in
+    uninterrupted = torch.load(root / "dp" / "uninterrupted.pt", weights_only=True)
+    diffs = {tag: max(float((torch.load(root / "dp" / f"{tag}.pt", weights_only=True)[k] - v).abs().max()) for k, v in
                       uninterrupted.items()) for tag in ("resumed", "weights_only")}
     assert diffs["resumed"] < 1e-6, diffs
     assert diffs["weights_only"] > 1e-4, diffs

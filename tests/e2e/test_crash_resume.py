@@ -19,6 +19,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlt_mega.checkpoint import load_torch
+
 from helpers import TINY
 
 STEPS, EVERY, KEEP = 16, 4, 2
@@ -85,8 +87,8 @@ def assert_same_state(reference: Path, resumed: Path):
     assert ref.keys() == got.keys()
     for key in ref:
         assert torch.equal(ref[key], got[key]), key
-    ref_opt = torch.load(reference / "engine.pt", weights_only=False)
-    got_opt = torch.load(resumed / "engine.pt", weights_only=False)
+    ref_opt = load_torch(reference / "engine.pt", deepspeed=True)
+    got_opt = load_torch(resumed / "engine.pt", deepspeed=True)
     assert ref_opt["scheduler"] == got_opt["scheduler"]
     assert ref_opt["optimizer"]["state"].keys() == got_opt["optimizer"]["state"].keys()
     for idx, state in ref_opt["optimizer"]["state"].items():

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlt_mega.checkpoint import load_torch
+
 from helpers import launcher_run
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,8 +71,8 @@ def test_one_rank_killed_torchrun_restarts_and_the_run_ends_as_if_uninterrupted(
     shards = sorted(p.relative_to(full) for p in full.rglob("*optim_states.pt"))
     assert shards and shards == sorted(p.relative_to(elastic) for p in elastic.rglob("*optim_states.pt"))
     for shard in shards:
-        assert_equal_tree(torch.load(full / shard, weights_only=False)["optimizer_state_dict"],
-                          torch.load(elastic / shard, weights_only=False)["optimizer_state_dict"], str(shard))
+        assert_equal_tree(load_torch(full / shard, deepspeed=True)["optimizer_state_dict"],
+                          load_torch(elastic / shard, deepspeed=True)["optimizer_state_dict"], str(shard))
     assert sorted(p.name for p in (tmp_path / "elastic" / "ckpt").iterdir()) == [
         "latest", f"step_{STEPS - 2:08d}", f"step_{STEPS:08d}"]
 

@@ -72,7 +72,7 @@ def hf(exports):
     proc = subprocess.run([sys.executable, str(WORKER), str(tmp / "request.json"), str(tmp / "hf.pt")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return request, torch.load(tmp / "hf.pt", weights_only=False)
+    return request, torch.load(tmp / "hf.pt", weights_only=True)
 
 
 def test_worker_ran_without_rlt_mega(hf):

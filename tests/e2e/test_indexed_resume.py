@@ -10,6 +10,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from rlt_mega.checkpoint import load_torch
+
 from helpers import launcher_run, make_prefix
 from test_elastic import TINY, assert_equal_tree
 
@@ -48,5 +50,5 @@ def test_two_ranks_killed_and_resumed_end_as_if_uninterrupted(tmp_path):
     shards = sorted(p.relative_to(full) for p in full.rglob("*optim_states.pt"))
     assert shards and shards == sorted(p.relative_to(resumed) for p in resumed.rglob("*optim_states.pt"))
     for shard in shards:
-        assert_equal_tree(torch.load(full / shard, weights_only=False)["optimizer_state_dict"],
-                          torch.load(resumed / shard, weights_only=False)["optimizer_state_dict"], str(shard))
+        assert_equal_tree(load_torch(full / shard, deepspeed=True)["optimizer_state_dict"],
+                          load_torch(resumed / shard, deepspeed=True)["optimizer_state_dict"], str(shard))

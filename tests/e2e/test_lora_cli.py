@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlt_mega import cli
+from rlt_mega.checkpoint import load_torch
 from rlt_mega.checkpoint_tools import export_model
 from rlt_mega.config import load_config
 from rlt_mega.model.rlt import build_model
@@ -39,7 +40,7 @@ def test_checkpoint_holds_adapters_only_and_resumes_exactly(run, capsys):
     step = run / "a" / "ckpt" / "step_00000003"
     assert (step / "adapters.safetensors").is_file() and not (step / "model.safetensors").exists()
     assert json.loads((step / "base.json").read_text())["sha256"]
-    engine_state = torch.load(step / "engine.pt", weights_only=False)
+    engine_state = load_torch(step / "engine.pt", deepspeed=True)
     n_opt = sum(len(s["params"]) for s in engine_state["optimizer"]["param_groups"])
     assert n_opt == 2 * (7 * 2 + 4 * 2 + 1)  # A and B of every adapter, nothing of the base
     # resume from step 2 and take step 3 again: the same adapters, bit for bit

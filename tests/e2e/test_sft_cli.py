@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from rlt_mega.checkpoint import load_torch
 from rlt_mega.cli import main
 from rlt_mega.metrics import read_metrics
 
@@ -70,4 +71,4 @@ def test_sft_from_a_local_jsonl(tmp_path):
     args = ["sft", *TINY, f"data.train={data}", "train.steps=2", "train.micro_batch_size=4", "train.eval_every=0",
             f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}"]
     assert main(args) == 0
-    assert torch.load(tmp_path / "ckpt" / "step_00000002" / "trainer.pt", weights_only=False)["loop"]["step"] == 2
+    assert load_torch(tmp_path / "ckpt" / "step_00000002" / "trainer.pt", deepspeed=True)["loop"]["step"] == 2

@@ -72,6 +72,7 @@ CASES = {  # the command (paths relative to the run's directory) -> what the one
     "merge onto its source": ("export lora lora --merge", "the output directory is the input"),
     "merge onto the root of its step": ("export lora/step_00000001 lora --merge", "the output directory contains"),
     "merge onto a foreign directory": ("export lora mine --merge", "is not an export (no rlt_export.json)"),
+    "merge onto its base": ("export lora exp --merge", "the output directory is the input"),
     "adapters onto a foreign directory": ("export lora mine --adapters",
                                           "is not a peft adapter directory (no adapter_config.json)"),
     "adapters onto their source": ("export lora lora --adapters", "the output directory is the input"),

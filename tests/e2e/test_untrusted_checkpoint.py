@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 
+from rlt_mega.checkpoint import load_torch
 from rlt_mega.cli import main
 
 from helpers import DIST_TINY, ROOT, TINY, launched
@@ -31,7 +32,7 @@ class Payload:
 def plant(file, marker):
     """Replaces ``file`` by a torch.save'd dict carrying the payload, keeping the rest of what
     it held, and rewrites the step's manifest to match."""
-    state = torch.load(file, weights_only=False)  # our own file, written by the run above
+    state = load_torch(file, deepspeed=True)  # our own file, written by the run above
     state = {**state, "extra": Payload(marker)}
     torch.save(state, file)
     step_dir = next(p for p in file.parents if p.name.startswith("step_"))

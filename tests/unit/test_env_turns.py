@@ -496,3 +496,7 @@ def test_an_environments_faults_are_named_once_counted_and_stop_the_run(caplog):
     assert episodes[0].faults.over_limit(3) is None  # within the limit
     assert "(on another rank)" in episodes[0].faults.over_limit(4)[0]  # the counts started again
     assert EnvFaults(env, 0).over_limit(10**6) is None  # 0: never stop
+    with pytest.raises(ValueError, match="max_errors=-1: must be >= 0"):
+        EnvLimits(max_errors=-1)
+    with pytest.raises(ValueError, match="time limit 0: must be > 0 seconds"):
+        EnvLimits(time_limit_s=0)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from rlt_mega.checkpoint import load_torch
 from rlt_mega.config import load_config
 from rlt_mega.loss import LM_LOSS
 from rlt_mega.metrics import Timers, read_metrics
@@ -115,7 +116,7 @@ def test_intervals_and_stop_after_then_a_resume_continues_the_loop_state(tmp_pat
     assert job.evaluated == [4]  # eval every 4 (and at step 10, not reached)
     ckpts = sorted(p.name for p in (tmp_path / "ckpt").glob("step_*"))
     assert ckpts == ["step_00000004", "step_00000006"]  # every 4, and where this process stops
-    saved = torch.load(tmp_path / "ckpt" / "step_00000006" / "trainer.pt", weights_only=False)
+    saved = load_torch(tmp_path / "ckpt" / "step_00000006" / "trainer.pt", deepspeed=True)
     assert saved["job"] == {"count": 6} and saved["loop"]["step"] == 6
     assert trainer.state.state_dict() == {"step": 6, "last_checkpoint_step": 6}
     assert result["fake/result"] == 6 and result["fake/count"] == 6.0 and result["fake/eval"] == 4.0

@@ -83,6 +83,8 @@ class EnvLimits:
         for name in ("max_turns", "max_turn_tokens", "max_episode_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"environment limit {name}={getattr(self, name)}: must be >= 1")
+        if not self.time_limit_s > 0:
+            raise ValueError(f"environment time limit {self.time_limit_s}: must be > 0 seconds")
         if self.max_errors < 0:
             raise ValueError(f"environment limit max_errors={self.max_errors}: must be >= 0 (0: never stop)")
 
@@ -122,8 +124,6 @@ class EnvFaults:
                 f"grpo.max_env_errors={self.max_errors} ({kinds or 'on another rank'})",
                 "Fix the environment's code (start() returns a row's state, step() a Turn whose observation is a "
                 "str), or raise grpo.max_env_errors (0: never stop).")
-        if not self.time_limit_s > 0:
-            raise ValueError(f"environment time limit {self.time_limit_s}: must be > 0 seconds")
 
 
 class Call:
