@@ -333,3 +333,106 @@ def iter_owned(named: Iterable[tuple[str, object]], skip: set, tp_rank: int, dp_
             continue
         yield name, p, owner(index, name, tp_rank, dp_rank, dp)
         index += 1
+
+
+# ------------------------------------------------------------------------------------------
+# What a move costs, from the config alone
+# ------------------------------------------------------------------------------------------
+
+def _stage_params(cfg: ModelConfig, pp: int, pp_split) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Per pipeline stage, (name, full shape) of the parameters it holds (meta tensors)."""
+    from rlt_mega.model.rlt import build_model
+    from rlt_mega.parallel.dims import split_layers
+    from rlt_mega.parallel.stage import prune_to_stage
+
+    out = []
+    stages = split_layers(cfg.n_layers, pp, pp_split)
+    for pp_rank, layers in enumerate(stages):
+        model = build_model(cfg, "meta")
+        if pp > 1:
+            prune_to_stage(model, layers, pp_rank == 0, pp_rank == pp - 1)
+        out.append([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    return out
+
+
+def _slice_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> int:
+    dim, n = shard_dim(name), math.prod(shape)
+    if dim is None:
+        return n
+    a, b = bounds(shape[dim], tp)[tp_rank]
+    return n // shape[dim] * (b - a)
+
+
+def reshard_cost(cfg: ModelConfig, src: dict, dst: dict, bucket_bytes: int = BUCKET_BYTES) -> dict:
+    """Bytes read and written and the peak memory of moving a checkpoint of layout ``src`` to
+    ``dst`` (dicts with tp, pp, dp, zero_stage[, pp_split]), full fine-tuning (every parameter
+    trained), computed from the model config:
+
+    * ``save``: what writing the layout-free state adds to every checkpoint on ``src``: 12 bytes
+      (fp32 master, exp_avg, exp_avg_sq) per parameter in all; per rank, the most one rank
+      writes and its peak (one bucket of pending writes plus one parameter's TP slice gathered
+      over the data-parallel group, three tensors);
+    * ``resume``: ``train.resume`` on ``dst``: every rank reads its TP slice of its stage's
+      parameters (each data-parallel replica reads the same slices); per rank the most read and
+      its peak (one parameter's slice, three tensors, beside the engine's own memory); nothing
+      written before the next save;
+    * ``offline``: ``rlt-mega reshard`` on one process: reads each stored tensor once, writes
+      each once, peak one bucket plus one slice.
+    """
+    tp_s, pp_s, dp_s = (src.get(k, 1) for k in ("tp", "pp", "dp"))
+    tp_d, pp_d, dp_d = (dst.get(k, 1) for k in ("tp", "pp", "dp"))
+    stored: dict[str, tuple[int, ...]] = {}
+    for stage in _stage_params(cfg, 1, None):
+        stored.update(stage)
+    total = 12 * sum(math.prod(s) for s in stored.values())
+    largest = max(math.prod(s) for s in stored.values())
+
+    def per_rank(layout_tp: int, layout_pp: int, split, writing: bool, dp: int) -> tuple[int, int]:
+        """(most bytes one rank moves, largest TP slice in elements) over the layout's ranks."""
+        most, biggest, seen = 0, 0, set()
+        for stage in _stage_params(cfg, layout_pp, split):
+            names = [(n, s) for n, s in stage if n not in seen]
+            seen |= {n for n, _ in stage}
+            for t in range(layout_tp):
+                for d in range(dp if writing else 1):
+                    mine = [_slice_numel(n, s, layout_tp, t) for i, (n, s) in enumerate(names)
+                            if not writing or owner(i, n, t, d, dp)]
+                    most = max(most, 12 * sum(mine))
+                    biggest = max([biggest] + mine)
+        return most, biggest
+
+    save_most, save_slice = per_rank(tp_s, pp_s, src.get("pp_split"), True, dp_s)
+    read_most, read_slice = per_rank(tp_d, pp_d, dst.get("pp_split"), False, 1)
+    reads_all = 0
+    for stage in _stage_params(cfg, pp_d, dst.get("pp_split")):
+        reads_all += sum(12 * math.prod(s) if shard_dim(n) is not None else 12 * math.prod(s) * tp_d for n, s in stage)
+    return {
+        "parameters": total // 12, "largest_parameter": largest,
+        "save": {"bytes_written": total, "most_per_rank": save_most,
+                 "peak_per_rank": min(bucket_bytes, save_most) + 12 * save_slice},
+        "resume": {"bytes_read": reads_all * dp_d, "most_per_rank": read_most, "peak_per_rank": 12 * read_slice,
+                   "ranks": tp_d * pp_d * dp_d},
+        "offline": {"bytes_read": total, "bytes_written": total,
+                    "peak": min(bucket_bytes, total) + 12 * _largest_slice(stored, tp_d)},
+    }
+
+
+def _largest_slice(stored: dict[str, tuple[int, ...]], tp: int) -> int:
+    return max(_slice_numel(n, s, tp, 0) for n, s in stored.items())
+
+
+def format_cost(src: dict, dst: dict, cost: dict) -> str:
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    s, r, o = cost["save"], cost["resume"], cost["offline"]
+    return "\n".join([
+        f"reshard {format_layout(src)} -> {format_layout(dst)} ({changes(src, dst)}); {cost['parameters']:,} "
+        f"parameters (largest {cost['largest_parameter']:,}), 12 bytes each in the layout-free state "
+        "(fp32 master, exp_avg, exp_avg_sq)",
+        f"  every checkpoint on {format_layout(src)} writes the state: {gb(s['bytes_written'])} in all, at most "
+        f"{gb(s['most_per_rank'])} per rank, peak {gb(s['peak_per_rank'])} per rank (one bucket + one slice)",
+        f"  train.resume on {format_layout(dst)}: {r['ranks']} ranks read {gb(r['bytes_read'])} in all, at most "
+        f"{gb(r['most_per_rank'])} per rank, peak {gb(r['peak_per_rank'])} per rank beside the engine (one "
+        "parameter's slice); nothing written until the next save",
+        f"  rlt-mega reshard (one process): reads {gb(o['bytes_read'])}, writes {gb(o['bytes_written'])}, "
+        f"peak {gb(o['peak'])} (one bucket + one slice)",
+    ])
