@@ -137,24 +137,40 @@ class StateWriter:
         self.bucket_bytes, self.pending, self.bytes, self.count = bucket_bytes, {}, 0, 0
 
     def add(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
-        for key in KEYS:
-            t = tensors[key].detach().to("cpu", torch.float32).contiguous()
-            self.pending[f"{name}{SEP}{key}"] = t
-            self.bytes += t.numel() * 4
-        if self.bytes >= self.bucket_bytes:
-            self.flush()
+        values = {f"{name}{SEP}{key}": tensors[key].detach().to("cpu", torch.float32).contiguous() for key in KEYS}
+        size = sum(t.numel() * 4 for t in values.values())
+        if self.pending and self.bytes + size > self.bucket_bytes:
+            self.flush()  # a file never holds more than one bucket (or one larger parameter)
+        self.pending.update(values)
+        self.bytes += size
 
     def flush(self) -> None:
         if not self.pending:
             return
-        from safetensors.torch import save_file
-
         self.dir.mkdir(parents=True, exist_ok=True)
-        save_file(self.pending, str(self.dir / f"{self.prefix}_{self.count:03d}.safetensors"), metadata=self.meta)
+        write_safetensors(self.dir / f"{self.prefix}_{self.count:03d}.safetensors", self.pending, self.meta)
         self.pending, self.bytes, self.count = {}, 0, self.count + 1
 
     def close(self) -> None:
         self.flush()
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor from the tensors' own memory (safetensors'
+    save_file first copies every tensor into one buffer: twice the bucket in memory). The
+    format: an 8-byte little-endian header size, the JSON header (padded to 8 bytes), the data."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(memoryview(t.numpy()).cast("B"))
 
 
 def owner(index: int, name: str, tp_rank: int, dp_rank: int, dp: int) -> bool:
