@@ -204,6 +204,18 @@ def check_output(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: 
                                   "directory (or remove this one yourself)")
 
 
+def seal(directory: Path, step: int, meta: Optional[dict]) -> None:
+    """fsync every file, then the manifest (size + sha256 of each), then the directory: a
+    manifest on disk implies the files it lists are on disk."""
+    files = {}
+    for f in sorted(p for p in directory.rglob("*") if p.is_file()):
+        _fsync_file(f)
+        files[str(f.relative_to(directory))] = {"size": f.stat().st_size, "sha256": _sha256(f)}
+    manifest = {"step": step, "time": time.time(), "files": files, **(meta or {})}
+    _write_atomic(directory / MANIFEST, json.dumps(manifest, indent=1))
+    fsync_dir(directory)
+
+
 class CheckpointManager:
     """Atomic saves, the ``latest`` pointer, keeping the last K, and finding what to resume.
 
@@ -247,15 +259,7 @@ class CheckpointManager:
         return final
 
     def _seal(self, tmp: Path, step: int, meta: Optional[dict]) -> None:
-        """fsync every file, then the manifest (size + sha256 of each), then the directory:
-        a manifest on disk implies the files it lists are on disk."""
-        files = {}
-        for f in sorted(p for p in tmp.rglob("*") if p.is_file()):
-            _fsync_file(f)
-            files[str(f.relative_to(tmp))] = {"size": f.stat().st_size, "sha256": _sha256(f)}
-        manifest = {"step": step, "time": time.time(), "files": files, **(meta or {})}
-        _write_atomic(tmp / MANIFEST, json.dumps(manifest, indent=1))
-        fsync_dir(tmp)
+        seal(tmp, step, meta)
 
     def _publish(self, tmp: Path, final: Path) -> None:
         """Renames the sealed directory into place. Re-saving a step (after resuming from an

@@ -134,8 +134,59 @@ def run_inspect(a: argparse.Namespace) -> str:
     return json.dumps(report, indent=2) if a.json else format_report(report)
 
 
+def _layout_arguments(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument(f"--{prefix}tp", type=int, required=not prefix, default=None, help="tensor-parallel size")
+    p.add_argument(f"--{prefix}pp", type=int, default=1, help="pipeline stages")
+    p.add_argument(f"--{prefix}dp", type=int, default=1, help="data-parallel size")
+    p.add_argument(f"--{prefix}zero", type=int, choices=(0, 1, 2, 3), default=1, help="ZeRO stage")
+    p.add_argument(f"--{prefix}pp-split", type=lambda t: [int(x) for x in t.split(",")], default=None,
+                   help="layers per stage, comma-separated (default: even)")
+
+
+def add_reshard_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("src", help="a training checkpoint (step_N/ or checkpoint.dir for the newest valid one)")
+    p.add_argument("out_dir", help="the checkpoint directory to write (not inside the input)")
+    _layout_arguments(p)
+
+
+def run_reshard(a: argparse.Namespace) -> str:
+    from rlt_mega.checkpoint_tools.reshard_ckpt import format_summary, reshard
+
+    return format_summary(reshard(training.resolve(a.src), a.out_dir, a.tp, a.pp, a.dp, a.zero, a.pp_split))
+
+
+def add_reshard_cost_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="a run config (.yaml) or a training checkpoint (its config and layout)")
+    _layout_arguments(p)
+    _layout_arguments(p, "from-")
+
+
+def run_reshard_cost(a: argparse.Namespace) -> str:
+    from rlt_mega.config import load_config
+    from rlt_mega.parallel.reshard import format_cost, reshard_cost
+
+    source, saved = Path(a.source), None
+    if training.is_training_checkpoint(source):
+        step_dir, cfg, manifest = training.read_checkpoint(source, check_files=False)
+        saved = training.layout_of(manifest)
+    else:
+        cfg = load_config(source)
+    if a.from_tp is not None:
+        saved = {"tp": a.from_tp, "pp": a.from_pp, "dp": a.from_dp, "zero_stage": a.from_zero,
+                 **({"pp_split": a.from_pp_split} if a.from_pp_split else {})}
+    if saved is None:
+        raise CheckpointError(f"{source}: a config has no layout: give the one to move from (--from-tp, --from-pp, "
+                              "--from-dp, --from-zero)")
+    dst = {"tp": a.tp, "pp": a.pp, "dp": a.dp, "zero_stage": a.zero, **({"pp_split": a.pp_split} if a.pp_split else {})}
+    return format_cost(saved, dst, reshard_cost(cfg.model, saved, dst))
+
+
 COMMANDS = {
     "export": (add_export_arguments, run_export, "write a layout-independent export directory"),
+    "reshard": (add_reshard_arguments, run_reshard,
+                "cut a training checkpoint for another layout (tp, pp, dp, ZeRO), with its optimizer state"),
+    "reshard-cost": (add_reshard_cost_arguments, run_reshard_cost,
+                     "bytes read and written and peak memory per rank of moving a checkpoint to another layout"),
     "import": (add_import_arguments, run_import, "convert a Llama/Qwen2 checkpoint into an RLT export"),
     "inspect": (add_inspect_arguments, run_inspect, "show and verify a checkpoint or export directory"),
 }

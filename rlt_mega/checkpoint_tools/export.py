@@ -170,7 +170,7 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], cfg: ModelConfig, out
                       overwrite: bool = False, inputs: Iterable[str | Path] = ()) -> Path:
     """Writes a full single-process state dict of RLT(cfg) as an export directory (atomically);
     ``inputs``: the directories it was read from, which the output may not replace
-    (files.check_output)."""
+    (checkpoint.check_output)."""
     cast = parse_dtype(dtype)
     sd = _store_once(state_dict, cfg)
     check_tensors({n: tuple(t.shape) for n, t in sd.items()}, cfg, "the state dict to export")

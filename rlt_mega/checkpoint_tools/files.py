@@ -193,7 +193,7 @@ def atomic_directory(out_dir: str | Path, overwrite: bool = False, inputs: Itera
     tmp.mkdir()
     try:
         yield tmp
-        for file in tmp.iterdir():  # data on disk before the rename makes it visible
+        for file in (f for f in tmp.rglob("*") if f.is_file()):  # data on disk before the rename makes it visible
             with open(file, "rb") as fh:
                 os.fsync(fh.fileno())
     except BaseException:

@@ -92,17 +92,56 @@ def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, An
     if (step_dir / shards.DS_TAG).is_dir():
         files = shards.index_shards(step_dir, layout)
         report["shards"] = {str(mp): info for mp, info in shards.check_shards(files, cfg).items()}
-        report["resumes"] = reshard.resumable_on(layout)
         report["checks"]["shards"] = (f"ok ({len(files.model) + len(files.optim)} files: {files.num_mp} model-parallel "
                                       f"x {layout.get('dp', 1)} data-parallel ranks, shapes as the config)")
-    elif "shapes" not in report["checks"]:
+    elif "shapes" not in report["checks"] and not (step_dir / reshard.STATE_DIR).is_dir():
         raise CheckpointFormatError(f"{step_dir}: neither model.safetensors nor {shards.DS_TAG}/: it holds no weights")
+    if (step_dir / reshard.STATE_DIR).is_dir():
+        state = reshard.LayoutFreeState.open(step_dir)
+        report["resumes"] = reshard.resumable_on(layout)
+        report["moves"] = moves(run_cfg, layout)
+        report["checks"]["state"] = (f"ok ({len(state.names())} parameters: fp32 masters and Adam moments at Adam step "
+                                     f"{state.adam_step}, in {state.tp} tensor-parallel slices)")
     else:
-        report["resumes"] = ("with its optimizer state on one process (the local engine); elsewhere with its "
-                             "weights only")
+        report["resumes"] = (f"with its optimizer state on {reshard.format_layout(layout)} only (written before the "
+                             "layout-free state); elsewhere with its weights only (export, then train.init_from)")
     if verify:
         report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
     return report
+
+
+def candidate_layouts(run_cfg, layout: dict) -> list[dict]:
+    """The layouts of the same number of processes the config allows (every tp x pp; the
+    checkpoint's ZeRO stage, or 1 where it would be 3 with pp > 1), and one process."""
+    from rlt_mega.config import ConfigError
+    from rlt_mega.parallel.dims import resolve_layout
+
+    world = layout.get("tp", 1) * layout.get("pp", 1) * layout.get("dp", 1)
+    out = []
+    for tp in (t for t in range(1, world + 1) if world % t == 0):
+        for pp in (q for q in range(1, world // tp + 1) if (world // tp) % q == 0):
+            zero = layout.get("zero_stage", 0)
+            zero = 1 if zero == 3 and pp > 1 else zero
+            cand = {"tp": tp, "pp": pp, "dp": world // (tp * pp), "zero_stage": zero}
+            par = dataclasses.replace(run_cfg.parallel, tp=tp, pp=pp, dp=None, zero_stage=zero, pp_split=None)
+            try:
+                resolve_layout(par, run_cfg.model, world)
+            except (ConfigError, ValueError):
+                continue
+            if not reshard.same_layout(cand, layout):
+                out.append(cand)
+    if world > 1:
+        out.append({"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0})
+    return out
+
+
+def moves(run_cfg, layout: dict) -> list[dict]:
+    """What resuming on each candidate layout costs (parallel/reshard.py, reshard_cost)."""
+    out = []
+    for cand in candidate_layouts(run_cfg, layout):
+        cost = reshard.reshard_cost(run_cfg.model, layout, cand)["resume"]
+        out.append({"layout": cand, "read_per_rank": cost["most_per_rank"], "peak_per_rank": cost["peak_per_rank"]})
+    return out
 
 
 def inspect_hf(path: Path) -> dict[str, Any]:
@@ -146,6 +185,10 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"layout: {json.dumps(report['layout'])}")
     if report.get("resumes"):
         lines.append(f"resumes: {report['resumes']}")
+    for move in report.get("moves") or ():
+        lines.append(f"  on {reshard.format_layout(move['layout'])}: each rank reads at most "
+                     f"{_human(move['read_per_rank'])}B, peak {_human(move['peak_per_rank'])}B beside the engine "
+                     f"(train.resume, or rlt-mega reshard first)")
     if report.get("source"):
         lines.append(f"source: {json.dumps(report['source'])}")
     as_rlt = " (of the RLT it imports as)" if report["kind"] == "hf" else ""

@@ -1,14 +1,15 @@
 """The distributed engine's checkpoint files: DeepSpeed's engine checkpoint (module and ZeRO
 optimizer shards of every rank) under ``deepspeed/``, the engine's own ``engine.pt`` and,
-optionally, a consolidated ``model.safetensors``; and resuming from them, on the same layout
-or, through DeepSpeed's universal checkpoint, on another data-parallel size (reshard.py).
+optionally, a consolidated ``model.safetensors``, and the layout-free state (``state/``,
+reshard.py); resuming from them: on the layout they were written with through DeepSpeed's own
+``load_checkpoint`` (bit for bit), on any other from the layout-free state.
 
 The caller (CheckpointManager) makes the directory atomic and writes the manifest."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 
@@ -37,7 +38,7 @@ class DeepSpeedCheckpoint:
 
     def save(self, directory: Path, engine_state: dict) -> None:
         """Every rank writes its shards (with the ``universal_checkpoint_info`` DeepSpeed's
-        converter needs); rank 0 adds ``engine.pt`` (``engine_state``) and, with
+        converter needs) and its part of the layout-free state (``state/``); rank 0 adds ``engine.pt`` (``engine_state``) and, with
         ``checkpoint.consolidate`` (the default), a consolidated ``model.safetensors`` (the
         single-device layout, fp32 masters), which the export and inspect tools read like a
         single-process checkpoint (without it they consolidate from the shards)."""
@@ -49,6 +50,7 @@ class DeepSpeedCheckpoint:
             client["rlt_base_sha256"] = self._base_hash()
         self.ds.save_checkpoint(str(directory), tag=DS_TAG, client_state=client, save_latest=False,
                                 exclude_frozen_parameters=adapted)
+        self.state.save_layout_free(directory, engine_state["steps_taken"])
         consolidate = self.checkpoint.consolidate and not adapted
         full = self.state.full_state_dict() if consolidate else None
         if self.dims.rank == 0:
@@ -69,34 +71,31 @@ class DeepSpeedCheckpoint:
         save_model(model, str(file))
 
     def load(self, directory: Path) -> dict:
-        """Resumes from a checkpoint written by :meth:`save`: on the same layout bit for bit; on
-        another data-parallel size (or ZeRO stage within 1-2) with its optimizer state
-        re-partitioned (reshard.py); any other layout change is an error naming both layouts.
-        Returns the saved ``engine_state``."""
+        """Resumes from a checkpoint: on the layout it was written with from DeepSpeed's files
+        (bit for bit); on any other layout -- or from a checkpoint ``rlt-mega reshard`` wrote,
+        which has no DeepSpeed files -- from its layout-free state (reshard.py). Returns the
+        saved ``engine_state``."""
         directory = Path(directory)
         current = self.layout()
         saved = reshard.saved_layout(directory) or current
-        plan = reshard.resume_plan(saved, current, directory)
-        if not (directory / DS_TAG).is_dir():
-            raise CheckpointError(f"checkpoint {directory} has no {DS_TAG}/ directory: it was not written by the "
-                                  f"distributed engine; {reshard.weights_only_hint(directory)}")
-        if has_adapters(self.ds.module) and plan != reshard.SAME:
-            raise CheckpointError(f"checkpoint {directory} holds adapters (model.lora) of layout "
-                                  f"{reshard.format_layout(saved)}: adapter checkpoints resume on the layout they "
-                                  f"were written with ({reshard.format_layout(current)} here)")
-        for shard in sorted((directory / DS_TAG).glob("*.pt")):  # an untrusted file named before DeepSpeed reads it
-            load_torch(shard, map_location="cpu", mmap=True, deepspeed=True)
-        if plan == reshard.UNIVERSAL:
-            self._load_universal(directory)
-        else:
+        if reshard.same_layout(saved, current) and (directory / DS_TAG).is_dir():
+            for shard in sorted((directory / DS_TAG).glob("*.pt")):  # an untrusted file named before DeepSpeed reads it
+                load_torch(shard, map_location="cpu", mmap=True, deepspeed=True)
             self._load_deepspeed(directory, directory)
-        engine_state = load_torch(directory / "engine.pt")
-        if plan != reshard.SAME:
-            log.warning("resumed %s, written with layout %s, on %s: optimizer state %s", directory,
-                        reshard.format_layout(saved), reshard.format_layout(current),
-                        "re-partitioned through DeepSpeed's universal checkpoint" if plan == reshard.UNIVERSAL
-                        else "replicated over data-parallel ranks, loaded as is")
-        return engine_state
+            return load_torch(directory / "engine.pt")
+        state = reshard.LayoutFreeState.open(directory)
+        self.state.load_layout_free(state)
+        self.dims.barrier()
+        if self.dims.rank == 0:
+            log.warning("resumed %s, written with layout %s, on %s (%s): fp32 masters, Adam moments and step of %d "
+                        "parameters resharded from its layout-free state (rank 0 read %.1f MB)", directory,
+                        reshard.format_layout(saved), reshard.format_layout(current), reshard.changes(saved, current),
+                        len(state.names()), state.bytes_read / 1e6)
+        if has_adapters(self.ds.module):
+            log.warning("the adapters of %s move to a new layout: their frozen base is this run's train.init_from, "
+                        "not checked against the base they were trained on (its hash is per rank of the old "
+                        "layout)", directory)
+        return {"steps_taken": state.steps_taken}
 
     def _load_deepspeed(self, load_dir: Path, directory: Path) -> None:
         adapted = has_adapters(self.ds.module)  # the frozen base is not in the checkpoint: not strict
@@ -119,36 +118,3 @@ class DeepSpeedCheckpoint:
         frozen = [p for p in self.ds.module.parameters() if not p.requires_grad]
         with deepspeed.zero.GatheredParameters(frozen, modifier_rank=None):
             return state_hash(base_state(self.ds.module))
-
-    def _load_universal(self, directory: Path) -> None:
-        """Rank 0 converts the checkpoint's ZeRO shards with DeepSpeed's ds_to_universal into a
-        scratch directory under checkpoint.dir; every rank loads its new partition from it
-        (DeepSpeed's ``load_universal``, switched on for this load only); the scratch goes."""
-        scratch = reshard.scratch_dir(self.checkpoint.dir, directory)
-        error: Optional[Exception] = None
-        if self.dims.rank == 0:
-            try:
-                reshard.remove(scratch)
-                scratch.mkdir(parents=True)
-                with safe_unpickling(deepspeed=True):  # the converter's torch.load calls (and its workers')
-                    reshard.to_universal(directory / DS_TAG, scratch / DS_TAG)
-            except Exception as exc:  # reported on every rank below, raised here
-                error = exc
-        failed = self.dims.all_reduce(torch.tensor([float(error is not None)], device=self.dims.device), op="max")
-        if failed.item():
-            if self.dims.rank == 0:
-                reshard.remove(scratch)
-                raise error
-            raise CheckpointError(f"rank 0 could not convert {directory / DS_TAG} to a universal checkpoint "
-                                  "(its log has the reason)")
-        # A private field of DeepSpeed's config, read (engine.load_universal_checkpoint()) only
-        # inside load_checkpoint; its public switch, the config's checkpoint.load_universal, is
-        # fixed at initialize, and only this load reads a universal checkpoint.
-        self.ds._config.load_universal_checkpoint = True
-        try:
-            self._load_deepspeed(scratch, directory)
-        finally:
-            self.ds._config.load_universal_checkpoint = False
-            self.dims.barrier()
-            if self.dims.rank == 0:
-                reshard.remove(scratch)

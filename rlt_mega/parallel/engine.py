@@ -22,7 +22,6 @@ each job derives from its config in one place.
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +40,11 @@ from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
 from rlt_mega.model.documents import forward_kwargs
 from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.parallel.reshard import KEYS, LayoutFreeState, StateWriter, changes, format_layout, same_layout, saved_layout
+from rlt_mega.log import get_logger
 from rlt_mega.precision import CopyLag, bf16_copy, cast_key, precision
+
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -241,6 +244,51 @@ class LocalEngine:
             else:
                 save_model(self.model, str(directory / "model.safetensors"))
         torch.save(self.state_dict(), directory / "engine.pt")
+        self._save_layout_free(directory)
+
+    def _trained(self) -> list[tuple[str, nn.Parameter]]:
+        """(name, the tensor the optimizer steps): the module's trained parameter, or its fp32
+        master under train.bf16_cast=stochastic."""
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        if self.masters is None or not self.masters.stochastic:
+            return named
+        master_of = {id(p): m for p, m in zip(self.masters.params, self.masters.masters)}
+        return [(n, master_of[id(p)]) for n, p in named]
+
+    def _save_layout_free(self, directory: Path) -> None:
+        """The layout-free state (parallel/reshard.py): whole tensors, one process."""
+        steps = [int(st["step"]) for st in self.optimizer.state.values() if "step" in st]
+        writer = StateWriter(directory, 0, 0, 1, 0, {"adam_step": max(steps, default=0),
+                                                     "steps_taken": self.scheduler.last_epoch})
+        for name, p in self._trained():
+            st = self.optimizer.state.get(p, {})
+            writer.add(name, {"fp32": p, **{k: st.get(k, torch.zeros_like(p)) for k in KEYS[1:]}})
+        writer.close()
+
+    @torch.no_grad()
+    def _load_layout_free(self, directory: Path) -> None:
+        """Parameters, Adam state and schedule position from another layout's checkpoint."""
+        state = LayoutFreeState.open(directory)
+        tied = bool(getattr(self.model.cfg, "tie_embeddings", False))
+        for name, p in self._trained():
+            values = {k: state.read(state.lookup(name, tied), k, 1, 0).to(self.device) for k in KEYS}
+            if values["fp32"].shape != p.shape:
+                raise CheckpointError(f"checkpoint {directory}: '{name}' is {tuple(values['fp32'].shape)} in its "
+                                      f"layout-free state, {tuple(p.shape)} in this model")
+            p.copy_(values["fp32"])
+            self.optimizer.state[p] = {"step": torch.tensor(float(state.adam_step)),
+                                       "exp_avg": values["exp_avg"].clone(), "exp_avg_sq": values["exp_avg_sq"].clone()}
+        n = state.steps_taken
+        sched = self.scheduler
+        sched.load_state_dict({**sched.state_dict(), "last_epoch": n, "_step_count": n + 1})
+        for group, base, factor in zip(self.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * factor(n)
+        sched._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+        if self.masters is not None:  # the masters were loaded: remake the copy of step n
+            self.masters.remake(n)
+        log.warning("resumed %s, written with layout %s, on one process (%s): fp32 masters, Adam moments and step of "
+                    "%d parameters from its layout-free state", directory, format_layout(saved_layout(directory) or {}),
+                    changes(saved_layout(directory) or {}, self.layout()), len(state.names()))
 
     def _base_hash(self) -> str:
         """sha256 of the frozen base under adapters (computed once: it never changes)."""
@@ -249,7 +297,11 @@ class LocalEngine:
         return self._base_sha
 
     def load(self, directory: Path) -> None:
-        check_layout(directory, self.layout())
+        saved = saved_layout(directory)
+        written_here = saved is None or (same_layout(saved, self.layout()) and (directory / "engine.pt").is_file()
+                                         and not (directory / "deepspeed").is_dir())  # not the distributed engine's
+        if not written_here:
+            return self._load_layout_free(directory)
         if has_adapters(self.model):
             load_adapters(self.model, directory, self._base_hash())
         else:
@@ -347,14 +399,3 @@ class _Bf16Masters:
             for p, d in zip(self.params, held):
                 p.data = d
 
-
-def check_layout(directory: Path, layout: dict) -> None:
-    """The local engine resumes only checkpoints of its own layout (one process, no ZeRO); the
-    weights of any other move through export and train.init_from. (The distributed engine's
-    rules are in parallel/reshard.py.)"""
-    manifest = Path(directory) / "manifest.json"
-    saved = json.loads(manifest.read_text()).get("layout") if manifest.is_file() else None
-    if saved is not None and saved != layout:
-        raise CheckpointError(f"checkpoint {directory} was written with layout {saved}, this run has {layout}: "
-                              "resume on the same layout, or export it and start from the export "
-                              "(train.init_from) to change layout")

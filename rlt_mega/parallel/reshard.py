@@ -1,58 +1,86 @@
-"""Resuming a distributed checkpoint on another data-parallel layout, with its optimizer state.
+"""The layout-free training state: how a checkpoint resumes on any layout, with its optimizer state.
 
-A training checkpoint records its layout (``tp``, ``pp``, ``pp_split``, ``dp``, ``zero_stage``).
-What a resume may change, and how:
+Every training checkpoint carries, beside DeepSpeed's per-rank files (or the single-process
+``model.safetensors`` + ``engine.pt``), its optimizer state **free of the layout**: for every
+trained parameter, under its name, the fp32 master, Adam's ``exp_avg`` and ``exp_avg_sq``, as
+full tensors cut only by the tensor-parallel plan the export already uses (TP_TABLE,
+:func:`shard_dim`), plus the Adam step and the schedule position::
 
-* nothing: DeepSpeed's own ``load_checkpoint`` (bit for bit);
-* ``dp`` with ``zero_stage == 0`` before and after: the optimizer state is replicated over the
-  data-parallel ranks (one copy per model-parallel rank in ``mp_rank_XX_model_states.pt``), so
-  DeepSpeed's ``load_checkpoint`` reads it at any ``dp``;
-* ``dp`` and/or ``zero_stage`` within ZeRO-1/2, or ``dp`` under ZeRO-3 with ``tp == 1``:
-  DeepSpeed's **universal checkpoint**. ``deepspeed.checkpoint.ds_to_universal`` (run once, by
-  rank 0, into a scratch directory under ``checkpoint.dir``) turns the ZeRO partitions into one
-  file per parameter and state (``zero/<name>/{fp32,exp_avg,exp_avg_sq,step}.pt``, full
-  tensors: TP shards merged by the patterns of :func:`universal_checkpoint_info`), and every
-  rank loads its new partition with ``load_universal`` (each optimizer's
-  ``load_hp_checkpoint_state``). We use DeepSpeed's converter rather than re-partitioning the
-  flat fp32/Adam buffers ourselves: the partition arithmetic (alignment padding, fragment
-  offsets, the ZeRO-3 sub-groups) is DeepSpeed's and changes between its versions, and the
-  converter is the code DeepSpeed tests against its own loaders;
-* anything else (``tp``, ``pp`` or the stage split, ZeRO-0 <-> ZeRO-1/2/3, ZeRO-1/2 <-> 3, or
-  ZeRO-3 with ``tp > 1``, whose universal loader does not slice tensor-parallel shards for
-  layers that are not DeepSpeed's AutoTP): weights only, through ``rlt-mega export`` and
-  ``train.init_from``; :func:`resume_plan` raises an error naming both layouts.
+    state/mp{mp:03d}_dp{dp:03d}_{k:03d}.safetensors
+        "<name>::fp32", "<name>::exp_avg", "<name>::exp_avg_sq"   this writer's TP slice of <name>
+        metadata: format, tp, tp_rank, adam_step, steps_taken
+
+A writing rank holds its stage's TP slice of a parameter complete over the data-parallel group
+(DeepSpeed's ``safe_get_full_*`` accessors gather a ZeRO partition, one parameter at a time);
+the parameters of a stage are dealt round-robin over the data-parallel ranks, so every rank
+writes about 1/dp of them, in files of at most one bucket. A replicated parameter (a norm, a
+row-parallel bias) is written by tensor-parallel rank 0 only; a pipeline replica (``null_memory``
+on later stages, a tied ``lm_head``) is not written: it is the first stage's copy.
+
+Resuming (parallel/ds_checkpoint.py, parallel/engine.py): on the layout the checkpoint was
+written with, the engine's own files load as before (bit for bit); on any other layout -- tp,
+pp or its split, dp, the ZeRO stage, one process or many -- each rank reads from ``state/`` the
+slice of each of its parameters that its new TP rank needs (safetensors reads a slice without
+the rest of the tensor) and hands it to the optimizer it now runs (ds_state.py). One mechanism
+for every change; docs/design.md says why this one. ``rlt-mega reshard`` writes the same state
+cut for another layout, offline (checkpoint_tools/reshard_ckpt.py).
 """
 
 from __future__ import annotations
 
-import argparse
-import contextlib
-import io
 import json
+import math
 import re
-import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Iterator, Optional
+
+import torch
 
 from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.config import ModelConfig
 from rlt_mega.log import get_logger
-from rlt_mega.parallel.tp import param_shard_dim
+from rlt_mega.parallel.tp import param_shard_dim, tp_kind
 
 log = get_logger(__name__)
 
-SAME, REPLICATED, UNIVERSAL = "same", "replicated", "universal"
+STATE_DIR = "state"
+FORMAT = "rlt-layout-free/1"
+KEYS = ("fp32", "exp_avg", "exp_avg_sq")
+SEP = "::"
+BUCKET_BYTES = 256 << 20  # one state file holds at most this much (one larger parameter excepted)
+_LORA = re.compile(r"^(?P<module>.+)\.parametrizations\.weight\.\d+\.(?P<leaf>lora_[AB])$")
 
 
-def model_axes_differ(a: dict, b: dict) -> bool:
-    """Whether two layouts slice the model differently (tensor/pipeline parallel, stage split).
-    A layout without ``pp_split`` (written before it was recorded) matches any split: DeepSpeed's
-    strict module loading still catches a real difference."""
-    if a.get("tp", 1) != b.get("tp", 1) or a.get("pp", 1) != b.get("pp", 1):
-        return True
-    sa, sb = a.get("pp_split"), b.get("pp_split")
-    return sa is not None and sb is not None and list(sa) != list(sb)
+# ------------------------------------------------------------------------------------------
+# The TP plan of a parameter name
+# ------------------------------------------------------------------------------------------
 
+def shard_dim(name: str) -> Optional[int]:
+    """The dimension along which parameter ``name`` is cut over the tensor-parallel ranks (None:
+    replicated): TP_TABLE for the model's parameters; for an adapter (model.lora) of a column
+    layer its B (output rows), of a row layer its A (input columns)."""
+    m = _LORA.match(name)
+    if m is None:
+        return param_shard_dim(name)
+    kind = tp_kind(m.group("module"))
+    if kind in ("column", "vocab_head"):
+        return 0 if m.group("leaf") == "lora_B" else None
+    if kind == "row":
+        return 1 if m.group("leaf") == "lora_A" else None
+    return None
+
+
+def bounds(length: int, parts: int) -> list[tuple[int, int]]:
+    """[start, stop) of each of ``parts`` pieces of ``length`` as torch.chunk cuts them (the
+    cut tensor parallelism makes, parallel/tp.py)."""
+    size = math.ceil(length / parts)
+    return [(min(i * size, length), min((i + 1) * size, length)) for i in range(parts)]
+
+
+# ------------------------------------------------------------------------------------------
+# Layouts
+# ------------------------------------------------------------------------------------------
 
 def saved_layout(directory: Path) -> Optional[dict]:
     """The layout in a checkpoint's manifest.json (None without one: a bare engine save)."""
@@ -70,62 +98,210 @@ def format_layout(layout: dict) -> str:
     return "{" + ", ".join(f"{k}={layout.get(k)}" for k in keys) + "}"
 
 
-def weights_only_hint(directory: Path) -> str:
-    return (f"to continue from its weights with a fresh optimizer state, run `rlt-mega export {directory} EXPORT_DIR` "
-            "and start the run with train.init_from=EXPORT_DIR (without train.resume)")
+def same_layout(a: dict, b: dict) -> bool:
+    """Whether two layouts hold the same files: tp, pp, dp, the ZeRO stage and (where both
+    record it) the stage split."""
+    if any(a.get(k, d) != b.get(k, d) for k, d in (("tp", 1), ("pp", 1), ("dp", 1), ("zero_stage", 0))):
+        return False
+    sa, sb = a.get("pp_split"), b.get("pp_split")
+    return sa is None or sb is None or list(sa) == list(sb)
 
 
-def resume_plan(saved: dict, current: dict, directory: Path) -> str:
-    """How a checkpoint written with layout ``saved`` resumes on ``current``: SAME, REPLICATED or
-    UNIVERSAL (module docstring). Raises CheckpointError, naming both layouts, when only the
-    weights can move."""
-    zs, zc = saved.get("zero_stage", 0), current.get("zero_stage", 0)
-    if model_axes_differ(saved, current):
-        why = ("the tensor/pipeline layout changed: every rank's parameters and optimizer state are sliced by it, "
-               "and the optimizer state does not move across tensor/pipeline layouts")
-    elif saved.get("dp", 1) == current.get("dp", 1) and zs == zc:
-        return SAME
-    elif zs == 0 and zc == 0:
-        return REPLICATED
-    elif (zs == 0) != (zc == 0):
-        why = "the optimizer state moves between ZeRO stages 1-3 only, not to or from ZeRO-0"
-    elif (zs == 3) != (zc == 3):
-        why = "DeepSpeed's universal checkpoint moves ZeRO-3 optimizer state only to ZeRO-3 (and 1/2 only to 1/2)"
-    elif zs == 3 and current.get("tp", 1) > 1:
-        why = ("DeepSpeed's ZeRO-3 universal loader does not slice tensor-parallel shards of megatron layers, "
-               "so ZeRO-3 with tp > 1 resumes only on its own data-parallel size")
-    else:
-        return UNIVERSAL
-    raise CheckpointError(f"checkpoint {directory} was written with layout {format_layout(saved)}; this run has "
-                          f"{format_layout(current)}: {why}. Resume on {format_layout(saved)}, or "
-                          f"{weights_only_hint(directory)}")
+def changes(saved: dict, current: dict) -> str:
+    """What differs between two layouts, in words ("tp 2->4, zero_stage 1->3")."""
+    keys = (("tp", 1), ("pp", 1), ("pp_split", None), ("dp", 1), ("zero_stage", 0))
+    out = [f"{k} {saved.get(k, d)}->{current.get(k, d)}" for k, d in keys
+           if saved.get(k, d) != current.get(k, d) and not (k == "pp_split" and None in (saved.get(k), current.get(k)))]
+    return ", ".join(out) or "none"
 
 
 def resumable_on(layout: dict) -> str:
-    """In words, the layouts on which a distributed checkpoint of ``layout`` resumes with its
-    optimizer state (the rules of :func:`resume_plan`)."""
-    tp, pp, dp, zero = (layout.get(k, d) for k, d in (("tp", 1), ("pp", 1), ("dp", 1), ("zero_stage", 0)))
-    split = f" (stage split {layout['pp_split']})" if layout.get("pp_split") else ""
-    if zero == 0:
-        where = f"tp={tp}, pp={pp}{split}, zero_stage=0 and any dp"
-    elif zero in (1, 2):
-        where = f"tp={tp}, pp={pp}{split}, zero_stage 1 or 2 and any dp"
-    elif tp == 1:
-        where = "tp=1, pp=1, zero_stage=3 and any dp"
-    else:
-        where = f"tp={tp}, pp=1, zero_stage=3, dp={dp} only"
-    return (f"with its optimizer state on {where}; on any other layout with its weights only "
-            "(export, then train.init_from)")
+    """In words, the layouts on which a checkpoint of ``layout`` resumes (all of them)."""
+    return (f"with its optimizer state on any layout: on {format_layout(layout)} from its own files, on any other "
+            "(tp, pp, stage split, dp, ZeRO stage, one process) from its layout-free state (state/)")
 
+
+# ------------------------------------------------------------------------------------------
+# Writing
+# ------------------------------------------------------------------------------------------
+
+class StateWriter:
+    """One rank's part of the layout-free state: tensors collected into files of at most one
+    bucket (``bucket_bytes``), each written whole (safetensors) as it fills."""
+
+    def __init__(self, directory: Path, mp: int, dp_rank: int, tp: int, tp_rank: int, meta: dict,
+                 bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.dir = Path(directory) / STATE_DIR
+        self.prefix = f"mp{mp:03d}_dp{dp_rank:03d}"
+        self.meta = {"format": FORMAT, "tp": str(tp), "tp_rank": str(tp_rank), **{k: str(v) for k, v in meta.items()}}
+        self.bucket_bytes, self.pending, self.bytes, self.count = bucket_bytes, {}, 0, 0
+
+    def add(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
+        values = {f"{name}{SEP}{key}": tensors[key].detach().to("cpu", torch.float32).contiguous() for key in KEYS}
+        size = sum(t.numel() * 4 for t in values.values())
+        if self.pending and self.bytes + size > self.bucket_bytes:
+            self.flush()  # a file never holds more than one bucket (or one larger parameter)
+        self.pending.update(values)
+        self.bytes += size
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_safetensors(self.dir / f"{self.prefix}_{self.count:03d}.safetensors", self.pending, self.meta)
+        self.pending, self.bytes, self.count = {}, 0, self.count + 1
+
+    def close(self) -> None:
+        self.flush()
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    """A safetensors file written tensor by tensor from the tensors' own memory (safetensors'
+    save_file first copies every tensor into one buffer: twice the bucket in memory). The
+    format: an 8-byte little-endian header size, the JSON header (padded to 8 bytes), the data."""
+    header, offset = {"__metadata__": metadata}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            f.write(memoryview(t.numpy()).cast("B"))
+
+
+def owner(index: int, name: str, tp_rank: int, dp_rank: int, dp: int) -> bool:
+    """Whether this rank writes parameter number ``index`` of its stage: dealt round-robin over
+    the data-parallel ranks; a TP-replicated parameter by tensor-parallel rank 0 only."""
+    return index % dp == dp_rank and (shard_dim(name) is not None or tp_rank == 0)
+
+
+# ------------------------------------------------------------------------------------------
+# Reading
+# ------------------------------------------------------------------------------------------
+
+@dataclass
+class _Piece:
+    file: Path
+    tp_rank: int
+    shape: tuple[int, ...]
+
+
+@dataclass
+class LayoutFreeState:
+    """The index of a checkpoint's ``state/`` (file headers only): per parameter, which file
+    holds which TP slice. :meth:`read` returns the slice a rank of any layout needs."""
+
+    directory: Path
+    tp: int
+    adam_step: int
+    steps_taken: int
+    pieces: dict[str, list[_Piece]] = field(default_factory=dict)
+    bytes_read: int = 0
+
+    @classmethod
+    def open(cls, checkpoint: Path) -> "LayoutFreeState":
+        from safetensors import safe_open
+
+        root = Path(checkpoint) / STATE_DIR
+        files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
+        if not files:
+            raise CheckpointError(f"checkpoint {checkpoint} has no layout-free state ({STATE_DIR}/): it was written "
+                                  "before rlt_mega saved one, and resumes only on its own layout "
+                                  f"{format_layout(saved_layout(checkpoint) or {})}; resume it there and save once "
+                                  "to move it, or export it (rlt-mega export) and start from the weights "
+                                  "(train.init_from)")
+        metas, pieces = set(), {}
+        for f in files:
+            try:
+                with safe_open(str(f), framework="pt") as h:
+                    meta = h.metadata() or {}
+                    shapes = {k: tuple(h.get_slice(k).get_shape()) for k in h.keys()}
+            except Exception as exc:  # SafetensorError, OSError: a damaged header
+                raise CheckpointError(f"checkpoint file {f} cannot be read as safetensors ({exc})") from None
+            if meta.get("format") != FORMAT:
+                raise CheckpointError(f"checkpoint file {f}: not a layout-free state file (format "
+                                      f"{meta.get('format')!r}, expected {FORMAT!r})")
+            metas.add((int(meta["tp"]), int(meta["adam_step"]), int(meta["steps_taken"])))
+            for key, shape in shapes.items():
+                name, _, kind = key.rpartition(SEP)
+                if kind == "fp32":
+                    pieces.setdefault(name, []).append(_Piece(f, int(meta["tp_rank"]), shape))
+        if len(metas) != 1:
+            raise CheckpointError(f"checkpoint {checkpoint}: the files of {STATE_DIR}/ disagree on tp, step or "
+                                  f"schedule position ({sorted(metas)}): files of two saves mixed?")
+        tp, adam_step, steps_taken = metas.pop()
+        state = cls(Path(checkpoint), tp, adam_step, steps_taken, pieces)
+        for name, got in pieces.items():
+            got.sort(key=lambda p: p.tp_rank)
+            want = list(range(tp)) if shard_dim(name) is not None else [0]
+            if [p.tp_rank for p in got] != want:
+                raise CheckpointError(f"checkpoint {checkpoint}: {STATE_DIR}/ holds tensor-parallel slices "
+                                      f"{[p.tp_rank for p in got]} of '{name}', expected {want}: a state file is "
+                                      "missing")
+        return state
+
+    def names(self) -> list[str]:
+        return sorted(self.pieces)
+
+    def full_shape(self, name: str) -> tuple[int, ...]:
+        got, dim = self.pieces[name], shard_dim(name)
+        shape = list(got[0].shape)
+        if dim is not None:
+            shape[dim] = sum(p.shape[dim] for p in got)
+        return tuple(shape)
+
+    def lookup(self, name: str, tied: bool) -> str:
+        """The stored name a parameter reads: itself, or for a tied lm_head the embedding."""
+        if name not in self.pieces and tied and name == "lm_head.weight":
+            name = "embed.weight"
+        if name not in self.pieces:
+            raise CheckpointError(f"checkpoint {self.directory}: its layout-free state has no '{name}' (this run "
+                                  "trains another set of parameters: model.lora or the model differ?)")
+        return name
+
+    def read(self, name: str, key: str, tp: int, tp_rank: int) -> torch.Tensor:
+        """Tensor-parallel rank ``tp_rank`` of ``tp``'s slice of ``key`` of ``name``: read from the
+        pieces it overlaps, no more."""
+        from safetensors import safe_open
+
+        got, dim = self.pieces[name], shard_dim(name)
+        if dim is None:
+            with safe_open(str(got[0].file), framework="pt") as h:
+                t = h.get_tensor(f"{name}{SEP}{key}")
+            self.bytes_read += t.numel() * 4
+            return t
+        full = self.full_shape(name)
+        start, stop = bounds(full[dim], tp)[tp_rank]
+        parts, offset = [], 0
+        for piece in got:
+            lo, hi = offset, offset + piece.shape[dim]
+            offset = hi
+            a, b = max(lo, start), min(hi, stop)
+            if a >= b:
+                continue
+            with safe_open(str(piece.file), framework="pt") as h:
+                sl = h.get_slice(f"{name}{SEP}{key}")
+                index = tuple(slice(a - lo, b - lo) if d == dim else slice(None) for d in range(len(full)))
+                parts.append(sl[index])
+        out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        self.bytes_read += out.numel() * 4
+        return out
+
+
+# ------------------------------------------------------------------------------------------
+# DeepSpeed's universal checkpoint (interoperability: the tests compare our merge with its)
+# ------------------------------------------------------------------------------------------
 
 def universal_checkpoint_info(cfg: ModelConfig) -> dict:
     """The ``universal_checkpoint_info`` DeepSpeed's converter needs to merge tensor-parallel
     slices into full tensors (TP_TABLE): row-parallel weights are concatenated on dim 1,
-    replicated parameters (norms, recur_proj, null_memory, z_init, row-parallel biases) are
-    checked equal on every TP rank and kept once (they get identical gradients and updates on
-    every TP rank), everything else is concatenated on dim 0.
-    ``null_memory`` lives on every pipeline stage: the first stage's copy is kept. Patterns are
-    whole names: the converter's strict mode requires every pattern to match a parameter."""
+    replicated parameters are kept once, everything else is concatenated on dim 0;
+    ``null_memory`` lives on every pipeline stage: the first stage's copy is kept. Saved with
+    every checkpoint, so DeepSpeed's own tools read our shards."""
     from rlt_mega.model.rlt import build_model
 
     names = [n for n, _ in build_model(cfg, "meta").named_parameters()]
@@ -140,14 +316,17 @@ def universal_checkpoint_info(cfg: ModelConfig) -> dict:
 
 def to_universal(ds_dir: Path, out_dir: Path, workers: int = 1) -> None:
     """DeepSpeed's ``ds_to_universal`` on one checkpoint tag directory (``step_N/deepspeed``) ->
-    ``out_dir`` (its universal form, same tag name; ``out_dir.parent/latest_universal``).
-    Its progress output is captured and logged at debug level; a failure is a CheckpointError
+    ``out_dir``. Its progress output is logged at debug level; a failure is a CheckpointError
     carrying the converter's last lines."""
+    import argparse
+    import contextlib
+    import io
+
     from deepspeed.checkpoint import ds_to_universal
 
     args = argparse.Namespace(input_folder=str(ds_dir), output_folder=str(out_dir), num_extract_workers=workers,
                               num_merge_workers=workers, keep_temp_folder=False, strict=True,
-                              inject_missing_state=True)  # checkpoints written before the info was stored
+                              inject_missing_state=True)
     out = io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
@@ -159,12 +338,117 @@ def to_universal(ds_dir: Path, out_dir: Path, workers: int = 1) -> None:
     log.debug("ds_to_universal %s:\n%s", ds_dir, out.getvalue())
 
 
-def scratch_dir(checkpoint_root: str | Path, step_dir: Path) -> Path:
-    """Where a resume converts ``step_dir``: under the run's checkpoint.dir (shared by every
-    node, writable), hidden from CheckpointManager (not a step_N name)."""
-    return Path(checkpoint_root) / f".universal-{step_dir.name}"
+def iter_owned(named: Iterable[tuple[str, object]], skip: set, tp_rank: int, dp_rank: int, dp: int
+               ) -> Iterator[tuple[str, object, bool]]:
+    """(name, parameter, whether this rank writes it) over a stage's trained parameters in order,
+    pipeline replicas (``skip``) left out: every rank walks the same list (the reads may be
+    collectives), one rank per parameter keeps it."""
+    index = 0
+    for name, p in named:
+        if name in skip:
+            continue
+        yield name, p, owner(index, name, tp_rank, dp_rank, dp)
+        index += 1
 
 
-def remove(path: Optional[Path]) -> None:
-    if path is not None:
-        shutil.rmtree(path, ignore_errors=True)
+# ------------------------------------------------------------------------------------------
+# What a move costs, from the config alone
+# ------------------------------------------------------------------------------------------
+
+def _stage_params(cfg: ModelConfig, pp: int, pp_split) -> list[list[tuple[str, tuple[int, ...]]]]:
+    """Per pipeline stage, (name, full shape) of the parameters it holds (meta tensors)."""
+    from rlt_mega.model.rlt import build_model
+    from rlt_mega.parallel.dims import split_layers
+    from rlt_mega.parallel.stage import prune_to_stage
+
+    out = []
+    stages = split_layers(cfg.n_layers, pp, pp_split)
+    for pp_rank, layers in enumerate(stages):
+        model = build_model(cfg, "meta")
+        if pp > 1:
+            prune_to_stage(model, layers, pp_rank == 0, pp_rank == pp - 1)
+        out.append([(n, tuple(p.shape)) for n, p in model.named_parameters()])
+    return out
+
+
+def _slice_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> int:
+    dim, n = shard_dim(name), math.prod(shape)
+    if dim is None:
+        return n
+    a, b = bounds(shape[dim], tp)[tp_rank]
+    return n // shape[dim] * (b - a)
+
+
+def reshard_cost(cfg: ModelConfig, src: dict, dst: dict, bucket_bytes: int = BUCKET_BYTES) -> dict:
+    """Bytes read and written and the peak memory of moving a checkpoint of layout ``src`` to
+    ``dst`` (dicts with tp, pp, dp, zero_stage[, pp_split]), full fine-tuning (every parameter
+    trained), computed from the model config:
+
+    * ``save``: what writing the layout-free state adds to every checkpoint on ``src``: 12 bytes
+      (fp32 master, exp_avg, exp_avg_sq) per parameter in all; per rank, the most one rank
+      writes and its peak (one bucket of pending writes plus one parameter's TP slice gathered
+      over the data-parallel group, three tensors);
+    * ``resume``: ``train.resume`` on ``dst``: every rank reads its TP slice of its stage's
+      parameters (each data-parallel replica reads the same slices); per rank the most read and
+      its peak (one parameter's slice, three tensors, beside the engine's own memory); nothing
+      written before the next save;
+    * ``offline``: ``rlt-mega reshard`` on one process: reads each stored tensor once, writes
+      each once, peak one bucket plus one slice.
+    """
+    tp_s, pp_s, dp_s = (src.get(k, 1) for k in ("tp", "pp", "dp"))
+    tp_d, pp_d, dp_d = (dst.get(k, 1) for k in ("tp", "pp", "dp"))
+    stored: dict[str, tuple[int, ...]] = {}
+    for stage in _stage_params(cfg, 1, None):
+        stored.update(stage)
+    total = 12 * sum(math.prod(s) for s in stored.values())
+    largest = max(math.prod(s) for s in stored.values())
+
+    def per_rank(layout_tp: int, layout_pp: int, split, writing: bool, dp: int) -> tuple[int, int]:
+        """(most bytes one rank moves, largest TP slice in elements) over the layout's ranks."""
+        most, biggest, seen = 0, 0, set()
+        for stage in _stage_params(cfg, layout_pp, split):
+            names = [(n, s) for n, s in stage if n not in seen]
+            seen |= {n for n, _ in stage}
+            for t in range(layout_tp):
+                for d in range(dp if writing else 1):
+                    mine = [_slice_numel(n, s, layout_tp, t) for i, (n, s) in enumerate(names)
+                            if not writing or owner(i, n, t, d, dp)]
+                    most = max(most, 12 * sum(mine))
+                    biggest = max([biggest] + mine)
+        return most, biggest
+
+    save_most, save_slice = per_rank(tp_s, pp_s, src.get("pp_split"), True, dp_s)
+    read_most, read_slice = per_rank(tp_d, pp_d, dst.get("pp_split"), False, 1)
+    reads_all = 0
+    for stage in _stage_params(cfg, pp_d, dst.get("pp_split")):
+        reads_all += sum(12 * math.prod(s) if shard_dim(n) is not None else 12 * math.prod(s) * tp_d for n, s in stage)
+    return {
+        "parameters": total // 12, "largest_parameter": largest,
+        "save": {"bytes_written": total, "most_per_rank": save_most,
+                 "peak_per_rank": min(bucket_bytes, save_most) + 12 * save_slice},
+        "resume": {"bytes_read": reads_all * dp_d, "most_per_rank": read_most, "peak_per_rank": 12 * read_slice,
+                   "ranks": tp_d * pp_d * dp_d},
+        "offline": {"bytes_read": total, "bytes_written": total,
+                    "peak": min(bucket_bytes, total) + 12 * _largest_slice(stored, tp_d)},
+    }
+
+
+def _largest_slice(stored: dict[str, tuple[int, ...]], tp: int) -> int:
+    return max(_slice_numel(n, s, tp, 0) for n, s in stored.items())
+
+
+def format_cost(src: dict, dst: dict, cost: dict) -> str:
+    gb = lambda n: f"{n / 1e9:.2f} GB"  # noqa: E731
+    s, r, o = cost["save"], cost["resume"], cost["offline"]
+    return "\n".join([
+        f"reshard {format_layout(src)} -> {format_layout(dst)} ({changes(src, dst)}); {cost['parameters']:,} "
+        f"parameters (largest {cost['largest_parameter']:,}), 12 bytes each in the layout-free state "
+        "(fp32 master, exp_avg, exp_avg_sq)",
+        f"  every checkpoint on {format_layout(src)} writes the state: {gb(s['bytes_written'])} in all, at most "
+        f"{gb(s['most_per_rank'])} per rank, peak {gb(s['peak_per_rank'])} per rank (one bucket + one slice)",
+        f"  train.resume on {format_layout(dst)}: {r['ranks']} ranks read {gb(r['bytes_read'])} in all, at most "
+        f"{gb(r['most_per_rank'])} per rank, peak {gb(r['peak_per_rank'])} per rank beside the engine (one "
+        "parameter's slice); nothing written until the next save",
+        f"  rlt-mega reshard (one process): reads {gb(o['bytes_read'])}, writes {gb(o['bytes_written'])}, "
+        f"peak {gb(o['peak'])} (one bucket + one slice)",
+    ])

@@ -26,6 +26,7 @@ from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import Engine
+from rlt_mega.parallel.reshard import same_layout, saved_layout as load_manifest_layout
 
 log = get_logger(__name__)
 
@@ -218,7 +219,11 @@ class Trainer:
         self.job.load_rank_state_dict(load_torch(job_file, allow=self.job.rank_state_types) if job_file.is_file()
                                      else None, self.state.step)
         rng_file = path / f"rng_rank{self.dims.rank}.pt"
-        if rng_file.is_file():
+        saved_layout = load_manifest_layout(path)
+        if saved_layout is not None and not same_layout(saved_layout, self.engine.layout()):
+            log.info("RNG streams not restored: they belong to the ranks of layout %s (the data order is seeded "
+                     "and its position is in trainer.pt)", saved_layout)
+        elif rng_file.is_file():
             set_rng_state(load_torch(rng_file))
         self.state.last_checkpoint_step, self._last_path = self.state.step, path
         log.info("resumed from %s at step %d", path, self.state.step)

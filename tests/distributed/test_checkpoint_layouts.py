@@ -8,7 +8,7 @@
   process model's, and exporting it again gives identical tensors;
 * a ZeRO-1 checkpoint of DP=2 resumes on DP=1 with its optimizer state (Adam moments and step,
   compared through DeepSpeed's converter, equal; the continued run equals the uninterrupted
-  one, while a weights-only restart does not); a TP change is refused, naming both layouts;
+  one bit for bit, while a weights-only restart does not); a TP change resumes too;
 * inspect on a sharded checkpoint, and its errors for missing, truncated or mismatched shards.
 """
 
@@ -204,16 +204,13 @@ def test_a_dp_change_resumes_with_the_optimizer_state(two, one, root, tmp_path):
     uninterrupted = torch.load(root / "dp" / "uninterrupted.pt", weights_only=True)
     diffs = {tag: max(float((torch.load(root / "dp" / f"{tag}.pt", weights_only=True)[k] - v).abs().max()) for k, v in
                       uninterrupted.items()) for tag in ("resumed", "weights_only")}
-    assert diffs["resumed"] < 1e-6, diffs
+    assert diffs["resumed"] == 0.0, diffs  # a dp-only change, the same global batch: bit for bit
     assert diffs["weights_only"] > 1e-4, diffs
 
 
-def test_a_tensor_parallel_change_is_refused_naming_both_layouts(two):
-    refused = two[2]
-    assert refused["raised"]
-    assert "written with layout {tp=1, pp=1, dp=2, zero_stage=1}; this run has {tp=2, pp=1, dp=1, zero_stage=1}" \
-        in refused["message"]
-    assert "rlt-mega export" in refused["message"] and "train.init_from" in refused["message"]
+def test_a_tensor_parallel_change_resumes_from_the_layout_free_state(two):
+    attempt = two[2]  # dp=2 -> tp=2 (tests/distributed/test_reshard_layouts.py compares the tensors)
+    assert not attempt["raised"], attempt["message"]
 
 
 # ------------------------------------------------------------------------------------------
@@ -230,7 +227,7 @@ def test_inspect_lists_the_shards_per_rank_and_verifies_them(four, root, capsys)
     assert cli.main(["inspect", str(step)]) == 0
     text = capsys.readouterr().out
     assert "mp 3 (tp 1, pp 1, layers 1..1)" in text and "zero_pp_rank_0_mp_rank_03_optim_states.pt" in text
-    assert "resumes: with its optimizer state on tp=2, pp=2" in text
+    assert "resumes: with its optimizer state on any layout: on {tp=2, pp=2, dp=1, zero_stage=1" in text
     assert format_report(report).count("\n  mp ") == 4
 
 

@@ -1,19 +1,18 @@
-"""Which layout changes a distributed checkpoint survives with its optimizer state (one process,
-no DeepSpeed): the rules of rlt_mega/parallel/reshard.py, and the patterns that tell DeepSpeed's
-universal-checkpoint converter how our tensor-parallel slices join."""
+"""The layout-free state (rlt_mega/parallel/reshard.py) without DeepSpeed: which dimension each
+parameter is cut along (the TP plan, adapters included), the pieces torch.chunk makes, the
+state written by one layout and read by any other slice for slice, a missing piece named, and
+the patterns that tell DeepSpeed's universal-checkpoint converter how our slices join."""
 
 import re
-from pathlib import Path
 
 import pytest
+import torch
 
 from rlt_mega.checkpoint import CheckpointError
 from rlt_mega.config import ModelConfig
 from rlt_mega.model.rlt import build_model
-from rlt_mega.parallel.reshard import (REPLICATED, SAME, UNIVERSAL, resumable_on, resume_plan,
-                                       universal_checkpoint_info)
-
-CKPT = Path("runs/x/step_00000010")
+from rlt_mega.parallel.reshard import (KEYS, LayoutFreeState, StateWriter, bounds, changes, owner, resumable_on,
+                                       same_layout, shard_dim, universal_checkpoint_info)
 
 
 def layout(tp=1, pp=1, dp=1, zero=0, split=None):
@@ -23,40 +22,85 @@ def layout(tp=1, pp=1, dp=1, zero=0, split=None):
     return out
 
 
-@pytest.mark.parametrize("saved,current,plan", [
-    (layout(tp=2, pp=2, dp=2, zero=1, split=[1, 1]), layout(tp=2, pp=2, dp=2, zero=1, split=[1, 1]), SAME),
-    (layout(pp=2, dp=2, zero=1), layout(pp=2, dp=2, zero=1, split=[2, 2]), SAME),  # written before pp_split
-    (layout(dp=2, zero=0), layout(dp=1, zero=0), REPLICATED),
-    (layout(tp=2, dp=2, zero=1), layout(tp=2, dp=1, zero=1), UNIVERSAL),
-    (layout(dp=2, zero=1), layout(dp=4, zero=2), UNIVERSAL),
-    (layout(dp=2, zero=2), layout(dp=2, zero=1), UNIVERSAL),
-    (layout(dp=2, zero=3), layout(dp=1, zero=3), UNIVERSAL),
-])
-def test_layout_changes_that_keep_the_optimizer_state(saved, current, plan):
-    assert resume_plan(saved, current, CKPT) == plan
+def test_the_cut_of_each_parameter_follows_the_tp_plan_and_the_adapters_follow_their_layer():
+    assert shard_dim("blocks.0.attn.q.weight") == 0 and shard_dim("blocks.0.attn.o.weight") == 1
+    assert shard_dim("embed.weight") == 0 and shard_dim("final_norm.weight") is None
+    assert shard_dim("blocks.0.attn.o.bias") is None and shard_dim("blocks.0.attn.q.bias") == 0
+    lora = "blocks.1.{}.parametrizations.weight.0.lora_{}"
+    assert shard_dim(lora.format("attn.q", "B")) == 0 and shard_dim(lora.format("attn.q", "A")) is None
+    assert shard_dim(lora.format("mlp.down", "A")) == 1 and shard_dim(lora.format("mlp.down", "B")) is None
+    assert shard_dim("recur_proj.parametrizations.weight.0.lora_A") is None
 
 
-@pytest.mark.parametrize("saved,current,why", [
-    (layout(tp=2, dp=1, zero=1), layout(tp=1, dp=2, zero=1), "tensor/pipeline layout changed"),
-    (layout(pp=2, zero=1, split=[3, 1]), layout(pp=2, zero=1, split=[2, 2]), "tensor/pipeline layout changed"),
-    (layout(dp=2, zero=0), layout(dp=2, zero=1), "not to or from ZeRO-0"),
-    (layout(dp=2, zero=2), layout(dp=2, zero=3), "ZeRO-3 optimizer state only to ZeRO-3"),
-    (layout(tp=2, dp=2, zero=3), layout(tp=2, dp=1, zero=3), "does not slice tensor-parallel shards"),
-])
-def test_other_changes_are_refused_naming_both_layouts_and_the_way_out(saved, current, why):
-    with pytest.raises(CheckpointError) as err:
-        resume_plan(saved, current, CKPT)
-    message = str(err.value)
-    assert why in message
-    assert f"written with layout {{tp={saved['tp']}, pp={saved['pp']}, dp={saved['dp']}" in message
-    assert f"this run has {{tp={current['tp']}, pp={current['pp']}, dp={current['dp']}" in message
-    assert f"rlt-mega export {CKPT} EXPORT_DIR" in message and "train.init_from=EXPORT_DIR" in message
+def test_pieces_are_torch_chunks_and_parameters_are_dealt_over_the_data_parallel_ranks():
+    assert bounds(8, 4) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert bounds(10, 4) == [(i * 3, min(10, i * 3 + 3)) for i in range(4)]
+    assert [p.shape[0] for p in torch.arange(10).chunk(4)] == [b - a for a, b in bounds(10, 4)]
+    names = ["embed.weight", "final_norm.weight", "blocks.0.attn.q.weight"]
+    for tp_rank in range(2):
+        writers = [[owner(i, n, tp_rank, d, 2) for d in range(2)] for i, n in enumerate(names)]
+        assert writers[0] == [True, False] and writers[2] == [True, False]
+        assert writers[1] == ([False, True] if tp_rank == 0 else [False, False])  # replicated: TP rank 0 only
 
 
-def test_resumable_on_says_where_the_optimizer_state_goes():
-    assert "tp=2, pp=2, zero_stage 1 or 2 and any dp" in resumable_on(layout(tp=2, pp=2, dp=4, zero=1))
-    assert "dp=2 only" in resumable_on(layout(tp=2, dp=2, zero=3))
-    assert "weights only" in resumable_on(layout())
+def test_layouts_compare_and_changes_are_named():
+    assert same_layout(layout(pp=2, dp=2, zero=1), layout(pp=2, dp=2, zero=1, split=[2, 2]))  # before pp_split
+    assert not same_layout(layout(pp=2, zero=1, split=[3, 1]), layout(pp=2, zero=1, split=[2, 2]))
+    assert not same_layout(layout(dp=2, zero=1), layout(dp=2, zero=2))
+    assert changes(layout(tp=2, pp=2, zero=1, split=[1, 1]), layout(tp=4, zero=3)) == "tp 2->4, pp 2->1, zero_stage 1->3"
+    assert "any layout" in resumable_on(layout(tp=2, dp=2, zero=3))
+
+
+def _write(root, full: dict, tp: int, dp: int = 1):
+    """The state of ``full`` as a layout with ``tp`` tensor-parallel ranks writes it."""
+    for tp_rank in range(tp):
+        writers = [StateWriter(root, tp_rank, d, tp, tp_rank, {"adam_step": 7, "steps_taken": 5}, bucket_bytes=512)
+                   for d in range(dp)]
+        for i, (name, values) in enumerate(full.items()):
+            dim = shard_dim(name)
+            for d in range(dp):
+                if owner(i, name, tp_rank, d, dp):
+                    writers[d].add(name, {k: v if dim is None else v.chunk(tp, dim)[tp_rank] for k, v in values.items()})
+        for w in writers:
+            w.close()
+
+
+def _full():
+    g = torch.Generator().manual_seed(0)
+    shapes = {"embed.weight": (12, 4), "blocks.0.attn.o.weight": (4, 8), "final_norm.weight": (4,),
+              "blocks.0.attn.q.weight": (8, 4)}
+    return {n: {k: torch.randn(s, generator=g) for k in KEYS} for n, s in shapes.items()}
+
+
+@pytest.mark.parametrize("tp_from,tp_to,dp", [(2, 4, 1), (4, 1, 2), (1, 2, 3), (2, 3, 1)])
+def test_any_layout_reads_the_slices_another_wrote(tmp_path, tp_from, tp_to, dp):
+    full = _full()
+    _write(tmp_path, full, tp_from, dp)
+    state = LayoutFreeState.open(tmp_path)
+    assert (state.tp, state.adam_step, state.steps_taken) == (tp_from, 7, 5)
+    assert state.names() == sorted(full)
+    assert len(list((tmp_path / "state").iterdir())) > tp_from  # buckets of 512 bytes: several files a rank
+    for name, values in full.items():
+        assert state.full_shape(name) == tuple(values["fp32"].shape)
+        dim = shard_dim(name)
+        for t in range(tp_to):
+            for key, v in values.items():
+                want = v if dim is None else v.chunk(tp_to, dim)[t]
+                assert torch.equal(state.read(name, key, tp_to, t), want), (name, key, t)
+    assert state.lookup("lm_head.weight", tied=True) == "embed.weight"
+    with pytest.raises(CheckpointError, match="has no 'lm_head.weight'"):
+        state.lookup("lm_head.weight", tied=False)
+
+
+def test_a_missing_piece_and_a_checkpoint_without_the_state_are_named(tmp_path):
+    _write(tmp_path / "a", _full(), 2)
+    victim = next(f for f in sorted((tmp_path / "a" / "state").iterdir()) if f.name.startswith("mp001"))
+    victim.unlink()
+    with pytest.raises(CheckpointError, match=r"holds tensor-parallel slices \[0\] of '.*', expected \[0, 1\]"):
+        LayoutFreeState.open(tmp_path / "a")
+    (tmp_path / "b").mkdir()
+    with pytest.raises(CheckpointError, match=r"has no layout-free state \(state/\).*rlt-mega export"):
+        LayoutFreeState.open(tmp_path / "b")
 
 
 @pytest.mark.parametrize("overrides", [{}, {"qkv_bias": True, "tie_embeddings": True, "share_weights": False}])

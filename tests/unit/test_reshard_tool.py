@@ -1,0 +1,133 @@
+"""``rlt-mega reshard`` and ``rlt-mega reshard-cost`` on a one-process checkpoint (no DeepSpeed; the
+4-rank cases are in tests/distributed/test_reshard_layouts.py): the output verifies against its
+manifest, the input is untouched, the local engine resumes the output with the very same
+parameters and Adam state; a layout the config forbids, an output inside the input and a damaged
+input are refused with one line naming the key or the file."""
+
+import hashlib
+import shutil
+
+import pytest
+import torch
+
+from rlt_mega import cli
+from rlt_mega.checkpoint import CheckpointManager, verify
+from rlt_mega.config import load_config, save_config
+from rlt_mega.model.rlt import param_counts
+from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.parallel.reshard import KEYS, LayoutFreeState, reshard_cost
+from rlt_mega.train.builders import build_engine
+from tests.distributed.scenarios import local_batches, make_cfg
+
+MODEL = {"n_layers": 4, "n_heads": 4, "n_kv_heads": 4}
+
+
+def engine_of(cfg):
+    return build_engine(cfg, ParallelDims.single(cfg.model, "cpu"))
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A one-process run of 2 steps, saved as the trainer saves (manifest, config.yaml, trainer.pt)."""
+    root = tmp_path_factory.mktemp("one")
+    cfg = make_cfg(MODEL, optim={"lr": 1e-2})
+    engine = engine_of(cfg)
+    for step in range(2):
+        engine.train_step(local_batches(cfg, step, engine.dims))
+
+    def write(tmp):
+        engine.save(tmp)
+        save_config(cfg, tmp / "config.yaml")
+        torch.save({"loop": {"step": 2}, "job": {}}, tmp / "trainer.pt")
+
+    path = CheckpointManager(root / "ckpt").save(2, write, meta={"layout": engine.layout(), "job": "pretrain"})
+    return path, engine
+
+
+def tree_hash(path):
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.rglob("*"))
+            if p.is_file()}
+
+
+def one_error_line(capsys, fragment):
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("rlt-mega reshard: error: ")]
+    assert len(lines) == 1 and fragment in lines[0], err
+    return lines[0]
+
+
+def test_a_reshard_verifies_leaves_its_input_alone_and_resumes_with_the_same_state(saved, tmp_path, capsys):
+    src, engine = saved
+    before = tree_hash(src)
+    out = tmp_path / "tp2pp2"
+    assert cli.main(["reshard", str(src), str(out), "--tp", "2", "--pp", "2", "--dp", "1", "--zero", "1"]) == 0
+    said = capsys.readouterr().out
+    assert "(tp 1->2, pp 1->2, zero_stage 0->1)" in said and f"train.resume={out}" in said
+    assert tree_hash(src) == before  # the input, byte for byte
+    manifest = verify(out)  # the sha256 of every file written
+    assert manifest["layout"] == {"tp": 2, "pp": 2, "dp": 1, "zero_stage": 1, "pp_split": [2, 2]}
+    assert manifest["resharded_from"]["layout"] == {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
+    assert set(manifest["files"]) >= {"config.yaml", "trainer.pt"}
+    assert sorted({f.split("_")[0] for f in manifest["files"] if f.startswith("state/")}) == \
+        ["state/mp000", "state/mp001", "state/mp002", "state/mp003"]
+    cfg = load_config(out / "config.yaml")
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.zero_stage) == (2, 2, 1)
+    assert LayoutFreeState.open(out).tp == 2
+    # resumed in one process from the cut for tp=2 x pp=2: the same parameters, moments and step
+    resumed = engine_of(make_cfg(MODEL, optim={"lr": 1e-2}))
+    resumed.load(out)
+    assert resumed.scheduler.last_epoch == 2
+    for (name, p), q in zip(engine.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), name
+        a, b = engine.optimizer.state[p], resumed.optimizer.state[q]
+        assert all(torch.equal(a[k], b[k]) for k in KEYS[1:]) and float(a["step"]) == float(b["step"]) == 2, name
+    assert resumed.optimizer.param_groups[0]["lr"] == engine.optimizer.param_groups[0]["lr"]
+
+
+def test_a_layout_the_config_forbids_is_refused_naming_the_keys(saved, tmp_path, capsys):
+    src, _ = saved
+    assert cli.main(["reshard", str(src), str(tmp_path / "o"), "--tp", "3"]) == 2
+    one_error_line(capsys, "model.n_heads=4 is not divisible by parallel.tp=3")
+    assert cli.main(["reshard", str(src), str(tmp_path / "o"), "--tp", "1", "--pp", "2", "--zero", "3"]) == 2
+    one_error_line(capsys, "parallel.zero_stage=3 with parallel.pp > 1 is not supported")
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_output_inside_the_input_is_refused(saved, capsys):
+    src, _ = saved
+    assert cli.main(["reshard", str(src), str(src / "inside"), "--tp", "2"]) == 2
+    one_error_line(capsys, "the output directory lies inside the input")
+    assert not (src / "inside").exists()
+
+
+@pytest.mark.parametrize("damage,message", [("missing", "listed in the manifest is missing"),
+                                            ("hash", "does not match its checksum")])
+def test_a_damaged_checkpoint_is_refused_naming_the_file(saved, tmp_path, capsys, damage, message):
+    src = tmp_path / "copy"
+    shutil.copytree(saved[0], src)
+    victim = sorted((src / "state").iterdir())[0]
+    if damage == "missing":
+        victim.unlink()
+    else:
+        data = bytearray(victim.read_bytes())
+        data[-1] ^= 1
+        victim.write_bytes(bytes(data))
+    assert cli.main(["reshard", str(src), str(tmp_path / "o"), "--tp", "2"]) == 2
+    line = one_error_line(capsys, message)
+    assert f"state/{victim.name}" in line
+    assert not (tmp_path / "o").exists()
+
+
+def test_reshard_cost_counts_every_parameter_once_and_each_rank_its_slices(saved, capsys):
+    cfg = make_cfg(MODEL).model
+    total = sum(param_counts(cfg).values()) - param_counts(cfg).get("total", 0)
+    cost = reshard_cost(cfg, {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}, {"tp": 2, "pp": 1, "dp": 2, "zero_stage": 1})
+    assert cost["parameters"] == total and cost["offline"]["bytes_read"] == cost["offline"]["bytes_written"] == 12 * total
+    # each of 2 x 2 ranks reads its TP half of the sharded tensors and all of the replicated ones
+    assert total * 12 // 2 < cost["resume"]["most_per_rank"] < total * 12
+    assert cost["resume"]["bytes_read"] == 2 * 2 * cost["resume"]["most_per_rank"]
+    src, _ = saved
+    assert cli.main(["reshard-cost", str(src), "--tp", "2", "--dp", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "reshard {tp=1, pp=1, dp=1, zero_stage=0} -> {tp=2, pp=1, dp=2, zero_stage=1}" in text
+    assert "rlt-mega reshard (one process): reads" in text
