@@ -268,7 +268,8 @@ class ColocatedSource:
         t0 = time.perf_counter()
         for data_step in pipeline.to_sample(done):
             sampler = self.policy.sampler()
-            pipeline.push(self.sampling.sample(sampler, data_step, KeptVersions(sampler.model, self.history.kept, done)))
+            item, = self.sampling.sample(sampler, data_step, KeptVersions(sampler.model, self.history.kept, done))
+            pipeline.push(item)
         return time.perf_counter() - t0
 
     def sampler_idle_fraction(self, item: Generated, step_seconds: float, fill_seconds: float) -> float:
@@ -327,8 +328,9 @@ class RemoteSource:
         self.end = self.stop_after.end(done, self.steps)
         first = pipeline.to_sample(done).start
         version = self.plan.start(first)
-        for sampler in self.channel.samplers:
-            self.channel.send(RolesStart(first, self.end, version, self.order.state_dict()), dst=sampler)
+        if self.channel.publishes:  # the learner's first rank starts every sampler at this position
+            for sampler in self.channel.samplers:
+                self.channel.send(RolesStart(first, self.end, version, self.order.state_dict()), dst=sampler)
         self._received = first - 1
         for v in range(version, done + 1):
             if v < done and v not in self.history.kept:  # load_rank_state_dict refuses such a checkpoint first
@@ -379,9 +381,11 @@ def run_sampler(sampling, policy, channel: RoleChannel) -> None:
     data step j, for j from the first below end + s and j = its index mod the number of
     samplers R, sampled by version max(0, j - s) (received from the learner when a call first
     needs it: before the call, or at a partial rollout's switch) and sent to the learner; the
-    other data steps only advance its data order (``sampling.skip``). Every sampler takes part in
-    every weight broadcast, in order (a collective), up to the last version published.
-    ``sampling``: the sample phase on this rank (train/grpo_sample.py), ``policy`` its model."""
+    other data steps only reserve their prompts (``sampling.skip``). A data step's share of each
+    data-parallel rank of the learner goes to that rank. Every sampler takes part in every weight
+    broadcast, in order (a collective), up to the last version published. ``sampling``: the
+    sample phase on this rank (train/grpo_sample.py, every learner rank's share), ``policy``
+    its model."""
     s = sampling.plan.max_staleness
     index, num = channel.samplers.index(channel.rank), len(channel.samplers)
     start, _ = channel.recv(LEARNER)
@@ -392,9 +396,10 @@ def run_sampler(sampling, policy, channel: RoleChannel) -> None:
             sampling.skip(data_step)
             continue
         waited = versions.waited
-        item = sampling.sample(policy.sampler(), data_step, versions)
-        item.idle = versions.waited - waited  # waiting for weights, inside the sampling's time
-        item.t_generate -= item.idle
-        channel.send(item)
+        shares = sampling.sample(policy.sampler(), data_step, versions)
+        for learner, item in zip(channel.learners, shares):
+            item.idle = versions.waited - waited  # waiting for weights, inside the sampling's time
+            item.t_generate -= item.idle
+            channel.send(item, dst=learner)
     versions.load(max(0, start.end - 1))  # the versions published after this sampler's last data step
     channel.flush()

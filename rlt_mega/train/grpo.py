@@ -55,7 +55,7 @@ from rlt_mega.log import get_logger
 from rlt_mega.metrics import Timers
 from rlt_mega.checkpoint import CheckpointManager
 from rlt_mega.determinism import configure as configure_determinism
-from rlt_mega.parallel.dims import ParallelDims, init_distributed
+from rlt_mega.parallel.dims import ParallelDims, init_distributed, launcher_store, replica_of
 from rlt_mega.parallel.roles import RoleChannel
 from rlt_mega.parallel.launch import launch
 from rlt_mega.rollout import Comms
@@ -281,10 +281,11 @@ def build_trainer(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_
 
 
 def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs,
-              eval_recs, channel: Optional[RoleChannel] = None) -> GRPOJob:
+              eval_recs, channel: Optional[RoleChannel] = None, shares: Optional[list[int]] = None) -> GRPOJob:
     """The job's pieces, each handed its collaborators: the policy, the sample phase (and the
     data order it advances), the learner's phases, the kept versions and the source of samples
-    (colocated, or ``channel``'s samplers)."""
+    (colocated, or ``channel``'s samplers). ``shares``: on a sampler role, the learner's
+    data-parallel ranks it samples for (default: this replica's own rank)."""
     g = cfg.grpo
     engine = build_engine(cfg, dims, engine_config(cfg))
     comms, rows = Comms.from_dims(dims), RowSwitches(slots=cfg.sampling.slots)
@@ -297,7 +298,8 @@ def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: 
     if envs is not None:  # a turn end that hands over does not stop
         params = dataclasses.replace(params, stop_token_ids=envs.stop_ids(params.stop_token_ids))
     order = RecordOrder(len(train_recs), cfg.train.seed, cfg.data.shuffle)
-    sampling = SamplePhase(cfg, dims, tokenizer, train_recs, order, reward_fn, params, envs, timers)
+    sampling = SamplePhase(cfg, dims, tokenizer, train_recs, order, reward_fn, params, envs, timers, shares,
+                           None if shares is None else len(shares))
     history = PolicyHistory(sampling.plan, g.verify_onpolicy)
     phases = LearnPhases(cfg, dims, engine, policy, reference, history, timers)
     if channel is None:
@@ -313,25 +315,30 @@ def build_job(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, reward_fn: 
 
 def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs, eval_recs) -> dict:
     """GRPO with sampler roles (grpo.sampler_replicas = R, docs/design.md "Bounded staleness"):
-    1 + R model replicas of tp x pp ranks each, the learner's the first (launcher ranks 0 .. n - 1,
-    n = tp x pp), each a torch.distributed world of its own (parallel/roles.py) with the same
-    layout, built from the same config, so a sampler's shapes are the learner's. The learner's
-    ranks run the loop, the others sample (data step j on replica 1 + j mod R;
-    train/async_grpo.py, ``run_sampler``). A checkpoint holds the learner's queue complete, so
-    it resumes exactly, colocated or with the roles. ``cfg`` is ``grpo_config``'s."""
+    the learner's replica of tp x pp x dp ranks (launcher ranks 0 .. n dp - 1, n = tp x pp, any
+    ZeRO stage), then R sampler replicas of tp x pp ranks each, each replica a torch.distributed
+    world of its own (parallel/roles.py), built from the same config (a sampler's data-parallel
+    size 1), so a sampler's shapes are the learner's. The learner's ranks run the loop, the others
+    sample (data step j on sampler 1 + j mod R, every learner data-parallel rank's share of it;
+    train/async_grpo.py, ``run_sampler``). A checkpoint holds the learner's queue complete, so it
+    resumes exactly, colocated or with the roles. ``cfg`` is ``grpo_config``'s."""
     p, g = cfg.parallel, cfg.grpo
-    n = p.tp * p.pp
+    n, dp = p.tp * p.pp, p.dp or 1
     check_roles_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     configure_determinism(cfg.train.deterministic)
     _, device = init_distributed(p.backend, cfg.train.device, deterministic=cfg.train.deterministic,
-                                 replica_size=n)
+                                 replica_size=[n * dp] + [n] * g.sampler_replicas)
+    replica = replica_of(launcher_store()[1], [n * dp] + [n] * g.sampler_replicas)[0]
     dims = None
     try:
-        channel = RoleChannel(g.sampler_replicas, device)
-        if n == 1 and p.zero_stage == 0:
+        mine = cfg if replica == 0 else sampler_config(cfg)
+        if n * dp == 1 and p.zero_stage == 0:
             dims = ParallelDims.single(cfg.model, device)
         else:
-            dims = ParallelDims.build(p, cfg.model, cfg.train.device, engine_config(cfg), cfg.train.deterministic)
+            dims = ParallelDims.build(mine.parallel, cfg.model, cfg.train.device, engine_config(mine),
+                                      cfg.train.deterministic)
+        role = dims.dp_rank if replica == 0 else dp + replica - 1
+        channel = RoleChannel(g.sampler_replicas, dp, dims.pp_rank * dims.tp + dims.tp_rank, role, device)
         if channel.is_learner:
             trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs, channel)
             job = trainer.job
@@ -340,7 +347,7 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
             result = trainer.run()
             job.source.close(job.pipeline, job.steps_done)
         else:
-            job = build_job(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs)
+            job = build_job(mine, dims, tokenizer, reward_fn, train_recs, eval_recs, shares=list(range(dp)))
             run_sampler(job.sampling, job.policy, channel)
             result = {"role": "sampler"}
         dist.barrier()  # on success only: after a failure the launcher stops the other ranks
@@ -351,18 +358,27 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
         dist.destroy_process_group()
 
 
+def sampler_config(cfg: Config) -> Config:
+    """A sampler replica's config: the learner's, with one data-parallel rank (it samples every
+    learner rank's share) and its parameters whole (ZeRO-3's partitions would be refreshed over
+    the received weights: stage 1 instead, the same parameter dtype)."""
+    p = cfg.parallel
+    zero = 1 if p.zero_stage == 3 else p.zero_stage
+    return dataclasses.replace(cfg, parallel=dataclasses.replace(p, dp=1, zero_stage=zero))
+
+
 def check_roles_layout(cfg: Config, world: int) -> None:
-    """The launcher's world must be 1 + R replicas of tp x pp ranks; each replica one
-    data-parallel replica whose sampler holds its parameters whole."""
+    """The launcher's world must be the learner's tp x pp x dp ranks and R replicas of tp x pp."""
     p, g = cfg.parallel, cfg.grpo
-    n = p.tp * p.pp
-    if world != (1 + g.sampler_replicas) * n:
-        raise ConfigError(f"grpo.sampler_replicas={g.sampler_replicas} with parallel.tp={p.tp}, pp={p.pp} runs on "
-                          f"{(1 + g.sampler_replicas) * n} processes (1 + {g.sampler_replicas} model replicas of "
-                          f"tp x pp = {n}: the learner's, the samplers'), but the launcher started {world}: launch "
-                          f"{(1 + g.sampler_replicas) * n} (torchrun --nproc-per-node {(1 + g.sampler_replicas) * n})")
-    if (p.dp or 1) != 1 or p.zero_stage == 3:
-        raise ConfigError(f"grpo.sampler_replicas: every replica (the learner's, each sampler's) is one data-parallel "
-                          f"replica of the tp x pp layout, and a sampler holds its parameters whole; parallel.dp="
-                          f"{p.dp}, zero_stage={p.zero_stage} asks for more: set parallel.dp=null (or 1) and "
-                          "zero_stage <= 2, or grpo.sampler_replicas=0")
+    n, dp = p.tp * p.pp, p.dp or 1
+    want = n * dp + g.sampler_replicas * n
+    if world != want:
+        raise ConfigError(f"grpo.sampler_replicas={g.sampler_replicas} with parallel.tp={p.tp}, pp={p.pp}, dp={dp} "
+                          f"runs on {want} processes (the learner's tp x pp x dp = {n * dp}, then "
+                          f"{g.sampler_replicas} sampler replicas of tp x pp = {n}), but the launcher started {world}: "
+                          f"launch {want} (torchrun --nproc-per-node {want})")
+    if dp > 1 and g.partial_rollouts:
+        raise ConfigError(f"grpo.partial_rollouts={g.partial_rollouts} with grpo.sampler_replicas and parallel.dp={dp}: "
+                          "a sampler samples each learner rank's share in turn, and a partial rollout's share would "
+                          "need the version it already switched away from; set grpo.partial_rollouts=0, or "
+                          "parallel.dp=1")

@@ -217,3 +217,40 @@ def test_the_check_keeps_its_versions_across_a_resume(tmp_path):
     lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
     checked = [x["step"] for x in lines if x.get("ratio/onpolicy_max_dev") == 0.0]
     assert checked == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------- a pool of samplers
+class _Fixed:
+    """The parameters as they are (every version the same): a holder for sampling alone."""
+
+    def load(self, version: int) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+
+def test_dynamic_sampling_data_does_not_depend_on_which_sampler_ran_it():
+    """Each data step reserves max_sampling_rounds rounds of prompts: with two samplers (one
+    samples data steps 0 and 2 and skips 1, the other samples 1 and skips 0) every data step's
+    samples, rounds and data order equal those of one sampler sampling every step."""
+    grpo = {"dynamic_sampling": True, "max_sampling_rounds": 3}
+
+    def sampled(steps: list[int], upto: int = 3) -> dict:
+        job = trainer_for(grpo).job
+        out = {}
+        for j in range(upto):
+            if j in steps:
+                out[j], = job.sampling.sample(job.policy.sampler(), j, _Fixed())
+            else:
+                job.sampling.skip(j)
+        return out
+
+    one, first, second = sampled([0, 1, 2]), sampled([0, 2]), sampled([1])
+    assert {**first, **second}.keys() == one.keys()
+    assert any(one[j].sampling["sampling/rounds"] < 3 for j in one)  # some step left reserved prompts unused
+    for j, item in {**first, **second}.items():
+        assert item.sampling == one[j].sampling and item.order == one[j].order
+        for rnd, ref in zip(item.rounds, one[j].rounds, strict=True):
+            assert [r["question"] for r in rnd.rows] == [r["question"] for r in ref.rows]
+            assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.mu, b.mu) for a, b in zip(rnd.flat, ref.flat))
