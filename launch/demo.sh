@@ -119,10 +119,12 @@ python - "$RUN/grpo/tb" <<'PY'
 import sys
 from rlt_mega.metrics import read_metrics
 rows = [r for r in read_metrics(sys.argv[1]) if "reward/mean" in r]
-print("GRPO step  reward  on-policy |ratio-1|  max|dense-replay|  KL(mu||dense)")
+print("GRPO step  reward  |ratio-1| vs sampling version  policy change  max|dense-replay|  KL(mu||dense)")
 for r in rows[:: max(1, len(rows) // 8)] + [rows[-1]]:
-    print(f"{r['step']:9d}  {r['reward/mean']:6.3f}  {r['ratio/onpolicy_max_dev']:18.1e}  "
-          f"{r['mismatch/logprob_diff_max']:17.1e}  {r['mismatch/kl_mu_dense']:13.1e}")
+    show = lambda key, width: f"{r[key]:{width}.1e}" if key in r else "-".rjust(width)
+    print(f"{r['step']:9d}  {r['reward/mean']:6.3f}  {show('ratio/onpolicy_max_dev', 28)}  "
+          f"{show('ratio/policy_change_max_dev', 13)}  {r['mismatch/logprob_diff_max']:17.1e}  "
+          f"{r['mismatch/kl_mu_dense']:13.1e}")
 PY
 if [ ${#ASYNC[@]} -gt 0 ]; then
   python - "$RUN/grpo/tb" <<'PY'

@@ -499,7 +499,9 @@ class GRPOConfig:
     entropy_coef: float = 0.0  # > 0: an entropy bonus, - entropy_coef * the policy's token entropy
     # DAPO's dynamic sampling: groups whose rewards are all equal carry no gradient; they are
     # dropped and more prompts sampled until prompts_per_step informative groups are kept
-    # (per replica), in at most max_sampling_rounds rounds of prompts_per_step prompts each.
+    # (per replica), in at most max_sampling_rounds rounds of prompts_per_step prompts each; a step
+    # reserves all max_sampling_rounds rounds' prompts (unused ones are skipped), so its data never
+    # depends on another step's rounds nor on which sampler ran it.
     dynamic_sampling: bool = False
     max_sampling_rounds: int = 4
     # Overlong completions (cut at sampling.max_new_tokens): mask_truncated takes them out of
@@ -552,11 +554,10 @@ class GRPOConfig:
     is_cap: float = 2.0
     is_band_low: float = 0.5
     is_band_high: float = 2.0
-    # Sampler and learner roles in one job (train/async_grpo.py, parallel/roles.py): 1 +
-    # sampler_replicas model replicas of tp x pp ranks, the first learning, the others sampling
-    # (weights broadcast to them, rollouts sent back, rank for rank), data step j by sampler j mod
-    # sampler_replicas; 0: colocated. Every replica has the learner's layout by construction (dp 1,
-    # ZeRO <= 2); more than one sampler needs dynamic_sampling off.
+    # Sampler and learner roles in one job (train/async_grpo.py, parallel/roles.py): the
+    # learner's replica of tp x pp x dp ranks (any ZeRO stage) and sampler_replicas replicas of tp x
+    # pp ranks sampling (weights broadcast to them, rollouts sent back, rank for rank), data
+    # step j by sampler j mod sampler_replicas, each learner data-parallel rank's share; 0: colocated.
     sampler_replicas: int = 0
     # On-policy distillation (learner/distill.py): an export directory (rlt-mega export, or an
     # imported Llama/Qwen2: rlt-mega import) whose model scores every sampled token in the
@@ -623,10 +624,6 @@ class GRPOConfig:
                "grpo.partial_rollouts >= 1 or grpo.is_correction=none")
         _check(self.sampler_replicas >= 0,
                f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
-        _check(self.sampler_replicas <= 1 or not self.dynamic_sampling,
-               f"grpo.sampler_replicas={self.sampler_replicas} with grpo.dynamic_sampling: a sampler skips the data "
-               "steps of the others, and dynamic sampling's rounds make their prompts unknown to it: use one sampler "
-               "replica, or turn dynamic sampling off")
         _check(self.is_cap > 0, f"grpo.is_cap={self.is_cap}: the truncation of the IS weight must be > 0")
         _check(0 < self.is_band_low <= 1 <= self.is_band_high,
                f"grpo.is_band_low={self.is_band_low}, grpo.is_band_high={self.is_band_high}: the band of kept "

@@ -20,7 +20,7 @@ Environment:
                                     into the step's collectives
     RLT_CRASH_GRPO_KILL=<rank>:<n>  ``grpo``: that rank SIGKILLs itself as it begins its n-th
                                     learner step (``GRPOJob.step``) or, on a sampler role, its
-                                    n-th data step (``GRPOJob.sample_step``), counted from the
+                                    n-th data step (``SamplePhase.sample``), counted from the
                                     step the run starts or resumes at
     RLT_CRASH_CHUNK_SLEEP=<seconds> ``preprocess``: sleep after writing every chunk of documents,
                                     so that a kill lands in the middle of the job
@@ -106,6 +106,7 @@ def install_rank_kill(rank: int, step: int) -> None:
 
 def install_grpo_kill(rank: int, n: int) -> None:
     from rlt_mega.train.grpo import GRPOJob
+    from rlt_mega.train.grpo_sample import SamplePhase
 
     if int(os.environ.get("RANK", "0")) != rank:
         return
@@ -119,7 +120,7 @@ def install_grpo_kill(rank: int, n: int) -> None:
             return original(self, *args, **kwargs)
         return method
 
-    GRPOJob.step, GRPOJob.sample_step = killing(GRPOJob.step), killing(GRPOJob.sample_step)
+    GRPOJob.step, SamplePhase.sample = killing(GRPOJob.step), killing(SamplePhase.sample)
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -217,7 +217,8 @@ def rank_device(device: str, local: int) -> torch.device:
 
 
 def init_distributed(backend: Optional[str] = None, device: str = "auto", timeout_s: float = 1800.0,
-                     deterministic: bool = True, replica_size: Optional[int] = None) -> tuple[str, torch.device]:
+                     deterministic: bool = True, replica_size: Optional[int | Sequence[int]] = None
+                     ) -> tuple[str, torch.device]:
     """Initialises torch.distributed from the launcher's environment (torchrun, the deepspeed
     launcher and srun+torchrun all set RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT); a
     process started without a launcher becomes a world of one. NCCL for CUDA devices, gloo for
@@ -226,8 +227,9 @@ def init_distributed(backend: Optional[str] = None, device: str = "auto", timeou
     ``replica_size`` n (GRPO's sampler and learner roles, parallel/roles.py): torch.distributed's
     world is this rank's replica, launcher ranks [q n, (q + 1) n) for q = RANK // n, ranked
     RANK mod n, so that each replica builds its layout (and DeepSpeed its world collectives) as
-    a job of its own; ``launcher_store()`` is then the launcher's store, which the roles' own
-    groups between replicas are made from."""
+    a job of its own; a sequence of sizes: consecutive replicas of those sizes (a data-parallel
+    learner's replica is larger than a sampler's). ``launcher_store()`` is then the launcher's
+    store, which the roles' own groups between replicas are made from."""
     world = _env_world_size()
     dev = rank_device(device, local_rank(world))
     backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
@@ -261,13 +263,26 @@ def init_distributed(backend: Optional[str] = None, device: str = "auto", timeou
             # roles again (the tests' workers) keys each run by its generation.
             store, rank, generation = _LAUNCHER_STORE or (*next(dist.rendezvous("env://", timeout=timeout))[:2], 0)
             _LAUNCHER_STORE = (store, rank, generation + 1)
-            replica, index = divmod(rank, replica_size)
-            dist.init_process_group(backend=backend, timeout=timeout, rank=index, world_size=replica_size,
+            replica, index, size = replica_of(rank, replica_size)
+            dist.init_process_group(backend=backend, timeout=timeout, rank=index, world_size=size,
                                     store=dist.PrefixStore(f"{generation + 1}/replica{replica}/", store), **extra)
     return backend, dev
 
 
 _LAUNCHER_STORE: Optional[tuple] = None
+
+
+def replica_of(rank: int, replica_size: int | Sequence[int]) -> tuple[int, int, int]:
+    """Launcher rank -> (its replica, its rank there, the replica's size), for replicas of
+    ``replica_size`` ranks each, or of the sizes listed, consecutive."""
+    if isinstance(replica_size, int):
+        return (*divmod(rank, replica_size), replica_size)
+    offset = 0
+    for replica, size in enumerate(replica_size):
+        if rank < offset + size:
+            return replica, rank - offset, size
+        offset += size
+    raise ValueError(f"launcher rank {rank} lies beyond the replicas {list(replica_size)}")
 
 
 def launcher_store() -> tuple:

@@ -1,19 +1,22 @@
 """Sampler and learner roles in one job (grpo.sampler_replicas): the messages between them.
 
-The launcher's world is 1 + R model replicas of n = tp x pp ranks each, replica 0 learning and
-replicas 1..R sampling; each replica is torch.distributed's world of its ranks
-(dims.init_distributed(replica_size=n)), so it builds its layout exactly as a colocated job of
-n ranks does. The roles talk between the ranks at the same place of the layout (the same TP
-and PP rank, "position" m = launcher rank mod n): one process group per position, of the
-1 + R ranks holding it, made from the launcher's store (its rank = the replica). Rollouts
-travel from a sampler rank to the learner rank at its position as pickled objects over
-point-to-point messages (a size, then the bytes), posted without waiting, so that a sampler
-that has sent a batch can go on to receive the next weights while the learner is still
-learning; new weights travel from each learner rank to the sampler ranks at its position as
-one flat vector of its shard, broadcast (NCCL on GPUs, gloo here), posted without waiting on
-the learner, from a copy taken after the update (the learner may step again while it is in
-flight). Neither touches the file system. A broadcast copies the parameters exactly, so a
-sampler's version v is the learner's version v bit for bit.
+The launcher's world is the learner's replica (tp x pp x dp ranks) then R sampler replicas of
+n = tp x pp ranks each; each replica is torch.distributed's world of its ranks
+(dims.init_distributed(replica_size=[n dp, n, ...])), so it builds its layout exactly as a
+colocated job does. The roles talk between the ranks at the same place of the tp x pp layout
+(the same TP and PP rank, its "position"), over two groups per position made from the
+launcher's store: the data group (every learner rank there, one per data-parallel rank, then
+one rank per sampler) and the weights group (the learner's data-parallel rank 0 there, then the
+samplers). Rollouts travel from a sampler rank to the learner rank of the data-parallel share
+they belong to as pickled objects over point-to-point messages (a size, then the bytes),
+posted without waiting, so that a sampler that has sent a batch can go on to receive the next
+weights while the learner is still learning; new weights travel from the learner's
+data-parallel rank 0 at each position to the sampler ranks there as one flat vector of its
+shard (gathered first from ZeRO-3's partitions by the sampling copy, parallel/sampling_copy.py),
+broadcast (NCCL on GPUs, gloo here), posted without waiting on the learner, from a copy taken
+after the update (the learner may step again while it is in flight). Neither touches the file
+system. A broadcast copies the parameters exactly, so a sampler's version v is the learner's
+version v bit for bit.
 """
 
 from __future__ import annotations
@@ -32,35 +35,45 @@ from rlt_mega.parallel.dims import launcher_store
 LEARNER = 0
 
 
-def position_group(num_replicas: int, device: torch.device, timeout_s: float = 1800.0):
-    """This rank's group of the roles: the ranks at its position in every replica, ranked by
-    replica (the learner 0). Made directly on the launcher's store, by every rank for its own
-    position only; not registered with torch.distributed (messages go through its methods)."""
-    store, rank, generation = launcher_store()
-    replica_size = dist.get_world_size()
-    replica, position = divmod(rank, replica_size)
-    prefixed = dist.PrefixStore(f"{generation}/roles/position{position}/", store)
+def role_group(name: str, rank: int, size: int, device: torch.device, timeout_s: float = 1800.0):
+    """A group of the roles (``name``: the same on each of its ``size`` members; ``rank`` this
+    process's there), made directly on the launcher's store; not registered with
+    torch.distributed (messages go through its methods)."""
+    store, _, generation = launcher_store()
+    prefixed = dist.PrefixStore(f"{generation}/roles/{name}/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(prefixed, replica, num_replicas, options), replica
-    return dist.ProcessGroupGloo(prefixed, replica, num_replicas, timeout), replica
+        return dist.ProcessGroupNCCL(prefixed, rank, size, options)
+    return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
 
 class RoleChannel:
-    """This rank's end of the roles' messages, over its position's group; ``device``: where
-    message tensors live (CPU for gloo, this rank's GPU for NCCL). ``rank`` is the replica
-    (LEARNER: the learner's), ``samplers`` the sampler replicas."""
+    """This rank's end of the roles' messages at its ``position`` of the tp x pp layout;
+    ``role``: the learner's data-parallel rank (0 .. learner_dp - 1) on a learner rank, else
+    learner_dp + r - 1 on sampler replica r (1 .. R); ``device``: where message tensors live (CPU
+    for gloo, this rank's GPU for NCCL). ``rank`` is the role; ``learners`` and ``samplers`` the
+    roles of each kind (data rank d's share of each data step goes to ``learners[d]``)."""
 
-    def __init__(self, num_samplers: int, device: torch.device) -> None:
-        self.device = device
-        self.group, self.rank = position_group(1 + num_samplers, device)
-        self.samplers = list(range(1, 1 + num_samplers))
+    def __init__(self, num_samplers: int, learner_dp: int, position: int, role: int, device: torch.device) -> None:
+        self.device, self.rank = device, role
+        self.learners = list(range(learner_dp))
+        self.samplers = list(range(learner_dp, learner_dp + num_samplers))
+        self.group = role_group(f"data{position}", role, learner_dp + num_samplers, device)
+        # the weights' group: the learner's data-parallel rank 0, then the samplers
+        self._weights_rank = 0 if role == LEARNER else (role - learner_dp + 1 if role >= learner_dp else None)
+        self.weights = (None if self._weights_rank is None else
+                        role_group(f"weights{position}", self._weights_rank, 1 + num_samplers, device))
         self._pending: list[tuple[Any, ...]] = []  # posted sends and the buffers they read
 
     @property
     def is_learner(self) -> bool:
+        return self.rank in self.learners
+
+    @property
+    def publishes(self) -> bool:
+        """Whether this rank sends the learner's weights (its data-parallel rank 0)."""
         return self.rank == LEARNER
 
     # ------------------------------------------------------------------ rollouts
@@ -94,7 +107,9 @@ class RoleChannel:
     def publish(self, params: list[torch.Tensor] | torch.Tensor, previous: Optional[Any]) -> tuple[Any, float]:
         """On the learner: posts a broadcast of ``params`` (copied; or a flat vector of them) ->
         (its handle, seconds spent: the copy, and waiting for ``previous`` to reach every sampler
-        first)."""
+        first); (None, 0.0) on the learner's other data-parallel ranks."""
+        if not self.publishes:
+            return None, 0.0
         t0 = time.perf_counter()
         if previous is not None:
             previous[0].wait()
@@ -117,4 +132,4 @@ class RoleChannel:
     def _broadcast(self, flat: torch.Tensor):
         options = dist.BroadcastOptions()
         options.rootRank, options.rootTensor = LEARNER, 0
-        return self.group.broadcast([flat], options)
+        return self.weights.broadcast([flat], options)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch.nn.utils import parameters_to_vector
@@ -40,6 +40,7 @@ from torch.nn.utils import parameters_to_vector
 from rlt_mega.config import ConfigError
 from rlt_mega.parallel.roles import LEARNER, RoleChannel
 from rlt_mega.train.grpo_rounds import Round
+from rlt_mega.train.loop import StopAfter
 
 
 def queue_types() -> tuple:
@@ -73,14 +74,33 @@ class Generated:
 
 
 # ---------------------------------------------------------------------- policy versions
-class DataStepVersions:
-    """The versions of data step ``data_step``'s rollout calls (the module docstring); ``holder``
-    makes the sampling module's parameters a version (``KeptVersions``, ``ReceivedVersions``)."""
+@dataclass(frozen=True)
+class VersionPlan:
+    """Which policy versions data step j's rollout calls run under (the module docstring)."""
 
-    def __init__(self, data_step: int, max_staleness: int, partial_rollouts: int, memory_block: int, holder) -> None:
-        self.target = max(0, data_step - max_staleness)
-        self.start = max(0, data_step - max_staleness - 1) if partial_rollouts else self.target
-        self.switch_step = memory_block * -(-partial_rollouts // memory_block)  # n rounded up to a block
+    max_staleness: int
+    partial_rollouts: int
+    memory_block: int
+
+    def target(self, data_step: int) -> int:
+        """The newest version data step ``data_step``'s tokens may come from."""
+        return max(0, data_step - self.max_staleness)
+
+    def start(self, data_step: int) -> int:
+        """The version data step ``data_step``'s rollouts start under."""
+        return max(0, data_step - self.max_staleness - 1) if self.partial_rollouts else self.target(data_step)
+
+    @property
+    def switch_step(self) -> int:
+        return self.memory_block * -(-self.partial_rollouts // self.memory_block)  # n rounded up to a block
+
+
+class DataStepVersions:
+    """The versions of data step ``data_step``'s rollout calls (``plan``); ``holder`` makes the
+    sampling module's parameters a version (``KeptVersions``, ``ReceivedVersions``)."""
+
+    def __init__(self, data_step: int, plan: VersionPlan, holder) -> None:
+        self.target, self.start, self.switch_step = plan.target(data_step), plan.start(data_step), plan.switch_step
         self.holder, self.switched = holder, False
 
     def call(self) -> dict:
@@ -127,6 +147,44 @@ class KeptVersions:
 
     def restore(self) -> None:
         self.load(self.live)
+
+
+class PolicyHistory:
+    """Flat copies of the policy versions the learner still needs beside its live one: version
+    done - 1 under partial rollouts (the next rollouts start under it), and under
+    grpo.verify_onpolicy every version that sampled a queued data step (the on-policy check
+    replays the samples under their own version, train/grpo_learn.py). In every rank's checkpoint."""
+
+    def __init__(self, plan: VersionPlan, verify: bool) -> None:
+        self.plan, self.verify = plan, verify
+        self.kept: dict[int, torch.Tensor] = {}
+
+    def oldest_needed(self, done: int) -> int:
+        """The oldest version that step ``done`` or a later one still uses."""
+        oldest = done - 1 if self.plan.partial_rollouts else done
+        return min(oldest, self.plan.start(done)) if self.verify else oldest
+
+    def begin_step(self, done: int, module: torch.nn.Module) -> None:
+        """At the start of step ``done`` (``module`` holds version ``done``): keeps a copy of it if
+        a later step needs it, drops the versions no step needs any more."""
+        if self.oldest_needed(done + 1) <= done:
+            self.kept[done] = flat_parameters(module)
+        self.kept = {v: x for v, x in self.kept.items() if v >= self.oldest_needed(done)}
+
+    def holds(self, versions) -> bool:
+        return all(v in self.kept for v in versions)
+
+    def state_dict(self, done: int) -> dict:
+        """``previous``: version done - 1 (what a checkpoint held before versions were kept for the
+        check; None without it)."""
+        return {"previous": self.kept.get(done - 1), "versions": dict(self.kept)}
+
+    def load_state_dict(self, state: Optional[dict], step: int) -> None:
+        state = state or {}
+        kept = state.get("versions")
+        if kept is None:  # a checkpoint that holds version step - 1 only
+            kept = {} if state.get("previous") is None else {step - 1: state["previous"]}
+        self.kept = dict(kept)
 
 
 class ReceivedVersions:
@@ -198,23 +256,27 @@ class StalenessPipeline:
 
 # ---------------------------------------------------------------------- where samples come from
 class ColocatedSource:
-    """The job samples on its own ranks, with its parameters at the start of each step."""
+    """The job samples on its own ranks (``sampling``: the sample phase, train/grpo_sample.py) with
+    its parameters at the start of each step (``policy``), and under partial rollouts version
+    done - 1 from ``history``."""
 
-    def __init__(self, sample: Callable[[int, int], Generated]) -> None:
-        self.sample = sample  # (data step, version) -> Generated
+    def __init__(self, sampling, policy, history: PolicyHistory) -> None:
+        self.sampling, self.policy, self.history = sampling, policy, history
 
     def fill(self, pipeline: StalenessPipeline, done: int) -> float:
         """Samples what the step needs -> seconds the learner idled meanwhile."""
         t0 = time.perf_counter()
         for data_step in pipeline.to_sample(done):
-            pipeline.push(self.sample(data_step, done))
+            sampler = self.policy.sampler()
+            item, = self.sampling.sample(sampler, data_step, KeptVersions(sampler.model, self.history.kept, done))
+            pipeline.push(item)
         return time.perf_counter() - t0
 
     def sampler_idle_fraction(self, item: Generated, step_seconds: float, fill_seconds: float) -> float:
         """The sampler (the same ranks) idles while the step learns."""
         return 1.0 - fill_seconds / max(step_seconds, 1e-9)
 
-    def after_step(self, done: int, params: list[torch.Tensor]) -> float:
+    def publish(self, done: int) -> float:
         return 0.0
 
     def complete(self, pipeline: StalenessPipeline, done: int) -> None:
@@ -246,18 +308,16 @@ class RemoteSource:
     ``begin`` starts the samplers at step ``done`` (0, or the step a run resumed at; it runs at
     the first use otherwise): the queue holds data steps done .. first - 1 already (a
     checkpoint's queue is complete), the samplers start at ``first`` with the learner's data
-    order, and receive the versions that data step's rollouts run under, ``done`` and, with
-    partial rollouts, ``done - 1`` (the checkpoint's previous parameters): so a run resumed with
-    the roles continues as the uninterrupted one. ``start_version(j)``: the version data step j's
-    rollouts start under; ``start_state()``: (the data order's state,
-    the parameters of version ``done``, the flat ones of version ``done - 1`` or None);
-    ``stop(done)``: the step this process ends at."""
+    order (``order``, which follows each data step received), and receive the versions that data
+    step's rollouts run under (``plan``), ``done`` (``policy``'s parameters) and, with partial
+    rollouts, ``done - 1`` (``history``: the checkpoint's previous parameters): so a run resumed
+    with the roles continues as the uninterrupted one. The samplers stop after the step
+    ``stop_after`` ends this process at (of ``steps``)."""
 
-    def __init__(self, channel: RoleChannel, max_staleness: int, start_version: Callable[[int], int],
-                 stop: Callable[[int], int], start_state: Callable[[], tuple],
-                 on_receive: Callable[[Generated], None]) -> None:
-        self.channel, self.max_staleness, self.start_version = channel, max_staleness, start_version
-        self.stop, self.start_state, self.on_receive = stop, start_state, on_receive
+    def __init__(self, channel: RoleChannel, plan: VersionPlan, order, policy, history: PolicyHistory,
+                 stop_after: StopAfter, steps: int) -> None:
+        self.channel, self.plan, self.order, self.policy, self.history = channel, plan, order, policy, history
+        self.stop_after, self.steps = stop_after, steps
         self.end: Optional[int] = None  # set by begin
         self._published = None
         self._received = -1  # the last data step received
@@ -265,17 +325,18 @@ class RemoteSource:
     def begin(self, pipeline: StalenessPipeline, done: int) -> None:
         if self.end is not None:
             return
-        self.end = self.stop(done)
+        self.end = self.stop_after.end(done, self.steps)
         first = pipeline.to_sample(done).start
-        version = self.start_version(first)
-        order, params, previous = self.start_state()
-        for sampler in self.channel.samplers:
-            self.channel.send(RolesStart(first, self.end, version, order), dst=sampler)
+        version = self.plan.start(first)
+        if self.channel.publishes:  # the learner's first rank starts every sampler at this position
+            for sampler in self.channel.samplers:
+                self.channel.send(RolesStart(first, self.end, version, self.order.state_dict()), dst=sampler)
         self._received = first - 1
         for v in range(version, done + 1):
-            if v < done and previous is None:  # load_rank_state_dict refuses such a checkpoint first
+            if v < done and v not in self.history.kept:  # load_rank_state_dict refuses such a checkpoint first
                 raise RuntimeError(f"policy version {v} is not kept at step {done}")
-            self._published, _ = self.channel.publish(previous if v < done else params, self._published)
+            params = self.history.kept[v] if v < done else list(self.policy.module().parameters())
+            self._published, _ = self.channel.publish(params, self._published)
 
     def _receive_through(self, pipeline: StalenessPipeline, step: int) -> float:
         waited = 0.0
@@ -284,7 +345,7 @@ class RemoteSource:
             item, w = self.channel.recv(samplers[(self._received + 1) % len(samplers)])  # data step j: sampler j mod R
             waited += w
             self._received = item.step
-            self.on_receive(item)
+            self.order.load_state_dict(item.order)
             pipeline.push(item)
         return waited
 
@@ -296,46 +357,49 @@ class RemoteSource:
         """Of the sampler's time for this data step: waiting for weights / (that + sampling)."""
         return item.idle / max(item.idle + item.t_generate, 1e-9)
 
-    def after_step(self, done: int, params: list[torch.Tensor]) -> float:
+    def publish(self, done: int) -> float:
         """``done`` steps are done: publishes version ``done`` if a data step below end + s needs it."""
         if done >= self.end:
             return 0.0
-        self._published, seconds = self.channel.publish(params, self._published)
+        self._published, seconds = self.channel.publish(list(self.policy.module().parameters()), self._published)
         return seconds
 
     def complete(self, pipeline: StalenessPipeline, done: int) -> None:
         self.begin(pipeline, done)
-        self._receive_through(pipeline, done + self.max_staleness - 1)
+        self._receive_through(pipeline, done + self.plan.max_staleness - 1)
 
     def close(self, pipeline: StalenessPipeline, done: int) -> None:
         """At the end: whatever the sampler still sends (its last data steps) is received."""
         self.begin(pipeline, done)
-        self._receive_through(pipeline, self.end + self.max_staleness - 1)
+        self._receive_through(pipeline, self.end + self.plan.max_staleness - 1)
         if self._published is not None:
             self._published[0].wait()
 
 
-def run_sampler(job, channel: RoleChannel) -> None:
+def run_sampler(sampling, policy, channel: RoleChannel) -> None:
     """A sampler rank's loop: told where to start (``RolesStart``: a fresh or a resumed run),
     data step j, for j from the first below end + s and j = its index mod the number of
     samplers R, sampled by version max(0, j - s) (received from the learner when a call first
     needs it: before the call, or at a partial rollout's switch) and sent to the learner; the
-    other data steps only advance its data order (``job.skip_step``). Every sampler takes part in
-    every weight broadcast, in order (a collective), up to the last version published.
-    ``job``: a GRPOJob on this rank (its sampling phases, its model, its data order)."""
-    s = job.cfg.grpo.max_staleness
+    other data steps only reserve their prompts (``sampling.skip``). A data step's share of each
+    data-parallel rank of the learner goes to that rank. Every sampler takes part in every weight
+    broadcast, in order (a collective), up to the last version published. ``sampling``: the
+    sample phase on this rank (train/grpo_sample.py, every learner rank's share), ``policy``
+    its model."""
+    s = sampling.plan.max_staleness
     index, num = channel.samplers.index(channel.rank), len(channel.samplers)
     start, _ = channel.recv(LEARNER)
-    job.order.load_state_dict(start.order)
-    versions = ReceivedVersions(channel, job.engine.sampling_module(), start.version)
+    sampling.order.load_state_dict(start.order)
+    versions = ReceivedVersions(channel, policy.module(), start.version)
     for data_step in range(start.first, start.end + s):
         if data_step % num != index:
-            job.skip_step(data_step)
+            sampling.skip(data_step)
             continue
         waited = versions.waited
-        item = job.sample_step(data_step, versions)
-        item.idle = versions.waited - waited  # waiting for weights, inside the sampling's time
-        item.t_generate -= item.idle
-        channel.send(item)
+        shares = sampling.sample(policy.sampler(), data_step, versions)
+        for learner, item in zip(channel.learners, shares):
+            item.idle = versions.waited - waited  # waiting for weights, inside the sampling's time
+            item.t_generate -= item.idle
+            channel.send(item, dst=learner)
     versions.load(max(0, start.end - 1))  # the versions published after this sampler's last data step
     channel.flush()

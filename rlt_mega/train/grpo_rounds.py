@@ -4,9 +4,9 @@
 A round is prompts_per_step prompts x group_size completions per replica, sampled as the
 step's minibatches of rollout batches (train/grpo.py). Dynamic sampling keeps, per replica,
 the first prompts_per_step groups whose rewards are not all equal (a group of equal rewards
-has advantage 0: no gradient) over rounds of fresh prompts, at most grpo.max_sampling_rounds;
-every replica samples as many rounds as the one that needs most (one all-reduce per round),
-so that the data order stays the same on every rank. The learner then sees, for batch j of
+has advantage 0: no gradient) over rounds of fresh prompts, at most grpo.max_sampling_rounds
+(all of them reserved by the step, train/grpo_sample.py); every replica samples as many rounds
+as the one that needs most (one all-reduce per round). The learner then sees, for batch j of
 minibatch k, the batch (k, j) of every round that kept a row (learner/objective.py,
 ``GRPOPart``): a rollout batch is never cut, its dropped rows carry no loss.
 

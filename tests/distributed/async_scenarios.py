@@ -28,7 +28,7 @@ def roles_run(grpo: dict, train: dict, out_dir: str, samplers: int = 1, parallel
 
 
 def colocated_in_replica(parallel: dict, grpo: dict, train: dict, out_dir: str) -> None:
-    """The colocated run of the roles' config on the first tp x pp ranks of the launch (each
+    """The colocated run of the roles' config on the first tp x pp x dp ranks of the launch (each
     replica a world of its own, as under the roles; the others wait)."""
     import torch.distributed as dist
 
@@ -36,7 +36,7 @@ def colocated_in_replica(parallel: dict, grpo: dict, train: dict, out_dir: str) 
     from rlt_mega.train.grpo import build_trainer, engine_config
 
     cfg = roles_config(grpo, train, out_dir, 0, parallel)
-    n = cfg.parallel.tp * cfg.parallel.pp
+    n = cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
     init_distributed(None, "cpu", replica_size=n)
     try:
         if launcher_store()[1] < n:
@@ -60,6 +60,19 @@ def roles_layout(parallel: dict, out_dir: str) -> list[dict]:
     colocated_in_replica(parallel, stale, {"steps": 3}, f"{out_dir}/colocated1")
     out.append(roles_run(stale, {"steps": 3, "stop_after": 2, "resume": "auto"}, f"{out_dir}/roles1", parallel=parallel))
     out.append(roles_run(stale, {"steps": 3, "resume": "auto"}, f"{out_dir}/roles1", parallel=parallel))
+    return out
+
+
+def data_parallel_roles(out_dir: str) -> list[dict]:
+    """On 4 ranks: a learner of 2 data-parallel ranks (ZeRO-1, then ZeRO-3) fed by 2 sampler
+    replicas, max_staleness 0 with dynamic sampling (2 rounds reserved a step), against the
+    colocated dp=2 run of the same config on the first 2 ranks."""
+    grpo = {"minibatches": 2, "verify_onpolicy": True, "dynamic_sampling": True, "max_sampling_rounds": 2}
+    out = []
+    for zero in (1, 3):
+        parallel = {"dp": 2, "zero_stage": zero}
+        colocated_in_replica(parallel, grpo, {"steps": 2}, f"{out_dir}/colocated_z{zero}")
+        out.append(roles_run(grpo, {"steps": 2}, f"{out_dir}/roles_z{zero}", samplers=2, parallel=parallel))
     return out
 
 

@@ -7,7 +7,8 @@ step while the learner learns, starting it under the version before and receivin
 weights at the switch) the roles' steps and their checkpoint, resumed colocated, give the
 uninterrupted colocated run bit for bit (the learner drains the sampler's queued steps into the
 checkpoint, with the previous version's parameters). Also the roles' metrics and the layouts
-they refuse. A 3-process and a 2-process launch."""
+they refuse; a learner of dp=2 (ZeRO-1, ZeRO-3) fed by two samplers with dynamic sampling
+(a 4-process launch). A 3-process and a 2-process launch."""
 
 import json
 
@@ -114,6 +115,26 @@ def test_roles_under_tensor_and_pipeline_parallelism(tmp_path, parallel):
     assert [x["async/staleness_max"] for x in logged(out / "roles1")] == [0.0, 1.0, 1.0]
 
 
+def test_data_parallel_learners_fed_by_two_samplers_equal_the_colocated_run(tmp_path):
+    """One launch of 4 processes: a learner of dp=2 under ZeRO-1 and under ZeRO-3, two sampler
+    replicas (each sampling both data-parallel ranks' shares of its data steps), dynamic sampling
+    (its prompts reserved per step, so the data does not depend on which sampler ran it), staleness
+    0: the colocated dp=2 run's parameters, losses, rewards and rounds, bit for bit."""
+    args = {"out_dir": str(tmp_path / "out")}
+    res = run_ranks(4, [("async_scenarios.data_parallel_roles", args)], tmp_path / "ranks", timeout=1800)
+    roles = [result(res, "async_scenarios.data_parallel_roles", args, r) for r in range(4)]
+    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 2] * 2 + [["sampler"] * 2] * 2
+    out = tmp_path / "out"
+    for zero in (1, 3):
+        a, b = final_params(out / f"roles_z{zero}"), final_params(out / f"colocated_z{zero}")
+        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+        lines, want = logged(out / f"roles_z{zero}"), logged(out / f"colocated_z{zero}")
+        assert len(lines) == 2
+        for key in ("train/loss", "reward/mean", "sampling/rounds", "sampling/groups_kept"):
+            assert [x[key] for x in lines] == [x[key] for x in want], key
+        assert all(x["ratio/onpolicy_max_dev"] == 0.0 for x in lines)
+
+
 def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "3")
     cfg = roles_config({}, {"steps": 1}, str(tmp_path), 1)
@@ -123,10 +144,12 @@ def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):
     import dataclasses
 
     tp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=2))
-    with pytest.raises(ConfigError, match=r"parallel\.tp=2, pp=1 runs on 4 processes"):
+    with pytest.raises(ConfigError, match=r"parallel\.tp=2, pp=1, dp=1 runs on 4 processes"):
         run_roles(tp, load_tokenizer("byte"), odd, records(24), [])
-    zero3 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, zero_stage=3))
-    with pytest.raises(ConfigError, match=r"zero_stage=3 asks for more"):
-        run_roles(zero3, load_tokenizer("byte"), odd, records(24), [])
-    with pytest.raises(ConfigError, match=r"grpo\.sampler_replicas=2 with grpo\.dynamic_sampling"):
-        roles_config({"dynamic_sampling": True}, {}, str(tmp_path), 2)
+    dp = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, dp=2))
+    with pytest.raises(ConfigError, match=r"dp=2 runs on 3 processes \(the learner's tp x pp x dp = 2, then 1 sampler"):
+        run_roles(dp, load_tokenizer("byte"), odd, records(24), [])
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    partial = roles_config({"max_staleness": 1, "partial_rollouts": 2}, {}, str(tmp_path), 1, {"dp": 2})
+    with pytest.raises(ConfigError, match=r"grpo\.partial_rollouts=2 with grpo\.sampler_replicas and parallel\.dp=2"):
+        run_roles(partial, load_tokenizer("byte"), odd, records(24), [])

@@ -1,7 +1,7 @@
 """`bash launch/demo.sh --async` end to end at tiny sizes: the SFT stage, then GRPO under torchrun
 with a sampler role (two processes, rank 1 sampling while rank 0 learns): step 1 learns on-policy
 samples and the later ones samples one policy version old, corrected by token_tis (its pi_old / mu
-logged), the replay of each step's first minibatch is exact, the curves' JSON is written and the
+logged), the replay of each step's first minibatch under the version that sampled it is exact, the curves' JSON is written and the
 async summary (staleness, idle fractions) is printed."""
 
 import json
@@ -35,12 +35,14 @@ def test_the_async_demo_samples_on_its_own_rank_one_version_behind(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert [(r["async/staleness_mean"], r["async/staleness_max"]) for r in rows] == [(0.0, 0.0), (1.0, 1.0), (1.0, 1.0)]
     for r in rows:
-        assert r["ratio/onpolicy_max_dev"] == 0.0  # minibatch 0's replay (pi_old at a stale step) is its value
+        assert r["ratio/onpolicy_max_dev"] == 0.0  # minibatch 0 replayed under the version that sampled it
         assert 0.0 <= r["async/learner_idle_fraction"] <= 1.0 and 0.0 <= r["async/sampler_idle_fraction"] <= 1.0
     for r in rows[1:]:  # the stale steps: weighted by min(pi_old / mu, 2), the policy moved since they were drawn
         assert 0.0 < r["is/rho_min"] < 1.0 < r["is/rho_max"] and 0.0 < r["is/weight_mean"] <= 2.0, r
+        assert r["ratio/policy_change_max_dev"] == max(1.0 - r["is/rho_min"], r["is/rho_max"] - 1.0)
     curves = json.loads((run / "grpo" / "curves.json").read_text())
     assert [s for s, _ in curves["eval_accuracy"]] == [0, 3] and curves["run"].startswith("--async model.d_model=32")
+    assert "|ratio-1| vs sampling version  policy change" in out.stdout, out.stdout[-2000:]
     assert re.search(r"^async: staleness mean 0\.67 \(max 1\), learner idle [\d.]+% and sampler idle [\d.]+% of a "
                      r"step \(mean of 3 steps\); pi_old / mu from [\d.]+ to [\d.]+$", out.stdout, re.MULTILINE), \
         out.stdout[-2000:]

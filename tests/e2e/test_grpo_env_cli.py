@@ -107,7 +107,7 @@ def test_chat_turns_laid_out_by_the_chat_template_token_in_token_out(tmp_path, c
     from rlt_mega.model.rlt import build_model
     from rlt_mega.schedule.rows import Force
     from rlt_mega.rollout import Sampler
-    from rlt_mega.train import grpo as grpo_module
+    from rlt_mega.train import grpo_learn as grpo_module
 
     assert main(["tokenizer", "train", "--data", str(chats), "--vocab-size", "300", "--chat-template", "chatml",
                  str(tmp_path / "tok")]) == 0

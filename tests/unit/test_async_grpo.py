@@ -131,9 +131,8 @@ def test_partial_rollouts_record_each_tokens_version_and_replay_exactly():
     versions = {0: copy.deepcopy(trainer.engine.sampling_module())}
     learned, pop = [], job.pipeline.pop
     job.pipeline.pop = lambda done: learned.append(pop(done)) or learned[-1]
-    replays, minibatch = [], job._minibatch
-    job._minibatch = lambda rounds, k, adv, reps, prox=None: (replays.append(reps)
-                                                              or minibatch(rounds, k, adv, reps, prox))
+    replays, minibatch = [], job.phases._minibatch
+    job.phases._minibatch = lambda scored, k, reps, prox: replays.append(reps) or minibatch(scored, k, reps, prox)
     scalars = []
     for k in range(4):
         scalars.append(job.step(k))
@@ -185,3 +184,73 @@ def test_partial_rollouts_are_one_run_and_resume_bit_for_bit(tmp_path):
     plain.run()
     with pytest.raises(ConfigError, match=r"partial_rollouts=0 on .*this run has max_staleness=1, partial_rollouts=5"):
         trainer_for(PARTIAL, tmp_path / "plain").run()
+
+
+# ---------------------------------------------------------------------- the on-policy check at stale steps
+@pytest.mark.parametrize("grpo", [{"max_staleness": 1}, PARTIAL], ids=["stale", "partial"])
+def test_a_stale_step_checks_mu_against_the_version_that_sampled_it(grpo):
+    """grpo.verify_onpolicy at max_staleness 1: each step replays its first minibatch under the
+    version(s) that sampled it (kept by the learner; two under partial rollouts, the replay
+    switching as the sampler did): ``ratio/onpolicy_max_dev`` is that replay's, 0, and
+    ``ratio/policy_change_max_dev`` is against the current policy, the policy's move since. A
+    queued sample whose mu is one ulp off stops the run at the step that learns it."""
+    trainer = trainer_for({**grpo, "verify_onpolicy": True})
+    job = trainer.job
+    scalars = [job.step(k) for k in range(3)]
+    assert [s["ratio/onpolicy_max_dev"] for s in scalars] == [0.0, 0.0, 0.0]
+    assert scalars[0]["ratio/policy_change_max_dev"] == 0.0  # lag 0: the current policy sampled it
+    assert all(s["ratio/policy_change_max_dev"] > 0.0 for s in scalars[1:])  # lag 1: it moved since
+    ro = job.pipeline.queue[0].rounds[0].rollouts[0][0]  # data step 3, learned next
+    at = tuple(ro.mask.bool().nonzero()[0])
+    ro.mu[at] = torch.nextafter(ro.mu[at], torch.tensor(0.0, dtype=ro.mu.dtype))
+    with pytest.raises(RuntimeError, match=r"GRPO step 3: grpo\.verify_onpolicy: .* version that sampled it "
+                                           r"\(\d\) is not torch\.equal to mu, max \|replay - mu\| = [1-9]"):
+        job.step(3)
+
+
+def test_the_check_keeps_its_versions_across_a_resume(tmp_path):
+    """The versions the check replays under travel in the checkpoint (job_rank<r>.pt): a run
+    resumed at step 2 checks step 2's samples (drawn by version 1) as the uninterrupted run does."""
+    grpo = {"max_staleness": 1, "verify_onpolicy": True}
+    trainer_for(grpo, tmp_path, {"stop_after": 2, "log_every": 1}).run()
+    trainer_for(grpo, tmp_path, {"log_every": 1}).run()
+    lines = [json.loads(x) for x in (tmp_path / "log" / "metrics.jsonl").read_text().splitlines()]
+    checked = [x["step"] for x in lines if x.get("ratio/onpolicy_max_dev") == 0.0]
+    assert checked == [1, 2, 3]
+
+
+# ---------------------------------------------------------------------- a pool of samplers
+class _Fixed:
+    """The parameters as they are (every version the same): a holder for sampling alone."""
+
+    def load(self, version: int) -> None:
+        pass
+
+    def restore(self) -> None:
+        pass
+
+
+def test_dynamic_sampling_data_does_not_depend_on_which_sampler_ran_it():
+    """Each data step reserves max_sampling_rounds rounds of prompts: with two samplers (one
+    samples data steps 0 and 2 and skips 1, the other samples 1 and skips 0) every data step's
+    samples, rounds and data order equal those of one sampler sampling every step."""
+    grpo = {"dynamic_sampling": True, "max_sampling_rounds": 3}
+
+    def sampled(steps: list[int], upto: int = 3) -> dict:
+        job = trainer_for(grpo).job
+        out = {}
+        for j in range(upto):
+            if j in steps:
+                out[j], = job.sampling.sample(job.policy.sampler(), j, _Fixed())
+            else:
+                job.sampling.skip(j)
+        return out
+
+    one, first, second = sampled([0, 1, 2]), sampled([0, 2]), sampled([1])
+    assert {**first, **second}.keys() == one.keys()
+    assert any(one[j].sampling["sampling/rounds"] < 3 for j in one)  # some step left reserved prompts unused
+    for j, item in {**first, **second}.items():
+        assert item.sampling == one[j].sampling and item.order == one[j].order
+        for rnd, ref in zip(item.rounds, one[j].rounds, strict=True):
+            assert [r["question"] for r in rnd.rows] == [r["question"] for r in ref.rows]
+            assert all(torch.equal(a.tokens, b.tokens) and torch.equal(a.mu, b.mu) for a, b in zip(rnd.flat, ref.flat))

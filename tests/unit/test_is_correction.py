@@ -124,13 +124,17 @@ def test_a_stale_step_learns_against_its_proximal_policy():
     first = trainer.job.step(0)  # lag 0: no proximal replay, no is/ metrics
     assert "is/rho_mean" not in first and first["ratio/onpolicy_max_dev"] == 0.0
     stale = trainer.job.step(1)  # lag 1: the first minibatch's ratio is against pi_old, exactly 1
+    # verified against the version that sampled it (0); the policy moved since (rho = pi_old / mu)
     assert stale["async/staleness_max"] == 1.0 and stale["ratio/onpolicy_max_dev"] == 0.0
     assert stale["is/rho_min"] < 1.0 < stale["is/rho_max"]  # the policy moved since the samples were drawn
+    assert stale["ratio/policy_change_max_dev"] == max(1.0 - stale["is/rho_min"], stale["is/rho_max"] - 1.0)
     assert 0.0 < stale["is/weight_mean"] <= 1.0
     assert stale["is/rejected_fraction"] == pytest.approx(1.0 - stale["is/weight_mean"])
     uncorrected = trainer_for({"max_staleness": 1, "minibatches": 2})
     uncorrected.job.step(0)
-    assert uncorrected.job.step(1)["ratio/onpolicy_max_dev"] > 0.0  # against mu: the staleness shows
+    unchecked = uncorrected.job.step(1)
+    assert unchecked["ratio/policy_change_max_dev"] > 0.0  # against mu: the staleness shows
+    assert "ratio/onpolicy_max_dev" not in unchecked  # nothing replayed under the sampling version
 
 
 def test_a_correction_without_staleness_is_refused():

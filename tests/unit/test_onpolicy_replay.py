@@ -13,7 +13,8 @@ import torch
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.rollout.sampler import Sampler
-from rlt_mega.train.grpo import build_trainer, grpo_config, onpolicy_deviation
+from rlt_mega.train.grpo import build_trainer, grpo_config
+from rlt_mega.train.grpo_learn import onpolicy_deviation
 from tests.distributed.grpo_scenarios import grpo_cfg, odd, records
 
 LAYOUT = {"minibatches": 2, "epochs": 2, "prompts_per_step": 2, "group_size": 4}  # 4 optimizer steps a step
@@ -28,8 +29,8 @@ def run(grpo: dict, monkeypatch, steps: int = 2, corrupt_call: int | None = None
     trainer = build_trainer(cfg, dims, load_tokenizer("byte"), odd, records(30), [])
     original, calls = Sampler.replay, []
 
-    def spy(self, rollouts):
-        out = original(self, rollouts)
+    def spy(self, rollouts, load=None):
+        out = original(self, rollouts, load)
         if self.model is trainer.engine.sampling_module():  # the policy's replays, not the reference's
             if len(calls) == corrupt_call:
                 out = [o.clone() for o in out]
