@@ -39,7 +39,7 @@ fi
 # d_model 64) is SFT'd on the same data, then GRPO from the student's export twice with the same
 # steps and seed: alone, and with grpo.teacher (teacher_coef 1: the teacher's per-token reverse KL
 # alone; dynamic sampling off, as a group of equal task rewards still carries the teacher's signal); held-out accuracy by step and by wall-clock second for both, beside the teacher's, in
-# $RUN/distill.json (docs/guide/grpo.md renders docs/demo/distill_*.json).
+# $RUN/distill.json (docs/guide/grpo.md#distillation).
 if [ "${1:-}" = "--distill" ]; then
   shift
   RUN="${RUN:-runs/demo_distill}"

@@ -2,7 +2,7 @@
 accuracy by GRPO step and by training second (the sum of the step's phase timers: sampling,
 replay, teacher scoring, update; evaluations excluded), GRPO alone against GRPO with the
 teacher, and the teacher's own accuracy, printed and written as JSON with the machine and the
-date (docs/guide/grpo.md renders docs/demo/distill_*.json).
+date.
 
     python launch/demo_distill_curves.py runs/demo_distill --teacher-accuracy 0.95 --json runs/demo_distill/distill.json
 """

@@ -134,6 +134,24 @@ def test_grpo_with_a_teacher_keeps_replay_equal_to_mu_and_scores_with_the_teache
         assert not torch.equal(p.teacher, p.rollout.mu)
 
 
+def test_distillation_of_stale_samples_with_a_correction(tmp_path):
+    """Bounded staleness with token_tis: the teacher scores the stale rollouts all the same, and the
+    correction weighs the distillation's per-token advantages."""
+    path = _export(tmp_path)
+    trainer = _trainer(path, grpo={"max_staleness": 1, "is_correction": "token_tis", "verify_onpolicy": False})
+    seen = []
+    original = trainer.engine.train_step
+    trainer.engine.train_step = lambda batches, loss: seen.append(batches) or original(batches, loss)
+    for step in range(2):
+        scalars = trainer.job.step(step)
+    assert scalars["async/staleness_max"] == 1.0 and math.isfinite(scalars["train/loss"])
+    assert math.isfinite(scalars["is/rho_mean"]) and math.isfinite(scalars["distill/reverse_kl"])
+    stale = [p for b in seen[-1] for p in b["parts"]]
+    assert stale and all(p.proximal is not None and p.teacher is not None for p in stale)
+    teacher_model = build_model(ModelConfig(**TEACHER), "cpu", seed=7)
+    assert torch.equal(stale[0].teacher, replay(teacher_model, stale[0].rollout))
+
+
 def test_distillation_with_lora_and_an_environment(tmp_path):
     """LoRA: only the adapters learn; the environment's observation tokens carry no loss."""
     path = _export(tmp_path)
