@@ -37,6 +37,7 @@ import functools
 
 from rlt_mega.config import ModelConfig
 from rlt_mega.model import kernels as fused_kernels
+from rlt_mega.model import run_buffers as run_buffers_module
 from rlt_mega.model.run_buffers import PURPOSES, bytes_by_purpose, run_buffers
 from rlt_mega.cost.layout import Layout
 from rlt_mega.cost.params import stage_layers
@@ -63,12 +64,14 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
     from the list it allocates (model/run_buffers.py). scratch: {"scratch": the backward's part}."""
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     return dict(_run_buffer_bytes(_shapes(cfg, layout), n, layout.micro_batch_size, layout.seq_len,
-                                  layout.act_bytes, segment_of(layout), stage == 0, grad, scratch))
+                                  layout.act_bytes, segment_of(layout), stage == 0, grad, scratch,
+                                  run_buffers_module.WGRAD_ROWS))
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for the same shapes across its thousands of layouts
 def _run_buffer_bytes(shapes: tuple, n: int, B: int, T: int, a: int, checkpoint, first: bool, grad: bool,
-                      scratch: bool) -> tuple:
+                      scratch: bool, wgrad_rows: int) -> tuple:
+    """(wgrad_rows: part of the key only; run_buffers reads it, and tests change it)"""
     d, Dh, h, h_kv, F = shapes
     # the stream and compute dtypes are the run's activation dtype; statistics fp32
     roles = {"compute": a, "stream": a, "stat": 4}

@@ -173,12 +173,14 @@ class DecoderRun:
                               own_kv=state is None, keep_inputs=keep_inputs)
         dtypes = {"compute": stack.compute_dtype, "stream": stack.stream_dtype, "stat": stack.stat_dtype}
         slab, scratch = Slab(stack.device), Slab(stack.device)
+        # the K/V gradients: a slab per layer, each freed once its memory gradient is out (memory_grads)
+        kv_grads = {i: Slab(stack.device) for i in spec.layers}
         self._purpose = {b.name: b.purpose for b in buffers}
         for b in buffers:  # under a row plan the deferred K/V rows of the rows a position does not run stay 0
-            (scratch if b.backward else slab).add(b.name, b.shape, dtypes[b.role],
-                                                  b.zero or (rows is not None and b.purpose == "kv_rows"))
-        self._sizes = {**slab.sizes(), **scratch.sizes()}
-        self._scratch_sizes = scratch.sizes()
+            into = slab if not b.backward else (scratch if b.layer is None else kv_grads[b.layer])
+            into.add(b.name, b.shape, dtypes[b.role], b.zero or (rows is not None and b.purpose == "kv_rows"))
+        self._scratch_sizes = {**scratch.sizes(), **{n: v for s in kv_grads.values() for n, v in s.sizes().items()}}
+        self._sizes = {**slab.sizes(), **self._scratch_sizes}
         self.tensors = slab.allocate(self)
         self.buf = {i: ({n: self.tensors[f"{n}{i}"] for n in SAVED} if grad else {}) for i in spec.layers}
         self.xs = self.tensors.get("x")  # (T, B, d): the kept stage inputs of a checkpointed run
@@ -190,7 +192,9 @@ class DecoderRun:
         if spec.with_input and grad:
             self.a0, self.r0 = self.tensors["a0"], self.tensors["r0"]
         self._scratch = scratch if grad else None
+        self._kv_grad_slabs = kv_grads
         self._scratch_names: tuple[str, ...] = ()
+        self._kv_released = False  # memory_grads has freed the K/V gradients
         if grad and static:  # a captured step reads fixed addresses: the scratch lives as long as the run
             self._bind_scratch()
         self.position = None
@@ -219,7 +223,10 @@ class DecoderRun:
         spec, B, Dh, cap = self.stack.spec, self.B, self.stack.spec.head_dim, self.capacity
         BH = B * self.h_kv
         tensors = self._scratch.allocate(self, pooled=False)
+        for layer_slab in self._kv_grad_slabs.values():
+            tensors.update(layer_slab.allocate(self, pooled=False))
         self._scratch_names = tuple(tensors)
+        self._kv_released = False
         self.tensors.update(tensors)
         for i in spec.layers:
             self.buf[i].update({n: tensors[f"{n}{i}"] for n in RING})
@@ -241,7 +248,7 @@ class DecoderRun:
         if not self._scratch_names or self.static:
             return
         for name in self._scratch_names:
-            del self.tensors[name]
+            self.tensors.pop(name, None)
         for i in self.stack.spec.layers:
             for n in RING:
                 del self.buf[i][n]
@@ -280,7 +287,8 @@ class DecoderRun:
         """Zeroes the K/V gradient accumulators: each backward pass starts from zero (a second
         backward through the same forward gives the same gradients)."""
         self.z0_grad = None
-        if not self._scratch_names:
+        if not self._scratch_names or self._kv_released:
+            self.release_scratch()
             self._bind_scratch()  # fresh: zeroed
             return
         for i in self.stack.spec.layers:
@@ -652,7 +660,10 @@ class DecoderRun:
     # ------------------------------------------------------------------ results
     def memory_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer: the gradients of the memory K/V given at construction, in their shapes
-        (B, h_kv, S, Dh) and dtypes (new tensors: the buffers go back to the workspace)."""
+        (B, h_kv, S, Dh) and dtypes (new tensors). Once every position's backward has run:
+        each layer's K/V gradients are freed as soon as its copies are made (the eager form;
+        the captured one keeps its addresses), so the copies never all sit beside them; a
+        later backward allocates them again."""
         out = []
         for i in self.stack.spec.layers:
             (B, h_kv, S, Dh), dtype = self.mem_meta[i]
@@ -661,6 +672,12 @@ class DecoderRun:
             if self.row_plan is not None:
                 gk, gv = self.row_plan.to_caller(gk), self.row_plan.to_caller(gv)
             out.append((gk, gv))
+            if not self.static:
+                for name in ("gkt", "gv", "gmkt", "gmv"):
+                    self.tensors.pop(f"{name}{i}")
+                for views in (self.gkt4, self.gv4, self.gkt, self.gv, self.gmkt, self.gmv):
+                    del views[i]
+                self._kv_released = True
         return out
 
     def input_grads(self) -> torch.Tensor:

@@ -53,6 +53,7 @@ class Buffer(NamedTuple):
     role: str  # "compute" | "stream" | "stat"
     zero: bool = False
     backward: bool = False
+    layer: Optional[int] = None  # the K/V gradients: one slab per layer, freed layer by layer
 
 
 def wgrad_positions(batch: int, capacity: int) -> int:
@@ -106,10 +107,10 @@ def run_buffers(layers: Sequence[int], batch: int, capacity: int, mem_capacity: 
         if grad:
             out += [Buffer(f"{n}{i}", "wgrad_ring", (W, B, widths[n]), roles.get(n, "compute"), backward=True)
                     for n in RING]
-            out += [Buffer(f"gkt{i}", "kv", (B, h_kv, Dh, T), "stat", zero=True, backward=True),
-                    Buffer(f"gv{i}", "kv", (B, h_kv, T, Dh), "stat", zero=True, backward=True),
-                    Buffer(f"gmkt{i}", "kv", (BH, Dh, S), "stat", zero=True, backward=True),
-                    Buffer(f"gmv{i}", "kv", (BH, S, Dh), "stat", zero=True, backward=True)]
+            out += [Buffer(f"gkt{i}", "kv", (B, h_kv, Dh, T), "stat", zero=True, backward=True, layer=i),
+                    Buffer(f"gv{i}", "kv", (B, h_kv, T, Dh), "stat", zero=True, backward=True, layer=i),
+                    Buffer(f"gmkt{i}", "kv", (BH, Dh, S), "stat", zero=True, backward=True, layer=i),
+                    Buffer(f"gmv{i}", "kv", (BH, S, Dh), "stat", zero=True, backward=True, layer=i)]
             if not static:  # the chunk's stored rows for the deferred K/V gradients (batch-major)
                 Wkv = min(KV_CHUNK, T)
                 for kind, n_keys in (("s", T), ("m", S)):
