@@ -171,8 +171,15 @@ def step_time(cfg: ModelConfig, layout: Layout, hw: Hardware) -> dict[str, float
         parts = {"decoder": layout.grad_accum * decoder, "encoder_head": layout.grad_accum * encoder,
                  "data_parallel": dp_time, "optimizer": optimizer}
         parts["total"] = sum(parts.values())
+        # what bounds a tick: the larger of compute and HBM (named by the larger of its two
+        # reads: the weights, or the attended K/V), or the TP all-reduces' latency, or launches
+        compute = sum(r.forward for r in dec) * B / T / flop_rate * eff
+        weights_t, kv_t = dec_weights * w / mem_rate * eff, kv_read / mem_rate * eff
+        launches = n * DECODER_OPS_FORWARD * hw.launch_us * 1e-6
+        bound = max((compute, "compute"), (weights_t + kv_t, "weight reads" if weights_t >= kv_t else "K/V reads"),
+                    (tp_ar, "TP latency"), (launches, "launches"))[1]
         if parts["total"] > worst.get("total", -1.0):
-            worst = parts | {"decoder_tick_fwd": fwd_tick, "decoder_tick_bwd": bwd_tick,
+            worst = parts | {"decoder_bound": bound, "decoder_tick_fwd": fwd_tick, "decoder_tick_bwd": bwd_tick,
                              "decoder_tick_gpu": fwd_gpu, "decoder_tp_allreduce": tp_ar,
                              "decoder_launch": n * DECODER_OPS_FORWARD * hw.launch_us * 1e-6,
                              "ticks": ticks}
