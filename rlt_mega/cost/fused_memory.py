@@ -2,17 +2,17 @@
 
 The fused path keeps nothing in autograd's graph per position: one run per micro-batch owns a
 slab of preallocated buffers (``DecoderRun.buffer_bytes()`` names them; :func:`run_buffer_bytes`
-is the same arithmetic), and the stage holds a few copies of its decoder weights:
+prices the same list, model/run_buffers.py), and the stage holds a few copies of its decoder weights:
 
-  slab, per micro-batch   "saved": the slot tensors (RoPE'd q/k, cross query, gate/up, SwiGLU
-                          product) for every position ("none") or, checkpointed (recomputed
-                          before each backward), for one position and the SwiGLU product for
-                          W = ceil(512 / B) positions (its weight-gradient flush reads it); in
-                          every mode the three norms' normalised inputs with 1/rms and the two
-                          attention outputs per position; "kv": decoder and memory K/V and their
-                          fp32 gradients; "wgrad_ring": W positions of each product's output
-                          gradient (the deferred weight gradients); "kv_rows": KV_CHUNK
-                          positions of query rows, probabilities and score gradients (the
+  slab, per micro-batch   model/run_buffers.run_buffers, the list the decoder allocates from:
+                          "saved": every tensor the backward and the weight-gradient flush read,
+                          for every position ("none") or, checkpointed every k positions, for a
+                          ring of whole flush chunks covering W + k - 1 positions (k = 1: the
+                          tensors only a position's own backward reads in one slot); "inputs":
+                          the stage inputs a checkpointed run recomputes from; "kv": decoder and
+                          memory K/V and their fp32 gradients; "wgrad_ring": W positions of each
+                          product's output gradient (the deferred weight gradients); "kv_rows":
+                          KV_CHUNK positions of query rows, probabilities and score gradients (the
                           deferred K/V gradients); "input_grads": the embeddings' gradient
   fused weights           each product's fused weight (fp32 at least), kept from the forward
                           to the end of the step; the fold's saved inputs (the concatenated

@@ -41,32 +41,33 @@ added directly, and the rest (keys before the chunk, and the whole memory, whose
 needed at the end) is formed once per chunk as one batched GEMM over the chunk's stored score
 gradients and probabilities.
 
-Checkpointing. The forward always keeps, per layer and position, the normalised inputs of the
-three norms with their 1/rms and the two attention outputs (3d + 2 h Dh + 3 values per row); the
-rest of what the backward reads (RoPE'd q/k, the cross query, gate/up, the SwiGLU product: the
-"slot tensors") is kept too in mode "save" (slots = capacity), and in a checkpointed run (mode
-"checkpoint": one slot each, but the SwiGLU product's ``checkpoint_slots``, since its chunk's
-weight-gradient flush reads it) recomputed from the kept tensors just before each
-position's backward (mode "recompute"): three products, RoPE and SwiGLU, with no norm, no
-attention and no residual product, and nothing from any other position, so no segment of
-positions has to be replayed (in this path "step" and "every_k" are one mode). The choice:
-attention at one query row per head is memory-bound (it reads every key and value) and costs
-more to recompute than its output costs to keep (Megatron's selective recomputation chooses the
-other way round, for the opposite shapes: its attention activations are quadratic in T), and
-keeping the normalised inputs makes positions independent. What a checkpointed run keeps is about
-a third of what "save" keeps at small_cpu's sizes (d=256, F=704: 1283 of 4035 values per row and
-layer), next to the K/V and their gradients that every mode holds. The recomputation repeats the
-forward's operations on the same values, so the gradients are the same in every mode, bit for bit.
+Checkpointing. Without it ("save") the forward keeps, per layer and position, everything the
+backward and the weight-gradient flush read: the normalised inputs of the three norms with their
+1/rms, the RoPE'd q/k, the two attention outputs, the cross query, gate/up and the SwiGLU product
+(the "saved" buffers). A checkpointed run (``checkpoint=k``: train.checkpointing.decoder=every_k
+with decoder_k=k; "step" is k = 1) keeps per position only what cannot be recomputed from the
+position before: the stage's input x (z_{t-1}, or the previous stage's output; the embeddings are
+the caller's) and the decoder and memory K/V that attention reads. Before the backward of a segment
+of k positions (``backward`` at the segment's last position) its forward, attention included, is
+recomputed in order into a ring of activation slots (model/run_buffers.ring_slots: whole
+weight-gradient chunks covering W + k - 1 positions, what must be live together), and the
+deferred weight-gradient flush reads its inputs from that ring. The recomputation repeats the
+forward's operations on the same values (the K/V it reads are the kept ones, rewritten by
+nobody), and the flushes do not depend on the mode, so the gradients of every mode are the same,
+bit for bit. Its cost: one more forward of the decoder per step (Megatron's full recomputation;
+keeping the normalised inputs instead, as a selective scheme would, costs 3d + 2 h Dh values per
+row, layer and position: at rlt_48x48's sizes more than the K/V themselves).
 
-Memory. A run's buffers come in two slabs: the forward's (what the backward reads: the kept
-tensors above and the K/V), taken from the workspace pool (model/workspace.py) and alive as
-long as the graph, and the backward's scratch (the weight-gradient rings, the K/V gradients and
-the deferred K/V rows, the embeddings' gradient: ``scratch_bytes()``), allocated by the first
-backward and freed by ``release_scratch()``, which the dense schedule calls once its backward has
-returned everything: the encoder's backward and the optimizer step run without it (a second
-backward through the same graph allocates it again). The weight-gradient accumulators are the
-backward's too; it hands them to autograd and keeps no reference. cost/fused_memory.py models
-all of it for ``rlt-mega plan``.
+Memory. A run's buffers are one list, model/run_buffers.run_buffers (a pure function of shapes
+and mode that the planner prices too: cost/fused_memory.py), in two parts: the forward's slab (what
+the backward reads: the kept tensors, the stage inputs and the K/V), taken from the workspace pool
+(model/workspace.py) and alive as long as the graph, and the backward's scratch (the weight-gradient
+rings, the K/V gradients and rows, the embeddings' gradient: ``scratch_bytes()``), allocated by the
+first backward and freed by ``release_scratch()``, which the dense schedule calls once its backward
+has returned everything: the encoder's backward and the optimizer step run without it (a second
+backward through the same graph allocates it again). The K/V gradients are one slab per layer,
+freed by ``memory_grads`` as soon as that layer's copies are made. The weight-gradient
+accumulators are the backward's too; it hands them to autograd and keeps no reference.
 
 The capture-ready step (``static=True``). Nothing in a position's computation depends on t
 through a shape or a Python value: t is a device tensor, K/V and saved tensors are written with
@@ -123,8 +124,9 @@ class DecoderRun:
 
     memory: per layer of the stack, the memory K/V (B, h_kv, S, Dh) (slot 0 the null memory),
     any dtype, read only. grads: the accumulators of the deferred weight gradients (None: no
-    backward). slots: activation slots (None: every position saved; a checkpointed run:
-    :func:`checkpoint_slots`). static: the capture-ready form. rows: which rows each position
+    backward). checkpoint: k, keep the stage inputs and recompute segments of k positions
+    (None: keep everything); embeddings (T, B, d): e_t for the recomputation (the input layer);
+    keep_inputs=False: the caller keeps the inputs (the captured run). static: the capture-ready form. rows: which rows each position
     runs on (schedule/dense.py; None: all of them); x, e, y and their gradients stay (B, d) in
     the caller's order, dead rows 0."""
 
