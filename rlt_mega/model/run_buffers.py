@@ -64,13 +64,16 @@ def wgrad_positions(batch: int, capacity: int) -> int:
 
 def ring_slots(batch: int, capacity: int, checkpoint: Optional[int]) -> int:
     """Activation slots of a run: one per position without checkpointing; with segments of k
-    positions, whole weight-gradient chunks covering W + k - 1 positions (what must be live at
-    once: the segment being backwarded and the chunk its first position flushes), capped at the
-    capacity."""
+    positions, whole weight-gradient chunks covering what must be live at once: the segment being
+    recomputed and backwarded and the chunk its positions flush. When k divides W (or W divides k)
+    no segment straddles a chunk boundary and a chunk (a segment) is all of it; otherwise
+    W + k - 1 positions. Capped at the capacity."""
     if checkpoint is None:
         return capacity
-    W = wgrad_positions(batch, capacity)
-    return min(capacity, W * math.ceil((W + checkpoint - 1) / W))
+    W, k = wgrad_positions(batch, capacity), checkpoint
+    if W % k == 0 or k % W == 0:  # segments inside chunks, or chunks inside segments: one of them
+        return min(capacity, max(W, k))
+    return min(capacity, W * math.ceil((W + k - 1) / W))
 
 
 def run_buffers(layers: Sequence[int], batch: int, capacity: int, mem_capacity: int, d: int, head_dim: int,

@@ -131,7 +131,8 @@ def test_fused_gradient_matches_central_finite_differences(name):
     assert grad.abs().sum() > 0
 
 
-MODES = [dict(decoder="step"), dict(decoder="every_k", decoder_k=3), dict(decoder="every_k", decoder_k=7),
+MODES = [dict(decoder="step"), dict(decoder="every_k", decoder_k=2), dict(decoder="every_k", decoder_k=3),
+         dict(decoder="every_k", decoder_k=7), dict(decoder="every_k", decoder_k=8),
          dict(decoder="every_k", decoder_k=40), dict(decoder="step", encoder=True)]
 
 
@@ -140,8 +141,9 @@ def test_checkpointing_modes_give_bit_identical_gradients(kernel, form, monkeypa
     """Saving everything against recomputing segments of k positions (attention included) from the
     stage inputs a checkpointed run keeps (model/decoder.py). T = 37 spans several K/V-gradient
     chunks (16) and, with 8-row weight-gradient flushes (W = 4 positions at B = 2), ten flushes
-    through the ring: k = 1 (a ring of W slots), 3 and 7 (segments across flushes), 40 (past the
-    capacity: one segment)."""
+    through the ring: k = 1 and 2 (segments inside a flush chunk: a ring of W slots), 3 and 7
+    (segments across flushes: W + k - 1 positions rounded to chunks), 8 (chunks inside a segment),
+    40 (past the capacity: one segment)."""
     monkeypatch.setattr(run_buffers, "WGRAD_ROWS", 8)
     cfg, x = cfg_of(memory_block=3, max_seq_len=64), tokens(B=2, T=37)
     static, graphs = form == "static", form == "graphs"
@@ -177,7 +179,7 @@ def test_a_checkpointed_run_keeps_the_inputs_and_a_ring():
     W = run_buffers.wgrad_positions(2, 37)  # 256 at the default 512 rows: capped at the capacity
     assert W == 37 and run_buffers.ring_slots(2, 37, 1) == 37
     assert run_buffers.wgrad_positions(16, 512) == 32
-    assert [run_buffers.ring_slots(16, 512, k) for k in (1, 2, 16, 33, 34, 600)] == [32, 64, 64, 64, 96, 512]
+    assert [run_buffers.ring_slots(16, 512, k) for k in (1, 2, 16, 64, 33, 34, 600)] == [32, 32, 32, 64, 64, 96, 512]
     bufs = {b.name: b for b in run_buffers.run_buffers(range(1), 16, 512, 513, 8, 4, 2, 1, 12, grad=True,
                                                          with_input=True, checkpoint=1)}
     assert bufs["x"].shape == (512, 16, 8) and bufs["a10"].shape[0] == 32 and bufs["qk0"].shape[0] == 1

@@ -109,11 +109,12 @@ def section_throughput(args, clock, res: Results) -> None:
 
 def section_memory(args, clock, res: Results) -> None:
     T, B = args.seq_len, args.batch
-    runs = {label: make_step("configs/small_cpu.yaml", T, B, fused) for label, fused in PATHS.items()}
+    runs = {label: make_step("configs/small_cpu.yaml", T, B, fused) for label, fused in PATHS.items()
+            if label in args.paths}
     for _, _, step in runs.values():
         step()  # warm-up: Adam state, so that it is not counted as step memory
     cases = [("fused", label) for label in args.modes] + [("module", label) for label in ("none", "step+enc")
-                                                          if label in args.modes]
+                                                          if label in args.modes and "module" in runs]
     tensors, rss = {}, {}
     for path, label in cases:  # memory is deterministic: one step each
         model, _, step = runs[path]
@@ -316,6 +317,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="memory section: B")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                    help="memory section: checkpointing modes (none is always measured)")
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS),
+                   help="memory section: the decoder step (fused) and/or the reference (module)")
     p.add_argument("--enc-len", type=int, default=256, help="flops section: encoder T")
     p.add_argument("--dec-len", type=int, default=64, help="flops section: decoder T")
     p.add_argument("--dec-batch", type=int, default=8,
