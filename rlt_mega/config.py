@@ -716,14 +716,6 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
 
     def __post_init__(self) -> None:
-        _check(not self.train.cuda_graphs or self.parallel.pp == 1,
-               f"train.cuda_graphs=true with parallel.pp={self.parallel.pp}: the graphs capture the dense "
-               "schedule's decoder loop, which a pipeline stage does not run (its positions arrive over the "
-               "wire); set train.cuda_graphs=false or parallel.pp=1")
-        _check(not self.train.cuda_graphs or self.parallel.tp == 1,
-               f"train.cuda_graphs=true with parallel.tp={self.parallel.tp}: the captured bodies would hold NCCL "
-               "all-reduces, which no multi-GPU check has run yet (tools/gpu_check_multi.sh); set "
-               "train.cuda_graphs=false or parallel.tp=1")
         _check(self.data.seq_len <= self.model.max_seq_len,
                f"data.seq_len={self.data.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}: "
                "raise model.max_seq_len or lower data.seq_len")

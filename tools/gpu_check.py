@@ -34,10 +34,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 # In order of importance: a run that is cut short loses the last ones. bench / bench_loose (figures)
-# run only when GPU_CHECK_PARTS names them.
+# and calibrate (the planner's decoder tick against a measured one) run only when
+# GPU_CHECK_PARTS names them.
 PARTS = ["exactness", "grpo_onpolicy", "fused_cuda_graph", "world_of_one", "sdpa", "sync_audit", "gradients", "qwen2",
-         "versions", "bench", "bench_loose"]
-DEFAULT_PARTS = PARTS[:-2]
+         "versions", "calibrate", "bench", "bench_loose"]
+DEFAULT_PARTS = PARTS[:-3]
 # The fused decoder's CUDA-graph capture check (train.cuda_graphs); it prints one JSON line.
 FUSED_GRAPH_CHECK = ROOT / "tools" / "gpu" / "cuda_graphs.py"
 FUSED_GRAPH_ARGS = ["--seq-len", "64", "--repeats", "3"]  # inside the part's budget on one H200
@@ -604,6 +605,25 @@ def part_fused_cuda_graph(smoke: bool) -> dict:
                           env={**os.environ, "PYTHONPATH": os.pathsep.join(
         [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
     return _json_tail(done)
+
+
+def part_calibrate(smoke: bool) -> dict:
+    """tools/gpu/calibrate.py: the captured decoder tick, forward and backward, measured beside the
+    planner's prediction (B in {1, 4, 16, 64, 256}, n_kv_heads 16 and 2; its --smoke form on the
+    CPU); the ratios are written next to the summary (calibration.json: ``rlt-mega plan
+    --calibration``)."""
+    import subprocess
+
+    out = Path(os.environ.get("GPU_CHECK_TMP", ".")) / "calibration.json"
+    args = ["--out", str(out)] + (["--smoke"] if smoke else [])
+    done = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "calibrate.py"), *args], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])})
+    result = _json_tail(done)
+    if "decoder_efficiency" in result:
+        result["status"] = "ok"
+        result["rows"] = json.loads(out.read_text())["rows"]
+    return result
 
 
 def part_world_of_one(smoke: bool) -> dict:

@@ -12,6 +12,7 @@
 #   source launch/env.sh && bash tools/gpu_check.sh [--smoke] [--out FILE]
 #   GPU_CHECK_PARTS="exactness sdpa" bash tools/gpu_check.sh     # some parts only
 #   GPU_CHECK_PARTS="bench bench_loose" bash tools/gpu_check.sh  # the figures (110 s more)
+#   GPU_CHECK_PARTS=calibrate bash tools/gpu_check.sh            # the planner's decoder tick, measured (< 3 min)
 #
 # One line per part (passed / failed (reason) / skipped (why)); the JSON summary goes to --out,
 # by default $OUT/gpu_check.json when $OUT is set, else into a fresh temporary directory (never
@@ -42,10 +43,10 @@ fi
 # Smoke: the CPU's (a loaded 2-core machine; tests/e2e/test_gpu_check.py runs them all).
 if [ "$MODE" = gpu ]; then
   declare -A BUDGET=([exactness]=55 [grpo_onpolicy]=30 [fused_cuda_graph]=50 [world_of_one]=65 [sdpa]=20
-                     [sync_audit]=25 [gradients]=50 [qwen2]=25 [versions]=20 [bench]=60 [bench_loose]=50)
+                     [sync_audit]=25 [gradients]=50 [qwen2]=25 [versions]=20 [calibrate]=180 [bench]=60 [bench_loose]=50)
 else
   declare -A BUDGET=([exactness]=60 [grpo_onpolicy]=60 [fused_cuda_graph]=75 [world_of_one]=150 [sdpa]=40
-                     [sync_audit]=60 [gradients]=60 [qwen2]=75 [versions]=90 [bench]=60 [bench_loose]=60)
+                     [sync_audit]=60 [gradients]=60 [qwen2]=75 [versions]=90 [calibrate]=120 [bench]=60 [bench_loose]=60)
 fi
 PARTS="${GPU_CHECK_PARTS:-exactness grpo_onpolicy fused_cuda_graph world_of_one sdpa sync_audit gradients qwen2 versions}"
 for part in $PARTS; do

@@ -19,7 +19,7 @@ from typing import Optional
 from rlt_mega.config import ConfigError, load_config
 from rlt_mega.cost.costmodel import estimate, format_report
 from rlt_mega.cost.layout import Layout
-from rlt_mega.cost.planner import Hardware, explain, format_rows_curve, plan_layouts, estimate_to_dict, rows_curve
+from rlt_mega.cost.planner import load_calibration, Hardware, explain, format_rows_curve, plan_layouts, estimate_to_dict, rows_curve
 
 HELP = "cost model of a configuration, or the parallel layouts that fit a cluster"
 
@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                          help="the most sequences per step the planner may use, when more rows per decoder "
                               "step (a larger micro-batch) pay; set it to --global-batch for a fixed batch")
     cluster.add_argument("--top", type=int, default=10, help="layouts to list")
+    cluster.add_argument("--calibration", default=None,
+                         help="tools/gpu/calibrate.py's JSON: the decoder tick measured on this GPU scales the roofline's")
     defaults = Hardware()
     for name, help_text in (("usable_fraction", "fraction of GPU memory the step may use"),
                             ("peak_tflops_bf16", "peak dense bf16 TFLOP/s per GPU"),
@@ -75,7 +77,8 @@ def _hardware(args) -> Hardware:
                     peak_tflops_fp32=args.peak_tflops_fp32, mfu=args.mfu, hbm_gbps=args.hbm_gbps,
                     hbm_eff=args.hbm_eff, intra_gbps=args.intra_gbps, inter_gbps=args.inter_gbps,
                     intra_latency_us=args.intra_latency_us, inter_latency_us=args.inter_latency_us,
-                    launch_us=args.launch_us)
+                    launch_us=args.launch_us,
+                    decoder_efficiency=load_calibration(args.calibration) if args.calibration else 1.0)
 
 
 def run_plan(args, out=None) -> int:

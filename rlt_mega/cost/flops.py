@@ -24,10 +24,11 @@ Backward: linear layers 2x forward (input and weight gradients). Scores: "math" 
 2.5x (the kernel recomputes QK^T, as flop_counter counts it); the decoder self-attention's
 own autograd Function 3x (it recomputes the probabilities, then four matmuls). Recomputation
 under activation checkpointing repeats the forward of what is checkpointed: the whole decoder
-recurrence except the memory K/V projections (they run once, outside the segments), and/or
-the encoder blocks. torch's non-reentrant checkpoint stops recomputing once the last tensor
-saved for backward is back ("early stop"), so the final MLP down projection of each
-checkpointed piece (an encoder block; a decoder segment's last step) is not recomputed.
+recurrence except the memory K/V projections (they run once, outside the segments: the decoder
+step recomputes each segment of k positions in full, model/decoder.py), and/or the encoder
+blocks. torch's non-reentrant checkpoint stops recomputing once the last tensor saved for
+backward is back ("early stop"), so the final MLP down projection of each encoder block is not
+recomputed.
 """
 
 from __future__ import annotations
@@ -76,7 +77,6 @@ def flop_rows(cfg: ModelConfig, seq_len: int, checkpointing: CheckpointingConfig
     enc_pairs = pairs["causal"] if kernel == "flash" else pairs["square"]
     sdpa_bwd = 2.5 if kernel == "flash" else 2.0
     dec_ck, enc_ck = ck.decoder != "none", bool(ck.encoder)
-    segments = {"none": 0, "step": T, "every_k": -(-T // ck.decoder_k)}[ck.decoder]
     down = 2 * d * f  # one position's MLP down projection, skipped by the early stop
 
     proj = L * T * 2 * d * (2 * q + 2 * kv)
@@ -99,7 +99,7 @@ def flop_rows(cfg: ModelConfig, seq_len: int, checkpointing: CheckpointingConfig
         FlopRow("decoder", "cross_attn_scores", cross_scores, sdpa_bwd * cross_scores,
                 cross_scores if dec_ck else 0),
         FlopRow("decoder", "memory_kv_proj", memory_kv, 2 * memory_kv, 0),
-        FlopRow("decoder", "mlp", mlp, 2 * mlp, mlp - segments * down if dec_ck else 0),
+        FlopRow("decoder", "mlp", mlp, 2 * mlp, mlp if dec_ck else 0),
         FlopRow("decoder", "recurrence", recur, 2 * recur, recur if dec_ck else 0),
     ]
     head = T * 2 * d * cfg.vocab_size / tp if last_stage else 0

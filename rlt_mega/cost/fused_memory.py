@@ -2,17 +2,17 @@
 
 The fused path keeps nothing in autograd's graph per position: one run per micro-batch owns a
 slab of preallocated buffers (``DecoderRun.buffer_bytes()`` names them; :func:`run_buffer_bytes`
-is the same arithmetic), and the stage holds a few copies of its decoder weights:
+prices the same list, model/run_buffers.py), and the stage holds a few copies of its decoder weights:
 
-  slab, per micro-batch   "saved": the slot tensors (RoPE'd q/k, cross query, gate/up, SwiGLU
-                          product) for every position ("none") or, checkpointed (recomputed
-                          before each backward), for one position and the SwiGLU product for
-                          W = ceil(512 / B) positions (its weight-gradient flush reads it); in
-                          every mode the three norms' normalised inputs with 1/rms and the two
-                          attention outputs per position; "kv": decoder and memory K/V and their
-                          fp32 gradients; "wgrad_ring": W positions of each product's output
-                          gradient (the deferred weight gradients); "kv_rows": KV_CHUNK
-                          positions of query rows, probabilities and score gradients (the
+  slab, per micro-batch   model/run_buffers.run_buffers, the list the decoder allocates from:
+                          "saved": every tensor the backward and the weight-gradient flush read,
+                          for every position ("none") or, checkpointed every k positions, for a
+                          ring of whole flush chunks covering W + k - 1 positions (k = 1: the
+                          tensors only a position's own backward reads in one slot); "inputs":
+                          the stage inputs a checkpointed run recomputes from; "kv": decoder and
+                          memory K/V and their fp32 gradients; "wgrad_ring": W positions of each
+                          product's output gradient (the deferred weight gradients); "kv_rows":
+                          KV_CHUNK positions of query rows, probabilities and score gradients (the
                           deferred K/V gradients); "input_grads": the embeddings' gradient
   fused weights           each product's fused weight (fp32 at least), kept from the forward
                           to the end of the step; the fold's saved inputs (the concatenated
@@ -37,6 +37,7 @@ import functools
 
 from rlt_mega.config import ModelConfig
 from rlt_mega.model import kernels as fused_kernels
+from rlt_mega.model import run_buffers as run_buffers_module
 from rlt_mega.model.run_buffers import PURPOSES, bytes_by_purpose, run_buffers
 from rlt_mega.cost.layout import Layout
 from rlt_mega.cost.params import stage_layers
@@ -63,12 +64,14 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
     from the list it allocates (model/run_buffers.py). scratch: {"scratch": the backward's part}."""
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     return dict(_run_buffer_bytes(_shapes(cfg, layout), n, layout.micro_batch_size, layout.seq_len,
-                                  layout.act_bytes, segment_of(layout), stage == 0, grad, scratch))
+                                  layout.act_bytes, segment_of(layout), stage == 0, grad, scratch,
+                                  run_buffers_module.WGRAD_ROWS))
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for the same shapes across its thousands of layouts
 def _run_buffer_bytes(shapes: tuple, n: int, B: int, T: int, a: int, checkpoint, first: bool, grad: bool,
-                      scratch: bool) -> tuple:
+                      scratch: bool, wgrad_rows: int) -> tuple:
+    """(wgrad_rows: part of the key only; run_buffers reads it, and tests change it)"""
     d, Dh, h, h_kv, F = shapes
     # the stream and compute dtypes are the run's activation dtype; statistics fp32
     roles = {"compute": a, "stream": a, "stat": 4}

@@ -112,8 +112,6 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
     first, last = stage == 0, stage == layout.pp - 1
     ck = checkpointing or layout.checkpointing
-    if layout.pp > 1 and ck.decoder == "every_k":  # the ring interleaves positions (stage.py)
-        ck = CheckpointingConfig(decoder="step", encoder=ck.encoder)
     norm = _norm(d, a, fused)
     enc_block = 2 * norm + a * (2 * q + 2 * kv) + 4 * h + 4 * a * f
     dec_block = 3 * norm + 4 * a * q + 4 * h + 4 * a * f
@@ -162,8 +160,6 @@ def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[st
     """Bytes per position that one recomputed piece materialises in the backward, expressed
     per position of the micro-batch (multiply by B T)."""
     ck = layout.checkpointing
-    if layout.pp > 1 and ck.decoder == "every_k":  # the ring checkpoints each step on its own
-        ck = CheckpointingConfig(decoder="step", encoder=ck.encoder)
     full = activation_per_token(cfg, layout, stage, CheckpointingConfig())
     T = layout.seq_len
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
@@ -255,7 +251,10 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     phases = {}
     if last:  # log-softmax backward: its output, its gradient and the logits' gradient
         phases["head_backward"] = after_decoder + round_acc + in_flight * tok * saved + tok * 2 * 4 * V
-    dec_extra = (dkv_grad + n * 2 * a * kv * (T + 1) / T + a * d * (first + last) + scratch)
+    # the memory K/V gradients handed back (the fused run frees each layer's K/V gradients once
+    # its copies are made: one layer's copies beside them at most), the embeddings' and z's
+    mem_grads = (1 if fused else n) * 2 * a * kv * (T + 1) / T
+    dec_extra = (dkv_grad + mem_grads + a * d * (first + last) + scratch)
     dec_transient = 4 * a * kv * (T + 1) / T  # one layer's K/V gradients + a full-size slice grad
     if fused:
         # At the end of the fused Function's backward: no decoder parameter has a gradient yet
@@ -263,7 +262,9 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
         # the slab; the fold's backward then forms one weight-sized product at a time.
         tied = counts["embed"] if cfg.tie_embeddings else 0
         grads_in_backward = (counts["lm_head"] + counts["final_norm"] + tied) * w if not lora else 0.0
-        dec_transient = 4 * max(fused_weight_numels(cfg, layout, stage).values()) / tok
+        numels = fused_weight_numels(cfg, layout, stage)  # (summed over the stage's layers)
+        largest = max([numels[k] / max(n, 1) for k in numels if k != "recur"] + [numels["recur"]])
+        dec_transient = 4 * largest / tok  # one weight's product at a time: the largest of one layer
     if not baseline:  # the baselines have no decoder
         phases["decoder_backward"] = (
             after_decoder + accumulators + grads_in_backward

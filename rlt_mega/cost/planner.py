@@ -71,6 +71,9 @@ class Hardware:
     inter_latency_us: float = 25.0
     launch_us: float = 0.0  # CPU cost per eager operator charged to the step (0: CUDA graphs)
     eager_launch_us: float = 4.0  # only for the eager floor that ``explain`` reports
+    # measured / predicted time of a decoder tick on this GPU (tools/gpu/calibrate.py's JSON,
+    # ``load_calibration``): multiplies the roofline's decoder tick (1: the roofline as is)
+    decoder_efficiency: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("nodes", "gpus_per_node"):
@@ -78,6 +81,8 @@ class Hardware:
                 raise ConfigError(f"{name}={getattr(self, name)}: must be >= 1")
         if not 0 < self.usable_fraction <= 1 or not 0 < self.mfu <= 1 or not 0 < self.hbm_eff <= 1:
             raise ConfigError("usable_fraction, mfu and hbm_eff must be in (0, 1]")
+        if not self.decoder_efficiency > 0:
+            raise ConfigError(f"decoder_efficiency={self.decoder_efficiency}: a measured/predicted time ratio, > 0")
 
     @property
     def world_size(self) -> int:
@@ -145,8 +150,9 @@ def step_time(cfg: ModelConfig, layout: Layout, hw: Hardware) -> dict[str, float
                       (3 * dec_weights * w + 3 * kv_read) / mem_rate)
         tp_ar = 3 * n * (tp_lat + 2 * (layout.tp - 1) / layout.tp * B * d * a / tp_bw) if layout.tp > 1 else 0.0
         hop = (pp_lat + B * d * a / pp_bw) if P > 1 else 0.0
-        fwd_tick = max(fwd_gpu + tp_ar + hop, n * DECODER_OPS_FORWARD * hw.launch_us * 1e-6)
-        bwd_tick = max(bwd_gpu + tp_ar + hop, n * DECODER_OPS_BACKWARD * hw.launch_us * 1e-6)
+        eff = hw.decoder_efficiency  # (measured on a GPU: calibrate.py)
+        fwd_tick = max(fwd_gpu * eff + tp_ar + hop, n * DECODER_OPS_FORWARD * hw.launch_us * 1e-6)
+        bwd_tick = max(bwd_gpu * eff + tp_ar + hop, n * DECODER_OPS_BACKWARD * hw.launch_us * 1e-6)
         ticks = ring_ticks(T, M, P)
         decoder = ticks * (fwd_tick + bwd_tick + (fwd_tick if ck.decoder != "none" else 0.0))
         # --- encoder, memory K/V, head: B T rows per micro-batch, compute bound
@@ -165,12 +171,34 @@ def step_time(cfg: ModelConfig, layout: Layout, hw: Hardware) -> dict[str, float
         parts = {"decoder": layout.grad_accum * decoder, "encoder_head": layout.grad_accum * encoder,
                  "data_parallel": dp_time, "optimizer": optimizer}
         parts["total"] = sum(parts.values())
+        # what bounds a tick: the larger of compute and HBM (named by the larger of its two
+        # reads: the weights, or the attended K/V), or the TP all-reduces' latency, or launches
+        compute = sum(r.forward for r in dec) * B / T / flop_rate * eff
+        weights_t, kv_t = dec_weights * w / mem_rate * eff, kv_read / mem_rate * eff
+        launches = n * DECODER_OPS_FORWARD * hw.launch_us * 1e-6
+        bound = max((compute, "compute"), (weights_t + kv_t, "weight reads" if weights_t >= kv_t else "K/V reads"),
+                    (tp_ar, "TP latency"), (launches, "launches"))[1]
         if parts["total"] > worst.get("total", -1.0):
-            worst = parts | {"decoder_tick_fwd": fwd_tick, "decoder_tick_bwd": bwd_tick,
+            worst = parts | {"decoder_bound": bound, "decoder_tick_fwd": fwd_tick, "decoder_tick_bwd": bwd_tick,
                              "decoder_tick_gpu": fwd_gpu, "decoder_tp_allreduce": tp_ar,
                              "decoder_launch": n * DECODER_OPS_FORWARD * hw.launch_us * 1e-6,
                              "ticks": ticks}
     return worst
+
+
+def load_calibration(path: str) -> float:
+    """The measured decoder efficiency of tools/gpu/calibrate.py's JSON: the median over its rows
+    of measured / predicted decoder tick time (forward and backward)."""
+    import json
+    import statistics
+
+    with open(path) as f:
+        data = json.load(f)
+    ratios = [r[k] for r in data.get("rows", []) for k in ("ratio_fwd", "ratio_bwd") if k in r]
+    if not ratios or not all(x > 0 for x in ratios):
+        raise ConfigError(f"{path}: no positive measured/predicted ratios (rows[].ratio_fwd, ratio_bwd): "
+                          "write it with tools/gpu/calibrate.py --out")
+    return statistics.median(ratios)
 
 
 def peak_memory(cfg: ModelConfig, layout: Layout) -> float:

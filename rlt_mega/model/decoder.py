@@ -41,32 +41,33 @@ added directly, and the rest (keys before the chunk, and the whole memory, whose
 needed at the end) is formed once per chunk as one batched GEMM over the chunk's stored score
 gradients and probabilities.
 
-Checkpointing. The forward always keeps, per layer and position, the normalised inputs of the
-three norms with their 1/rms and the two attention outputs (3d + 2 h Dh + 3 values per row); the
-rest of what the backward reads (RoPE'd q/k, the cross query, gate/up, the SwiGLU product: the
-"slot tensors") is kept too in mode "save" (slots = capacity), and in a checkpointed run (mode
-"checkpoint": one slot each, but the SwiGLU product's ``checkpoint_slots``, since its chunk's
-weight-gradient flush reads it) recomputed from the kept tensors just before each
-position's backward (mode "recompute"): three products, RoPE and SwiGLU, with no norm, no
-attention and no residual product, and nothing from any other position, so no segment of
-positions has to be replayed (in this path "step" and "every_k" are one mode). The choice:
-attention at one query row per head is memory-bound (it reads every key and value) and costs
-more to recompute than its output costs to keep (Megatron's selective recomputation chooses the
-other way round, for the opposite shapes: its attention activations are quadratic in T), and
-keeping the normalised inputs makes positions independent. What a checkpointed run keeps is about
-a third of what "save" keeps at small_cpu's sizes (d=256, F=704: 1283 of 4035 values per row and
-layer), next to the K/V and their gradients that every mode holds. The recomputation repeats the
-forward's operations on the same values, so the gradients are the same in every mode, bit for bit.
+Checkpointing. Without it ("save") the forward keeps, per layer and position, everything the
+backward and the weight-gradient flush read: the normalised inputs of the three norms with their
+1/rms, the RoPE'd q/k, the two attention outputs, the cross query, gate/up and the SwiGLU product
+(the "saved" buffers). A checkpointed run (``checkpoint=k``: train.checkpointing.decoder=every_k
+with decoder_k=k; "step" is k = 1) keeps per position only what cannot be recomputed from the
+position before: the stage's input x (z_{t-1}, or the previous stage's output; the embeddings are
+the caller's) and the decoder and memory K/V that attention reads. Before the backward of a segment
+of k positions (``backward`` at the segment's last position) its forward, attention included, is
+recomputed in order into a ring of activation slots (model/run_buffers.ring_slots: whole
+weight-gradient chunks covering W + k - 1 positions, what must be live together), and the
+deferred weight-gradient flush reads its inputs from that ring. The recomputation repeats the
+forward's operations on the same values (the K/V it reads are the kept ones, rewritten by
+nobody), and the flushes do not depend on the mode, so the gradients of every mode are the same,
+bit for bit. Its cost: one more forward of the decoder per step (Megatron's full recomputation;
+keeping the normalised inputs instead, as a selective scheme would, costs 3d + 2 h Dh values per
+row, layer and position: at rlt_48x48's sizes more than the K/V themselves).
 
-Memory. A run's buffers come in two slabs: the forward's (what the backward reads: the kept
-tensors above and the K/V), taken from the workspace pool (model/workspace.py) and alive as
-long as the graph, and the backward's scratch (the weight-gradient rings, the K/V gradients and
-the deferred K/V rows, the embeddings' gradient: ``scratch_bytes()``), allocated by the first
-backward and freed by ``release_scratch()``, which the dense schedule calls once its backward has
-returned everything: the encoder's backward and the optimizer step run without it (a second
-backward through the same graph allocates it again). The weight-gradient accumulators are the
-backward's too; it hands them to autograd and keeps no reference. cost/fused_memory.py models
-all of it for ``rlt-mega plan``.
+Memory. A run's buffers are one list, model/run_buffers.run_buffers (a pure function of shapes
+and mode that the planner prices too: cost/fused_memory.py), in two parts: the forward's slab (what
+the backward reads: the kept tensors, the stage inputs and the K/V), taken from the workspace pool
+(model/workspace.py) and alive as long as the graph, and the backward's scratch (the weight-gradient
+rings, the K/V gradients and rows, the embeddings' gradient: ``scratch_bytes()``), allocated by the
+first backward and freed by ``release_scratch()``, which the dense schedule calls once its backward
+has returned everything: the encoder's backward and the optimizer step run without it (a second
+backward through the same graph allocates it again). The K/V gradients are one slab per layer,
+freed by ``memory_grads`` as soon as that layer's copies are made. The weight-gradient
+accumulators are the backward's too; it hands them to autograd and keeps no reference.
 
 The capture-ready step (``static=True``). Nothing in a position's computation depends on t
 through a shape or a Python value: t is a device tensor, K/V and saved tensors are written with
@@ -123,8 +124,9 @@ class DecoderRun:
 
     memory: per layer of the stack, the memory K/V (B, h_kv, S, Dh) (slot 0 the null memory),
     any dtype, read only. grads: the accumulators of the deferred weight gradients (None: no
-    backward). slots: activation slots (None: every position saved; a checkpointed run:
-    :func:`checkpoint_slots`). static: the capture-ready form. rows: which rows each position
+    backward). checkpoint: k, keep the stage inputs and recompute segments of k positions
+    (None: keep everything); embeddings (T, B, d): e_t for the recomputation (the input layer);
+    keep_inputs=False: the caller keeps the inputs (the captured run). static: the capture-ready form. rows: which rows each position
     runs on (schedule/dense.py; None: all of them); x, e, y and their gradients stay (B, d) in
     the caller's order, dead rows 0."""
 
@@ -173,12 +175,14 @@ class DecoderRun:
                               own_kv=state is None, keep_inputs=keep_inputs)
         dtypes = {"compute": stack.compute_dtype, "stream": stack.stream_dtype, "stat": stack.stat_dtype}
         slab, scratch = Slab(stack.device), Slab(stack.device)
+        # the K/V gradients: a slab per layer, each freed once its memory gradient is out (memory_grads)
+        kv_grads = {i: Slab(stack.device) for i in spec.layers}
         self._purpose = {b.name: b.purpose for b in buffers}
         for b in buffers:  # under a row plan the deferred K/V rows of the rows a position does not run stay 0
-            (scratch if b.backward else slab).add(b.name, b.shape, dtypes[b.role],
-                                                  b.zero or (rows is not None and b.purpose == "kv_rows"))
-        self._sizes = {**slab.sizes(), **scratch.sizes()}
-        self._scratch_sizes = scratch.sizes()
+            into = slab if not b.backward else (scratch if b.layer is None else kv_grads[b.layer])
+            into.add(b.name, b.shape, dtypes[b.role], b.zero or (rows is not None and b.purpose == "kv_rows"))
+        self._scratch_sizes = {**scratch.sizes(), **{n: v for s in kv_grads.values() for n, v in s.sizes().items()}}
+        self._sizes = {**slab.sizes(), **self._scratch_sizes}
         self.tensors = slab.allocate(self)
         self.buf = {i: ({n: self.tensors[f"{n}{i}"] for n in SAVED} if grad else {}) for i in spec.layers}
         self.xs = self.tensors.get("x")  # (T, B, d): the kept stage inputs of a checkpointed run
@@ -190,7 +194,9 @@ class DecoderRun:
         if spec.with_input and grad:
             self.a0, self.r0 = self.tensors["a0"], self.tensors["r0"]
         self._scratch = scratch if grad else None
+        self._kv_grad_slabs = kv_grads
         self._scratch_names: tuple[str, ...] = ()
+        self._kv_released = False  # memory_grads has freed the K/V gradients
         if grad and static:  # a captured step reads fixed addresses: the scratch lives as long as the run
             self._bind_scratch()
         self.position = None
@@ -219,7 +225,10 @@ class DecoderRun:
         spec, B, Dh, cap = self.stack.spec, self.B, self.stack.spec.head_dim, self.capacity
         BH = B * self.h_kv
         tensors = self._scratch.allocate(self, pooled=False)
+        for layer_slab in self._kv_grad_slabs.values():
+            tensors.update(layer_slab.allocate(self, pooled=False))
         self._scratch_names = tuple(tensors)
+        self._kv_released = False
         self.tensors.update(tensors)
         for i in spec.layers:
             self.buf[i].update({n: tensors[f"{n}{i}"] for n in RING})
@@ -241,7 +250,7 @@ class DecoderRun:
         if not self._scratch_names or self.static:
             return
         for name in self._scratch_names:
-            del self.tensors[name]
+            self.tensors.pop(name, None)
         for i in self.stack.spec.layers:
             for n in RING:
                 del self.buf[i][n]
@@ -280,7 +289,8 @@ class DecoderRun:
         """Zeroes the K/V gradient accumulators: each backward pass starts from zero (a second
         backward through the same forward gives the same gradients)."""
         self.z0_grad = None
-        if not self._scratch_names:
+        if not self._scratch_names or self._kv_released:
+            self.release_scratch()
             self._bind_scratch()  # fresh: zeroed
             return
         for i in self.stack.spec.layers:
@@ -652,7 +662,10 @@ class DecoderRun:
     # ------------------------------------------------------------------ results
     def memory_grads(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer: the gradients of the memory K/V given at construction, in their shapes
-        (B, h_kv, S, Dh) and dtypes (new tensors: the buffers go back to the workspace)."""
+        (B, h_kv, S, Dh) and dtypes (new tensors). Once every position's backward has run:
+        each layer's K/V gradients are freed as soon as its copies are made (the eager form;
+        the captured one keeps its addresses), so the copies never all sit beside them; a
+        later backward allocates them again."""
         out = []
         for i in self.stack.spec.layers:
             (B, h_kv, S, Dh), dtype = self.mem_meta[i]
@@ -661,6 +674,12 @@ class DecoderRun:
             if self.row_plan is not None:
                 gk, gv = self.row_plan.to_caller(gk), self.row_plan.to_caller(gv)
             out.append((gk, gv))
+            if not self.static:
+                for name in ("gkt", "gv", "gmkt", "gmv"):
+                    self.tensors.pop(f"{name}{i}")
+                for views in (self.gkt4, self.gv4, self.gkt, self.gv, self.gmkt, self.gmv):
+                    del views[i]
+                self._kv_released = True
         return out
 
     def input_grads(self) -> torch.Tensor:

@@ -53,6 +53,7 @@ class Buffer(NamedTuple):
     role: str  # "compute" | "stream" | "stat"
     zero: bool = False
     backward: bool = False
+    layer: Optional[int] = None  # the K/V gradients: one slab per layer, freed layer by layer
 
 
 def wgrad_positions(batch: int, capacity: int) -> int:
@@ -63,13 +64,16 @@ def wgrad_positions(batch: int, capacity: int) -> int:
 
 def ring_slots(batch: int, capacity: int, checkpoint: Optional[int]) -> int:
     """Activation slots of a run: one per position without checkpointing; with segments of k
-    positions, whole weight-gradient chunks covering W + k - 1 positions (what must be live at
-    once: the segment being backwarded and the chunk its first position flushes), capped at the
-    capacity."""
+    positions, whole weight-gradient chunks covering what must be live at once: the segment being
+    recomputed and backwarded and the chunk its positions flush. When k divides W (or W divides k)
+    no segment straddles a chunk boundary and a chunk (a segment) is all of it; otherwise
+    W + k - 1 positions. Capped at the capacity."""
     if checkpoint is None:
         return capacity
-    W = wgrad_positions(batch, capacity)
-    return min(capacity, W * math.ceil((W + checkpoint - 1) / W))
+    W, k = wgrad_positions(batch, capacity), checkpoint
+    if W % k == 0 or k % W == 0:  # segments inside chunks, or chunks inside segments: one of them
+        return min(capacity, max(W, k))
+    return min(capacity, W * math.ceil((W + k - 1) / W))
 
 
 def run_buffers(layers: Sequence[int], batch: int, capacity: int, mem_capacity: int, d: int, head_dim: int,
@@ -106,10 +110,10 @@ def run_buffers(layers: Sequence[int], batch: int, capacity: int, mem_capacity: 
         if grad:
             out += [Buffer(f"{n}{i}", "wgrad_ring", (W, B, widths[n]), roles.get(n, "compute"), backward=True)
                     for n in RING]
-            out += [Buffer(f"gkt{i}", "kv", (B, h_kv, Dh, T), "stat", zero=True, backward=True),
-                    Buffer(f"gv{i}", "kv", (B, h_kv, T, Dh), "stat", zero=True, backward=True),
-                    Buffer(f"gmkt{i}", "kv", (BH, Dh, S), "stat", zero=True, backward=True),
-                    Buffer(f"gmv{i}", "kv", (BH, S, Dh), "stat", zero=True, backward=True)]
+            out += [Buffer(f"gkt{i}", "kv", (B, h_kv, Dh, T), "stat", zero=True, backward=True, layer=i),
+                    Buffer(f"gv{i}", "kv", (B, h_kv, T, Dh), "stat", zero=True, backward=True, layer=i),
+                    Buffer(f"gmkt{i}", "kv", (BH, Dh, S), "stat", zero=True, backward=True, layer=i),
+                    Buffer(f"gmv{i}", "kv", (BH, S, Dh), "stat", zero=True, backward=True, layer=i)]
             if not static:  # the chunk's stored rows for the deferred K/V gradients (batch-major)
                 Wkv = min(KV_CHUNK, T)
                 for kind, n_keys in (("s", T), ("m", S)):

@@ -16,6 +16,15 @@ the graph. The deferred weight-gradient flushes (a few large GEMMs every W posit
 between replays. Captured runs are cached per model by their shapes; one in use (a forward whose
 backward has not run yet) is never handed out twice.
 
+Every layout (the planner ranks tensor- and pipeline-parallel ones first). Under tensor
+parallelism the stack's all-reduces run inside the captured bodies (NCCL collectives capture;
+tools/gpu/cuda_graphs.py --world-of-one checks a captured step with them against the eager one
+on a one-rank NCCL group). Under pipeline parallelism a stage does not run the dense loop: its
+positions arrive over the wire, so each micro-batch is a :class:`CapturedStageRun` (one
+position's forward, recomputation and backward captured; the sends and receives between the
+replays, outside the graphs). Packed documents (per-row restarts) and a GRPO batch's row plan
+run the eager step (the same function).
+
 Without CUDA the same object runs with the captured bodies called directly (``capture=False``),
 which the unit tests use to check the orchestration against the module path on a CPU; the
 capture itself is checked by tools/gpu/cuda_graphs.py on a GPU.
@@ -148,6 +157,79 @@ class CapturedRun:
         return run.input_grads(), self.carry.clone(), memory, run.grads.grads()
 
 
+class CapturedStageRun:
+    """A pipeline stage's micro-batch (parallel/stage.py) on the capture-ready step: the same
+    interface as a :class:`DecoderRun` (``forward(t, x, e, mode)``, ``backward(t, gy)``,
+    ``memory_grads``, ``input_grads``), with one position's forward, its recomputation and its
+    backward captured as graphs (called directly without CUDA) and replayed for every t. The
+    sends and receives stay outside: the stage copies what arrived into this object's input
+    buffers and sends a copy of its outputs. Under tensor parallelism the stack's all-reduces are
+    inside the captured bodies (NCCL collectives capture). The weight-gradient flushes run eagerly
+    between replays, into the round's accumulators ``grads``. Captured once per micro-batch and
+    round: the round's stack (its weights' addresses) is fixed, and the capture's cost (three
+    positions) is small against the T positions it replays."""
+
+    def __init__(self, stack: DecoderStack, batch: int, capacity: int, memory, grads: WeightGrads,
+                 checkpoint, capture: bool) -> None:
+        self.T, self.checkpoint = capacity, checkpoint
+        self.run = DecoderRun(stack, batch, capacity, memory, grads=grads, checkpoint=checkpoint, static=True,
+                              keep_inputs=False)
+        device, d, dtype = stack.device, stack.d, stack.stream_dtype
+        self.xs = torch.zeros(capacity, batch, d, dtype=dtype, device=device)  # the stage's inputs (kept)
+        self.e = torch.zeros(capacity, batch, d, dtype=dtype, device=device) if stack.spec.with_input else None
+        self.y = torch.zeros(batch, d, dtype=dtype, device=device)
+        self.gy = torch.zeros(batch, d, dtype=dtype, device=device)
+        self.gx = torch.zeros(batch, d, dtype=dtype, device=device)
+        self.z0_grad = None  # (no packed documents on this form)
+        self.mode = "save" if checkpoint is None else "checkpoint"
+        pool = torch.cuda.graph_pool_handle() if capture else None
+        self.forward_body = _Body(lambda: self._forward(self.mode), capture, pool)
+        self.recompute_body = _Body(lambda: self._forward("recompute"), capture, pool) if checkpoint else None
+        self.backward_body = _Body(self._backward, capture, pool)
+        self.run.reset_grads()  # the warm-up ran the bodies once
+
+    def _forward(self, mode: str) -> None:
+        pos = self.run.position
+        pos.update()
+        x = self.xs.index_select(0, pos.t1).squeeze(0)
+        e = None if self.e is None else self.e.index_select(0, pos.t1).squeeze(0)
+        self.y.copy_(self.run.step_forward(pos, x, e, mode))
+
+    def _backward(self) -> None:
+        pos = self.run.position
+        pos.update()
+        self.gx.copy_(self.run.step_backward(pos, self.gy))
+
+    def forward(self, t: int, x: torch.Tensor, e, mode: str) -> torch.Tensor:
+        if mode != self.mode:
+            raise ValueError(f"a captured stage run of mode {self.mode!r} asked for {mode!r}")
+        self.xs[t].copy_(x)
+        if self.e is not None:
+            self.e[t].copy_(e)
+        self.run.position.t.fill_(t)
+        self.forward_body()
+        return self.y.clone()
+
+    def backward(self, t: int, gy: torch.Tensor) -> torch.Tensor:
+        k = self.checkpoint
+        if k is not None and (t + 1 == self.T or (t + 1) % k == 0):  # t's segment again, in order
+            for u in range(t - t % k, t + 1):
+                self.run.position.t.fill_(u)
+                self.recompute_body()
+        self.run.position.t.fill_(t)
+        self.gy.copy_(gy)
+        self.backward_body()
+        if t % self.run.chunk == 0:
+            self.run.flush(t, min(t + self.run.chunk, self.T))
+        return self.gx.clone()
+
+    def memory_grads(self):
+        return self.run.memory_grads()
+
+    def input_grads(self) -> torch.Tensor:
+        return self.run.input_grads()
+
+
 class GraphedDecode(torch.autograd.Function):
     """The dense schedule's autograd Function (model/dense_decode.py ``DenseDecode``) on a CapturedRun."""
 
@@ -191,9 +273,22 @@ class GraphedDecoder(Decoder):
     not followed, the padded schedule computes the same function), its captured runs cached by
     shape. The rollout and the pipeline's positions run the eager step as before."""
 
-    def __init__(self, all_reduce=None) -> None:
+    def __init__(self, all_reduce=None, capture: bool = True) -> None:
         super().__init__(all_reduce=all_reduce, static=True)
         self.graphs = GraphCache()
+        self.capture = capture  # False: the bodies are called directly (the CPU's tests)
+        self.eager = Decoder(all_reduce=all_reduce)  # packed documents: the eager step (the same function)
+
+    def dense(self, model, emb, mem, z0=None, rows=None, documents=None):
+        if documents is not None:  # each row's documents restart z: the eager form's per-row resets
+            return self.eager.dense(model, emb, mem, z0, rows, documents)
+        return super().dense(model, emb, mem, z0, rows, documents)
+
+    def stage_run(self, stack: DecoderStack, batch: int, capacity: int, memory, grads: WeightGrads, checkpoint
+                  ) -> CapturedStageRun:
+        """A pipeline stage's micro-batch with its positions captured (parallel/stage.py)."""
+        return CapturedStageRun(stack, batch, capacity, memory, grads, checkpoint,
+                                capture=self.capture and stack.device.type == "cuda")
 
     def _dense_grad(self, model, emb, z0, memory, flat_memory, spec, weights, checkpoint, compute, plan_rows,
                     documents):
@@ -204,7 +299,7 @@ class GraphedDecoder(Decoder):
         def build() -> CapturedRun:
             private = [w.detach().clone() for w in weights]  # the graphs read these; refreshed per forward
             stack = self.stack(model, spec, private, B, True, emb.dtype, compute)
-            return CapturedRun(stack, spec, private, B, T, memory, checkpoint, capture=emb.is_cuda)
+            return CapturedRun(stack, spec, private, B, T, memory, checkpoint, capture=self.capture and emb.is_cuda)
 
         captured = self.graphs.get(key, build)
         return GraphedDecode.apply(captured, len(flat_memory), emb, z0, *flat_memory, *weights)

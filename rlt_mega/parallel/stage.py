@@ -58,6 +58,7 @@ from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.documents import Documents
 from rlt_mega.model.dense_decode import compute_dtype_of, row_plan, segment_length
 from rlt_mega.model.rlt import RLT
+from rlt_mega.parallel.cuda_graphs import GraphedDecoder
 from rlt_mega.schedule.prompt_pack import PromptPack
 
 
@@ -201,7 +202,12 @@ class RLTStage:
         if self.is_first_stage:
             mb.z0 = self.model.initial_state(b)  # (b, d), graph into z_init
         rows = row_plan(mb.batch.get(DENSE_ROWS), b, T, mb.inputs.device, static=False)  # GRPO: schedule/dense.py
-        mb.run = DecoderRun(self.stack, b, T, [(dense.k[i], dense.v[i]) for i in self.layers],
+        memory = [(dense.k[i], dense.v[i]) for i in self.layers]
+        if self.grad and isinstance(self.model.decoder, GraphedDecoder) and rows is None and mb.docs is None:
+            # train.cuda_graphs: this micro-batch's positions captured (sends and receives outside)
+            mb.run = self.model.decoder.stage_run(self.stack, b, T, memory, self.weight_grads, checkpoint)
+            return
+        mb.run = DecoderRun(self.stack, b, T, memory,
                           grads=self.weight_grads, checkpoint=checkpoint, rows=rows, documents=mb.docs,
                           embeddings=mb.e if self.is_first_stage and checkpoint is not None else None,
                           z0=mb.z0 if mb.docs is not None else None)

@@ -114,3 +114,29 @@ def checkpointing_bit_identical(model=None, parallel=None, train=None) -> dict:
                         "unequal": [n for n in base if n not in grads or not grads[n].equal(base[n])],
                         "more_positions": positions > base_positions}  # the recomputation ran
     return out
+
+
+def graphs_vs_module(model=None, parallel=None, train=None) -> dict:
+    """train.cuda_graphs=true in a parallel layout on the CPU: the engine with its decoder on the
+    capture-ready step (parallel/cuda_graphs.py; the bodies called directly: no CUDA here; under
+    PP each stage's micro-batches are CapturedStageRuns, under TP the all-reduces run inside the
+    bodies) against the single-process reference."""
+    from rlt_mega.parallel import cuda_graphs, distributed
+
+    def install(model):  # install_cuda_graphs without its CUDA check
+        model.decoder = cuda_graphs.GraphedDecoder(all_reduce=model.decoder.all_reduce, capture=False)
+
+    captured = {"stage_runs": 0}
+    stage_run = cuda_graphs.GraphedDecoder.stage_run
+
+    def counted(self, *args, **kwargs):
+        captured["stage_runs"] += 1
+        return stage_run(self, *args, **kwargs)
+
+    original = distributed.install_cuda_graphs
+    distributed.install_cuda_graphs, cuda_graphs.GraphedDecoder.stage_run = install, counted
+    try:
+        out = fused_vs_module(model, parallel, {**(train or {}), "cuda_graphs": True})
+    finally:
+        distributed.install_cuda_graphs, cuda_graphs.GraphedDecoder.stage_run = original, stage_run
+    return {**out, **captured}

@@ -23,7 +23,13 @@ CHECKPOINTING = [
     (S + "checkpointing_bit_identical", {"model": {"memory_block": 3}, "parallel": {"tp": 2, "pp": 2,
                                                                                     "micro_batches": 2}}),
 ]
-SCENARIOS = {4: GRADIENTS + CHECKPOINTING}
+GRAPHS = [
+    (S + "graphs_vs_module", {"model": {"n_kv_heads": 2}, "parallel": {"tp": 2}}),
+    (S + "graphs_vs_module", {"model": {"memory_block": 3}, "parallel": {"pp": 2, "micro_batches": 2},
+                              "train": {"checkpointing": {"decoder": "every_k", "decoder_k": 3}}}),
+    (S + "graphs_vs_module", {"parallel": {"tp": 2, "pp": 2, "micro_batches": 2}}),
+]
+SCENARIOS = {4: GRADIENTS + CHECKPOINTING + GRAPHS}
 
 
 @pytest.mark.parametrize("name,args", GRADIENTS)
@@ -46,3 +52,16 @@ def test_checkpointed_gradients_are_bit_identical_in_every_layout(ranks, name, a
             got = r[decoder]
             assert got["loss_equal"] and got["names_equal"] and got["more_positions"], (decoder, got)
             assert got["unequal"] == [], (decoder, got["unequal"])
+
+
+@pytest.mark.parametrize("name,args", GRAPHS)
+def test_captured_steps_in_every_layout_equal_the_reference(ranks, name, args):
+    """train.cuda_graphs under TP=2 (the all-reduces inside the captured bodies), PP=2 (each
+    stage's positions captured, checkpointed; sends and receives outside) and TP=2 x PP=2, on
+    the CPU with the bodies called directly: the gradients of the one-process reference."""
+    pp = args["parallel"].get("pp", 1)
+    for r in ranks(4).each(name, args):
+        assert r["fused_positions"] > 0 and r["module_layers"] == 0, r
+        assert (r["stage_runs"] > 0) == (pp > 1), r
+        assert abs(r["loss"] - r["ref_loss"]) < 1e-5
+        assert r["grad_diff"] < 1e-5 * max(1.0, r["grad_scale"]), r["grad_worst"]

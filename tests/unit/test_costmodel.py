@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
-from rlt_mega.model import kernels as fused_kernels
+from rlt_mega.model import kernels as fused_kernels, run_buffers
 from rlt_mega.model.decoder import DecoderRun
 from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.workspace import WORKSPACE
@@ -317,6 +317,27 @@ def test_peak_forward_backward_memory_bf16_fused(mode, enc):
                                       onednn_weights=True, **CPU), 0)
     backward = max(rep.phases[k] for k in ("head_backward", "decoder_backward", "encoder_backward"))
     assert backward - rep.master_weights - rep.optimizer_states == pytest.approx(measured, rel=0.15), rep.phases
+
+
+@pytest.mark.parametrize("k", [1, 4, 16])
+@pytest.mark.parametrize("name,dtype", [("tiny", "fp32"), ("tiny", "bf16"), ("small", "fp32"), ("small", "bf16")])
+def test_checkpointed_step_peak_within_5_percent(name, dtype, k, monkeypatch):
+    """The checkpointed decoder's peak (the kept inputs, the recomputation ring of whole flush
+    chunks, the K/V) against MemTracker: with flushes of 32 rows (W = 4 positions at B = 8) the
+    ring (4, 4 and 16 slots) is shorter than the T = 32 positions."""
+    monkeypatch.setattr(run_buffers, "WGRAD_ROWS", 32)
+    cfg = ModelConfig(**CONFIGS[name])
+    ck = CheckpointingConfig(decoder="step" if k == 1 else "every_k", decoder_k=k)
+    B, T = 8, 32
+    layout = Layout(seq_len=T, micro_batch_size=B, checkpointing=ck, onednn_weights=True, dtype=dtype, **CPU)
+    assert run_buffers.ring_slots(B, T, k) == {1: 4, 4: 4, 16: 16}[k]
+    if dtype == "fp32":
+        assert estimate_memory(cfg, layout, 0).peak == pytest.approx(_measure_engine_step(cfg, B, T, ck), rel=0.05)
+        return
+    rep = estimate_memory(cfg, layout, 0)
+    backward = max(rep.phases[p] for p in ("head_backward", "decoder_backward", "encoder_backward"))
+    predicted = backward - rep.master_weights - rep.optimizer_states
+    assert predicted == pytest.approx(_measure_forward_backward_bf16(cfg, B, T, ck), rel=0.05), rep.phases
 
 
 @pytest.mark.parametrize("name,dtype,mode,pp,stage", [

@@ -131,7 +131,8 @@ def test_fused_gradient_matches_central_finite_differences(name):
     assert grad.abs().sum() > 0
 
 
-MODES = [dict(decoder="step"), dict(decoder="every_k", decoder_k=3), dict(decoder="every_k", decoder_k=7),
+MODES = [dict(decoder="step"), dict(decoder="every_k", decoder_k=2), dict(decoder="every_k", decoder_k=3),
+         dict(decoder="every_k", decoder_k=7), dict(decoder="every_k", decoder_k=8),
          dict(decoder="every_k", decoder_k=40), dict(decoder="step", encoder=True)]
 
 
@@ -140,8 +141,9 @@ def test_checkpointing_modes_give_bit_identical_gradients(kernel, form, monkeypa
     """Saving everything against recomputing segments of k positions (attention included) from the
     stage inputs a checkpointed run keeps (model/decoder.py). T = 37 spans several K/V-gradient
     chunks (16) and, with 8-row weight-gradient flushes (W = 4 positions at B = 2), ten flushes
-    through the ring: k = 1 (a ring of W slots), 3 and 7 (segments across flushes), 40 (past the
-    capacity: one segment)."""
+    through the ring: k = 1 and 2 (segments inside a flush chunk: a ring of W slots), 3 and 7
+    (segments across flushes: W + k - 1 positions rounded to chunks), 8 (chunks inside a segment),
+    40 (past the capacity: one segment)."""
     monkeypatch.setattr(run_buffers, "WGRAD_ROWS", 8)
     cfg, x = cfg_of(memory_block=3, max_seq_len=64), tokens(B=2, T=37)
     static, graphs = form == "static", form == "graphs"
@@ -177,7 +179,7 @@ def test_a_checkpointed_run_keeps_the_inputs_and_a_ring():
     W = run_buffers.wgrad_positions(2, 37)  # 256 at the default 512 rows: capped at the capacity
     assert W == 37 and run_buffers.ring_slots(2, 37, 1) == 37
     assert run_buffers.wgrad_positions(16, 512) == 32
-    assert [run_buffers.ring_slots(16, 512, k) for k in (1, 2, 16, 33, 34, 600)] == [32, 64, 64, 64, 96, 512]
+    assert [run_buffers.ring_slots(16, 512, k) for k in (1, 2, 16, 64, 33, 34, 600)] == [32, 32, 32, 64, 64, 96, 512]
     bufs = {b.name: b for b in run_buffers.run_buffers(range(1), 16, 512, 513, 8, 4, 2, 1, 12, grad=True,
                                                          with_input=True, checkpoint=1)}
     assert bufs["x"].shape == (512, 16, 8) and bufs["a10"].shape[0] == 32 and bufs["qk0"].shape[0] == 1
@@ -294,10 +296,10 @@ def test_cuda_graphs_settings_are_checked():
         load_config(None, ["train.cuda_graphs=true", "train.device=cpu"])
     with pytest.raises(ConfigError, match="model.fused_decoder was removed"):
         load_config(None, ["model.fused_decoder=false"])
-    with pytest.raises(ConfigError, match="parallel.pp=2"):
-        load_config(None, ["train.cuda_graphs=true", "parallel.pp=2"])
-    with pytest.raises(ConfigError, match="parallel.tp=2: the captured bodies would hold NCCL all-reduces"):
-        load_config(None, ["train.cuda_graphs=true", "parallel.tp=2"])
+    # every layout the planner ranks: TP (all-reduces inside the captured bodies), PP (a stage's
+    # positions captured, sends and receives outside), both
+    for layout in (["parallel.tp=2"], ["parallel.pp=2"], ["parallel.tp=2", "parallel.pp=2", "parallel.micro_batches=2"]):
+        assert load_config(None, ["train.cuda_graphs=true", *layout]).train.cuda_graphs
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs the model on a CUDA device"):
             install_cuda_graphs(build_model(cfg_of(), seed=0))
@@ -319,3 +321,42 @@ def test_a_graph_kept_after_its_backward_gives_its_buffers_back():
     WORKSPACE.clear()
     model(tokens(seed=2))  # the next forward frees the spent run: its slab is back in the pool
     assert ctx.run is None and WORKSPACE.free_bytes() > 0
+
+
+@pytest.mark.parametrize("checkpoint", [None, 3])
+def test_a_captured_stage_run_equals_the_eager_one(checkpoint, monkeypatch):
+    """A pipeline stage's micro-batch on the capture-ready step (parallel/cuda_graphs.py
+    CapturedStageRun: the bodies called directly on the CPU) against the eager run, position by
+    position as the stage drives them: outputs, input gradients, memory and embedding gradients,
+    and the weight gradients flushed into the round's accumulators."""
+    from rlt_mega.model.decoder import DecoderRun
+    from rlt_mega.model.stack import WeightGrads
+    from rlt_mega.parallel.cuda_graphs import CapturedStageRun
+
+    monkeypatch.setattr(run_buffers, "WGRAD_ROWS", 8)  # W = 4 positions at B = 2: flushes inside the run
+    cfg, B, T = cfg_of(memory_block=3), 2, 11
+    model = build_model(cfg, seed=0)
+    g = torch.Generator().manual_seed(3)
+    spec, weights = model.decoder.weights(model, range(cfg.n_layers), True)
+    stack = model.decoder.stack(model, spec, weights, B, True, torch.float32, torch.float32)
+    memory = [(torch.randn(B, cfg.n_kv_heads, 1 + T, cfg.head_dim, generator=g),
+               torch.randn(B, cfg.n_kv_heads, 1 + T, cfg.head_dim, generator=g)) for _ in range(cfg.n_layers)]
+    e = torch.randn(T, B, cfg.d_model, generator=g)
+    xs = torch.randn(T, B, cfg.d_model, generator=g)  # what arrives over the wire at each position
+    gys = torch.randn(T, B, cfg.d_model, generator=g)
+    mode = "save" if checkpoint is None else "checkpoint"
+    results = []
+    for captured in (False, True):
+        grads = WeightGrads(spec, [w.detach() for w in weights])
+        if captured:
+            run = CapturedStageRun(stack, B, T, memory, grads, checkpoint, capture=False)
+        else:
+            run = DecoderRun(stack, B, T, memory, grads=grads, checkpoint=checkpoint, embeddings=e)
+        ys = torch.stack([run.forward(t, xs[t], e[t], mode) for t in range(T)])
+        gxs = torch.stack([run.backward(t, gys[t]) for t in reversed(range(T))])
+        mem = [g for pair in run.memory_grads() for g in pair]
+        results.append((ys, gxs, mem, run.input_grads(), grads.grads()))
+    eager, graphed = results
+    for a, b in zip(eager, graphed):
+        for x, y in zip(a if isinstance(a, list) else [a], b if isinstance(b, list) else [b]):
+            assert rel(y, x) <= 1e-5

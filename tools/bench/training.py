@@ -53,6 +53,7 @@ from rlt_mega.reference import reference_decode, reference_forward
 MODES = {  # label -> checkpointing
     "none": dict(decoder="none"),
     "every_k=8": dict(decoder="every_k", decoder_k=8),
+    "every_k=16": dict(decoder="every_k", decoder_k=16),
     "step": dict(decoder="step"),
     "every_k=8+enc": dict(decoder="every_k", decoder_k=8, encoder=True),
     "step+enc": dict(decoder="step", encoder=True),
@@ -108,11 +109,12 @@ def section_throughput(args, clock, res: Results) -> None:
 
 def section_memory(args, clock, res: Results) -> None:
     T, B = args.seq_len, args.batch
-    runs = {label: make_step("configs/small_cpu.yaml", T, B, fused) for label, fused in PATHS.items()}
+    runs = {label: make_step("configs/small_cpu.yaml", T, B, fused) for label, fused in PATHS.items()
+            if label in args.paths}
     for _, _, step in runs.values():
         step()  # warm-up: Adam state, so that it is not counted as step memory
     cases = [("fused", label) for label in args.modes] + [("module", label) for label in ("none", "step+enc")
-                                                          if label in args.modes]
+                                                          if label in args.modes and "module" in runs]
     tensors, rss = {}, {}
     for path, label in cases:  # memory is deterministic: one step each
         model, _, step = runs[path]
@@ -127,7 +129,8 @@ def section_memory(args, clock, res: Results) -> None:
         model.set_checkpointing(CheckpointingConfig(**MODES[label]))
         step()
 
-    times, _ = best_of_rounds({case: (lambda c=case: run(*c)) for case in cases}, args.repeats, clock)
+    all_times, _ = timed_rounds({case: (lambda c=case: run(*c)) for case in cases}, args.repeats, clock)
+    times = {k: min(v) for k, v in all_times.items()}
     print(f"\n## activation checkpointing, small_cpu, B={B}, T={T}: peak = the step's memory above what lives "
           f"before it (tensors: the target's measure; RSS: with glibc's heap); time: best of {args.repeats} "
           "interleaved rounds; each against its path's no checkpointing")
@@ -148,10 +151,25 @@ def section_memory(args, clock, res: Results) -> None:
           "rows, allocated by the decoder's backward and freed at its end; plus fp32 weight-gradient accumulators "
           "(a copy of the decoder's weights) during the decoder's backward")
     model = runs["fused"][0]
+    per_row = {}
     for label in args.modes:
         model.set_checkpointing(CheckpointingConfig(**MODES[label]))
         sizes = fused_buffers(model, B, T)
+        per_row[label] = sum(v for k, v in sizes.items() if k != "of which backward scratch") / B
         print(f"  {label:<14} " + "  ".join(f"{k} {v / 2**20:.1f}" for k, v in sizes.items()))
+    if "none" in per_row:
+        print("decoder memory per row (the run's buffers, forward slab and backward scratch, / B), against none:")
+        for label, v in per_row.items():
+            print(f"  {label:<14} {v / 2**20:8.2f} MiB  {v / per_row['none']:.2f}")
+            res.row(f"decoder memory per row, small_cpu, B={B}, T={T}", mode=label,
+                    **{"MiB": round(v / 2**20, 2), "vs none": round(v / per_row["none"], 3)})
+        if "every_k=16" in per_row:
+            ratio, slower = per_row["every_k=16"] / per_row["none"], times["fused", "every_k=16"] / times["fused", "none"]
+            spread = sorted(round_ratios(all_times, ("fused", "every_k=16"), ("fused", "none")))
+            print(f"every_k=16 step time / none, per round (sorted): {' '.join(f'{r:.2f}' for r in spread)}")
+            res.target("decoder recomputation, small_cpu every_k=16", "decoder memory per row <= 40% of none, step "
+                       "time <= 1.4x none", f"{ratio:.2f} of the memory, {slower:.2f}x the time",
+                       ratio <= 0.40 and slower <= 1.4)
 
 
 def fused_buffers(model, B: int, T: int) -> dict[str, int]:
@@ -299,6 +317,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8, help="memory section: B")
     p.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES),
                    help="memory section: checkpointing modes (none is always measured)")
+    p.add_argument("--paths", nargs="+", choices=list(PATHS), default=list(PATHS),
+                   help="memory section: the decoder step (fused) and/or the reference (module)")
     p.add_argument("--enc-len", type=int, default=256, help="flops section: encoder T")
     p.add_argument("--dec-len", type=int, default=64, help="flops section: decoder T")
     p.add_argument("--dec-batch", type=int, default=8,

@@ -7,6 +7,10 @@ them off.
 
     PYTHONPATH=. python tools/gpu/cuda_graphs.py [--d-model 256 --layers 4 --batch 8 --seq-len 128]
 
+Under tensor parallelism the captured bodies hold the all-reduces: a world-of-one group (NCCL on
+a GPU) runs them inside the capture, and with deterministic kernels the captured step must equal
+the same step run eagerly bit for bit ("tp_world_of_one_bit_equal").
+
 Prints one JSON line and exits 0 when, in both modes, the gradients agree (fp32: every parameter
 within 1e-4 relative, norm-wise, of the module path's; the captured and the eager fused step
 within 1e-5 of each other; checkpointed within 1e-6 of not), 1 when they do not. Also reports the
@@ -68,6 +72,42 @@ def _graphed(model) -> None:
         model.decoder = GraphedDecoder(all_reduce=model.decoder.all_reduce)
 
 
+def _world_of_one_reduce(device):
+    """An in-place sum over a one-rank process group (NCCL on a GPU, gloo on the CPU): the
+    tensor-parallel all-reduce the captured bodies hold under TP, on a world of one."""
+    import socket
+
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=0, world_size=1)
+    group = dist.new_group([0])
+    return lambda x: dist.all_reduce(x, group=group)
+
+
+def world_of_one(cfg, device, x: torch.Tensor) -> dict:
+    """train.cuda_graphs under tensor parallelism: the decoder with its all-reduces inside the
+    captured bodies (a world of one) against the same capture-ready step run eagerly, gradients
+    compared bit for bit (required with deterministic kernels)."""
+    from rlt_mega.model.dense_decode import Decoder
+    from rlt_mega.model.rlt import build_model
+    from rlt_mega.parallel.cuda_graphs import GraphedDecoder
+
+    reduce = _world_of_one_reduce(device)
+    eager, graphed = build_model(cfg, device, seed=0), build_model(cfg, device, seed=0)
+    eager.decoder = Decoder(all_reduce=reduce, static=True)
+    graphed.decoder = GraphedDecoder(all_reduce=reduce, capture=device.type == "cuda")
+    _, a = _grads(eager, x)
+    _grads(graphed, x)  # the warm-up and capture
+    _, b = _grads(graphed, x)
+    return {"tp_world_of_one_bit_equal": all(torch.equal(a[n], b[n]) for n in a),
+            "tp_world_of_one_rel": _rel(b, a)[0]}
+
+
 def check(cfg, device, args, inject: bool = False) -> dict:
     from rlt_mega.config import CheckpointingConfig
     from rlt_mega.model.rlt import build_model
@@ -98,7 +138,11 @@ def check(cfg, device, args, inject: bool = False) -> dict:
                  "graphs_vs_fused": _rel(graphs, results["fused"][1])[0],
                  "checkpointed_vs_not": _rel(ckpt_grads, graphs)[0]}
     med = {k: statistics.median(v) for k, v in times.items()}
-    return {"status": verdict(distances), **distances,
+    tp = world_of_one(cfg, device, x)
+    status = verdict(distances)
+    if status == "ok" and args.require_bits and not tp["tp_world_of_one_bit_equal"]:
+        status = f"fail: captured TP step (world of one) differs from the eager one: {tp['tp_world_of_one_rel']:.3g}"
+    return {"status": status, **distances, **tp,
             "graphs_equal_fused": all(torch.equal(graphs[n], results["fused"][1][n]) for n in graphs),
             "seconds": med, "ms_per_position": {k: 1000 * v / args.seq_len for k, v in med.items()},
             "position_speedup_vs_fused_eager": med["fused"] / med["graphs"],
@@ -132,6 +176,7 @@ def main() -> int:
     failed = []
     for mode in modes:  # on first: configure(True) pins cuBLAS's workspace before any CUDA work
         determinism.configure(mode == "on")
+        args.require_bits = mode == "on"
         try:
             out[f"deterministic_{mode}"] = r = check(cfg, device, args, args.inject)
         except Exception as exc:  # a capture that fails (an op that syncs or is not capturable) is the finding
