@@ -18,6 +18,7 @@ import pytest
 from rlt_mega import cli
 from rlt_mega.config import ConfigError, load_config
 from rlt_mega.parallel.dims import resolve_layout
+from rlt_mega.train.grpo import check_roles_layout
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -100,12 +101,13 @@ def rlt_mega_argv(words: list[str]) -> tuple[dict, list[str] | None, int | None]
 
 
 def check_layout(cfg, world: int) -> None:
-    """What every rank checks first: the layout against the processes launched."""
-    n = cfg.parallel.tp * cfg.parallel.pp
-    replicas = 1 + cfg.grpo.sampler_replicas if cfg.grpo.sampler_replicas else None
-    if replicas:
-        assert world == replicas * n, f"{replicas} replicas of tp*pp={n} need {replicas * n} processes, not {world}"
-        assert resolve_layout(cfg.parallel, cfg.model, n) == (cfg.parallel.tp, cfg.parallel.pp, 1)
+    """What every rank checks first: the layout against the processes launched (under the roles,
+    the learner's tp x pp x dp ranks and R sampler replicas of tp x pp: train/grpo.py)."""
+    if cfg.grpo.sampler_replicas:
+        check_roles_layout(cfg, world)
+        n = cfg.parallel.tp * cfg.parallel.pp
+        assert resolve_layout(cfg.parallel, cfg.model, n * (cfg.parallel.dp or 1))[:2] == (cfg.parallel.tp,
+                                                                                          cfg.parallel.pp)
     else:
         resolve_layout(cfg.parallel, cfg.model, world)
 
@@ -172,7 +174,7 @@ def test_the_check_catches_a_wrong_command():
         ("rlt-mega plan --config configs/rlt_48x48.yaml --hosts 8", "--hosts"),
         ("NPROC_PER_NODE=4 bash launch/torchrun.sh --config configs/grpo_gsm8k.yaml parallel.tp=4", "tp"),
         ("COMMAND=grpo NPROC_PER_NODE=8 bash launch/torchrun.sh --config configs/grpo_gsm8k.yaml "
-         "parallel.tp=2 grpo.sampler_replicas=1", "need 4 processes"),
+         "parallel.tp=2 grpo.sampler_replicas=1", "runs on 4 processes"),
         ("NPROCS=8 bash launch/torchrun.sh --config configs/tiny_cpu.yaml", "NPROCS"),
         ("bash tools/gpu_check.sh --fast", "--fast"),
     ]:

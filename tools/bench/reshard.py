@@ -23,6 +23,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness import Results, add_json_arg
+
 ROOT = Path(__file__).resolve().parents[2]
 BUCKET = 8 << 20
 
@@ -90,7 +92,7 @@ def make_checkpoint(root: Path, config: str = "small_cpu") -> tuple[Path, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", help="write the results here")
+    add_json_arg(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="rlt_reshard_bench_") as tmp:
         src, largest = make_checkpoint(Path(tmp) / "ckpt")
@@ -119,11 +121,17 @@ def main() -> None:
         print(f"{r['move']:<34} {r['seconds']:>7.2f} {r['total_seconds']:>7.2f} {r['mb_read']:>8.2f} "
               f"{r['mb_written']:>8.2f} {r['peak_mb']:>8.1f} {r['above_imports_mb']:>7.1f} {r['bound_mb']:>7.1f} "
               f"{r['peak_ratio_to_bound']:>6.3f}")
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps({"largest_parameter": largest, "bucket_bytes": BUCKET,
-                                               "imports_mb": round(imports["import_kb"] / 1024, 1),
-                                               "rows": rows}, indent=1) + "\n")
+    results = Results("reshard", args)
+    results.row("setup", largest_parameter=largest, bucket_bytes=BUCKET,
+                imports_mb=round(imports["import_kb"] / 1024, 1))
+    for r in rows:
+        results.row("moves", **r)
+        results.target(f"reshard {r['move']}: whole process", "< 30 s", f"{r['total_seconds']:.2f} s",
+                       r["under_30s"])
+        results.target(f"reshard {r['move']}: peak resident above the imports",
+                       "< 2 x largest parameter's state + one bucket",
+                       f"{r['above_imports_mb']:.1f} MB of {r['bound_mb']:.1f} MB", r["under_bound"])
+    results.write()
 
 
 if __name__ == "__main__":
