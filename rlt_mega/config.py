@@ -567,6 +567,11 @@ class GRPOConfig:
     teacher_coef: float = 1.0
 
     def __post_init__(self) -> None:
+        self._check_objective()
+        self._check_rollouts()
+
+    def _check_objective(self) -> None:
+        """The batch, the advantage, the loss and the teacher."""
         _check(self.teacher is None or bool(str(self.teacher).strip()),
                "grpo.teacher is empty: give an export directory (rlt-mega export / rlt-mega import), or null")
         _check(0.0 <= self.teacher_coef <= 1.0,
@@ -602,6 +607,9 @@ class GRPOConfig:
         _check(not self.kl_in_reward or self.kl_coef > 0,
                "grpo.kl_in_reward=true needs grpo.kl_coef > 0 (the weight of the KL in the reward)")
         _check(self.entropy_coef >= 0, f"grpo.entropy_coef={self.entropy_coef}: must be >= 0")
+
+    def _check_rollouts(self) -> None:
+        """Sampling rounds, environments, staleness and its corrections, the roles and the limits."""
         _check(self.max_sampling_rounds >= 1, f"grpo.max_sampling_rounds={self.max_sampling_rounds}: must be >= 1")
         _check(self.overlong_buffer >= 0 and self.overlong_penalty >= 0,
                f"grpo.overlong_buffer={self.overlong_buffer} and grpo.overlong_penalty={self.overlong_penalty} "
@@ -744,6 +752,28 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
+def _finite_float(value: Any, path: str) -> Optional[float]:
+    """A number (or a string PyYAML left unparsed, as YAML 1.1 reads 1e-3) as a finite float;
+    None if it is not a number; an infinity or NaN refused."""
+    number = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        number = value
+    elif isinstance(value, str):
+        try:
+            number = float(value)
+        except ValueError:
+            return None
+    if number is None:
+        return None
+    try:
+        number = float(number)  # a huge int overflows
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number):
+        raise ConfigError(f"{path}: expected a finite number, got {_show(value)}")
+    return number
+
+
 def _coerce(value: Any, tp: Any, path: str) -> Any:
     """Checks ``value`` against the annotation ``tp``; ints are accepted where floats are."""
     origin = typing.get_origin(tp)
@@ -772,21 +802,8 @@ def _coerce(value: Any, tp: Any, path: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
-        number = None
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            number = value
-        elif isinstance(value, str):  # PyYAML (YAML 1.1) reads 1e-3 as a string: accept it
-            try:
-                number = float(value)
-            except ValueError:
-                pass
+        number = _finite_float(value, path)
         if number is not None:
-            try:
-                number = float(number)  # a huge int overflows
-            except OverflowError:
-                number = math.inf
-            if not math.isfinite(number):
-                raise ConfigError(f"{path}: expected a finite number, got {_show(value)}")
             return number
     elif tp is str:
         if isinstance(value, str):
