@@ -438,22 +438,7 @@ class Sampler:
         in place; it is also called with ``version`` first). Every stage returns the rollouts."""
         if isinstance(params, SamplingParams):
             params = [params] * len(batches)
-        if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
-            raise ValueError(f"{len(batches)} batches, {len(params)} sampling params, {len(seeds)} seed lists: "
-                             "give at least one batch and one of each per batch")
-        for i, (prompts, p, batch_seeds) in enumerate(zip(batches, params, seeds)):
-            _check_request(prompts, p, batch_seeds, decode)
-            _check_vocabulary(prompts, pad_id, self.model.cfg.vocab_size, i)
-        if episodes is not None:
-            if self.check_every != 1:
-                raise ValueError(f"environment turns need check_every=1 (got {self.check_every}): an observation "
-                                 "goes in right after its trigger (set sampling.check_every: 1)")
-            if decode is None or [len(e) for e in episodes] != [len(b) for b in batches]:
-                raise ValueError("episodes need a decode function and one episode per prompt of each batch")
-        if len({p.processing for p in params}) != 1:
-            raise ValueError("batches sampled together must share one logits processing")
-        if switch and load is None:
-            raise ValueError(f"a weight switch {tuple(switch)} needs load (the parameters of each policy version)")
+        self._check_call(batches, params, seeds, pad_id, decode, episodes, switch, load)
         works, choosers = [], []
         for i, (prompts, p, batch_seeds) in enumerate(zip(batches, params, seeds)):
             layout = row_layout(prompts, p.max_new_tokens, self.model.cfg.memory_block, self.rows.slots or None,
@@ -485,6 +470,26 @@ class Sampler:
                 rollouts = [ro.to("cpu") for ro in rollouts]
         rollouts = self.comms.share_results(rollouts)
         return [ro.to(self.device) for ro in rollouts]
+
+    def _check_call(self, batches, params: Sequence[SamplingParams], seeds, pad_id: int, decode, episodes, switch,
+                    load) -> None:
+        """Every request of a generate call checked before any work (one line each)."""
+        if not (len(batches) == len(params) == len(seeds)) or len(batches) == 0:
+            raise ValueError(f"{len(batches)} batches, {len(params)} sampling params, {len(seeds)} seed lists: "
+                             "give at least one batch and one of each per batch")
+        for i, (prompts, p, batch_seeds) in enumerate(zip(batches, params, seeds)):
+            _check_request(prompts, p, batch_seeds, decode)
+            _check_vocabulary(prompts, pad_id, self.model.cfg.vocab_size, i)
+        if episodes is not None:
+            if self.check_every != 1:
+                raise ValueError(f"environment turns need check_every=1 (got {self.check_every}): an observation "
+                                 "goes in right after its trigger (set sampling.check_every: 1)")
+            if decode is None or [len(e) for e in episodes] != [len(b) for b in batches]:
+                raise ValueError("episodes need a decode function and one episode per prompt of each batch")
+        if len({p.processing for p in params}) != 1:
+            raise ValueError("batches sampled together must share one logits processing")
+        if switch and load is None:
+            raise ValueError(f"a weight switch {tuple(switch)} needs load (the parameters of each policy version)")
 
     def replay(self, rollouts: Sequence[Rollout], load: Optional[Callable[[int], None]] = None
                ) -> list[Optional[torch.Tensor]]:
