@@ -1,5 +1,5 @@
-"""The fused decoder layout and kernels, shared by the sampler's no-grad step
-(model/fast_decode.py) and the training step (model/decoder.py).
+"""The fused decoder layout and kernels, used by the one decoder step
+(model/decoder.py), which serves the sampler's no-grad steps and the training step alike.
 
 Weights. A decoder layer is six products per position: ``qkv`` (q, k, v in one GEMM), ``o``,
 ``cross_q``, ``cross_o``, ``gate_up`` (gate and up in one GEMM) and ``down``; the first stage
