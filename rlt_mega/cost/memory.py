@@ -172,14 +172,29 @@ def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[st
             "encoder": full["encoder"] / max(n, 1) if ck.encoder else 0.0}
 
 
-def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryReport:
-    """The memory of one rank of pipeline stage ``stage`` (see the module docstring)."""
+@dataclass
+class _State:
+    """One rank's training state outside the activations (bytes, and the numels they follow)."""
+    counts: dict
+    psi: int
+    trained: int
+    trained_numels: list
+    part: int
+    lora: bool
+    weights: float
+    master: float
+    moments: float
+    grads_after: float
+    zero_buffers: float
+
+
+def _training_state(cfg: ModelConfig, layout: Layout, stage: int) -> _State:
+    """Weights, fp32 master copy, Adam moments, gradients after the backward and DeepSpeed's
+    buffers of one rank of ``stage`` (ZeRO stage and LoRA aware)."""
     tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero_stage
-    a, B, T = layout.act_bytes, layout.micro_batch_size, layout.seq_len
     w = 4 if layout.dtype == "fp32" else 2
     counts = rank_param_counts(cfg, tp, pp, stage, layout.pp_split)
     psi = counts["total"]
-    first, last = stage == 0, stage == pp - 1
     # What trains: every parameter, or (model.lora) only the adapters, the base frozen: the
     # gradients, the master copy and Adam's moments are the adapters', the weights both.
     adapter_numels = rank_adapter_numels(cfg, tp, pp, stage, layout.pp_split)
@@ -213,6 +228,36 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
         zero_buffers += bucket * w * (2 if buckets.overlap_comm and zero < 3 else 1)
     if zero == 3:
         zero_buffers += buckets.stage3_prefetch_bucket_size * w
+    return _State(counts, psi, trained, trained_numels, part, lora, weights, master, moments, grads_after,
+                  zero_buffers)
+
+
+def _optimizer_step_extra(layout: Layout, trained: int, trained_numels: list, part: int, w: int) -> float:
+    """What the optimizer step adds. ZeRO-0: the full gradients and foreach Adam's sqrt(v)
+    temporary. ZeRO-1: DeepSpeed flattens this rank's partition of the (still full) gradients.
+    ZeRO-2/3: the gradient partition, its flat fp32 copy and Adam's temporary on the partition."""
+    zero = layout.zero_stage
+    adam_temp = 4 * (trained if layout.foreach_optimizer else 2 * max(trained_numels))
+    if zero == 0:
+        step_extra = trained * w + adam_temp + (4 * trained if w != 4 else 0)
+    elif zero == 1:
+        step_extra = trained * w + part * w
+    else:
+        step_extra = part * w + 8 * part
+    return step_extra
+
+
+def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryReport:
+    """The memory of one rank of pipeline stage ``stage`` (see the module docstring)."""
+    tp, pp = layout.tp, layout.pp
+    a, B, T = layout.act_bytes, layout.micro_batch_size, layout.seq_len
+    w = 4 if layout.dtype == "fp32" else 2
+    st = _training_state(cfg, layout, stage)
+    counts, psi, trained, trained_numels, part, lora = (st.counts, st.psi, st.trained, st.trained_numels, st.part,
+                                                         st.lora)
+    weights, master, moments, grads_after, zero_buffers = (st.weights, st.master, st.moments, st.grads_after,
+                                                           st.zero_buffers)
+    first, last = stage == 0, stage == pp - 1
     rope_tables = 2 * cfg.max_seq_len * cfg.head_dim * a  # cos/sin cached per device and dtype
 
     act = activation_per_token(cfg, layout, stage)
@@ -282,13 +327,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     # The optimizer step. ZeRO-0: the full gradients and foreach Adam's sqrt(v) temporary.
     # ZeRO-1: DeepSpeed flattens this rank's partition of the (still full) gradients. ZeRO-2/3:
     # the gradient partition, its flat fp32 copy and Adam's temporary on the partition.
-    adam_temp = 4 * (trained if layout.foreach_optimizer else 2 * max(trained_numels))
-    if zero == 0:
-        step_extra = trained * w + adam_temp + (4 * trained if w != 4 else 0)
-    elif zero == 1:
-        step_extra = trained * w + part * w
-    else:
-        step_extra = part * w + 8 * part
+    step_extra = _optimizer_step_extra(layout, trained, trained_numels, part, w)
     phases["optimizer_step"] = after_decoder + step_extra + in_flight * tok * (retained + logits_kept)
 
     rollout = rollout_memory(cfg, layout, stage)
