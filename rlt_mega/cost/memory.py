@@ -247,6 +247,21 @@ def _optimizer_step_extra(layout: Layout, trained: int, trained_numels: list, pa
     return step_extra
 
 
+def _decoder_held(cfg: ModelConfig, layout: Layout, stage: int, act: dict, dkv_grad: float, tok: int,
+                  fused: bool) -> tuple[float, float, float, float]:
+    """(retained per position, weight copies, accumulators, scratch per position) of the decoder.
+    Retained: live until the loss is dropped. The fused decoder's slab (act["decoder"]) and its
+    weight copies live until the loss is dropped; the accumulators through the decoder's backward
+    (cost/fused_memory.py); the backward's scratch is freed at the end of the dense schedule's
+    decoder backward, and a pipeline stage's runs keep theirs."""
+    if not fused:
+        return act["decoder_kv"] + dkv_grad, 0.0, 0.0, 0.0
+    scratch = run_scratch_bytes(cfg, layout, stage) / tok
+    copies = fused_weight_bytes(cfg, layout, stage)
+    retained = act["decoder"] + (scratch if layout.pp > 1 else 0.0)
+    return retained, copies["weights"], copies["accumulators"], scratch
+
+
 def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryReport:
     """The memory of one rank of pipeline stage ``stage`` (see the module docstring)."""
     tp, pp = layout.tp, layout.pp
@@ -274,17 +289,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     logsoftmax = 4 * V if last else 0.0
     fused = not baseline
     dkv_grad = 0.0 if (baseline or fused) else n * 2 * 4 * kv  # (the fused run's are in its slab)
-    retained = act["decoder_kv"] + dkv_grad  # live until the loss is dropped
-    # The fused decoder: its slab (act["decoder"]) and its weight copies live until the loss is
-    # dropped; the accumulators through the decoder's backward (cost/fused_memory.py).
-    held, accumulators, scratch = 0.0, 0.0, 0.0
-    if fused:
-        # the backward's scratch, per position: freed at the end of the dense schedule's decoder
-        # backward; a pipeline stage's runs keep theirs
-        scratch = run_scratch_bytes(cfg, layout, stage) / tok
-        retained = act["decoder"] + (scratch if pp > 1 else 0.0)
-        copies = fused_weight_bytes(cfg, layout, stage)
-        held, accumulators = copies["weights"], copies["accumulators"]
+    retained, held, accumulators, scratch = _decoder_held(cfg, layout, stage, act, dkv_grad, tok, fused)
     embed_grad_params = counts["embed"] if not cfg.tie_embeddings else 0
     grads_in_backward = (psi - embed_grad_params) * w if not lora else trained * w  # shared weights: full, see docstring
     static = weights + master + moments + zero_buffers + rope_tables
