@@ -77,16 +77,21 @@ def grpo_loss(logp: torch.Tensor, mu: torch.Tensor, advantages: torch.Tensor, ma
         per_token = per_token - entropy_coef * ent
     out = loss_sum(per_token, mask, loss_agg)
 
-    with torch.no_grad():
-        r = ratio.detach()
-        metrics = {
-            "num_tokens": mask.sum().float(),
-            "ratio_sum": r[mask].sum(),
-            "ratio_min": r[mask].min() if mask.any() else torch.tensor(1.0),
-            "ratio_max": r[mask].max() if mask.any() else torch.tensor(1.0),
-            "clipped": (is_clipped & mask).sum().float(),
-            "support_miss": miss.sum().float(),
-            "kl_sum": kl.detach()[mask].sum(),
-            "entropy_sum": ent.detach()[mask].sum(),
-        }
-    return LossOutput(loss=out, metrics=metrics, ratio=r)
+    r = ratio.detach()
+    return LossOutput(loss=out, metrics=_loss_metrics(r, mask, is_clipped, miss, kl, ent), ratio=r)
+
+
+@torch.no_grad()
+def _loss_metrics(r: torch.Tensor, mask: torch.Tensor, is_clipped: torch.Tensor, miss: torch.Tensor,
+                  kl: torch.Tensor, ent: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Sums over the batch's completion tokens (the caller reduces, then divides)."""
+    return {
+        "num_tokens": mask.sum().float(),
+        "ratio_sum": r[mask].sum(),
+        "ratio_min": r[mask].min() if mask.any() else torch.tensor(1.0),
+        "ratio_max": r[mask].max() if mask.any() else torch.tensor(1.0),
+        "clipped": (is_clipped & mask).sum().float(),
+        "support_miss": miss.sum().float(),
+        "kl_sum": kl.detach()[mask].sum(),
+        "entropy_sum": ent.detach()[mask].sum(),
+    }

@@ -379,6 +379,22 @@ def _slice_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> in
     return n // shape[dim] * (b - a)
 
 
+def _per_rank(cfg: ModelConfig, layout_tp: int, layout_pp: int, split, writing: bool, dp: int) -> tuple[int, int]:
+    """(most bytes one rank moves, largest TP slice in elements) over the layout's ranks (writing: each
+    data-parallel rank its share of the parameters; reading: every rank its whole TP slice)."""
+    most, biggest, seen = 0, 0, set()
+    for stage in _stage_params(cfg, layout_pp, split):
+        names = [(n, s) for n, s in stage if n not in seen]
+        seen |= {n for n, _ in stage}
+        for t in range(layout_tp):
+            for d in range(dp if writing else 1):
+                mine = [_slice_numel(n, s, layout_tp, t) for i, (n, s) in enumerate(names)
+                        if not writing or owner(i, n, t, d, dp)]
+                most = max(most, 12 * sum(mine))
+                biggest = max([biggest] + mine)
+    return most, biggest
+
+
 def reshard_cost(cfg: ModelConfig, src: dict, dst: dict, bucket_bytes: int = BUCKET_BYTES) -> dict:
     """Bytes read and written and the peak memory of moving a checkpoint of layout ``src`` to
     ``dst`` (dicts with tp, pp, dp, zero_stage[, pp_split]), full fine-tuning (every parameter
@@ -403,22 +419,8 @@ def reshard_cost(cfg: ModelConfig, src: dict, dst: dict, bucket_bytes: int = BUC
     total = 12 * sum(math.prod(s) for s in stored.values())
     largest = max(math.prod(s) for s in stored.values())
 
-    def per_rank(layout_tp: int, layout_pp: int, split, writing: bool, dp: int) -> tuple[int, int]:
-        """(most bytes one rank moves, largest TP slice in elements) over the layout's ranks."""
-        most, biggest, seen = 0, 0, set()
-        for stage in _stage_params(cfg, layout_pp, split):
-            names = [(n, s) for n, s in stage if n not in seen]
-            seen |= {n for n, _ in stage}
-            for t in range(layout_tp):
-                for d in range(dp if writing else 1):
-                    mine = [_slice_numel(n, s, layout_tp, t) for i, (n, s) in enumerate(names)
-                            if not writing or owner(i, n, t, d, dp)]
-                    most = max(most, 12 * sum(mine))
-                    biggest = max([biggest] + mine)
-        return most, biggest
-
-    save_most, save_slice = per_rank(tp_s, pp_s, src.get("pp_split"), True, dp_s)
-    read_most, read_slice = per_rank(tp_d, pp_d, dst.get("pp_split"), False, 1)
+    save_most, save_slice = _per_rank(cfg, tp_s, pp_s, src.get("pp_split"), True, dp_s)
+    read_most, read_slice = _per_rank(cfg, tp_d, pp_d, dst.get("pp_split"), False, 1)
     reads_all = 0
     for stage in _stage_params(cfg, pp_d, dst.get("pp_split")):
         reads_all += sum(12 * math.prod(s) if shard_dim(n) is not None else 12 * math.prod(s) * tp_d for n, s in stage)
