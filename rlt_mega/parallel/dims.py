@@ -216,6 +216,17 @@ def rank_device(device: str, local: int) -> torch.device:
     return torch.device("cuda", index)
 
 
+def _check_backend(backend: str, dev: torch.device, device: str) -> str:
+    """The process-group backend, refused where it cannot drive ``dev``."""
+    if backend == "nccl" and dev.type != "cuda":
+        raise ConfigError(f"parallel.backend=nccl needs CUDA devices, but this rank runs on {dev} "
+                          f"(train.device={device}): use parallel.backend=gloo (or null) on the CPU")
+    if backend == "gloo" and dev.type == "cuda":
+        raise ConfigError("parallel.backend=gloo with CUDA devices: gloo's point-to-point needs CPU tensors; "
+                          "use parallel.backend=nccl (or null)")
+    return backend
+
+
 def init_distributed(backend: Optional[str] = None, device: str = "auto", timeout_s: float = 1800.0,
                      deterministic: bool = True, replica_size: Optional[int | Sequence[int]] = None
                      ) -> tuple[str, torch.device]:
@@ -232,13 +243,7 @@ def init_distributed(backend: Optional[str] = None, device: str = "auto", timeou
     store, which the roles' own groups between replicas are made from."""
     world = _env_world_size()
     dev = rank_device(device, local_rank(world))
-    backend = backend or ("nccl" if dev.type == "cuda" else "gloo")
-    if backend == "nccl" and dev.type != "cuda":
-        raise ConfigError(f"parallel.backend=nccl needs CUDA devices, but this rank runs on {dev} "
-                          f"(train.device={device}): use parallel.backend=gloo (or null) on the CPU")
-    if backend == "gloo" and dev.type == "cuda":
-        raise ConfigError("parallel.backend=gloo with CUDA devices: gloo's point-to-point needs CPU tensors; "
-                          "use parallel.backend=nccl (or null)")
+    backend = _check_backend(backend or ("nccl" if dev.type == "cuda" else "gloo"), dev, device)
     if dev.type == "cuda":
         torch.cuda.set_device(dev)
     if deterministic:
