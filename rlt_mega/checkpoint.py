@@ -125,12 +125,14 @@ def verify(path: Path) -> dict:
 
 def disk_full(exc: BaseException, path: Path) -> bool:
     """Whether a failed write into ``path`` ran out of space: ENOSPC (or EDQUOT), or torch.save's
-    zip writer, which reports a short write as a RuntimeError ("unexpected pos"), on a device
-    that is now full."""
+    zip writer, which reports a short write as a RuntimeError ("unexpected pos" from
+    inline_container, or "basic_ios::clear: iostream error" when the end of the file does not
+    fit), on a device that is now full."""
     if isinstance(exc, OSError):
         return exc.errno in (errno.ENOSPC, errno.EDQUOT)
     try:
-        return "inline_container" in str(exc) and shutil.disk_usage(path).free < (1 << 20)
+        short_write = "inline_container" in str(exc) or "iostream error" in str(exc)
+        return short_write and shutil.disk_usage(path).free < (1 << 20)
     except OSError:
         return False
 

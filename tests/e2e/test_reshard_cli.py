@@ -17,8 +17,9 @@ def test_pretrain_resumes_on_another_data_parallel_size_and_exports_from_shards(
     step2 = tmp_path / "job" / "ckpt" / "step_00000002"
     assert (step2 / "deepspeed").is_dir() and not (step2 / "model.safetensors").exists()
     proc = launch(tmp_path, "job", 1, *COMMON, "train.grad_accum=2", "train.resume=auto")
-    assert "layout {tp=1, pp=1, dp=2, zero_stage=1}, on {tp=1, pp=1, dp=1, zero_stage=1}: optimizer state " \
-           "re-partitioned through DeepSpeed's universal checkpoint" in proc.stderr, proc.stderr[-3000:]
+    assert "layout {tp=1, pp=1, dp=2, zero_stage=1}, on {tp=1, pp=1, dp=1, zero_stage=1} (dp 2->1): fp32 masters, " \
+           "Adam moments and step of 36 parameters resharded from its layout-free state" in proc.stderr, \
+        proc.stderr[-3000:]
     step4 = tmp_path / "job" / "ckpt" / "step_00000004"
     assert json.loads((step4 / "manifest.json").read_text())["layout"]["dp"] == 1
     assert not list((tmp_path / "job" / "ckpt").glob(".universal-*"))  # the scratch conversion is gone
