@@ -29,5 +29,6 @@ if [ -z "${RLT_CHROMIUM:-}" ] && [ ! -x "$CHROMIUM_DIR/usr/lib/chromium/chromium
   bash tools/docs/install_chromium.sh "$CHROMIUM_DIR"
 fi
 export RLT_CHROMIUM_DIR="$CHROMIUM_DIR"
+export PYTHONUNBUFFERED=1  # the log shows progress as it comes (CI writes it to a file)
 exec python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 \
   -n "${RLT_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"

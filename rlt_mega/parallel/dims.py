@@ -271,6 +271,10 @@ def init_distributed(backend: Optional[str] = None, device: str = "auto", timeou
             replica, index, size = replica_of(rank, replica_size)
             dist.init_process_group(backend=backend, timeout=timeout, rank=index, world_size=size,
                                     store=dist.PrefixStore(f"{generation + 1}/replica{replica}/", store), **extra)
+            # Every rank of the new world has connected before any may leave it: a world made and
+            # left at once (an idle replica's) otherwise closes its sockets while a peer is still
+            # connecting, and gloo fails there with "connectFullMesh ... Connection closed by peer".
+            dist.barrier()
     return backend, dev
 
 
