@@ -12,7 +12,9 @@ down; the decoder also after the cross o) and a backward all-reduce of the input
 each column-parallel group (q/k/v, gate/up; cross q); the memory K/V projections take the
 replicated memory, so their input gradient is all-reduced once per layer; vocab-parallel
 embedding (forward) and lm_head (backward, plus three (B, T) fp32 reductions of the
-cross-entropy). Recomputation repeats the forward all-reduces.
+cross-entropy). Recomputation repeats the forward all-reduces. A checkpointed RLT encoder
+block keeps 1/tp of its input on each rank: three all-gathers of it per block (forward,
+recompute, input gradient).
 
 Pipeline: the encoder activations cross each stage boundary once per micro-batch (gradients
 back); the memory m goes from the last stage to every stage (its gradient returns); the
@@ -69,9 +71,12 @@ def _tp_per_micro(cfg: ModelConfig, layout: Layout, n: int, first: bool, last: b
     B, T, d = layout.micro_batch_size, layout.seq_len, cfg.d_model
     enc_ar = 2 * n * (2 + (1 if ck.encoder else 0))  # fwd 2, bwd 2, recompute 2 per block
     dec_ar = 3 * n * T * (2 + (1 if ck.decoder != "none" else 0))
+    # a checkpointed RLT encoder block keeps 1/tp of its input (parallel/tp.py CheckpointShards):
+    # all-gathered in the forward, in the recompute, and its input gradient in the backward
+    enc_ag = 3 * n if ck.encoder and cfg.arch == "rlt" else 0
     tp_bytes = (enc_ar * _allreduce(tp, B * T * d * a) + dec_ar * _allreduce(tp, B * d * a)
-                + n * _allreduce(tp, B * (T + 1) * d * a))
-    tp_msgs = enc_ar + dec_ar + n
+                + n * _allreduce(tp, B * (T + 1) * d * a) + enc_ag * _gather(tp, B * T * d * a))
+    tp_msgs = enc_ar + dec_ar + n + enc_ag
     if first:
         tp_bytes += _allreduce(tp, B * T * d * a)
         tp_msgs += 1

@@ -35,8 +35,8 @@ model.arch dense / looped (model/baselines.py): R * L encoder-like block applica
 model.loops, 1 for dense), no decoder, no memory, no DecoderKV; checkpointing (any mode) keeps
 each block application's input. The sampling caches are R * L self-attention K/V layers.
 
-Checkpointing: the encoder keeps each block's input; the decoder keeps z at each segment
-boundary; the backward recomputes one encoder block or one decoder segment at a time.
+Checkpointing: the encoder keeps each block's input (an RLT's after the first, 1/tp of it per
+tensor-parallel rank); the decoder keeps z at each segment boundary; the backward recomputes one encoder block or one decoder segment at a time.
 
 The decoder step (model/decoder.py) keeps none of its per-position tensors in autograd: its run's
 slab, its weight copies and its gradient accumulators are the decoder's items
@@ -122,8 +122,8 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
         # (its backward's scratch comes with the backward: estimate_memory)
         here = layout.replace(checkpointing=ck)
         slab = sum(run_buffer_bytes(cfg, here, stage).values()) - run_scratch_bytes(cfg, here, stage)
-        return {
-            "encoder": n * (a * d if ck.encoder else enc_block),
+        return {  # a checkpointed block after the first keeps 1/tp of its input (parallel/tp.py)
+            "encoder": a * d + (n - 1) * a * d / tp if ck.encoder else n * enc_block,
             "decoder": slab / (layout.micro_batch_size * T),
             # memory_norm (last stage) and the slots {null} + m that the K/V products save
             "memory": (_norm(d, a, fused, output_saved=False) if last else 0.0) + a * d * (T + 1) / T,

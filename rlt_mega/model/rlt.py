@@ -77,6 +77,9 @@ class RLT(nn.Module):
             self.lm_head.weight = self.embed.weight
         self.rotary = Rotary(Dh, cfg.max_seq_len, cfg.rope_theta)
         self.checkpointing = CheckpointingConfig()
+        # Where a checkpointed encoder block keeps its input: whole here; a sharded model is given
+        # (keep, join) that keeps this rank's part of it and joins the parts for the recompute.
+        self.checkpoint_shards = None
         self.decoder = Decoder() if decoder is None else decoder
         if self.null_memory.device.type != "meta":
             self.init_weights()
@@ -133,13 +136,21 @@ class RLT(nn.Module):
         if documents is not None and (cache is not None or start != 0 or documents.shape != tuple(h.shape[:2])):
             raise ValueError(f"packed documents {documents.shape} are for the dense schedule over whole rows "
                              f"(start 0, no cache), got h {tuple(h.shape[:2])} at start {start}")
+        first = h
         for i in self._layers(layers):
-            if self.checkpointing.encoder and torch.is_grad_enabled():
+            if not (self.checkpointing.encoder and torch.is_grad_enabled()):
+                h = self.encoder_layer(i, h, start, cache, documents)
+            elif self.checkpoint_shards is None or h is first:  # the caller holds the first input
                 h = checkpoint(self.encoder_layer, i, h, start, cache, documents, use_reentrant=False,
                                preserve_rng_state=False)  # the model draws no random numbers
-            else:
-                h = self.encoder_layer(i, h, start, cache, documents)
+            else:  # the block's input kept as this rank's shard, joined again for the recompute
+                h = checkpoint(self._encoder_layer_from_shard, i, self.checkpoint_shards.keep(h), h.shape, start,
+                               cache, documents, use_reentrant=False, preserve_rng_state=False)
         return h
+
+    def _encoder_layer_from_shard(self, i: int, shard: torch.Tensor, shape: torch.Size, start: int,
+                                  cache: Optional[KVCache], documents: Optional[Documents]) -> torch.Tensor:
+        return self.encoder_layer(i, self.checkpoint_shards.join(shard, shape), start, cache, documents)
 
     # ------------------------------------------------------------------ memory and decoder
     def memory_kv(self, m: torch.Tensor, layers: Optional[Sequence[int]] = None) -> MemoryKV:

@@ -216,6 +216,8 @@ def apply_tensor_parallel(model: nn.Module, dims: ParallelDims, table: dict[str,
     # cross q, gate/up). The sharded model gets a decoder built with it, as it got its layers.
     if hasattr(model, "decoder"):
         model.decoder = Decoder(all_reduce=tp_all_reduce(dims), static=model.decoder.static)
+    if hasattr(model, "checkpoint_shards"):
+        model.checkpoint_shards = CheckpointShards(dims.tp_group, dims.tp, dims.tp_rank)
     return model
 
 
@@ -227,6 +229,63 @@ def tp_all_reduce(dims: ParallelDims):
         torch.distributed.all_reduce(x, group=group)
 
     return all_reduce
+
+
+class CheckpointShards:
+    """Where a checkpointed encoder block keeps its input under tensor parallelism: the block's
+    input is the same on every TP rank, so each rank keeps 1/tp of it (flattened, the last
+    shard padded) and the recompute all-gathers it again (megatron's
+    ``distribute_saved_activations``); the encoder's saved activations shrink tp times for one
+    all-gather per block in the forward, one in the recompute and one of the input gradient.
+    Gradients are bit for bit those of the whole input: the input gradient is the same on every
+    TP rank (as _GatherVocab's), each keeps its slice and the all-gather puts them together.
+    The first block's input is the caller's (the embeddings, which the decoder reads too, or
+    what the stage received) and stays whole: its gradient sums the block's and the caller's
+    other uses in autograd's order, which a shard would change."""
+
+    def __init__(self, group, size: int, rank: int) -> None:
+        self.group, self.size, self.rank = group, size, rank
+
+    def keep(self, full: torch.Tensor) -> torch.Tensor:
+        """A tensor every TP rank holds whole -> this rank's shard (a new tensor)."""
+        return _KeepShard.apply(full, self)
+
+    def join(self, shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        """The shards of the TP ranks -> the whole tensor of ``shape``."""
+        return _JoinShards.apply(shard, self, shape)
+
+    def slice(self, full: torch.Tensor) -> torch.Tensor:
+        flat = full.reshape(-1)
+        n = -(-flat.numel() // self.size)
+        part = flat[self.rank * n:(self.rank + 1) * n]
+        return F.pad(part, (0, n - part.numel())) if part.numel() < n else part.clone()
+
+    def gather(self, shard: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        out = torch.empty(shard.numel() * self.size, dtype=shard.dtype, device=shard.device)
+        torch.distributed.all_gather(list(out.chunk(self.size)), shard.contiguous(), group=self.group)
+        return out[:shape.numel()].view(shape)
+
+
+class _KeepShard(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, full: torch.Tensor, shards: CheckpointShards) -> torch.Tensor:
+        ctx.shards, ctx.shape = shards, full.shape
+        return shards.slice(full)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.shards.gather(grad, ctx.shape), None
+
+
+class _JoinShards(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, shard: torch.Tensor, shards: CheckpointShards, shape: torch.Size) -> torch.Tensor:
+        ctx.shards = shards
+        return shards.gather(shard, shape)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return ctx.shards.slice(grad), None, None
 
 
 # ------------------------------------------------------------------------------------------

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+import torch
+
 
 import rlt_mega.reference as reference
 from rlt_mega.model import decoder as fused_run
@@ -85,35 +87,78 @@ def fused_vs_module(model=None, parallel=None, train=None, persistence_threshold
 
 def checkpointing_bit_identical(model=None, parallel=None, train=None) -> dict:
     """One backward of the engine with the decoder checkpointed "none", "step" and "every_k"
-    (k = 3), the same batch: losses and every gathered gradient equal bit for bit. Flushes of
-    8 rows (W = 2 positions at B = 4) make the recomputation ring (4 slots at k = 3) shorter
-    than the sequence."""
+    (k = 3), and with the encoder checkpointed (under TP each rank keeping 1/tp of a block's
+    input, parallel/tp.py CheckpointShards), the same batch: losses and every gathered gradient
+    equal bit for bit. Flushes of 8 rows (W = 2 positions at B = 4) make the recomputation ring
+    (4 slots at k = 3) shorter than the sequence. Also the bytes the checkpointed encoder keeps
+    (MemTracker) against the planner's."""
     from rlt_mega.model import run_buffers
 
     results = {}
     rows = run_buffers.WGRAD_ROWS
     run_buffers.WGRAD_ROWS = 8
     try:
-        for decoder, k in (("none", 4), ("step", 1), ("every_k", 3)):
-            cfg = make_cfg(model or {}, parallel, {**(train or {}), "checkpointing": {"decoder": decoder,
-                                                                                      "decoder_k": k}})
+        for run, decoder, k, encoder in (("none", "none", 4, False), ("step", "step", 1, False),
+                                         ("every_k", "every_k", 3, False), ("encoder", "none", 4, True)):
+            cfg = make_cfg(model or {}, parallel, {**(train or {}), "checkpointing": {
+                "decoder": decoder, "decoder_k": k, "encoder": encoder}})
             dims, engine = _engine(cfg)
             with count_calls() as counts:
                 loss, _, _ = engine.backward_step(local_batches(cfg, 0, dims))
             full = {n: g.detach().clone() for n, g in gather_full(engine.gradients(), dims).items()}
-            results[decoder] = (float(loss), full, counts["fused_positions"])
+            results[run] = (float(loss), full, counts["fused_positions"])
+            if encoder:
+                kept = encoder_kept_bytes(cfg, dims, engine.module)
             _close(dims, engine)
     finally:
         run_buffers.WGRAD_ROWS = rows
     base_loss, base, base_positions = results["none"]
-    out = {"compared": len(base), "fused_positions": base_positions,
+    out = {"compared": len(base), "fused_positions": base_positions, "encoder_kept": kept,
            "scale": max(float(g.abs().max()) for g in base.values())}
-    for decoder in ("step", "every_k"):
-        loss, grads, positions = results[decoder]
-        out[decoder] = {"loss_equal": loss == base_loss, "names_equal": sorted(grads) == sorted(base),
-                        "unequal": [n for n in base if n not in grads or not grads[n].equal(base[n])],
-                        "more_positions": positions > base_positions}  # the recomputation ran
+    for run in ("step", "every_k", "encoder"):
+        loss, grads, positions = results[run]
+        out[run] = {"loss_equal": loss == base_loss, "names_equal": sorted(grads) == sorted(base),
+                    "unequal": [n for n in base if n not in grads or not grads[n].equal(base[n])],
+                    "more_positions": positions > base_positions}  # the recomputation ran
     return out
+
+
+def encoder_kept_bytes(cfg, dims, model) -> dict | None:
+    """The bytes per row a checkpointed encoder forward leaves alive besides its output and its
+    input (MemTracker, the difference between B and 2 B rows: what does not grow with the rows
+    cancels) on a one-stage layout; the planner's (cost/memory.py), whose count includes the
+    first block's input, the caller's; and the whole blocks' inputs."""
+    from rlt_mega.cost.layout import Layout
+    from rlt_mega.cost.measure import _PeakTracker
+    from rlt_mega.cost.memory import activation_per_token
+
+    if dims.pp > 1:
+        return None
+
+    class Encode(torch.nn.Module):  # MemTracker follows modules from one root call
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, h):
+            return self.model.encode(h)
+
+    def kept(rows: int) -> int:
+        x, _ = global_batch(cfg, 0, 2)
+        h = model.embed(x[:rows]).detach().requires_grad_(True)
+        tracker = _PeakTracker()
+        tracker.track_external(model, h)
+        with tracker:
+            before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+            out = Encode()(h)
+            after = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        return after - before - out.numel() * out.element_size()
+
+    B, T, d = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.d_model
+    per_token = activation_per_token(cfg.model, Layout.from_config(cfg, dims.world_size), 0)["encoder"]
+    first = T * d * 4  # a row of the first block's input (fp32), held by the caller
+    return {"measured": (kept(2 * B) - kept(B)) / B + first, "predicted": per_token * T,
+            "whole": cfg.model.n_layers * first, "first": first}
 
 
 def graphs_vs_module(model=None, parallel=None, train=None) -> dict:

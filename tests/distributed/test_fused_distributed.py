@@ -45,13 +45,24 @@ def test_gradients_equal_the_one_process_reference(ranks, name, args):
 def test_checkpointed_gradients_are_bit_identical_in_every_layout(ranks, name, args):
     """Recomputing k-position segments from the kept stage inputs (model/decoder.py) under TP=2
     (the recomputed products' all-reduces run again), PP=2 in bf16 (each stage recomputes from
-    what it received) and TP=2 x PP=2: the gradients of "none", "step" and "every_k" equal."""
+    what it received) and TP=2 x PP=2: the gradients of "none", "step" and "every_k" equal; and
+    those of the checkpointed encoder, which under TP keeps 1/tp of each block's input per rank
+    (measured on the one-stage layout: what the planner says, the inputs after the first block
+    halved at TP=2)."""
+    tp = args["parallel"].get("tp", 1)
     for r in ranks(4).each(name, args):
         assert r["compared"] > 0 and r["scale"] > 1e-4 and r["fused_positions"] > 0, r
-        for decoder in ("step", "every_k"):
-            got = r[decoder]
-            assert got["loss_equal"] and got["names_equal"] and got["more_positions"], (decoder, got)
-            assert got["unequal"] == [], (decoder, got["unequal"])
+        for run in ("step", "every_k"):
+            got = r[run]
+            assert got["loss_equal"] and got["names_equal"] and got["more_positions"], (run, got)
+            assert got["unequal"] == [], (run, got["unequal"])
+        got = r["encoder"]
+        assert got["loss_equal"] and got["names_equal"] and got["unequal"] == [], got
+        kept = r["encoder_kept"]
+        if args["parallel"].get("pp", 1) == 1:
+            assert abs(kept["measured"] - kept["predicted"]) <= 0.05 * kept["predicted"], kept
+            shards = kept["first"] + (kept["whole"] - kept["first"]) / tp  # blocks after the first: 1/tp
+            assert tp == 1 or abs(kept["measured"] - shards) <= 0.05 * shards, kept
 
 
 @pytest.mark.parametrize("name,args", GRAPHS)
