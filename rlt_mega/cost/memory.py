@@ -114,9 +114,6 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
     ck = checkpointing or layout.checkpointing
     norm = _norm(d, a, fused)
     enc_block = 2 * norm + a * (2 * q + 2 * kv) + 4 * h + 4 * a * f
-    dec_block = 3 * norm + 4 * a * q + 4 * h + 4 * a * f
-    dec_input = norm if first else 0.0
-    seg = {"none": T, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
     if cfg.arch == "rlt":
         # the fused run's slab (K/V, memory K/V and their gradients included), per position
         # (its backward's scratch comes with the backward: estimate_memory)
@@ -132,28 +129,11 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
             "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
             "tokens": 8 * (first + last),
         }
-    if cfg.arch != "rlt":
-        apps = cfg.loops * n  # block applications per token
-        ckpt = ck.encoder or ck.decoder != "none"
-        return {"encoder": apps * (a * d if ckpt else enc_block), "head": norm if last else 0.0,
-                "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
-                "tokens": 8 * (first + last)}
-    items = {
-        "encoder": n * (a * d if ck.encoder else enc_block),
-        "decoder": n * dec_block + dec_input if ck.decoder == "none" else a * d / seg,
-        # memory_norm's output goes into the slots' cat, which saves nothing
-        "memory": (_norm(d, a, fused, output_saved=False) if last else 0.0)
-        + (a * d + n * 2 * a * kv) * (T + 1) / T,
-        "decoder_kv": n * 2 * a * kv,
-        "head": norm if last else 0.0,
-        "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
-        "tokens": 8 * (first + last),  # int64 inputs and targets
-    }
-    # A bf16 embedding output is not what the first norm saves (an fp32 upcast is); the
-    # decoder checkpoints keep it alive as their input.
-    if first and a != 4 and ck.decoder != "none" and not ck.encoder:
-        items["embedding"] = a * d
-    return items
+    apps = cfg.loops * n  # dense / looped: block applications per token
+    ckpt = ck.encoder or ck.decoder != "none"
+    return {"encoder": apps * (a * d if ckpt else enc_block), "head": norm if last else 0.0,
+            "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
+            "tokens": 8 * (first + last)}
 
 
 def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, float]:
@@ -161,15 +141,12 @@ def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[st
     per position of the micro-batch (multiply by B T)."""
     ck = layout.checkpointing
     full = activation_per_token(cfg, layout, stage, CheckpointingConfig())
-    T = layout.seq_len
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
-    seg = {"none": 0, "step": 1, "every_k": min(ck.decoder_k, T)}[ck.decoder]
     if cfg.arch != "rlt":
         ckpt = ck.encoder or ck.decoder != "none"
         return {"decoder": 0.0, "encoder": full["encoder"] / max(cfg.loops * n, 1) if ckpt else 0.0}
-    seg = 0  # the decoder step recomputes into its preallocated slab
-    return {"decoder": full["decoder"] * seg / T,
-            "encoder": full["encoder"] / max(n, 1) if ck.encoder else 0.0}
+    # the decoder step recomputes into its preallocated slab (the decoder's own items)
+    return {"decoder": 0.0, "encoder": full["encoder"] / max(n, 1) if ck.encoder else 0.0}
 
 
 @dataclass
