@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_mega.model.attention import encoder_attention
 from rlt_mega.precision import LOW_PRECISION
 
 
@@ -172,6 +173,25 @@ class Block(nn.Module):
         self.attn = SelfAttentionProj(d, n_heads, n_kv_heads, head_dim, qkv_bias)
         self.mlp_norm = RMSNorm(d, eps)
         self.mlp = SwiGLU(d, ffn_hidden)
+
+    def causal(self, h: torch.Tensor, rotary: "Rotary", start: int, cache=None, slot: int = 0,
+               documents=None) -> torch.Tensor:
+        """The block over h (B, n, d) at positions [start, start + n), causal: with a cache
+        (model/cache.py) its K/V go to layer ``slot`` of it and the queries attend to the cached
+        prefix as well (no autograd through the cache); with documents (model/documents.py, the
+        whole row: start 0, no cache) RoPE positions and attention are the documents' own."""
+        q, k, v = self.attn.qkv(self.attn_norm(h))  # q (B, h, n, Dh); k, v (B, h_kv, n, Dh)
+        if documents is not None:
+            cos, sin = documents.rope(rotary, q.dtype)  # (B, 1, n, Dh)
+            q, k = Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
+        else:
+            q, k = rotary(q, start), rotary(k, start)
+        if cache is not None:
+            cache.write(slot, start, k, v)
+            k, v = cache.view(slot, start + h.shape[1])
+        attn = encoder_attention(q, k, v, start) if documents is None else documents.attention(q, k, v)
+        h = h + self.attn.out(attn)
+        return h + self.mlp(self.mlp_norm(h))
 
 
 class CrossBlock(nn.Module):

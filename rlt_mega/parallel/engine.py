@@ -33,11 +33,11 @@ from torch import nn
 from safetensors.torch import load_model, save_model
 
 from rlt_mega.checkpoint import CheckpointError, check_weights, load_torch
-from rlt_mega.parallel.adapter_files import load_adapters, save_adapters
-from rlt_mega.model.lora import base_state, has_adapters, state_hash
+from rlt_mega.parallel.adapter_files import base_state, load_adapters, save_adapters, state_hash
+from rlt_mega.model.lora import has_adapters
 from rlt_mega.config import CheckpointingConfig, OptimConfig, TrainConfig
 from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
-from rlt_mega.model.documents import forward_kwargs
+from rlt_mega.parallel.batching import forward_kwargs
 from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.reshard import KEYS, LayoutFreeState, StateWriter, changes, format_layout, same_layout, saved_layout

@@ -42,7 +42,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from rlt_mega.model.cache import KVCache, RowsView
+from rlt_mega.model.cache import KVCache
 from rlt_mega.model.dense_decode import compute_dtype_of
 from rlt_mega.model.layout import to_device
 from rlt_mega.model.rlt import RLT
@@ -87,6 +87,26 @@ def check(work: RowWork, k: int) -> torch.Tensor:
         return work.chooser.flag_codes()
     work.turns.at_check(k + 1, work.chooser, work.plan)
     return work.turns.codes(work.chooser.flag_codes())
+
+
+class RowsView:
+    """Some rows of a cache with ``batch_size`` rows, as a cache of n rows for one encoder call of
+    the rollout: ``rows`` (n,) long, or None for the prefix [:n]. ``write`` goes into those rows
+    (the buffer allocated for the whole batch at the first write), ``view`` reads them (a view of
+    the prefix, a gathered copy of other rows)."""
+
+    def __init__(self, cache: KVCache, rows: Optional[torch.Tensor], batch_size: int, n: int) -> None:
+        self.cache, self.rows, self.batch_size, self.n = cache, rows, batch_size, n
+        self.capacity = cache.capacity
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write(layer, start, k, v, self.rows, self.batch_size)
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.cache.view(layer, end)
+        if self.rows is None:
+            return k[:self.n], v[:self.n]
+        return k.index_select(0, self.rows), v.index_select(0, self.rows)
 
 
 @dataclass
