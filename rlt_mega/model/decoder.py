@@ -41,10 +41,8 @@ added directly, and the rest (keys before the chunk, and the whole memory, whose
 needed at the end) is formed once per chunk as one batched GEMM over the chunk's stored score
 gradients and probabilities.
 
-Checkpointing. Without it ("save") the forward keeps, per layer and position, everything the
-backward and the weight-gradient flush read: the normalised inputs of the three norms with their
-1/rms, the RoPE'd q/k, the two attention outputs, the cross query, gate/up and the SwiGLU product
-(the "saved" buffers). A checkpointed run (``checkpoint=k``: train.checkpointing.decoder=every_k
+Checkpointing. Without it ("save") the forward keeps, per layer and position, what the backward
+and the weight-gradient flush read (above: the "saved" buffers). A checkpointed run (``checkpoint=k``: train.checkpointing.decoder=every_k
 with decoder_k=k; "step" is k = 1) keeps per position only what cannot be recomputed from the
 position before: the stage's input x (z_{t-1}, or the previous stage's output; the embeddings are
 the caller's) and the decoder and memory K/V that attention reads. Before the backward of a segment
