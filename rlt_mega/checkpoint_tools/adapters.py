@@ -3,7 +3,7 @@
 A training checkpoint of such a run holds the adapters (``adapters.safetensors``, their clean
 names ``blocks.0.attn.q.lora_A``) and the optimizer state (which holds only them), never the
 frozen base: the checkpoint's config.yaml names the base (the run's train.init_from, or the
-model of train.seed) and ``base.json`` holds the sha256 of its weights (``lora.state_hash``),
+model of train.seed) and ``base.json`` holds the sha256 of its weights (``adapter_files.state_hash``),
 checked on resume and on export (parallel/adapter_files.py).
 
 Exports: ``merged_export_state`` rebuilds the base, loads the adapters and merges them (the
@@ -25,8 +25,8 @@ from rlt_mega.checkpoint import CheckpointError, OutputKind, check_output
 from rlt_mega.checkpoint_tools.files import atomic_directory
 from rlt_mega.config import Config, LoraConfig
 from rlt_mega.model.rlt import build_model
-from rlt_mega.model.lora import adapter_state, apply_lora, base_state, has_adapters, state_hash
-from rlt_mega.parallel.adapter_files import ADAPTERS, load_adapters
+from rlt_mega.model.lora import apply_lora, has_adapters
+from rlt_mega.parallel.adapter_files import ADAPTERS, adapter_state, base_state, load_adapters, merged_state, state_hash
 
 
 def is_adapter_checkpoint(step_dir: Path) -> bool:
@@ -52,7 +52,6 @@ def adapted_model(cfg: Config, step_dir: Path):
 
 def merged_export_state(cfg: Config, step_dir: Path) -> tuple[dict[str, torch.Tensor], object]:
     """(the merged model's state dict under the base model's names, its ModelConfig without adapters)."""
-    from rlt_mega.model.lora import merged_state
 
     model = adapted_model(cfg, step_dir)
     return merged_state(model), dataclasses.replace(cfg.model, lora=LoraConfig())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,17 +25,10 @@ from rlt_mega.checkpoint_tools.files import CheckpointFormatError, SafetensorsDi
 from rlt_mega.checkpoint_tools.hf_import import SUPPORTED, check_hf_tensors, hf_model_config, hf_names
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
-
-
 def _tensor_summary(st: SafetensorsDir, names: list[str]) -> dict[str, Any]:
     dtypes: Counter = Counter()
     for name in names:
-        dtypes[dtype_name(st.dtype(name))] += _numel(st.shape(name))
+        dtypes[dtype_name(st.dtype(name))] += math.prod(st.shape(name))
     return {
         "num_tensors": len(names),
         "dtypes": dict(dtypes),  # dtype -> number of parameters stored in it

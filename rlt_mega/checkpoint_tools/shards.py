@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 import re
 import tempfile
@@ -200,16 +201,9 @@ def check_shards(files: ShardFiles, cfg: ModelConfig) -> dict[int, dict[str, Any
                 raise CheckpointFormatError(f"{path}: a ZeRO-{stage} partition of {count} ranks, but the layout "
                                             f"says zero_stage={zero} over dp={dp}")
         report[mp] = {"tp_rank": tp_rank, "pp_rank": pp_rank, "layers": [stages[pp_rank].start, stages[pp_rank].stop],
-                      "num_params": sum(_numel(s) for s in want.values()),
+                      "num_params": sum(math.prod(s) for s in want.values()),
                       "files": [{"name": f.name, "bytes": f.stat().st_size} for f in files.files_of(mp)]}
     return report
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for s in shape:
-        n *= s
-    return n
 
 
 # ------------------------------------------------------------------------------------------

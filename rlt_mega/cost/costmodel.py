@@ -17,8 +17,7 @@ from rlt_mega.cost.flops import flop_rows, summarize
 from rlt_mega.cost.layout import Layout
 from rlt_mega.cost.memory import estimate_memory
 from rlt_mega.parallel.dims import check_tp
-from rlt_mega.model.lora import adapter_param_count
-from rlt_mega.cost.params import model_param_counts, rank_param_counts, stage_layers
+from rlt_mega.cost.params import adapter_param_count, model_param_counts, rank_param_counts, stage_layers
 
 
 def stage_flops(cfg: ModelConfig, layout: Layout, stage: int) -> dict:

@@ -38,7 +38,7 @@ import functools
 from rlt_mega.config import ModelConfig
 from rlt_mega.model import kernels as fused_kernels
 from rlt_mega.model import run_buffers as run_buffers_module
-from rlt_mega.model.run_buffers import PURPOSES, bytes_by_purpose, run_buffers
+from rlt_mega.model.run_buffers import bytes_by_purpose, run_buffers
 from rlt_mega.cost.layout import Layout
 from rlt_mega.cost.params import stage_layers
 

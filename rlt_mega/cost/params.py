@@ -20,7 +20,7 @@ from __future__ import annotations
 import functools
 from typing import Optional, Sequence
 
-from rlt_mega.config import ConfigError, ModelConfig
+from rlt_mega.config import ConfigError, LoraConfig, ModelConfig
 from rlt_mega.model.rlt import param_counts
 from rlt_mega.parallel.dims import check_tp, split_layers
 
@@ -132,7 +132,7 @@ def rank_adapter_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int =
     """Sizes of the low-rank adapter tensors (model.lora: A and B of each target) on one rank of
     pipeline stage ``stage``, split like their layers (column-parallel: A replicated, B split;
     row-parallel: A split, B replicated). Empty without adapters; with tp = pp = 1 they sum to
-    model/lora.py's ``adapter_param_count``."""
+    ``adapter_param_count``."""
     lora = cfg.lora
     if not lora.enabled:
         return []
@@ -157,3 +157,20 @@ def rank_adapter_numels(cfg: ModelConfig, tp: int = 1, pp: int = 1, stage: int =
     if stage == 0 and "recur_proj" in lora.targets:
         numels += [r * d, d * r]
     return numels
+
+
+def adapter_param_count(cfg: ModelConfig, lora: Optional[LoraConfig] = None) -> int:
+    """Closed-form count of adapter parameters of an RLT of ModelConfig ``cfg`` (tested against
+    the module): rank x (in + out) per target weight."""
+    lora = cfg.lora if lora is None else lora
+    if not lora.enabled:
+        return 0
+    d, Dh, F, L = cfg.d_model, cfg.head_dim, cfg.ffn_hidden, cfg.n_layers
+    q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
+    shapes = {"q": (q_out, d), "k": (kv_out, d), "v": (kv_out, d), "o": (d, q_out), "gate": (F, d), "up": (F, d),
+              "down": (d, F)}
+    per_block = sum(sum(shapes[t]) for t in lora.targets if t in shapes)
+    blocks = L * (1 if cfg.share_weights else 2)
+    cross = sum(sum(shapes[t.removeprefix("cross_")]) for t in lora.targets if t.startswith("cross_"))
+    recur = 2 * d if "recur_proj" in lora.targets else 0
+    return lora.rank * (blocks * per_block + L * cross + recur)

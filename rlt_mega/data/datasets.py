@@ -295,8 +295,48 @@ def pack(texts: datasets.Dataset, tokenizer: Tokenizer, seq_len: int, name: str 
     return windows
 
 
+class RecordOrder:
+    """Endless indices into ``num`` records in a seeded order, reshuffled each epoch;
+    ``state_dict`` (epoch, cursor) makes a resumed run draw the same records."""
+
+    def __init__(self, num: int, seed: int, shuffle: bool = True) -> None:
+        if num < 1:
+            raise ValueError("RecordOrder needs at least one record")
+        self.num, self.seed, self.shuffle = num, seed, shuffle
+        self.epoch, self.cursor = 0, 0
+        self._order = self._permutation()
+
+    def _permutation(self) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num)
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        return torch.randperm(self.num, generator=g)
+
+    def take(self, n: int, rank: int = 0, world: int = 1) -> list[int]:
+        """This rank's n of the next n * world indices (data-parallel replicas take disjoint
+        strided rows of one global batch); an epoch boundary reshuffles, and a global batch
+        never straddles it."""
+        step = n * world
+        if step > self.num:
+            raise ValueError(f"a batch of {n} x {world} ranks from a dataset of {self.num} records: "
+                             "lower the batch size or add data")
+        if self.cursor + step > self.num:
+            self.epoch, self.cursor = self.epoch + 1, 0
+            self._order = self._permutation()
+        out = self._order[self.cursor:self.cursor + step][rank::world].tolist()
+        self.cursor += step
+        return out
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "cursor": self.cursor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._order = self._permutation()
+
+
 class BatchIterator:
-    """Endless batches of packed windows in a seeded order, reshuffled each epoch.
+    """Endless batches of packed windows in a seeded order, reshuffled each epoch (``RecordOrder``).
 
     ``state_dict`` holds the epoch and the cursor (the sample index), so a resumed run sees
     exactly the batches the uninterrupted run would have seen. Data-parallel ranks take disjoint
@@ -309,36 +349,22 @@ class BatchIterator:
         if len(data) < batch_size * world:
             raise DataError(f"{len(data)} packed windows cannot fill one global batch of "
                             f"{batch_size} x {world} ranks: lower train.micro_batch_size or data.seq_len, or add data")
-        self.data, self.batch_size, self.seed, self.shuffle = data, batch_size, seed, shuffle
-        self.rank, self.world = rank, world
-        self.epoch, self.cursor = 0, 0
-        self._order = self._permutation()
-
-    def _permutation(self) -> torch.Tensor:
-        if not self.shuffle:
-            return torch.arange(len(self.data))
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        return torch.randperm(len(self.data), generator=g)
+        self.data, self.batch_size, self.rank, self.world = data, batch_size, rank, world
+        self.order = RecordOrder(len(data), seed, shuffle)
 
     def __iter__(self):
         return self
 
     def __next__(self) -> torch.Tensor:
-        step = self.batch_size * self.world
-        if self.cursor + step > len(self._order):
-            self.epoch, self.cursor = self.epoch + 1, 0
-            self._order = self._permutation()
-        rows = self._order[self.cursor:self.cursor + step][self.rank::self.world]
-        self.cursor += step
-        return self.data.read(rows.tolist())  # (batch_size, seq_len + 1): only this rank's rows are read
+        # (batch_size, seq_len + 1): only this rank's rows are read
+        return self.data.read(self.order.take(self.batch_size, self.rank, self.world))
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "windows": len(self.data)}
+        return {**self.order.state_dict(), "windows": len(self.data)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.order.load_state_dict(state)
         if state.get("windows", len(self.data)) != len(self.data):  # a deliberate change of data is allowed
             log.warning("the checkpoint's data had %d windows, %s has %d: the data changed, so from here on the "
                         "order is not the one the uninterrupted run would have seen", state["windows"],
                         self.data.name, len(self.data))
-        self._order = self._permutation()

@@ -27,16 +27,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.config import CheckpointingConfig, ConfigError, ModelConfig
-from rlt_mega.model.attention import encoder_attention
 from rlt_mega.model.cache import KVCache
-from rlt_mega.model.init import block_param_count, initial_value
+from rlt_mega.model.init import ModelBase, block_param_count
 from rlt_mega.model.layers import Block, RMSNorm, Rotary
 
 if TYPE_CHECKING:  # the schedule's rows are passed in (a layout the model reads); model/ never imports them
     from rlt_mega.schedule.dense import DenseRows
 
 
-class DenseLM(nn.Module):
+class DenseLM(ModelBase):
     """``arch: dense`` (loops = 1) and ``arch: looped`` (loops = R). ``forward(tokens)`` is the
     training schedule; ``forward(tokens, cache, start)`` the incremental one (prefill, then one
     token at a time) of a plain K/V-cache decoder."""
@@ -69,34 +68,14 @@ class DenseLM(nn.Module):
         """K/V layers of a cache: one per (loop, layer)."""
         return self.cfg.loops * self.cfg.n_layers
 
-    @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
-        """As RLT.init_weights: every parameter a function of (seed, parameter name) alone."""
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        for name, p in self.named_parameters():
-            p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
-
-    def set_checkpointing(self, cfg: CheckpointingConfig) -> None:
-        """``train.checkpointing.encoder`` (or any decoder mode: these models have no recurrent
-        decoder, every block is a causal batch) checkpoints each block application."""
-        self.checkpointing = cfg
-
     def _checkpointed(self) -> bool:
         ck = self.checkpointing
         return (ck.encoder or ck.decoder != "none") and torch.is_grad_enabled()
 
     def layer(self, i: int, h: torch.Tensor, start: int, cache: Optional[KVCache], slot: int) -> torch.Tensor:
-        """Block i over h (B, n, d) at positions [start, start + n); with a cache, its K/V go
-        to layer ``slot`` of the cache and the queries attend to the cached prefix too."""
-        blk = self.blocks[i]
-        q, k, v = blk.attn.qkv(blk.attn_norm(h))  # q (B, h, n, Dh); k, v (B, h_kv, n, Dh)
-        q, k = self.rotary(q, start), self.rotary(k, start)
-        if cache is not None:
-            cache.write(slot, start, k, v)
-            k, v = cache.view(slot, start + h.shape[1])
-        h = h + blk.attn.out(encoder_attention(q, k, v, start))
-        return h + blk.mlp(blk.mlp_norm(h))
+        """Block i over h (B, n, d) at positions [start, start + n) (``Block.causal``); with a
+        cache its K/V go to layer ``slot`` of the cache."""
+        return self.blocks[i].causal(h, self.rotary, start, cache, slot)
 
     def hidden(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0) -> torch.Tensor:
         """tokens (B, n) at positions [start, start + n) -> final hidden states (B, n, d)."""
@@ -113,11 +92,6 @@ class DenseLM(nn.Module):
                 else:
                     h = self.layer(i, h, start, cache, r * L + i)
         return h
-
-    def head(self, z: torch.Tensor) -> torch.Tensor:
-        """z: (..., d) -> logits (..., V) in fp32 (fp64 for a float64 model)."""
-        logits = self.lm_head(self.final_norm(z))
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     def new_cache(self, capacity: int) -> KVCache:
         """An empty K/V cache for ``capacity`` positions, one layer per (loop, layer)."""

@@ -4,7 +4,8 @@ Buffers are (B, h_kv, capacity, Dh), preallocated once per sequence batch and wr
 ``h_kv`` is whatever the projections produce (a sharded layer holds fewer heads), so a
 buffer is allocated lazily at its first write. Layers are indexed globally; a pipeline stage only
 ever touches its own layers. The decoder's own K/V and the rollout's memory K/V live in the decoder
-step's layout (model/decoder.py, ``KVState``).
+step's layout (model/decoder.py, ``KVState``); the rollout's encoder calls write some rows of its
+cache (rollout/executor.py ``RowsView``).
 """
 
 from __future__ import annotations
@@ -22,60 +23,24 @@ class KVCache:
         self.k: list[Optional[torch.Tensor]] = [None] * num_layers
         self.v: list[Optional[torch.Tensor]] = [None] * num_layers
 
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """k, v: (B, h_kv, n, Dh) for positions start .. start + n - 1. Not recorded by autograd."""
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor, rows: Optional[torch.Tensor] = None,
+              batch_size: Optional[int] = None) -> None:
+        """k, v: (n, h_kv, m, Dh) for positions [start, start + m) of rows ``rows`` (n,), or of the
+        prefix [:n] (None), of a batch of ``batch_size`` rows (None: n). Not recorded by autograd."""
         end = start + k.shape[2]
         if end > self.capacity:
             raise ValueError(f"cache capacity {self.capacity} exceeded by a write ending at position {end}")
         if self.k[layer] is None:
-            shape = (k.shape[0], k.shape[1], self.capacity, k.shape[3])
-            self.k[layer] = k.new_zeros(shape)
-            self.v[layer] = v.new_zeros(shape)
-        with torch.no_grad():
-            self.k[layer][:, :, start:end] = k
-            self.v[layer][:, :, start:end] = v
-
-    def write_rows(self, layer: int, rows: Optional[torch.Tensor], batch_size: int, start: int, k: torch.Tensor,
-                   v: torch.Tensor) -> None:
-        """k, v: (n, h_kv, m, Dh) of positions [start, start + m) of rows ``rows`` (n,), or of the
-        prefix [:n] (None), of a batch of ``batch_size`` (the rollout's encoder calls)."""
-        end = start + k.shape[2]
-        if end > self.capacity:
-            raise ValueError(f"cache capacity {self.capacity} exceeded by a write ending at position {end}")
-        if self.k[layer] is None:
-            shape = (batch_size, k.shape[1], self.capacity, k.shape[3])
+            shape = (k.shape[0] if batch_size is None else batch_size, k.shape[1], self.capacity, k.shape[3])
             self.k[layer], self.v[layer] = k.new_zeros(shape), v.new_zeros(shape)
+        index = slice(0, k.shape[0]) if rows is None else rows
         with torch.no_grad():
-            if rows is None:
-                self.k[layer][:k.shape[0], :, start:end] = k
-                self.v[layer][:k.shape[0], :, start:end] = v
-            else:
-                self.k[layer][rows, :, start:end] = k
-                self.v[layer][rows, :, start:end] = v
+            self.k[layer][index, :, start:end] = k
+            self.v[layer][index, :, start:end] = v
 
     def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of positions [0, end): (B, h_kv, end, Dh) views of the buffers."""
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-
-class RowsView:
-    """Some rows of a cache with ``batch_size`` rows, as a cache of n rows for one encoder call of
-    the rollout: ``rows`` (n,) long, or None for the prefix [:n]. ``write`` goes into those rows
-    (the buffer allocated for the whole batch at the first write), ``view`` reads them (a view of
-    the prefix, a gathered copy of other rows)."""
-
-    def __init__(self, cache: KVCache, rows: Optional[torch.Tensor], batch_size: int, n: int) -> None:
-        self.cache, self.rows, self.batch_size, self.n = cache, rows, batch_size, n
-        self.capacity = cache.capacity
-
-    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.cache.write_rows(layer, self.rows, self.batch_size, start, k, v)
-
-    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        k, v = self.cache.view(layer, end)
-        if self.rows is None:
-            return k[:self.n], v[:self.n]
-        return k.index_select(0, self.rows), v.index_select(0, self.rows)
 
 
 class MemoryKV(KVCache):

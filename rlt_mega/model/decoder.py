@@ -41,10 +41,8 @@ added directly, and the rest (keys before the chunk, and the whole memory, whose
 needed at the end) is formed once per chunk as one batched GEMM over the chunk's stored score
 gradients and probabilities.
 
-Checkpointing. Without it ("save") the forward keeps, per layer and position, everything the
-backward and the weight-gradient flush read: the normalised inputs of the three norms with their
-1/rms, the RoPE'd q/k, the two attention outputs, the cross query, gate/up and the SwiGLU product
-(the "saved" buffers). A checkpointed run (``checkpoint=k``: train.checkpointing.decoder=every_k
+Checkpointing. Without it ("save") the forward keeps, per layer and position, what the backward
+and the weight-gradient flush read (above: the "saved" buffers). A checkpointed run (``checkpoint=k``: train.checkpointing.decoder=every_k
 with decoder_k=k; "step" is k = 1) keeps per position only what cannot be recomputed from the
 position before: the stage's input x (z_{t-1}, or the previous stage's output; the embeddings are
 the caller's) and the decoder and memory K/V that attention reads. Before the backward of a segment
@@ -78,13 +76,8 @@ can be captured once and replayed for every t (a capture wrapper outside model/)
 form (the default) slices exactly the visible keys with Python ints: fewer FLOPs, and no host
 synchronisation either.
 
-Extension points (not implemented here). Per-row positions (B,) replace the scalar t of
-:class:`StaticPosition` (RoPE rows by ``index_select`` of a (B,) index, K/V written per row,
-masks per row: in the static form every piece already is a tensor). A per-row key mask
-(documents in packed SFT) multiplies into the same additive masks, and a document start resets
-x to z_init for that row before the input layer.
-
-Rows (implemented, eager form only: schedule/dense.py). A :class:`DensePlan` (the learner's
+Rows and positions (eager form only). Per-row positions are ``Step.rows`` (the rollout), packed
+documents ``Step.documents`` (model/layout.py). Rows (schedule/dense.py): A :class:`DensePlan` (the learner's
 compaction and shared prompts) says which rows each position runs on; the step itself does not
 change: the per-position tensors are rows [:n] of their buffers, the batch-major K/V a prefix of
 the physical row order or gathered by index, and the run maps the caller's rows in and out.
@@ -92,7 +85,6 @@ the physical row order or gathered by index, and the run maps the caller's rows 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -151,7 +143,6 @@ class DecoderRun:
         B, d, Dh = batch, stack.d, spec.head_dim
         h, h_kv = spec.num_heads, spec.num_kv_heads
         self.h, self.h_kv, self.g = h, h_kv, (h // h_kv if h_kv else 0)
-        BH = B * h_kv
         grad = grads is not None
         # checkpoint: segments of k positions recomputed before their backward (model/run_buffers.py)
         self.checkpoint = checkpoint if grad else None

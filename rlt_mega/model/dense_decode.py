@@ -11,13 +11,9 @@ autograd carries their gradients on to q/k/v, the norm weights and recur_proj); 
 z (B, T, d). Backward returns the gradient of each: the three BPTT paths (recurrence, decoder
 K/V, encoder memory) are all inside it, none detached.
 
-Checkpointing (train.checkpointing.decoder): "none" saves everything the backward reads;
-"every_k" keeps per position only the decoder's input z_{t-1} (and the K/V), and recomputes
-each segment of ``decoder_k`` positions, attention included, into a ring just before the
-segment's backward; "step" is k = 1 (what is kept and why: model/decoder.py's docstring). The
-recomputation repeats the same operations on the same values, and the deferred-gradient flushes
-do not depend on the mode (run_buffers.wgrad_positions, KV_CHUNK), so every mode gives
-bit-identical gradients.
+Checkpointing (train.checkpointing.decoder: "none", "every_k" with ``decoder_k``, "step" = k 1,
+``segment_length``) is the run's: what is kept, what is recomputed and why every mode gives
+bit-identical gradients is model/decoder.py's docstring.
 """
 
 from __future__ import annotations

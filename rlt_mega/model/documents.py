@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from rlt_mega.loss import DENSE_ROWS, DOC_STARTS
+from rlt_mega.loss import DOC_STARTS
 from rlt_mega.model.attention import encoder_attention
 
 
@@ -95,21 +95,3 @@ class Documents:
             rows = tuple(x[self.positions] for x in tables)  # (B, T, Dh) each
             self._step_tables = (tables, rows)
         return tuple(x[:, t, None] for x in self._step_tables[1])
-
-
-def forward_kwargs(batch: dict) -> dict:
-    """The model's keyword arguments for a batch: ``documents`` where the batch is packed with
-    resets, ``rows`` where a batch says which rows the dense decoder runs
-    (schedule/dense.py), nothing otherwise (so a plain batch calls any model as before)."""
-    documents = Documents.of(batch)
-    kwargs = {} if documents is None else {"documents": documents}
-    if batch.get(DENSE_ROWS) is not None:
-        kwargs["rows"] = batch[DENSE_ROWS]
-    return kwargs
-
-
-def pad_starts(starts: torch.Tensor, length: int) -> torch.Tensor:
-    """(b, T) -> (b, length): appended positions continue the row's last document."""
-    if starts.shape[1] == length:
-        return starts
-    return torch.nn.functional.pad(starts, (0, length - starts.shape[1]), value=False)

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import hashlib
 import math
+from typing import Optional
 
 import torch
+from torch import nn
 
-from rlt_mega.config import ModelConfig
+from rlt_mega.config import CheckpointingConfig, ModelConfig
 
 
 def block_param_count(cfg: ModelConfig) -> int:
@@ -58,3 +60,29 @@ def residual_branches(cfg: ModelConfig) -> int:
     """Residual branches (attention + MLP per block) a token's stream passes."""
     blocks = {"rlt": 2 * cfg.n_layers, "dense": cfg.n_layers, "looped": cfg.loops * cfg.n_layers}[cfg.arch]
     return 2 * blocks
+
+
+class ModelBase(nn.Module):
+    """What every model.arch shares (``cfg``, ``final_norm``, ``lm_head``): its initialisation,
+    its head and its checkpointing setting (``train.checkpointing``; the baselines, which have no
+    recurrent decoder, checkpoint each block application under its encoder or any decoder mode)."""
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
+        """Every parameter from :func:`initial_value`: a function of (seed, parameter name) alone,
+        so any rank can build exactly the parameters of its own pipeline stage and tensor shard,
+        and a distributed model starts equal to the single-process model of the same seed
+        whatever the layout. ``seed`` None: one drawn from ``generator`` (or torch's global
+        generator, so that ``torch.manual_seed(s); RLT(cfg)`` stays reproducible)."""
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
+
+    def set_checkpointing(self, cfg: CheckpointingConfig) -> None:
+        self.checkpointing = cfg
+
+    def head(self, z: torch.Tensor) -> torch.Tensor:
+        """z: (..., d) -> logits (..., V) in fp32 (fp64 for a float64 model)."""
+        logits = self.lm_head(self.final_norm(z))
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rlt_mega.model.attention import encoder_attention
 from rlt_mega.precision import LOW_PRECISION
 
 
@@ -106,13 +107,14 @@ class SelfAttentionProj(nn.Module):
         self.v = nn.Linear(d, n_kv_heads * head_dim, bias=bias)
         self.o = nn.Linear(n_heads * head_dim, d, bias=False)
 
+    def heads(self, proj: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x: (B, T, d) through ``proj`` -> (B, heads, T, Dh)."""
+        B, T, _ = x.shape
+        return proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+
     def qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: (B, T, d) -> q (B, h, T, Dh), k and v (B, h_kv, T, Dh)."""
-        B, T, _ = x.shape
-        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        return q, k, v
+        return self.heads(self.q, x), self.heads(self.k, x), self.heads(self.v, x)
 
     def out(self, attn: torch.Tensor) -> torch.Tensor:
         """attn: (B, h, T, Dh) -> (B, T, d)."""
@@ -120,34 +122,21 @@ class SelfAttentionProj(nn.Module):
         return self.o(attn.transpose(1, 2).reshape(B, T, -1))
 
 
-class CrossAttentionProj(nn.Module):
-    """Cross-attention of the decoder into the encoder memory. No RoPE: the memory already
-    carries its position through the encoder, and the null slot has no position."""
+class CrossAttentionProj(SelfAttentionProj):
+    """Cross-attention of the decoder into the encoder memory: the same projections, no biases.
+    No RoPE: the memory already carries its position through the encoder, and the null slot has
+    no position."""
 
     def __init__(self, d: int, n_heads: int, n_kv_heads: int, head_dim: int) -> None:
-        super().__init__()
-        self.head_dim = head_dim
-        self.q = nn.Linear(d, n_heads * head_dim, bias=False)
-        self.k = nn.Linear(d, n_kv_heads * head_dim, bias=False)
-        self.v = nn.Linear(d, n_kv_heads * head_dim, bias=False)
-        self.o = nn.Linear(n_heads * head_dim, d, bias=False)
+        super().__init__(d, n_heads, n_kv_heads, head_dim, bias=False)
 
     def kv(self, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """m: (B, S, d) memory -> k, v (B, h_kv, S, Dh)."""
-        B, S, _ = m.shape
-        k = self.k(m).view(B, S, -1, self.head_dim).transpose(1, 2)
-        v = self.v(m).view(B, S, -1, self.head_dim).transpose(1, 2)
-        return k, v
+        return self.heads(self.k, m), self.heads(self.v, m)
 
     def query(self, x: torch.Tensor) -> torch.Tensor:
         """x: (B, 1, d) -> (B, h, 1, Dh)."""
-        B, T, _ = x.shape
-        return self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-
-    def out(self, attn: torch.Tensor) -> torch.Tensor:
-        """attn: (B, h, T, Dh) -> (B, T, d)."""
-        B, _, T, _ = attn.shape
-        return self.o(attn.transpose(1, 2).reshape(B, T, -1))
+        return self.heads(self.q, x)
 
 
 class SwiGLU(nn.Module):
@@ -172,6 +161,25 @@ class Block(nn.Module):
         self.attn = SelfAttentionProj(d, n_heads, n_kv_heads, head_dim, qkv_bias)
         self.mlp_norm = RMSNorm(d, eps)
         self.mlp = SwiGLU(d, ffn_hidden)
+
+    def causal(self, h: torch.Tensor, rotary: "Rotary", start: int, cache=None, slot: int = 0,
+               documents=None) -> torch.Tensor:
+        """The block over h (B, n, d) at positions [start, start + n), causal: with a cache
+        (model/cache.py) its K/V go to layer ``slot`` of it and the queries attend to the cached
+        prefix as well (no autograd through the cache); with documents (model/documents.py, the
+        whole row: start 0, no cache) RoPE positions and attention are the documents' own."""
+        q, k, v = self.attn.qkv(self.attn_norm(h))  # q (B, h, n, Dh); k, v (B, h_kv, n, Dh)
+        if documents is not None:
+            cos, sin = documents.rope(rotary, q.dtype)  # (B, 1, n, Dh)
+            q, k = Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
+        else:
+            q, k = rotary(q, start), rotary(k, start)
+        if cache is not None:
+            cache.write(slot, start, k, v)
+            k, v = cache.view(slot, start + h.shape[1])
+        attn = encoder_attention(q, k, v, start) if documents is None else documents.attention(q, k, v)
+        h = h + self.attn.out(attn)
+        return h + self.mlp(self.mlp_norm(h))
 
 
 class CrossBlock(nn.Module):

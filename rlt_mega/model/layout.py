@@ -21,8 +21,8 @@ So the schedules are layouts, not code paths:
   position per row, keys [0, its position] and memory [0, 1 + vis(its position)) per row.
 
 The saved-activation methods (``out``, ``keep``, ``load``, ...) say where a training step keeps
-what its backward reads: per position t (``*_t``), per activation slot, per weight-gradient ring
-slot; a no-grad step keeps nothing.
+what its backward reads: per activation slot, per weight-gradient ring slot (``*_ring``), per
+position t (``put``); a no-grad step keeps nothing.
 
 :class:`StaticStep` is the capture-ready form: t a 0-d device tensor, every shape the capacity's,
 writes by ``index_copy_`` and reads by ``index_select``, masks built on the device, so one step can
@@ -181,17 +181,6 @@ class Step:
     def load(self, buf: torch.Tensor) -> torch.Tensor:
         return self.rows_of(buf[self._slot(buf)])
 
-    def out_t(self, buf: Optional[torch.Tensor]) -> Optional[torch.Tensor]:  # the position-indexed buffers
-        return None if buf is None else self.rows_of(buf[self.t])
-
-    def keep_t(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-        if buf is not None and value.data_ptr() != _slot_ptr(buf, self.t):
-            self.rows_of(buf[self.t]).copy_(value)
-        return value
-
-    def load_t(self, buf: torch.Tensor) -> torch.Tensor:
-        return self.rows_of(buf[self.t])
-
     def put(self, buf: torch.Tensor, index: int, value: torch.Tensor) -> None:
         """buf[index] <- value (the input gradient of the stack: a position-indexed buffer)."""
         if value.data_ptr() != _slot_ptr(buf, index):
@@ -282,17 +271,6 @@ class StaticStep:
 
     def load(self, buf: torch.Tensor) -> torch.Tensor:
         return buf.index_select(0, self._slot(buf)).squeeze(0)
-
-    def out_t(self, buf: Optional[torch.Tensor]) -> None:
-        return None
-
-    def keep_t(self, buf: Optional[torch.Tensor], value: torch.Tensor) -> torch.Tensor:
-        if buf is not None:
-            buf.index_copy_(0, self.t1, value.unsqueeze(0))
-        return value
-
-    def load_t(self, buf: torch.Tensor) -> torch.Tensor:
-        return buf.index_select(0, self.t1).squeeze(0)
 
     def put(self, buf: torch.Tensor, index, value: torch.Tensor) -> None:
         buf.index_copy_(0, self.t1, value.unsqueeze(0))

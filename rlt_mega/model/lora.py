@@ -25,9 +25,9 @@ The merge runs in the base weight's dtype with autocast off (fp32 master weights
 weight is rounded to the compute dtype once, where the base weight would be).
 
 Names. Inside the model the parameters are those of ``parametrize`` (``blocks.0.attn.q.
-parametrizations.weight.original`` for W, ``...weight.0.lora_A``); ``adapter_state`` /
-``load_adapter_state`` use the clean names ``blocks.0.attn.q.lora_A`` (checkpoints, the peft
-export), ``merged_state`` the model's own names with merged weights (the full export)."""
+parametrizations.weight.original`` for W, ``...weight.0.lora_A``); the checkpoint's files use the clean names
+``blocks.0.attn.q.lora_A`` (parallel/adapter_files.py: ``adapter_state``, ``merged_state``). The
+closed-form count of the adapters' parameters is the cost model's (cost/params.py)."""
 
 from __future__ import annotations
 
@@ -40,8 +40,6 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from rlt_mega.config import LORA_TARGETS, LoraConfig
-
-_PARAM = ".parametrizations.weight."
 
 
 class LowRank(nn.Module):
@@ -149,79 +147,3 @@ def adapters(model: nn.Module) -> Iterator[tuple[str, LowRank]]:
             for p in module.parametrizations.weight:
                 if isinstance(p, LowRank):
                     yield name, p
-
-
-def adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """{``<module>.lora_A``, ``<module>.lora_B``: tensor} of every adapter (detached)."""
-    out = {}
-    for name, a in adapters(model):
-        out[f"{name}.lora_A"] = a.lora_A.detach()
-        out[f"{name}.lora_B"] = a.lora_B.detach()
-    return out
-
-
-def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Copies ``adapter_state``'s tensors into the model's adapters (every key must match)."""
-    mine = {f"{n}.{k}": getattr(a, k) for n, a in adapters(model) for k in ("lora_A", "lora_B")}
-    if set(mine) != set(state):
-        missing, extra = sorted(set(mine) - set(state)), sorted(set(state) - set(mine))
-        raise ValueError(f"adapter state does not fit the model's adapters: missing {missing[:4]}, "
-                         f"unexpected {extra[:4]}; build the model with the adapters' model.lora")
-    with torch.no_grad():
-        for k, p in mine.items():
-            if tuple(state[k].shape) != tuple(p.shape):
-                raise ValueError(f"adapter {k}: shape {tuple(state[k].shape)} in the state, {tuple(p.shape)} "
-                                 "in the model; use the adapters' model.lora.rank")
-            p.copy_(state[k])
-
-
-def base_name(name: str) -> str:
-    """A state_dict name of an adapted model -> the base model's name (``...q.parametrizations.
-    weight.original`` -> ``...q.weight``); adapter names are returned unchanged."""
-    if name.endswith(_PARAM + "original"):
-        return name[: -len(_PARAM + "original")] + ".weight"
-    return name
-
-
-def base_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The frozen base's parameters under the base model's names (adapters left out)."""
-    return {base_name(k): v for k, v in model.state_dict().items() if _PARAM not in k or k.endswith("original")}
-
-
-@torch.no_grad()
-def merged_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's state_dict under the base model's names with every adapted weight merged
-    (W + s B A): what a full export of the adapted model holds."""
-    state = base_state(model)
-    for name, _ in adapters(model):
-        module = model.get_submodule(name)
-        state[f"{name}.weight"] = module.weight.detach().clone()
-    return state
-
-
-def state_hash(state: dict[str, torch.Tensor]) -> str:
-    """A hash of a state dict's names, shapes, dtypes and bytes (the base an adapter checkpoint
-    was trained on)."""
-    h = hashlib.sha256()
-    for k in sorted(state):
-        t = state[k].detach().cpu().contiguous()
-        h.update(f"{k}|{tuple(t.shape)}|{t.dtype}|".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-    return h.hexdigest()
-
-
-def adapter_param_count(cfg, lora: Optional[LoraConfig] = None) -> int:
-    """Closed-form count of adapter parameters of an RLT of ModelConfig ``cfg`` (tested against
-    the module): rank x (in + out) per target weight."""
-    lora = cfg.lora if lora is None else lora
-    if not lora.enabled:
-        return 0
-    d, Dh, F, L = cfg.d_model, cfg.head_dim, cfg.ffn_hidden, cfg.n_layers
-    q_out, kv_out = cfg.n_heads * Dh, cfg.n_kv_heads * Dh
-    shapes = {"q": (q_out, d), "k": (kv_out, d), "v": (kv_out, d), "o": (d, q_out), "gate": (F, d), "up": (F, d),
-              "down": (d, F)}
-    per_block = sum(sum(shapes[t]) for t in lora.targets if t in shapes)
-    blocks = L * (1 if cfg.share_weights else 2)
-    cross = sum(sum(shapes[t.removeprefix("cross_")]) for t in lora.targets if t.startswith("cross_"))
-    recur = 2 * d if "recur_proj" in lora.targets else 0
-    return lora.rank * (blocks * per_block + L * cross + recur)

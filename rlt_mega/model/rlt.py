@@ -32,11 +32,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rlt_mega.config import CheckpointingConfig, ModelConfig
-from rlt_mega.model.attention import encoder_attention
 from rlt_mega.model.baselines import DenseLM, dense_param_counts
 from rlt_mega.model.cache import KVCache, MemoryKV
 from rlt_mega.model.documents import Documents
-from rlt_mega.model.init import block_param_count, initial_value
+from rlt_mega.model.init import ModelBase, block_param_count
 from rlt_mega.model.dense_decode import Decoder
 from rlt_mega.model.layers import Block, CrossBlock, RMSNorm, Rotary
 
@@ -50,7 +49,7 @@ def vis(t: int, C: int) -> int:
     return C * ((t + 1) // C)
 
 
-class RLT(nn.Module):
+class RLT(ModelBase):
     def __init__(self, cfg: ModelConfig, decoder: Optional[Decoder] = None) -> None:
         """decoder: how the decoder step runs (its reduce over shards, its capture-ready form);
         parallel/ passes one for a sharded model (default: one device, eager)."""
@@ -85,21 +84,6 @@ class RLT(nn.Module):
             self.init_weights()
 
     # ------------------------------------------------------------------ set-up
-    @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None, generator: Optional[torch.Generator] = None) -> None:
-        """Every parameter from :func:`initial_value`: a function of (seed, parameter name) alone,
-        so any rank can build exactly the parameters of its own pipeline stage and tensor shard,
-        and a distributed model starts equal to the single-process model of the same seed
-        whatever the layout. ``seed`` None: one drawn from ``generator`` (or torch's global
-        generator, so that ``torch.manual_seed(s); RLT(cfg)`` stays reproducible)."""
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, (1,), generator=generator))
-        for name, p in self.named_parameters():
-            p.copy_(initial_value(self.cfg, name, tuple(p.shape), seed))
-
-    def set_checkpointing(self, cfg: CheckpointingConfig) -> None:
-        self.checkpointing = cfg
-
     def decoder_block(self, i: int) -> Block:
         return self.blocks[i] if self.dec_blocks is None else self.dec_blocks[i]
 
@@ -109,23 +93,10 @@ class RLT(nn.Module):
     # ------------------------------------------------------------------ encoder
     def encoder_layer(self, i: int, h: torch.Tensor, start: int, cache: Optional[KVCache],
                       documents: Optional[Documents] = None) -> torch.Tensor:
-        """h: (B, n, d) at positions [start, start + n). With a cache, attends to the cached
-        prefix as well (sampling / replay; no autograd through the cache). With documents
-        (packed rows, the whole row: start 0, no cache; or a batch's prompt pack,
-        schedule/prompt_pack.py), RoPE positions and attention are the layout's own."""
-        blk = self.blocks[i]
-        q, k, v = blk.attn.qkv(blk.attn_norm(h))
-        if documents is not None:
-            cos, sin = documents.rope(self.rotary, q.dtype)  # (B, 1, n, Dh)
-            q, k = Rotary.rotate(q, cos, sin), Rotary.rotate(k, cos, sin)
-        else:
-            q, k = self.rotary(q, start), self.rotary(k, start)
-        if cache is not None:
-            cache.write(i, start, k, v)
-            k, v = cache.view(i, start + h.shape[1])
-        attn = encoder_attention(q, k, v, start) if documents is None else documents.attention(q, k, v)
-        h = h + blk.attn.out(attn)
-        return h + blk.mlp(blk.mlp_norm(h))
+        """h: (B, n, d) at positions [start, start + n) through block i (``Block.causal``): with a
+        cache (sampling / replay) also over the cached prefix; with documents (packed rows, or a
+        batch's prompt pack, schedule/prompt_pack.py) in the layout's own positions."""
+        return self.blocks[i].causal(h, self.rotary, start, cache, i, documents)
 
     def encode(self, h: torch.Tensor, start: int = 0, cache: Optional[KVCache] = None,
                layers: Optional[Sequence[int]] = None, documents: Optional[Documents] = None) -> torch.Tensor:
@@ -164,11 +135,6 @@ class RLT(nn.Module):
 
     def initial_state(self, batch_size: int) -> torch.Tensor:
         return self.z_init.expand(batch_size, -1)
-
-    def head(self, z: torch.Tensor) -> torch.Tensor:
-        """z: (..., d) -> logits (..., V) in fp32 (fp64 for a float64 model)."""
-        logits = self.lm_head(self.final_norm(z))
-        return logits.to(torch.promote_types(logits.dtype, torch.float32))
 
     # ------------------------------------------------------------------ dense schedule
     def decode_dense(self, emb: torch.Tensor, mem: MemoryKV, z0: Optional[torch.Tensor] = None,

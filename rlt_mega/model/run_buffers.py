@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional, Sequence
 
-from rlt_mega.model.workspace import SLAB_ALIGN
+from rlt_mega.model.workspace import aligned
 
 # Rows per weight-gradient GEMM: enough to run it at this CPU's matmul peak (measured: 96 GFLOP/s
 # at 512 rows, the same as a 2048^3 torch.mm).
@@ -133,7 +133,7 @@ def run_buffers(layers: Sequence[int], batch: int, capacity: int, mem_capacity: 
 
 def aligned_bytes(buf: Buffer, role_bytes: dict[str, int]) -> int:
     """The buffer's bytes in its slab (every buffer starts on a cache line)."""
-    return -(-math.prod(buf.shape) * role_bytes[buf.role] // SLAB_ALIGN) * SLAB_ALIGN
+    return aligned(math.prod(buf.shape) * role_bytes[buf.role])
 
 
 def bytes_by_purpose(buffers: Sequence[Buffer], role_bytes: dict[str, int], backward: Optional[bool] = None

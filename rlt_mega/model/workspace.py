@@ -13,12 +13,18 @@ step, so that a step's peak counts its slab).
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 
 import torch
 
 SLAB_ALIGN = 64  # bytes: every buffer of a slab starts on a cache line
+
+
+def aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up to whole cache lines: what a buffer takes in its slab."""
+    return -(-nbytes // SLAB_ALIGN) * SLAB_ALIGN
 
 
 class Workspace:
@@ -73,37 +79,24 @@ class Slab:
     def allocate(self, owner: object, pooled: bool = True) -> dict[str, torch.Tensor]:
         """pooled=False: a fresh allocation, freed with the tensors (a slab that lives only part
         of a step: held by the pool, its memory would stay taken for the rest of the step)."""
-        offsets, total = [], 0
-        for name, shape, dtype, _ in self._specs:
-            n = 1
-            for s in shape:
-                n *= s
-            offsets.append(total)
-            total += (n * torch.empty((), dtype=dtype).element_size() + SLAB_ALIGN - 1) // SLAB_ALIGN * SLAB_ALIGN
+        sizes = self.sizes()
+        total = max(sum(sizes.values()), SLAB_ALIGN)
         if pooled:
-            slab = WORKSPACE.take(max(total, SLAB_ALIGN), self.device)
+            slab = WORKSPACE.take(total, self.device)
             weakref.finalize(owner, WORKSPACE.give, slab)
         else:
-            slab = torch.empty(max(total, SLAB_ALIGN), dtype=torch.uint8, device=self.device)
-        for (name, shape, dtype, zero), off in zip(self._specs, offsets):
-            size = torch.empty((), dtype=dtype).element_size()
-            n = 1
-            for s in shape:
-                n *= s
-            t = slab[off:off + n * size].view(dtype).view(shape)
+            slab = torch.empty(total, dtype=torch.uint8, device=self.device)
+        off = 0
+        for name, shape, dtype, zero in self._specs:
+            t = slab[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
             if zero:
                 t.zero_()
             self.tensors[name] = t
-        self.nbytes = total
+            off += sizes[name]
+        self.nbytes = off
         tensors, self.tensors = self.tensors, {}  # the caller's (a released slab must not stay referenced here)
         return tensors
 
     def sizes(self) -> dict[str, int]:
         """Each declared buffer's bytes in the slab (aligned), allocated or not."""
-        out = {}
-        for name, shape, dtype, _ in self._specs:
-            n = torch.empty((), dtype=dtype).element_size()
-            for s in shape:
-                n *= s
-            out[name] = (n + SLAB_ALIGN - 1) // SLAB_ALIGN * SLAB_ALIGN
-        return out
+        return {name: aligned(math.prod(shape) * dtype.itemsize) for name, shape, dtype, _ in self._specs}

@@ -17,9 +17,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlt_mega.loss import IGNORE, LogitsLoss
-from rlt_mega.model.documents import DOC_STARTS, pad_starts
+from rlt_mega.loss import DENSE_ROWS, DOC_STARTS, IGNORE, LogitsLoss
+from rlt_mega.model.documents import Documents
 from rlt_mega.parallel.dims import ParallelDims
+
+
+def forward_kwargs(batch: dict) -> dict:
+    """The model's keyword arguments for a batch: ``documents`` where the batch is packed with
+    resets, ``rows`` where a batch says which rows the dense decoder runs
+    (schedule/dense.py), nothing otherwise (so a plain batch calls any model as before)."""
+    documents = Documents.of(batch)
+    kwargs = {} if documents is None else {"documents": documents}
+    if batch.get(DENSE_ROWS) is not None:
+        kwargs["rows"] = batch[DENSE_ROWS]
+    return kwargs
 
 
 def pad_to(x: torch.Tensor, length: int, value: int) -> torch.Tensor:
@@ -36,7 +47,7 @@ def pad_batch(batch: dict, length: int) -> dict:
     if torch.is_tensor(batch.get("targets")):
         out["targets"] = pad_to(batch["targets"], length, IGNORE)
     if torch.is_tensor(batch.get(DOC_STARTS)):  # packed documents: the padding continues each row's last
-        out[DOC_STARTS] = pad_starts(batch[DOC_STARTS], length)
+        out[DOC_STARTS] = pad_to(batch[DOC_STARTS], length, False)  # document (no new start)
     return out
 
 

@@ -36,9 +36,9 @@ from torch import nn
 
 from rlt_mega.config import CheckpointConfig, OptimConfig, ParallelConfig
 from rlt_mega.loss import LM_LOSS, LogitsLoss
-from rlt_mega.model.documents import forward_kwargs
 from rlt_mega.model.rlt import RLT
 from rlt_mega.parallel import batching
+from rlt_mega.parallel.batching import forward_kwargs
 from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.ds_checkpoint import DeepSpeedCheckpoint

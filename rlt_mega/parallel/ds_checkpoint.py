@@ -16,7 +16,8 @@ import torch
 from rlt_mega.checkpoint import CheckpointError, load_torch, safe_unpickling
 from rlt_mega.config import CheckpointConfig, ModelConfig
 from rlt_mega.log import get_logger
-from rlt_mega.model.lora import base_state, has_adapters, state_hash
+from rlt_mega.model.lora import has_adapters
+from rlt_mega.parallel.adapter_files import base_state, state_hash
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel import reshard
 from rlt_mega.parallel.dims import ParallelDims

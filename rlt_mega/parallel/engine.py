@@ -33,13 +33,14 @@ from torch import nn
 from safetensors.torch import load_model, save_model
 
 from rlt_mega.checkpoint import CheckpointError, check_weights, load_torch
-from rlt_mega.parallel.adapter_files import load_adapters, save_adapters
-from rlt_mega.model.lora import base_state, has_adapters, state_hash
+from rlt_mega.parallel.adapter_files import base_state, load_adapters, save_adapters, state_hash
+from rlt_mega.model.lora import has_adapters
 from rlt_mega.config import CheckpointingConfig, OptimConfig, TrainConfig
 from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
-from rlt_mega.model.documents import forward_kwargs
+from rlt_mega.parallel.batching import forward_kwargs
 from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims
+from rlt_mega.parallel.zero import param_groups
 from rlt_mega.parallel.reshard import KEYS, LayoutFreeState, StateWriter, changes, format_layout, same_layout, saved_layout
 from rlt_mega.log import get_logger
 from rlt_mega.precision import CopyLag, bf16_copy, cast_key, precision
@@ -113,17 +114,6 @@ class Engine(Protocol):
 
     def layout(self) -> dict:
         """{"tp", "pp", "dp", "zero_stage"[, "pp_split"]}: recorded with every checkpoint."""
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: not on norms, biases, embeddings, null_memory, z_init."""
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        is_matrix = p.dim() >= 2 and "embed" not in name
-        (decay if is_matrix else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def lr_lambda(optim: OptimConfig, total_steps: int) -> Callable[[int], float]:

@@ -45,11 +45,11 @@ log = get_logger(__name__)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """The local engine's AdamW groups (engine.param_groups: decay on matrices, none on norms,
-    biases, embeddings, null_memory, z_init), with one addition: on the last pipeline stage a
-    tied ``lm_head.weight`` is the embedding's copy and must be treated like it, or the two
-    copies would drift apart."""
-    tied = getattr(model.cfg, "tie_embeddings", False)
+    """AdamW groups, both engines': weight decay on matrices only (not on norms, biases,
+    embeddings, null_memory, z_init); on the last pipeline stage a tied ``lm_head.weight`` is the
+    embedding's copy and must be treated like it, or the two copies would drift apart (on one
+    process it is the embedding's own parameter, listed once)."""
+    tied = getattr(getattr(model, "cfg", None), "tie_embeddings", False)
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:

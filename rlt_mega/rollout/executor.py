@@ -42,13 +42,14 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
-from rlt_mega.model.cache import KVCache, RowsView
+from rlt_mega.model.cache import KVCache
 from rlt_mega.model.dense_decode import compute_dtype_of
 from rlt_mega.model.layout import to_device
 from rlt_mega.model.rlt import RLT
 from rlt_mega.rollout.comms import Comms
 from rlt_mega.rollout.processing import Processing, process_logits
 from rlt_mega.rollout.ring import CTL_ROWS, RingStep, is_check, row_ring_steps
+from rlt_mega.rollout.turns import Turns
 from rlt_mega.schedule.rows import FromBatch, FromParked, RowPlan, StepPlan
 
 
@@ -60,8 +61,7 @@ class RowChooser(Protocol):
         """The tokens every TP rank continues with: updates the finish flags on the device."""
 
     def flag_codes(self) -> torch.Tensor:
-        """(R,) long: the flags a check reads (``RowPlan.set_flags``): 1 done, 2 out of the batch
-        for an environment call (rollout/turns.py), else 0."""
+        """(R,) long: the finish flags a check reads (``RowPlan.set_flags``): 1 done, else 0."""
 
     def check(self, t: int) -> None:
         """At a check (host work allowed): stop strings."""
@@ -69,12 +69,44 @@ class RowChooser(Protocol):
 
 @dataclass
 class RowWork:
-    """One micro-batch: tokens (S, capacity) per sequence (rows then entries), its plan, and on
-    the last stage its chooser."""
+    """One micro-batch: tokens (S, capacity) per sequence (rows then entries), its plan, on the
+    last stage its chooser and, with an environment, its turns (rollout/turns.py ``Turns``)."""
 
     tokens: torch.Tensor
     plan: RowPlan
     chooser: Optional[RowChooser]
+    turns: Optional[Turns] = None
+
+
+def check(work: RowWork, k: int) -> torch.Tensor:
+    """The check after step k's draws, between decoder steps (last stage): the chooser's stop
+    strings, then the environment's turn (its answers forced as the plan's ``Force`` events, its
+    departures flagged ``Flag.AWAY``) -> the flags (R,) the check reads."""
+    work.chooser.check(k)
+    if work.turns is None:
+        return work.chooser.flag_codes()
+    work.turns.at_check(k + 1, work.chooser, work.plan)
+    return work.turns.codes(work.chooser.flag_codes())
+
+
+class RowsView:
+    """Some rows of a cache with ``batch_size`` rows, as a cache of n rows for one encoder call of
+    the rollout: ``rows`` (n,) long, or None for the prefix [:n]. ``write`` goes into those rows
+    (the buffer allocated for the whole batch at the first write), ``view`` reads them (a view of
+    the prefix, a gathered copy of other rows)."""
+
+    def __init__(self, cache: KVCache, rows: Optional[torch.Tensor], batch_size: int, n: int) -> None:
+        self.cache, self.rows, self.batch_size, self.n = cache, rows, batch_size, n
+        self.capacity = cache.capacity
+
+    def write(self, layer: int, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.cache.write(layer, start, k, v, self.rows, self.batch_size)
+
+    def view(self, layer: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.cache.view(layer, end)
+        if self.rows is None:
+            return k[:self.n], v[:self.n]
+        return k.index_select(0, self.rows), v.index_select(0, self.rows)
 
 
 @dataclass
@@ -368,8 +400,7 @@ class RowExecutor:
             return
         finished = None
         if is_check(k + 1, self.check_every):
-            chooser.check(k)  # may end rows (stop strings): before the flags leave
-            finished = chooser.flag_codes()
+            finished = check(run.work, k)  # may end rows and insert observations: before the flags leave
             if plan.recorded is None:
                 plan.set_flags(k + 1, finished.tolist())  # the check's host read
         if step.sends:

@@ -16,6 +16,7 @@ Every operation is row-wise on a (B, V) batch; the sampler and the replay call
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import IntEnum
 from typing import Sequence
 
 import torch
@@ -42,6 +43,21 @@ class Processing:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+class Finish(IntEnum):
+    """A row's finish code on the device (the rollout chooser's ``reason``, rollout/sampler.py); its ``label`` is the
+    ``finish_reasons`` string. Distinct from the plan's ``Flag`` (schedule/rows.py)."""
+
+    RUNNING = 0
+    STOP_TOKEN = 1
+    STOP_STRING = 2
+    LENGTH = 3
+    ENV = 4  # the environment ended the episode
+
+    @property
+    def label(self) -> str:
+        return "length" if self is Finish.RUNNING else self.name.lower()  # still running at the end: length
 
 
 # Probabilities become integers in units of 2^-PROB_BITS before any prefix sum: integer addition

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -45,9 +44,9 @@ from rlt_mega.model.layout import to_device
 from rlt_mega.model.rlt import RLT
 from rlt_mega.precision import precision
 from rlt_mega.rollout.comms import Comms
-from rlt_mega.rollout.executor import RowExecutor, RowResult, RowWork
-from rlt_mega.rollout.processing import Processing, draw_uniforms, make_generators, sample
-from rlt_mega.rollout.turns import Episode, EpisodeStats, forced_mask
+from rlt_mega.rollout.executor import RowExecutor, RowResult, RowWork, check
+from rlt_mega.rollout.processing import Finish, Processing, draw_uniforms, make_generators, sample
+from rlt_mega.rollout.turns import Episode, EpisodeStats, Turns, forced_mask
 from rlt_mega.schedule.rows import RowLayout, RowPlan, RowRecord, RowSwitches, row_layout
 
 DEFAULT_CHECK_EVERY = 8
@@ -156,53 +155,31 @@ def _completion_values(lp: torch.Tensor, prompt_lens: Sequence[int], completion_
     return torch.where(mask, lp.gather(1, step + 1), torch.zeros((), device=lp.device))
 
 
-class Finish(IntEnum):
-    """A row's finish code on the device (``_Chooser.reason``); its ``label`` is the
-    ``finish_reasons`` string. Distinct from the plan's ``Flag`` (schedule/rows.py)."""
-
-    RUNNING = 0
-    STOP_TOKEN = 1
-    STOP_STRING = 2
-    LENGTH = 3
-    ENV = 4  # the environment ended the episode
-
-    @property
-    def label(self) -> str:
-        return "length" if self is Finish.RUNNING else self.name.lower()  # still running at the end: length
-
-
-
 class _Draw:
     """The rollout's chooser over sequences (rows, then entries, which only ever force their
     prompt), the choice made per target of the step: rows past their prompt draw x_{t+1} with their
-    own random numbers, the others are forced (prompt tokens); stop tokens and budgets end a row
-    on the device, stop strings at the checks (``check``), in the newest text only.
+    own random numbers, the others are forced (prompt tokens, and observations an environment's
+    turn inserted: ``insert``); stop tokens and budgets end a row on the device, stop strings at
+    the checks (``check``), in the newest text only (from ``text_start``: never in an observation).
 
     Stop strings are found up to check_every steps late: the tokens a row drew after its stop
     string are then replaced by pad in the record (its completion ends at the string), which
     changes no log-prob of the completion (positions are causal, rows independent)."""
 
     def __init__(self, tokens: torch.Tensor, seq_lens: Sequence[int], params: SamplingParams, generators: list,
-                 decode: Optional[Callable[[list[int]], str]], pad_id: int, num_rows: int, plan: RowPlan,
-                 episodes: Optional[Sequence[Episode]] = None, once: Callable = lambda fn: fn()) -> None:
+                 decode: Optional[Callable[[list[int]], str]], pad_id: int, num_rows: int) -> None:
         device = tokens.device
         self.tokens, self.params, self.decode, self.pad_id = tokens, params, decode, pad_id
         self.prompt_lens = list(seq_lens)
         self.prompt_t = to_device(self.prompt_lens, device)  # (S,)
         # Positions < forced_end are forced (the prompt, then each observation inserted so far).
         self.forced_end = self.prompt_t.clone()  # (S,)
-        self.plan, self.episodes, self.once = plan, episodes, once
-        self.stats = None if episodes is None else [EpisodeStats(faults=int(e.start_failed)) for e in episodes]
-        self.turn_start = [0] * num_rows  # completion index where each row's current model turn began
-        self.turn_seen = [0] * num_rows  # completion tokens already offered to the episode
-        self.calls: dict = {}  # row -> its episode's answer under way (TP rank 0 only)
-        self.away: list[int] = []  # rows out of the batch while their call runs (every rank)
-        self.away_t = torch.zeros(num_rows, dtype=torch.bool, device=device)
+        self.text_start = [0] * num_rows  # completion index where each row's searched text (its model turn) begins
         self.u = draw_uniforms(generators, params.max_new_tokens, device)  # (S, max_new_tokens)
         S = tokens.shape[0]
         self.num_rows = num_rows
         self.is_row = torch.arange(S, device=device) < num_rows
-        self.num_new = torch.zeros(S, dtype=torch.long, device=device)  # tokens drawn per row
+        self.num_new = torch.zeros(S, dtype=torch.long, device=device)  # tokens per row (drawn and inserted)
         self.reason = torch.zeros(S, dtype=torch.long, device=device)  # a Finish per row
         self.stop_ids = to_device(list(params.stop_token_ids), device)
         budgets = list(params.row_budgets)
@@ -235,28 +212,20 @@ class _Draw:
         self.num_new[targets] = num_new
 
     def flag_codes(self):
-        """1 finished, 2 away in an environment call (left at this check), else 0."""
-        done = (self.reason[:self.num_rows] != Finish.RUNNING).long()
-        return done if not self.away else torch.where(self.away_t, 2, done)
+        """(R,) long: 1 finished, else 0 (``Flag``; an environment's turn adds its departures)."""
+        return (self.reason[:self.num_rows] != Finish.RUNNING).long()
 
     def check(self, t: int) -> None:
         """Stop strings in the tokens drawn since the last check (one read of the newest
         tokens): a row ends at the first token whose completion text contains one (a stop token
-        at that same token takes precedence; a budget does not); then the environments' turns."""
-        self._stop_strings()
-        if self.episodes is not None:
-            self._turns(t + 1)
-
-    def _stop_strings(self) -> None:
+        at that same token takes precedence; a budget does not)."""
         if not self.params.stop_strings:
             return
         num_new, reason = self.num_new[:self.num_rows].tolist(), self.reason[:self.num_rows].tolist()
         rows = [b for b in range(len(num_new)) if num_new[b] > self.checked[b]]
         if not rows:
             return
-        # (an observation is never searched: a row's window starts at its current model turn)
-        starts = {b: self.prompt_lens[b] + max(0, self.checked[b] - self.lookback,
-                                                self.turn_start[b] if self.episodes is not None else 0) for b in rows}
+        starts = {b: self.prompt_lens[b] + max(0, self.checked[b] - self.lookback, self.text_start[b]) for b in rows}
         lo = min(starts.values())
         hi = max(self.prompt_lens[b] + num_new[b] for b in rows)
         window = self.tokens[:self.num_rows, lo:hi].tolist()
@@ -274,86 +243,20 @@ class _Draw:
             self.num_new[b], self.reason[b], self.checked[b] = length, Finish.STOP_STRING, length
             self.tokens[b, P + length:] = self.pad_id
 
-    def _turns(self, k: int) -> None:
-        """At check k (the step after the draws it reads: check_every = 1): first the answers to
-        the calls of the rows that left at the last check (waited for here); then the rows whose
-        model turn triggered their episode submit its call (started once, on TP rank 0: ``once``)
-        and leave their slot (``away``: code 2 of ``flag_codes``) while it runs, unless no
-        other row could run meanwhile: then their answers are waited for now and they stay."""
-        R = self.num_rows
-        if self.away:
-            back, self.away = self.away, []
-            self.away_t[back] = False
-            self._answer(k, back)
-        num_new, reason = self.num_new[:R].tolist(), self.reason[:R].tolist()
-        rows = [b for b in range(R) if reason[b] == Finish.RUNNING and num_new[b] > self.turn_seen[b]]
-        if not rows:
-            return
-        lo = min(self.prompt_lens[b] + self.turn_start[b] for b in rows)
-        hi = max(self.prompt_lens[b] + num_new[b] for b in rows)
-        window = self.tokens[:R, lo:hi].tolist()
-        asked = []
-        for b in rows:
-            P = self.prompt_lens[b]
-            ids = window[b][P + self.turn_start[b] - lo:P + num_new[b] - lo]
-            self.turn_seen[b] = num_new[b]
-            text = self.decode(ids)
-            if self.episodes[b].triggered(ids, text):
-                asked.append((b, ids, text))
-        if not asked:
-            return
+    # ------------------------------------------------------------------ what an environment's turn changes
+    def finish(self, b: int, reason: Finish) -> None:
+        self.reason[b] = reason
 
-        def submit() -> None:
-            for b, ids, text in asked:
-                self.calls[b] = self.episodes[b].submit(ids, text)
-
-        self.once(submit)
-        leaving = [b for b, _, _ in asked]
-        if any(reason[b] == Finish.RUNNING for b in sorted(set(range(R)) - set(leaving))):
-            self.away = leaving
-            self.away_t[leaving] = True
-            for b in leaving:
-                self.stats[b].departures += 1
-        else:
-            for b in leaving:
-                self.stats[b].blocking_waits += 1
-            self._answer(k, leaving)
-
-    def _answer(self, k: int, rows: list[int]) -> None:
-        """The answers to ``rows``' calls at check k (waited for on TP rank 0, shared): the episode
-        ends, or the observation is written into the row's next positions and forced (a ``Force``
-        event of the plan), trimmed to the row's token budget less one sampled token."""
-        responses = self.once(lambda: [self.calls.pop(b).result() for b in rows])
-        R = self.num_rows
-        num_new, budget = self.num_new[:R].tolist(), self.budget[:R].tolist()
-        for b, r in zip(rows, responses):
-            st = self.stats[b]
-            st.turns += int(not r.done)
-            st.tool_calls += int(r.tool_call)
-            st.tool_errors += int(r.error)
-            st.faults += int(r.fault)
-            st.truncated |= r.truncated
-            if r.done:
-                self.reason[b] = Finish.ENV
-                continue
-            room = budget[b] - num_new[b] - 1  # positions left for the observation, one draw after it
-            ids = list(r.ids[:max(room, 0)])
-            if len(ids) < len(r.ids):
-                st.truncated = True
-            if room <= 0:
-                self.reason[b] = Finish.LENGTH
-                continue
-            if not ids:  # an empty answer: the next model turn starts here (the call is never asked again)
-                self.turn_start[b] = self.turn_seen[b] = num_new[b]
-                continue
-            start = self.prompt_lens[b] + num_new[b]
-            self.tokens[b, start:start + len(ids)] = to_device(ids, self.tokens.device)
-            self.plan.force(k, b, start, ids)
-            n = num_new[b] + len(ids)
-            self.forced_end[b] = start + len(ids)
-            self.num_new[b] = n
-            self.turn_start[b] = self.turn_seen[b] = self.checked[b] = n
-            st.observation_tokens += len(ids)
+    def insert(self, b: int, ids: Sequence[int]) -> int:
+        """Row b's next positions forced to ``ids`` (an observation) -> the first of them; its
+        next model turn (the text searched) starts after them."""
+        n = int(self.num_new[b])
+        start = self.prompt_lens[b] + n
+        self.tokens[b, start:start + len(ids)] = to_device(list(ids), self.tokens.device)
+        self.forced_end[b] = start + len(ids)
+        self.num_new[b] = n + len(ids)
+        self.text_start[b] = self.checked[b] = n + len(ids)
+        return start
 
 
 def _first_stop(decode: Callable[[list[int]], str], ids: list[int], first_new: int,
@@ -439,7 +342,7 @@ class Sampler:
         if isinstance(params, SamplingParams):
             params = [params] * len(batches)
         self._check_call(batches, params, seeds, pad_id, decode, episodes, switch, load)
-        works, choosers = [], []
+        works = []
         for i, (prompts, p, batch_seeds) in enumerate(zip(batches, params, seeds)):
             layout = row_layout(prompts, p.max_new_tokens, self.model.cfg.memory_block, self.rows.slots or None,
                                 self.rows.share_prompts, self.rows.compact, self.check_every, version=version,
@@ -453,19 +356,18 @@ class Sampler:
             tokens = _seq_tokens(layout, rows, capacity, pad_id)
             seq_lens = [layout.seq_len(s) for s in range(layout.num_seqs)]
             gens = make_generators(list(batch_seeds) + [0] * (layout.num_seqs - layout.num_rows), self.device)
-            plan = RowPlan(layout)
-            chooser = _Draw(tokens, seq_lens, p, gens, decode, pad_id, layout.num_rows, plan,
-                            None if episodes is None else episodes[i], self.comms.once_in_tp)
-            works.append(RowWork(tokens, plan, chooser))
-            choosers.append(chooser)
+            turns = None if episodes is None else Turns(episodes[i], decode, self.comms.once_in_tp, layout.num_rows,
+                                                          self.device)
+            works.append(RowWork(tokens, RowPlan(layout), _Draw(tokens, seq_lens, p, gens, decode, pad_id,
+                                                                layout.num_rows), turns))
         with torch.no_grad(), precision(dtype, self.device):
             results = self.executor.run(works, params[0].processing, load)
         rollouts = None
         if self.comms.is_last_stage:
             rollouts = []
-            for res, work, chooser, p in zip(results, works, choosers, params):
-                chooser.check(work.plan.num_steps - 1)  # the tokens drawn after the last check
-                rollouts.append(_rollout(res, work, chooser, p.processing, dtype, pad_id, self.model.cfg.memory_block))
+            for res, work, p in zip(results, works, params):
+                check(work, work.plan.num_steps - 1)  # the tokens drawn after the last check
+                rollouts.append(_rollout(res, work, p.processing, dtype, pad_id, self.model.cfg.memory_block))
             if self.comms.num_stages > 1:
                 rollouts = [ro.to("cpu") for ro in rollouts]
         rollouts = self.comms.share_results(rollouts)
@@ -559,11 +461,11 @@ def _check_vocabulary(prompts: Sequence[Sequence[int]], pad_id: int, vocab_size:
                              "(check data.tokenizer and model.vocab_size)")
 
 
-def _rollout(res: RowResult, work: RowWork, chooser: _Draw, processing: Processing, dtype: str, pad_id: int,
+def _rollout(res: RowResult, work: RowWork, processing: Processing, dtype: str, pad_id: int,
              memory_block: int) -> Rollout:
     """The Rollout record of a call (tokens (R, T), T = the longest prompt + completion; mu (R, N)
     from the per-sequence log-probs)."""
-    plan, layout = work.plan, work.plan.layout
+    plan, layout, chooser = work.plan, work.plan.layout, work.chooser
     R = layout.num_rows
     completion_lens = chooser.num_new[:R].tolist()
     finish_reasons = [Finish(r).label for r in chooser.reason[:R].tolist()]
@@ -581,7 +483,8 @@ def _rollout(res: RowResult, work: RowWork, chooser: _Draw, processing: Processi
                         encoder_calls=[(c[1], c[2]) for c in res.encoder_calls], processing=processing,
                         dtype=dtype, pad_id=pad_id, rows=record, decoder=res.decoder)
     return Rollout(tokens=work.tokens[:R, :T].clone(), mu=mu, mask=mask, completion_lens=completion_lens,
-                   finish_reasons=finish_reasons, schedule=schedule, episodes=chooser.stats, version=version)
+                   finish_reasons=finish_reasons, schedule=schedule,
+                   episodes=None if work.turns is None else work.turns.stats, version=version)
 
 
 def _replay_values(ro: Rollout, work: RowWork, res: RowResult) -> Optional[torch.Tensor]:

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from rlt_mega.model.documents import Documents
 from rlt_mega.model.layout import to_device
 
 if TYPE_CHECKING:  # the rows build their pack (DenseRows.encoder_pack): no import at run time

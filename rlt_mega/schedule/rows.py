@@ -60,8 +60,9 @@ from typing import Optional, Sequence
 
 
 class Flag(IntEnum):
-    """A row's finish flag as a check reads it (one code per row, host values; the sampler's
-    ``flag_codes``, carried to the earlier stages in the ring's control message)."""
+    """A row's finish flag as a check reads it (one code per row, host values: the chooser's
+    ``flag_codes`` and an environment's turn's departures, rollout/executor.py ``check``, carried
+    to the earlier stages in the ring's control message)."""
 
     RUNNING = 0
     FINISHED = 1

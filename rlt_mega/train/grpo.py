@@ -48,8 +48,8 @@ from typing import Optional
 import torch.distributed as dist
 
 from rlt_mega.config import Config, ConfigError
-from rlt_mega.data.datasets import PROMPT_COLUMNS, DataStats, prompt_record, train_eval_records
-from rlt_mega.data.pairs import RecordOrder, fitting_prompts
+from rlt_mega.data.datasets import PROMPT_COLUMNS, DataStats, RecordOrder, prompt_record, train_eval_records
+from rlt_mega.data.pairs import fitting_prompts
 from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.learner.distill import distill_step_metrics
 from rlt_mega.log import get_logger

@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from rlt_mega.config import Config
-from rlt_mega.data.pairs import RecordOrder, prompt_ids
+from rlt_mega.data.datasets import RecordOrder
+from rlt_mega.data.pairs import prompt_ids
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Timers

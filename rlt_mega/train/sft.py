@@ -10,9 +10,9 @@ from typing import Callable, Optional
 import torch
 
 from rlt_mega.config import Config, ConfigError
-from rlt_mega.data.datasets import DataStats, pair_of, train_eval_records
+from rlt_mega.data.datasets import DataStats, RecordOrder, pair_of, train_eval_records
 from rlt_mega.data.packing import PackedPairs
-from rlt_mega.data.pairs import Pieces, RecordOrder, tokenize_pairs, write_targets
+from rlt_mega.data.pairs import Pieces, tokenize_pairs, write_targets
 from rlt_mega.data.tokenizer import Tokenizer
 from rlt_mega.log import get_logger
 from rlt_mega.loss import IGNORE

@@ -21,7 +21,8 @@ import dataclasses
 import torch
 
 from rlt_mega.config import Config, from_dict
-from rlt_mega.data.pairs import RecordOrder, prompt_ids
+from rlt_mega.data.datasets import RecordOrder
+from rlt_mega.data.pairs import prompt_ids
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import group_advantages, grpo_loss

@@ -9,7 +9,8 @@ import torch
 from rlt_mega.checkpoint import load_torch
 from rlt_mega.config import LoraConfig
 from rlt_mega.data.tokenizer import load_tokenizer
-from rlt_mega.model.lora import adapter_state, adapters, apply_lora
+from rlt_mega.model.lora import adapters, apply_lora
+from rlt_mega.parallel.adapter_files import adapter_state
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import param_groups
 from rlt_mega.train.grpo import build_trainer, engine_config, grpo_config

@@ -13,6 +13,7 @@ package, the README or docs/ points to a ``../shared`` outside it). Imports unde
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -62,8 +63,10 @@ def _imported(node: ast.AST, module: str, is_package: bool) -> list[str]:
     return [base] + [f"{base}.{a.name}" for a in node.names]
 
 
-def imports() -> list[tuple[str, str, str]]:
-    """(file, importing module, imported name) of every rlt_mega import in the package."""
+@functools.lru_cache(maxsize=1)
+def imports() -> tuple[tuple[str, str, str], ...]:
+    """(file, importing module, imported name) of every rlt_mega import in the package (parsed once
+    per session: three tests read it)."""
     out = []
     for path in sorted((ROOT / "rlt_mega").rglob("*.py")):
         module, tree = _module_of(path), ast.parse(path.read_text())
@@ -72,7 +75,7 @@ def imports() -> list[tuple[str, str, str]]:
             if id(node) not in skip:
                 out += [(str(path.relative_to(ROOT)), module, n)
                         for n in _imported(node, module, path.name == "__init__.py") if n.startswith("rlt_mega")]
-    return out
+    return tuple(out)
 
 
 def test_every_import_points_to_the_left():

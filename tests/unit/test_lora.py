@@ -12,8 +12,9 @@ from torch.nn.utils import parametrize
 
 from rlt_mega.config import ConfigError, LoraConfig, ModelConfig, from_dict
 from rlt_mega.model.rlt import build_model
-from rlt_mega.model.lora import (adapter_param_count, adapter_state, adapters, apply_lora, load_adapter_state,
-                                 merged_state)
+from rlt_mega.cost.params import adapter_param_count
+from rlt_mega.model.lora import adapters, apply_lora
+from rlt_mega.parallel.adapter_files import adapter_state, load_adapter_state, merged_state
 from rlt_mega.reference import reference_forward
 
 V = 29

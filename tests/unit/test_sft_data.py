@@ -2,7 +2,8 @@
 
 import pytest
 
-from rlt_mega.data.pairs import RecordOrder, answer_ids, prompt_ids
+from rlt_mega.data.datasets import RecordOrder
+from rlt_mega.data.pairs import answer_ids, prompt_ids
 from rlt_mega.data.tokenizer import byte_level
 from rlt_mega.loss import IGNORE
 from rlt_mega.train.sft import sft_batch
