@@ -179,7 +179,7 @@ class DeepSpeedState:
                                       f"layout-free state for tp rank {d.tp_rank} of {d.tp}, {shape} in this model")
             with torch.no_grad():
                 if id(p) in masters:
-                    self._set_unfused(p, masters[id(p)], values)
+                    self._set_unfused(p, masters[id(p)], values, step)
                 elif hasattr(p, "ds_id"):
                     self._set_zero3(p, values)
                 elif self._through_deepspeed:
@@ -210,10 +210,11 @@ class DeepSpeedState:
             opt._hp_optimizer_states_linked = False
             opt._lazy_init_hp_params_optimizer_state()
 
-    def _set_unfused(self, p: torch.nn.Parameter, master: torch.Tensor, values: dict) -> None:
+    def _set_unfused(self, p: torch.nn.Parameter, master: torch.Tensor, values: dict, step: int) -> None:
         master.data.copy_(values["fp32"])
         p.data.copy_(values["fp32"].to(p.dtype))
-        st = self._adam.state.setdefault(master, {"step": torch.tensor(float(self.step_offset))})
+        st = self._adam.state.setdefault(master, {})
+        st["step"] = torch.tensor(float(step))  # a master without state yet (no update so far) starts at the count
         for k in KEYS[1:]:
             st[k] = values[k].clone()
 
