@@ -140,7 +140,8 @@ def moves(run_cfg, layout: dict) -> list[dict]:
     out = []
     for cand in candidate_layouts(run_cfg, layout):
         cost = reshard.reshard_cost(run_cfg.model, layout, cand)["resume"]
-        out.append({"layout": cand, "read_per_rank": cost["most_per_rank"], "peak_per_rank": cost["peak_per_rank"]})
+        out.append({"layout": cand, "read_per_rank": cost["most_per_rank"], "gathered_per_rank": cost["gathered_per_rank"],
+                    "peak_per_rank": cost["peak_per_rank"]})
     return out
 
 
@@ -187,7 +188,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"resumes: {report['resumes']}")
     for move in report.get("moves") or ():
         lines.append(f"  on {reshard.format_layout(move['layout'])}: each rank reads at most "
-                     f"{_human(move['read_per_rank'])}B, peak {_human(move['peak_per_rank'])}B beside the engine "
+                     f"{_human(move['read_per_rank'])}B (and receives at most {_human(move['gathered_per_rank'])}B "
+                     f"from its data-parallel group), peak {_human(move['peak_per_rank'])}B beside the engine "
                      f"(train.resume, or rlt-mega reshard first)")
     if report.get("source"):
         lines.append(f"source: {json.dumps(report['source'])}")

@@ -34,6 +34,7 @@ class DeepSpeedCheckpoint:
                  checkpoint: CheckpointConfig, layout: Callable[[], dict]) -> None:
         self.ds, self.dims, self.state, self.model_cfg = ds, dims, state, model_cfg
         self.checkpoint, self.layout = checkpoint, layout
+        self.bytes_read = 0  # of the layout-free state, by the last resume on another layout
         self.universal_info = reshard.universal_checkpoint_info(model_cfg)
 
     def save(self, directory: Path, engine_state: dict) -> None:
@@ -85,10 +86,12 @@ class DeepSpeedCheckpoint:
             return load_torch(directory / "engine.pt")
         state = reshard.LayoutFreeState.open(directory)
         self.state.load_layout_free(state)
+        self.bytes_read = state.bytes_read  # this rank's share of the state (the tests add them up)
         self.dims.barrier()
         if self.dims.rank == 0:
             log.warning("resumed %s, written with layout %s, on %s (%s): fp32 masters, Adam moments and step of %d "
-                        "parameters resharded from its layout-free state (rank 0 read %.1f MB)", directory,
+                        "parameters resharded from its layout-free state (rank 0 read %.1f MB: each byte is read by one rank of the "
+                        "data-parallel group)", directory,
                         reshard.format_layout(saved), reshard.format_layout(current), reshard.changes(saved, current),
                         len(state.names()), state.bytes_read / 1e6)
         if has_adapters(self.ds.module):

@@ -161,6 +161,9 @@ def _resumes(engine, cfg, dims, barrier, root: Path, sources: list, b: str, step
     for a in sources:
         out = root / f"{a}_to_{b}"
         engine.load(_step(root / a, at))
+        if hasattr(engine, "files"):
+            (out / "read").mkdir(parents=True, exist_ok=True)
+            (out / "read" / f"rank{dims.rank}").write_text(str(engine.files.bytes_read))
         _write_state(engine, out / "reloaded", barrier)
         for step in range(at, steps):
             engine.train_step(local_batches(cfg, step, dims))

@@ -28,6 +28,7 @@ tensors):
 """
 
 import itertools
+import math
 import json
 
 import pytest
@@ -164,3 +165,32 @@ def test_asynchronous_grpo_moves_to_another_layout_with_its_queue(runs):
     to_b = worst(resumed, ckpt("whole", 2))[0]
     assert to_b <= worst(ckpt("source", 2), ckpt("whole", 2))[0], to_b
 
+
+@pytest.mark.parametrize("a", [a for a in LAYOUTS if a != "dp4z1"])
+def test_a_resume_reads_each_byte_of_the_state_once_per_data_parallel_group(runs, a):
+    """On dp=4 each replica reads a quarter of every slice's rows and the group all-gathers them
+    (a tensor of fewer rows than replicas is read by each): together the ranks read the state
+    once, where each used to read all of it."""
+    r = runs / "fp32"
+    state = LayoutFreeState.open(_step(r / a, 2))
+    whole = sum(12 * math.prod(state.full_shape(n)) for n in state.names())
+    small = sum(12 * math.prod(s) for s in map(state.full_shape, state.names()) if not s or s[0] < 4)
+    read = [int((r / f"{a}_to_dp4z1" / "read" / f"rank{rank}").read_text()) for rank in range(4)]
+    assert sum(read) == whole + 3 * small
+    first = small + sum(12 * -(-s[0] // 4) * math.prod(s[1:]) for s in map(state.full_shape, state.names())
+                        if s and s[0] >= 4)  # rank 0's share: the first ceil(rows / 4) rows of each
+    assert read[0] == first < whole / 3
+
+
+def test_a_reshard_output_exports_the_weights_of_its_distributed_input(runs, tmp_path):
+    """The dp=4 ZeRO-1 checkpoint exports from its DeepSpeed shards (no consolidated file); its
+    reshard for tp=1 pp=4 (the layout-free state only) from the state's fp32 masters: the same
+    tensors."""
+    from rlt_mega.checkpoint_tools.commands import export_path
+    from rlt_mega.checkpoint_tools.export import load_exported
+
+    a, _ = RESHARDED
+    original = export_path(_step(runs / "fp32" / a, 2), tmp_path / "original")
+    resharded = export_path(runs / "resharded" / "resharded", tmp_path / "resharded")
+    (_, want), (_, got) = load_exported(original), load_exported(resharded)
+    assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want)

@@ -87,6 +87,11 @@ def test_any_layout_reads_the_slices_another_wrote(tmp_path, tp_from, tp_to, dp)
             for key, v in values.items():
                 want = v if dim is None else v.chunk(tp_to, dim)[t]
                 assert torch.equal(state.read(name, key, tp_to, t), want), (name, key, t)
+                assert state.slice_shape(name, tp_to, t) == tuple(want.shape)
+                for a, b in ((0, 1), (1, 3), (2, 2), (len(want) - 1, len(want))):  # a data-parallel rank's rows
+                    before = state.bytes_read
+                    assert torch.equal(state.read(name, key, tp_to, t, rows=(a, b)), want[a:b]), (name, key, t, a, b)
+                    assert state.bytes_read - before == want[a:b].numel() * 4  # those rows, no more
     assert state.lookup("lm_head.weight", tied=True) == "embed.weight"
     with pytest.raises(CheckpointError, match="has no 'lm_head.weight'"):
         state.lookup("lm_head.weight", tied=False)
