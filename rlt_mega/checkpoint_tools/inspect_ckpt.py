@@ -103,8 +103,8 @@ def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, An
         report["checks"]["state"] = (f"ok ({len(state.names())} parameters: fp32 masters and Adam moments at Adam step "
                                      f"{state.adam_step}, in {state.tp} tensor-parallel slices)")
     else:
-        report["resumes"] = (f"with its optimizer state on {reshard.format_layout(layout)} only (written before the "
-                             "layout-free state); elsewhere with its weights only (export, then train.init_from)")
+        report["resumes"] = (f"with its optimizer state on {reshard.format_layout(layout)} only (written without "
+                             "the layout-free state: checkpoint.layout_free=false, or before it existed); elsewhere with its weights only (export, then train.init_from)")
     if verify:
         report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
     return report

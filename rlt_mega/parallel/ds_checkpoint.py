@@ -51,7 +51,8 @@ class DeepSpeedCheckpoint:
             client["rlt_base_sha256"] = self._base_hash()
         self.ds.save_checkpoint(str(directory), tag=DS_TAG, client_state=client, save_latest=False,
                                 exclude_frozen_parameters=adapted)
-        self.state.save_layout_free(directory, engine_state["steps_taken"])
+        if self.checkpoint.layout_free:  # checkpoint.layout_free=false: the optimizer state once, on this layout
+            self.state.save_layout_free(directory, engine_state["steps_taken"])
         consolidate = self.checkpoint.consolidate and not adapted
         full = self.state.full_state_dict() if consolidate else None
         if self.dims.rank == 0:

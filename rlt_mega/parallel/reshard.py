@@ -225,7 +225,8 @@ class LayoutFreeState:
         files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
         if not files:
             raise CheckpointError(f"checkpoint {checkpoint} has no layout-free state ({STATE_DIR}/): it was written "
-                                  "before rlt_mega saved one, and resumes only on its own layout "
+                                  "with checkpoint.layout_free=false or before rlt_mega saved one, and resumes only "
+                                  "on its own layout "
                                   f"{format_layout(saved_layout(checkpoint) or {})}; resume it there and save once "
                                   "to move it, or export it (rlt-mega export) and start from the weights "
                                   "(train.init_from)")

@@ -156,3 +156,27 @@ def test_reshard_cost_counts_every_parameter_once_and_each_rank_its_slices(saved
     text = capsys.readouterr().out
     assert "reshard {tp=1, pp=1, dp=1, zero_stage=0} -> {tp=2, pp=1, dp=2, zero_stage=1}" in text
     assert "rlt-mega reshard (one process): reads" in text
+
+
+def test_without_the_layout_free_state_a_checkpoint_is_12_bytes_a_parameter_smaller_and_stays_on_its_layout(
+        saved, tmp_path, capsys):
+    """checkpoint.layout_free=false: the optimizer state is stored once (the engine's files); the
+    checkpoint resumes on its own layout with everything, and a move is refused naming the key."""
+    src, engine = saved
+    cfg = make_cfg(MODEL, optim={"lr": 1e-2})
+    cfg.checkpoint.layout_free = False
+    lean = engine_of(cfg)
+    lean.load(src)  # the same state as the saved run
+    path = CheckpointManager(tmp_path / "lean").save(2, lambda tmp: (lean.save(tmp), save_config(cfg, tmp / "config.yaml")),
+                                                      meta={"layout": lean.layout(), "job": "pretrain"})
+    assert not (path / "state").exists()
+    params = sum(p.numel() for p in engine.model.parameters())
+    stored = sum(f.stat().st_size for f in (src / "state").iterdir())
+    assert 12 * params <= stored < 12 * params + 64 * 1024  # what the switch saves: the tensors and their headers
+    again = engine_of(cfg)
+    again.load(path)  # its own layout: model.safetensors and engine.pt
+    for (name, p), q in zip(engine.model.named_parameters(), again.model.parameters()):
+        assert torch.equal(p, q), name
+        assert all(torch.equal(engine.optimizer.state[p][k], again.optimizer.state[q][k]) for k in KEYS[1:]), name
+    assert cli.main(["reshard", str(path), str(tmp_path / "o"), "--tp", "2"]) == 2
+    one_error_line(capsys, "written with checkpoint.layout_free=false")
