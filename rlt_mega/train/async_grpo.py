@@ -239,8 +239,13 @@ class StalenessPipeline:
         """``state`` None: the checkpoint has no queue for this rank (then none may be needed)."""
         queue = [] if state is None else state["queue"]
         partial = 0 if state is None else state.get("partial_rollouts", 0)
-        if queue and (state["max_staleness"] != self.max_staleness or state["layout"][0] != self.layout[0]
-                      or partial != self.partial_rollouts):  # a replica's queue moves to any tp, pp, ZeRO stage
+        if queue and state["layout"][0] != self.layout[0]:  # a replica's queue moves to any tp, pp, ZeRO stage
+            raise ConfigError(
+                f"the checkpoint at step {step} holds {len(queue)} sampled steps queued by each of "
+                f"parallel.dp={state['layout'][0]} replicas (each replica's own prompts), and this run has "
+                f"parallel.dp={self.layout[0]}: resume with parallel.dp={state['layout'][0]} (any tp, pp or ZeRO "
+                "stage), or start afresh")
+        if queue and (state["max_staleness"] != self.max_staleness or partial != self.partial_rollouts):
             raise ConfigError(
                 f"the checkpoint at step {step} holds {len(queue)} sampled steps queued for grpo.max_staleness="
                 f"{state['max_staleness']}, partial_rollouts={partial} on layout {tuple(state['layout'])}; this run "
