@@ -1,11 +1,15 @@
 """Resuming on another layout (issue 43), run on every rank of one 4-rank launch by
 tests/distributed/worker.py as ``reshard_scenarios.<name>``.
 
-A run trains on a layout from the same start and the same global batches, saves complete
-training checkpoints (manifest, config.yaml, the layout-free state) at the steps asked, and may
-start from another layout's checkpoint. The "one process" layout runs on rank 0 alone (the local
-engine) while the other ranks wait. The test process compares the checkpoints' layout-free
-states (fp32 masters and Adam moments, full tensors). Nothing here asserts."""
+``matrix``: every layout trains from the same start on the same global batches, saving a
+complete training checkpoint (manifest, config.yaml, the layout-free state) at step 2 and its
+layout-free state at the end; then one engine per target layout resumes from each source's step
+2 in turn, writing the state as loaded and after the last step. ``run`` and ``reshard_then_run``:
+one run, saving complete checkpoints, from a start or from another layout's checkpoint (through
+``rlt-mega reshard``). ``grpo``: an asynchronous GRPO run of the real trainer (checkpoints with
+the queue, metrics.jsonl). The "one process" layout runs on rank 0 alone (the local engine)
+while the other ranks wait. The test process compares the written states (fp32 masters and Adam
+moments, full tensors) and logs. Nothing here asserts."""
 
 from __future__ import annotations
 
