@@ -104,7 +104,8 @@ def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, An
                                      f"{state.adam_step}, in {state.tp} tensor-parallel slices)")
     else:
         report["resumes"] = (f"with its optimizer state on {reshard.format_layout(layout)} only (written without "
-                             "the layout-free state: checkpoint.layout_free=false, or before it existed); elsewhere with its weights only (export, then train.init_from)")
+                             "the layout-free state: checkpoint.layout_free=false, or before it existed); elsewhere "
+                             "with its weights only (export, then train.init_from)")
     if verify:
         report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
     return report
@@ -140,8 +141,8 @@ def moves(run_cfg, layout: dict) -> list[dict]:
     out = []
     for cand in candidate_layouts(run_cfg, layout):
         cost = reshard.reshard_cost(run_cfg.model, layout, cand)["resume"]
-        out.append({"layout": cand, "read_per_rank": cost["most_per_rank"], "gathered_per_rank": cost["gathered_per_rank"],
-                    "peak_per_rank": cost["peak_per_rank"]})
+        out.append({"layout": cand, "read_per_rank": cost["most_per_rank"],
+                    "gathered_per_rank": cost["gathered_per_rank"], "peak_per_rank": cost["peak_per_rank"]})
     return out
 
 

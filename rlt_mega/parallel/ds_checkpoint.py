@@ -91,8 +91,8 @@ class DeepSpeedCheckpoint:
         self.dims.barrier()
         if self.dims.rank == 0:
             log.warning("resumed %s, written with layout %s, on %s (%s): fp32 masters, Adam moments and step of %d "
-                        "parameters resharded from its layout-free state (rank 0 read %.1f MB: each byte is read by one rank of the "
-                        "data-parallel group)", directory,
+                        "parameters resharded from its layout-free state (rank 0 read %.1f MB: each byte is read "
+                        "by one rank of the data-parallel group)", directory,
                         reshard.format_layout(saved), reshard.format_layout(current), reshard.changes(saved, current),
                         len(state.names()), state.bytes_read / 1e6)
         if has_adapters(self.ds.module):

@@ -407,20 +407,6 @@ def _slice_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> in
     return n // shape[dim] * (b - a)
 
 
-def _share(name: str, shape: tuple[int, ...], tp: int, tp_rank: int, dp: int) -> int:
-    """Elements of one key of a parameter's TP slice that data-parallel rank 0 of ``dp`` reads on
-    resume (ds_state.py ``_read_once``: the first ceil(rows / dp) rows; a slice of fewer rows
-    than ranks whole)."""
-    n = _slice_numel(name, shape, tp, tp_rank)
-    rows = shape[0] if shape else 0
-    if shard_dim(name) == 0:
-        a, b = bounds(shape[0], tp)[tp_rank]
-        rows = b - a
-    if dp == 1 or rows < dp:
-        return n
-    return -(-rows // dp) * (n // rows)
-
-
 def _rows(name: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> int:
     """Rows (first dimension) of a parameter's TP slice (0: a scalar)."""
     if not shape:

@@ -167,8 +167,11 @@ def test_without_the_layout_free_state_a_checkpoint_is_12_bytes_a_parameter_smal
     cfg.checkpoint.layout_free = False
     lean = engine_of(cfg)
     lean.load(src)  # the same state as the saved run
-    path = CheckpointManager(tmp_path / "lean").save(2, lambda tmp: (lean.save(tmp), save_config(cfg, tmp / "config.yaml")),
-                                                      meta={"layout": lean.layout(), "job": "pretrain"})
+    def write(tmp):
+        lean.save(tmp)
+        save_config(cfg, tmp / "config.yaml")
+
+    path = CheckpointManager(tmp_path / "lean").save(2, write, meta={"layout": lean.layout(), "job": "pretrain"})
     assert not (path / "state").exists()
     params = sum(p.numel() for p in engine.model.parameters())
     stored = sum(f.stat().st_size for f in (src / "state").iterdir())
