@@ -98,7 +98,8 @@ def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, An
         raise CheckpointFormatError(f"{step_dir}: neither model.safetensors nor {shards.DS_TAG}/: it holds no weights")
     if (step_dir / reshard.STATE_DIR).is_dir():
         state = reshard.LayoutFreeState.open(step_dir)
-        report["resumes"] = reshard.resumable_on(layout)
+        own = (step_dir / shards.DS_TAG).is_dir() or (step_dir / "engine.pt").is_file()
+        report["resumes"] = reshard.resumable_on(layout, own)
         report["moves"] = moves(run_cfg, layout)
         report["checks"]["state"] = (f"ok ({len(state.names())} parameters: fp32 masters and Adam moments at Adam step "
                                      f"{state.adam_step}, in {state.tp} tensor-parallel slices)")

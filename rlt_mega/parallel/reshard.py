@@ -115,8 +115,12 @@ def changes(saved: dict, current: dict) -> str:
     return ", ".join(out) or "none"
 
 
-def resumable_on(layout: dict) -> str:
-    """In words, the layouts on which a checkpoint of ``layout`` resumes (all of them)."""
+def resumable_on(layout: dict, own_files: bool = True) -> str:
+    """In words, the layouts on which a checkpoint of ``layout`` resumes (all of them);
+    ``own_files``: it holds its engine's files (a reshard output holds the state only)."""
+    if not own_files:
+        return ("with its optimizer state on any layout, from its layout-free state (state/: it holds no engine "
+                f"files, as a reshard output; cut for {format_layout(layout)})")
     return (f"with its optimizer state on any layout: on {format_layout(layout)} from its own files, on any other "
             "(tp, pp, stage split, dp, ZeRO stage, one process) from its layout-free state (state/)")
 

@@ -94,6 +94,9 @@ def test_a_reshard_output_exports_the_very_weights_of_its_input(saved, tmp_path,
     assert not (out / "model.safetensors").exists() and not (out / "deepspeed").exists()
     assert cli.main(["export", str(out), str(tmp_path / "from_reshard")]) == 0
     assert "weights from the state" in capsys.readouterr().out
+    assert cli.main(["inspect", str(out)]) == 0
+    assert "resumes: with its optimizer state on any layout, from its layout-free state (state/: it holds no " \
+           "engine files, as a reshard output; cut for {tp=2, pp=1, dp=2, zero_stage=1})" in capsys.readouterr().out
     assert cli.main(["export", str(src), str(tmp_path / "from_original")]) == 0
     _, resharded = load_exported(tmp_path / "from_reshard")
     _, original = load_exported(tmp_path / "from_original")
