@@ -412,6 +412,12 @@ class CheckpointConfig:
     # costs time and host memory on a large model; with false, `rlt-mega export` consolidates
     # offline from the shards instead.
     consolidate: bool = True
+    # Every checkpoint also writes the layout-free state (state/: each trained parameter's fp32
+    # master and both Adam moments, 12 bytes per parameter: the optimizer state a second time
+    # beside the engine's own files), from which it resumes on another layout and which
+    # `rlt-mega reshard` reads. false: not written (12 bytes per parameter less per checkpoint,
+    # and no gathering at each save); the checkpoint then resumes on its own layout only.
+    layout_free: bool = True
 
     def __post_init__(self) -> None:
         _check(self.every >= 0, f"checkpoint.every={self.every}: must be >= 0")

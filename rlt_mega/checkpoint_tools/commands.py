@@ -78,8 +78,9 @@ def add_export_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT_DIR if it is an earlier export (never the input, nor a directory of other files)")
     p.add_argument("--weights", choices=training.WEIGHT_SOURCES, default="auto",
-                   help="a distributed checkpoint's weights from its consolidated model.safetensors or from its "
-                        "per-rank shards (auto: the consolidated file when there is one)")
+                   help="a distributed checkpoint's weights from its consolidated model.safetensors, from its "
+                        "per-rank shards, or from its layout-free state's fp32 masters (state/: all a reshard "
+                        "output holds); auto: the first of these the checkpoint has")
     what = p.add_mutually_exclusive_group()
     what.add_argument("--merge", action="store_true",
                       help="a checkpoint of a run with model.lora: the full export, adapters merged into their base")

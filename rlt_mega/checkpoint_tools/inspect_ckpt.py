@@ -92,13 +92,15 @@ def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, An
         raise CheckpointFormatError(f"{step_dir}: neither model.safetensors nor {shards.DS_TAG}/: it holds no weights")
     if (step_dir / reshard.STATE_DIR).is_dir():
         state = reshard.LayoutFreeState.open(step_dir)
-        report["resumes"] = reshard.resumable_on(layout)
+        own = (step_dir / shards.DS_TAG).is_dir() or (step_dir / "engine.pt").is_file()
+        report["resumes"] = reshard.resumable_on(layout, own)
         report["moves"] = moves(run_cfg, layout)
         report["checks"]["state"] = (f"ok ({len(state.names())} parameters: fp32 masters and Adam moments at Adam step "
                                      f"{state.adam_step}, in {state.tp} tensor-parallel slices)")
     else:
-        report["resumes"] = (f"with its optimizer state on {reshard.format_layout(layout)} only (written before the "
-                             "layout-free state); elsewhere with its weights only (export, then train.init_from)")
+        report["resumes"] = (f"with its optimizer state on {reshard.format_layout(layout)} only (written without "
+                             "the layout-free state: checkpoint.layout_free=false, or before it existed); elsewhere "
+                             "with its weights only (export, then train.init_from)")
     if verify:
         report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
     return report
@@ -134,7 +136,8 @@ def moves(run_cfg, layout: dict) -> list[dict]:
     out = []
     for cand in candidate_layouts(run_cfg, layout):
         cost = reshard.reshard_cost(run_cfg.model, layout, cand)["resume"]
-        out.append({"layout": cand, "read_per_rank": cost["most_per_rank"], "peak_per_rank": cost["peak_per_rank"]})
+        out.append({"layout": cand, "read_per_rank": cost["most_per_rank"],
+                    "gathered_per_rank": cost["gathered_per_rank"], "peak_per_rank": cost["peak_per_rank"]})
     return out
 
 
@@ -181,7 +184,8 @@ def format_report(report: dict[str, Any]) -> str:
         lines.append(f"resumes: {report['resumes']}")
     for move in report.get("moves") or ():
         lines.append(f"  on {reshard.format_layout(move['layout'])}: each rank reads at most "
-                     f"{_human(move['read_per_rank'])}B, peak {_human(move['peak_per_rank'])}B beside the engine "
+                     f"{_human(move['read_per_rank'])}B (and receives at most {_human(move['gathered_per_rank'])}B "
+                     f"from its data-parallel group), peak {_human(move['peak_per_rank'])}B beside the engine "
                      f"(train.resume, or rlt-mega reshard first)")
     if report.get("source"):
         lines.append(f"source: {json.dumps(report['source'])}")

@@ -10,18 +10,22 @@ naming the keys. The output is one complete step directory: the layout-free stat
 data-parallel ranks, trainer.pt (step, data position), config.yaml with the new ``parallel.*``
 and a manifest with the sha256 of every file written, which records the layout it was cut for and
 where it came from. ``train.resume=OUT`` resumes it on the target layout (on any other too: the
-state is the same layout-free form). Each parameter's slice is read alone and the output is
-written in files of at most one bucket: the peak memory is about one bucket plus one slice.
+state is the same layout-free form). The output is written in files of at most one bucket, each
+streamed: its header planned from the shapes, then every tensor read from the input (one key of
+one parameter's slice) and written at once; the peak memory is one such tensor (two where
+tensor-parallel pieces are joined), not a bucket.
 
 What a reshard does not carry: DeepSpeed's own files (the resume rebuilds them from the state),
 every rank's RNG stream and per-rank job state (the data order is seeded; an asynchronous GRPO
-queue stays with its layout), the consolidated model.safetensors (export the input for the
-weights).
+queue moves by resuming the checkpoint itself on the new layout, train/loop.py), the
+consolidated model.safetensors (``rlt-mega export OUT`` reads the weights from the state's fp32
+masters).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import time
 from pathlib import Path
@@ -32,8 +36,8 @@ from rlt_mega.config import ConfigError, load_config, save_config
 from rlt_mega.checkpoint_tools.files import atomic_directory
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import resolve_layout, split_layers
-from rlt_mega.parallel.reshard import (KEYS, LayoutFreeState, StateWriter, changes, format_layout, owner,
-                                       saved_layout)
+from rlt_mega.parallel.reshard import (BUCKET_BYTES, KEYS, SEP, STATE_DIR, LayoutFreeState, changes, format_layout,
+                                       owner, saved_layout, state_metadata, write_streamed)
 from rlt_mega.parallel.stage import prune_to_stage
 
 CARRIED = ("trainer.pt",)  # layout-free files copied as they are
@@ -81,6 +85,20 @@ def _order(cfg):
     return key
 
 
+def buckets(state: LayoutFreeState, names: list[str], tp: int, tp_rank: int, bucket_bytes: int) -> list[list[str]]:
+    """``names`` in files of at most ``bucket_bytes`` of state (one larger parameter alone), as
+    StateWriter fills them."""
+    out, size = [], 0
+    for name in names:
+        n = 12 * math.prod(state.slice_shape(name, tp, tp_rank))
+        if not out or (size + n > bucket_bytes and out[-1]):
+            out.append([])
+            size = 0
+        out[-1].append(name)
+        size += n
+    return out
+
+
 def reshard(src: str | Path, out: str | Path, tp: int, pp: int, dp: int, zero: int,
             pp_split: Optional[list[int]] = None, bucket_bytes: Optional[int] = None) -> dict:
     """Writes ``out``: checkpoint ``src`` cut for the layout (tp, pp, dp, zero, pp_split).
@@ -102,18 +120,18 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, dp: int, zero: i
     written = 0
     meta = {"adam_step": state.adam_step, "steps_taken": state.steps_taken}
     with atomic_directory(out, inputs=[src]) as tmp:
+        (tmp / STATE_DIR).mkdir()
         for pp_rank, names in enumerate(stages):
             for tp_rank in range(tp):
-                writers = [StateWriter(tmp, pp_rank * tp + tp_rank, d, tp, tp_rank, meta,
-                                       **({"bucket_bytes": bucket_bytes} if bucket_bytes else {})) for d in range(dp)]
-                for index, name in enumerate(names):
-                    d = index % dp
-                    if owner(index, name, tp_rank, d, dp):
-                        values = {k: state.read(name, k, tp, tp_rank) for k in KEYS}
-                        written += sum(v.numel() * 4 for v in values.values())
-                        writers[d].add(name, values)
-                for w in writers:
-                    w.close()
+                metadata = state_metadata(tp, tp_rank, meta)
+                for d in range(dp):
+                    mine = [n for i, n in enumerate(names) if owner(i, n, tp_rank, d, dp)]
+                    for k, group in enumerate(buckets(state, mine, tp, tp_rank, bucket_bytes or BUCKET_BYTES)):
+                        entries = [(f"{n}{SEP}{key}", state.slice_shape(n, tp, tp_rank)) for n in group for key in KEYS]
+                        file = tmp / STATE_DIR / f"mp{pp_rank * tp + tp_rank:03d}_dp{d:03d}_{k:03d}.safetensors"
+                        write_streamed(file, entries, metadata,
+                                       lambda e: state.read(*e.rsplit(SEP, 1), tp, tp_rank))
+                        written += sum(4 * math.prod(shape) for _, shape in entries)
         for name in CARRIED:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)

@@ -6,9 +6,11 @@ layout), or a checkpoint root (``checkpoint.dir``) from which the newest valid o
 
 The local engine saves the full model in ``model.safetensors``; the distributed engine
 (rlt_mega.parallel.distributed) writes its per-rank DeepSpeed shards under ``deepspeed/`` and,
-unless ``checkpoint.consolidate`` is false, a consolidated ``model.safetensors`` beside them.
-Export reads the consolidated file when there is one and otherwise rebuilds the model from the
-shards (shards.py), so any layout exports the same way.
+unless ``checkpoint.consolidate`` is false, a consolidated ``model.safetensors`` beside them;
+every engine also writes the layout-free state (``state/``, parallel/reshard.py), and a
+``rlt-mega reshard`` output holds nothing else. Export reads the consolidated file when there is
+one, otherwise rebuilds the model from the shards (shards.py), otherwise from the layout-free
+state's fp32 masters, so any layout exports the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from rlt_mega.checkpoint_tools.adapters import is_adapter_checkpoint, merged_exp
 from rlt_mega.checkpoint_tools.export import check_tensors, empty_model, tied_aliases
 from rlt_mega.checkpoint_tools.files import CheckpointFormatError
 from rlt_mega.checkpoint_tools.shards import DS_TAG, consolidate
+from rlt_mega.parallel.reshard import STATE_DIR, LayoutFreeState
 
 CONFIG_YAML = "config.yaml"
 SINGLE_PROCESS = {"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}
@@ -76,20 +79,26 @@ def layout_of(manifest: dict) -> dict:
     return dict(manifest.get("layout") or SINGLE_PROCESS)
 
 
-WEIGHT_SOURCES = ("auto", "consolidated", "shards")
+WEIGHT_SOURCES = ("auto", "consolidated", "shards", "state")
 
 
 def weights_source(step_dir: Path, source: str = "auto") -> str:
-    """Where a checkpoint's weights are read from: "consolidated" (model.safetensors) or
-    "shards" (deepspeed/). ``auto`` prefers the consolidated file."""
+    """Where a checkpoint's weights are read from: "consolidated" (model.safetensors), "shards"
+    (deepspeed/) or "state" (the layout-free state's fp32 masters, state/). ``auto`` prefers the
+    consolidated file, then the shards."""
     if source not in WEIGHT_SOURCES:
         raise ValueError(f"weights source {source!r}: expected one of {WEIGHT_SOURCES}")
     has_file, has_shards = (step_dir / "model.safetensors").is_file(), (step_dir / DS_TAG).is_dir()
+    has_state = (step_dir / STATE_DIR).is_dir()
     if source == "auto":
-        source = "consolidated" if has_file or not has_shards else "shards"
+        source = "consolidated" if has_file else "shards" if has_shards else "state" if has_state else "consolidated"
+    if source == "state" and not has_state:
+        raise CheckpointFormatError(f"{step_dir / STATE_DIR}: missing; the checkpoint was written before the "
+                                    "layout-free state existed (--weights auto reads its other files)")
     if source == "consolidated" and not has_file:
         raise CheckpointFormatError(f"{step_dir / 'model.safetensors'}: missing; "
                                     + ("read the weights from the shards instead (--weights shards)" if has_shards
+                                       else "read them from the layout-free state (--weights state)" if has_state
                                        else "the checkpoint holds no weights"))
     if source == "shards" and not has_shards:
         raise CheckpointFormatError(f"{step_dir / DS_TAG}: missing; only the distributed engine writes "
@@ -118,9 +127,10 @@ def load_training_weights(path: str | Path, source: str = "auto"
                                     "train the adapters on one process to export them")
     source = weights_source(step_dir, source)
     model = empty_model(cfg.model)
-    if source == "shards":
-        sd = consolidate(step_dir, cfg.model, layout)
-        check_tensors({n: tuple(t.shape) for n, t in sd.items()}, cfg.model, str(step_dir / DS_TAG))
+    if source in ("shards", "state"):
+        sd = consolidate(step_dir, cfg.model, layout) if source == "shards" else state_weights(step_dir)
+        check_tensors({n: tuple(t.shape) for n, t in sd.items()}, cfg.model,
+                      str(step_dir / (DS_TAG if source == "shards" else STATE_DIR)))
         model.load_state_dict({**sd, **{a: sd[s] for a, s in tied_aliases(cfg.model).items()}}, strict=True)
     else:
         # load_model resolves the tied names exactly as the engine's save_model chose them.
@@ -133,6 +143,13 @@ def load_training_weights(path: str | Path, source: str = "auto"
     info = {"kind": "training_checkpoint", "path": str(step_dir.resolve()), "step": manifest.get("step"),
             "layout": layout, "weights": source}
     return cfg, {n: t.detach() for n, t in model.state_dict().items()}, info
+
+
+def state_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The full fp32 masters of the layout-free state (every tensor-parallel piece joined), one
+    parameter at a time: the weights of a checkpoint ``rlt-mega reshard`` wrote."""
+    state = LayoutFreeState.open(step_dir)
+    return {name: state.read(name, "fp32", 1, 0) for name in state.names()}
 
 
 def tokenizer_of(cfg: Config) -> Optional[str]:

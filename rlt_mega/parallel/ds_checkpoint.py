@@ -35,6 +35,7 @@ class DeepSpeedCheckpoint:
                  checkpoint: CheckpointConfig, layout: Callable[[], dict]) -> None:
         self.ds, self.dims, self.state, self.model_cfg = ds, dims, state, model_cfg
         self.checkpoint, self.layout = checkpoint, layout
+        self.bytes_read = 0  # of the layout-free state, by the last resume on another layout
         self.universal_info = reshard.universal_checkpoint_info(model_cfg)
 
     def save(self, directory: Path, engine_state: dict) -> None:
@@ -51,7 +52,8 @@ class DeepSpeedCheckpoint:
             client["rlt_base_sha256"] = self._base_hash()
         self.ds.save_checkpoint(str(directory), tag=DS_TAG, client_state=client, save_latest=False,
                                 exclude_frozen_parameters=adapted)
-        self.state.save_layout_free(directory, engine_state["steps_taken"])
+        if self.checkpoint.layout_free:  # checkpoint.layout_free=false: the optimizer state once, on this layout
+            self.state.save_layout_free(directory, engine_state["steps_taken"])
         consolidate = self.checkpoint.consolidate and not adapted
         full = self.state.full_state_dict() if consolidate else None
         if self.dims.rank == 0:
@@ -86,10 +88,12 @@ class DeepSpeedCheckpoint:
             return load_torch(directory / "engine.pt")
         state = reshard.LayoutFreeState.open(directory)
         self.state.load_layout_free(state)
+        self.bytes_read = state.bytes_read  # this rank's share of the state (the tests add them up)
         self.dims.barrier()
         if self.dims.rank == 0:
             log.warning("resumed %s, written with layout %s, on %s (%s): fp32 masters, Adam moments and step of %d "
-                        "parameters resharded from its layout-free state (rank 0 read %.1f MB)", directory,
+                        "parameters resharded from its layout-free state (rank 0 read %.1f MB: each byte is read "
+                        "by one rank of the data-parallel group)", directory,
                         reshard.format_layout(saved), reshard.format_layout(current), reshard.changes(saved, current),
                         len(state.names()), state.bytes_read / 1e6)
         if has_adapters(self.ds.module):

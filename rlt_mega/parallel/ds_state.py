@@ -12,6 +12,7 @@ low-precision weights."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Optional
 
@@ -172,14 +173,14 @@ class DeepSpeedState:
         masters = self._unfused_masters()
         for name, p in self._trained():
             stored = state.lookup(name, tied)
-            values = {k: state.read(stored, k, d.tp, d.tp_rank).to(self.dims.device) for k in KEYS}
+            values = {k: self._read_once(state, stored, k).to(self.dims.device) for k in KEYS}
             shape = tuple(p.ds_shape) if hasattr(p, "ds_id") else tuple(p.shape)
             if tuple(values["fp32"].shape) != shape:
                 raise CheckpointError(f"checkpoint {state.directory}: '{name}' is {tuple(values['fp32'].shape)} in its "
                                       f"layout-free state for tp rank {d.tp_rank} of {d.tp}, {shape} in this model")
             with torch.no_grad():
                 if id(p) in masters:
-                    self._set_unfused(p, masters[id(p)], values)
+                    self._set_unfused(p, masters[id(p)], values, step)
                 elif hasattr(p, "ds_id"):
                     self._set_zero3(p, values)
                 elif self._through_deepspeed:
@@ -188,6 +189,23 @@ class DeepSpeedState:
                     p.data.copy_(values["fp32"])
                     self._adam.state[p] = {"step": torch.tensor(float(step)), "exp_avg": values["exp_avg"].clone(),
                                            "exp_avg_sq": values["exp_avg_sq"].clone()}
+
+    def _read_once(self, state: LayoutFreeState, name: str, key: str) -> torch.Tensor:
+        """This rank's TP slice of ``key`` of ``name``, read once per data-parallel group: each
+        replica reads an even share of its rows, and an all-gather over the group gives every
+        replica the whole slice (every byte of the state is read by one rank; the group moves
+        what a ZeRO all-gather of the weights moves, per key)."""
+        d = self.dims
+        shape = state.slice_shape(name, d.tp, d.tp_rank)
+        if d.dp == 1 or not shape or shape[0] < d.dp:  # nothing to share (a scalar, a few rows)
+            return state.read(name, key, d.tp, d.tp_rank)
+        per = -(-shape[0] // d.dp)
+        a, b = min(d.dp_rank * per, shape[0]), min((d.dp_rank + 1) * per, shape[0])
+        mine = state.read(name, key, d.tp, d.tp_rank, rows=(a, b)).flatten().to(d.device)
+        mine = F.pad(mine, (0, (per - (b - a)) * math.prod(shape[1:])))
+        parts = [torch.empty_like(mine) for _ in range(d.dp)]
+        dist.all_gather(parts, mine, group=d.dp_group)
+        return torch.cat(parts)[:math.prod(shape)].view(shape)
 
     def _start_adam(self, step: int) -> None:
         """Gives every flat fp32 partition of a ZeRO / bf16 optimizer its Adam state (zeros until
@@ -210,10 +228,11 @@ class DeepSpeedState:
             opt._hp_optimizer_states_linked = False
             opt._lazy_init_hp_params_optimizer_state()
 
-    def _set_unfused(self, p: torch.nn.Parameter, master: torch.Tensor, values: dict) -> None:
+    def _set_unfused(self, p: torch.nn.Parameter, master: torch.Tensor, values: dict, step: int) -> None:
         master.data.copy_(values["fp32"])
         p.data.copy_(values["fp32"].to(p.dtype))
-        st = self._adam.state.setdefault(master, {"step": torch.tensor(float(self.step_offset))})
+        st = self._adam.state.setdefault(master, {})
+        st["step"] = torch.tensor(float(step))  # a master without state yet (no update so far) starts at the count
         for k in KEYS[1:]:
             st[k] = values[k].clone()
 

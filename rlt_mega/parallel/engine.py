@@ -148,11 +148,13 @@ class LocalEngine:
     hold their stochastic bf16 copy (``_Bf16Masters``), which every product, the sampler and
     the replay read exactly as stored."""
 
-    def __init__(self, model: nn.Module, dims: ParallelDims, optim: OptimConfig, engine: EngineConfig) -> None:
+    def __init__(self, model: nn.Module, dims: ParallelDims, optim: OptimConfig, engine: EngineConfig,
+                 layout_free: bool = True) -> None:
         if dims.world_size != 1:
             raise ValueError(f"the local engine runs on one process; this layout has {dims.world_size} ranks "
                              "(parallel.distributed.DistributedEngine runs on them)")
         self.model, self.dims, self.optim_cfg = model, dims, optim
+        self.layout_free = layout_free  # checkpoint.layout_free: every save also writes state/
         self.device, self.dtype = dims.device, engine.dtype
         model.set_checkpointing(engine.checkpointing)
         if engine.cuda_graphs:  # (off: the model's default)
@@ -234,7 +236,8 @@ class LocalEngine:
             else:
                 save_model(self.model, str(directory / "model.safetensors"))
         torch.save(self.state_dict(), directory / "engine.pt")
-        self._save_layout_free(directory)
+        if self.layout_free:
+            self._save_layout_free(directory)
 
     def _trained(self) -> list[tuple[str, nn.Parameter]]:
         """(name, the tensor the optimizer steps): the module's trained parameter, or its fp32

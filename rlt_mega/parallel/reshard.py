@@ -115,8 +115,12 @@ def changes(saved: dict, current: dict) -> str:
     return ", ".join(out) or "none"
 
 
-def resumable_on(layout: dict) -> str:
-    """In words, the layouts on which a checkpoint of ``layout`` resumes (all of them)."""
+def resumable_on(layout: dict, own_files: bool = True) -> str:
+    """In words, the layouts on which a checkpoint of ``layout`` resumes (all of them);
+    ``own_files``: it holds its engine's files (a reshard output holds the state only)."""
+    if not own_files:
+        return ("with its optimizer state on any layout, from its layout-free state (state/: it holds no engine "
+                f"files, as a reshard output; cut for {format_layout(layout)})")
     return (f"with its optimizer state on any layout: on {format_layout(layout)} from its own files, on any other "
             "(tp, pp, stage split, dp, ZeRO stage, one process) from its layout-free state (state/)")
 
@@ -133,7 +137,7 @@ class StateWriter:
                  bucket_bytes: int = BUCKET_BYTES) -> None:
         self.dir = Path(directory) / STATE_DIR
         self.prefix = f"mp{mp:03d}_dp{dp_rank:03d}"
-        self.meta = {"format": FORMAT, "tp": str(tp), "tp_rank": str(tp_rank), **{k: str(v) for k, v in meta.items()}}
+        self.meta = state_metadata(tp, tp_rank, meta)
         self.bucket_bytes, self.pending, self.bytes, self.count = bucket_bytes, {}, 0, 0
 
     def add(self, name: str, tensors: dict[str, torch.Tensor]) -> None:
@@ -157,20 +161,35 @@ class StateWriter:
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
     """A safetensors file written tensor by tensor from the tensors' own memory (safetensors'
-    save_file first copies every tensor into one buffer: twice the bucket in memory). The
-    format: an 8-byte little-endian header size, the JSON header (padded to 8 bytes), the data."""
+    save_file first copies every tensor into one buffer: twice the bucket in memory)."""
+    write_streamed(path, [(k, tuple(t.shape)) for k, t in tensors.items()], metadata, tensors.__getitem__)
+
+
+def write_streamed(path: Path, entries: list[tuple[str, tuple[int, ...]]], metadata: dict[str, str],
+                   produce) -> None:
+    """A safetensors file of fp32 tensors ``entries`` (key, shape), the header first, then each
+    tensor's bytes as ``produce(key)`` returns it: one tensor in memory at a time. The format: an
+    8-byte little-endian header size, the JSON header (padded to 8 bytes), the data."""
     header, offset = {"__metadata__": metadata}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+    for key, shape in entries:
+        n = 4 * math.prod(shape)
+        header[key] = {"dtype": "F32", "shape": list(shape), "data_offsets": [offset, offset + n]}
         offset += n
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(path, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for t in tensors.values():
+        for key, shape in entries:
+            t = produce(key).to("cpu", torch.float32).contiguous()
+            if tuple(t.shape) != tuple(shape):  # the callers' plan, not a user error
+                raise RuntimeError(f"{path}: '{key}' is {tuple(t.shape)}, planned {tuple(shape)}")
             f.write(memoryview(t.numpy()).cast("B"))
+
+
+def state_metadata(tp: int, tp_rank: int, meta: dict) -> dict[str, str]:
+    """The metadata of every file of the layout-free state."""
+    return {"format": FORMAT, "tp": str(tp), "tp_rank": str(tp_rank), **{k: str(v) for k, v in meta.items()}}
 
 
 def owner(index: int, name: str, tp_rank: int, dp_rank: int, dp: int) -> bool:
@@ -210,7 +229,8 @@ class LayoutFreeState:
         files = sorted(root.glob("*.safetensors")) if root.is_dir() else []
         if not files:
             raise CheckpointError(f"checkpoint {checkpoint} has no layout-free state ({STATE_DIR}/): it was written "
-                                  "before rlt_mega saved one, and resumes only on its own layout "
+                                  "with checkpoint.layout_free=false or before rlt_mega saved one, and resumes only "
+                                  "on its own layout "
                                   f"{format_layout(saved_layout(checkpoint) or {})}; resume it there and save once "
                                   "to move it, or export it (rlt-mega export) and start from the weights "
                                   "(train.init_from)")
@@ -263,30 +283,42 @@ class LayoutFreeState:
                                   "trains another set of parameters: model.lora or the model differ?)")
         return name
 
-    def read(self, name: str, key: str, tp: int, tp_rank: int) -> torch.Tensor:
-        """Tensor-parallel rank ``tp_rank`` of ``tp``'s slice of ``key`` of ``name``: read from the
-        pieces it overlaps, no more."""
+    def slice_shape(self, name: str, tp: int, tp_rank: int) -> tuple[int, ...]:
+        """The shape of tensor-parallel rank ``tp_rank`` of ``tp``'s slice of ``name``."""
+        shape, dim = list(self.full_shape(name)), shard_dim(name)
+        if dim is not None:
+            start, stop = bounds(shape[dim], tp)[tp_rank]
+            shape[dim] = stop - start
+        return tuple(shape)
+
+    def read(self, name: str, key: str, tp: int, tp_rank: int, rows: Optional[tuple[int, int]] = None) -> torch.Tensor:
+        """Tensor-parallel rank ``tp_rank`` of ``tp``'s slice of ``key`` of ``name`` (``rows``: only
+        rows [a, b) of the slice's first dimension): read from the pieces it overlaps, no more."""
         from safetensors import safe_open
 
-        got, dim = self.pieces[name], shard_dim(name)
-        if dim is None:
-            with safe_open(str(got[0].file), framework="pt") as h:
-                t = h.get_tensor(f"{name}{SEP}{key}")
-            self.bytes_read += t.numel() * 4
-            return t
-        full = self.full_shape(name)
-        start, stop = bounds(full[dim], tp)[tp_rank]
+        got, dim, full = self.pieces[name], shard_dim(name), self.full_shape(name)
+        want = [(0, n) for n in full]  # [start, stop) per dimension of the full tensor
+        if dim is not None:
+            want[dim] = bounds(full[dim], tp)[tp_rank]
+        if rows is not None and full:  # within the slice
+            start, stop = want[0]
+            want[0] = (min(start + rows[0], stop), min(start + rows[1], stop))
         parts, offset = [], 0
-        for piece in got:
-            lo, hi = offset, offset + piece.shape[dim]
+        for piece in got if dim is not None else got[:1]:
+            lo, hi = (offset, offset + piece.shape[dim]) if dim is not None else (0, 0)
             offset = hi
-            a, b = max(lo, start), min(hi, stop)
-            if a >= b:
+            index = []
+            for d, (a, b) in enumerate(want):
+                if d == dim:
+                    a, b = max(lo, a) - lo, min(hi, b) - lo
+                index.append(slice(a, max(a, b)))
+            if dim is not None and index[dim].start >= index[dim].stop:
                 continue
             with safe_open(str(piece.file), framework="pt") as h:
                 sl = h.get_slice(f"{name}{SEP}{key}")
-                index = tuple(slice(a - lo, b - lo) if d == dim else slice(None) for d in range(len(full)))
-                parts.append(sl[index])
+                parts.append(sl[tuple(index)] if full else h.get_tensor(f"{name}{SEP}{key}"))
+        if not parts:  # an empty row range
+            return torch.zeros([b - a for a, b in want])
         out = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
         self.bytes_read += out.numel() * 4
         return out
@@ -379,20 +411,56 @@ def _slice_numel(name: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> in
     return n // shape[dim] * (b - a)
 
 
-def _per_rank(cfg: ModelConfig, layout_tp: int, layout_pp: int, split, writing: bool, dp: int) -> tuple[int, int]:
-    """(most bytes one rank moves, largest TP slice in elements) over the layout's ranks (writing: each
-    data-parallel rank its share of the parameters; reading: every rank its whole TP slice)."""
+def _rows(name: str, shape: tuple[int, ...], tp: int, tp_rank: int) -> int:
+    """Rows (first dimension) of a parameter's TP slice (0: a scalar)."""
+    if not shape:
+        return 0
+    if shard_dim(name) == 0:
+        a, b = bounds(shape[0], tp)[tp_rank]
+        return b - a
+    return shape[0]
+
+
+def _share(name: str, shape: tuple[int, ...], tp: int, tp_rank: int, dp: int) -> int:
+    """Elements of one key of a parameter's TP slice that data-parallel rank 0 of ``dp`` reads on
+    resume (ds_state.py ``_read_once``: the first ceil(rows / dp) rows; a slice of fewer rows
+    than ranks whole)."""
+    n, rows = _slice_numel(name, shape, tp, tp_rank), _rows(name, shape, tp, tp_rank)
+    if dp == 1 or rows < dp:
+        return n
+    return -(-rows // dp) * (n // rows)
+
+
+def _per_rank(cfg: ModelConfig, layout_tp: int, layout_pp: int, split, dp: int) -> tuple[int, int]:
+    """Writing: (most bytes one rank writes, largest TP slice in elements) over the layout's
+    ranks, each data-parallel rank writing its share of the parameters."""
     most, biggest, seen = 0, 0, set()
     for stage in _stage_params(cfg, layout_pp, split):
         names = [(n, s) for n, s in stage if n not in seen]
         seen |= {n for n, _ in stage}
         for t in range(layout_tp):
-            for d in range(dp if writing else 1):
-                mine = [_slice_numel(n, s, layout_tp, t) for i, (n, s) in enumerate(names)
-                        if not writing or owner(i, n, t, d, dp)]
+            for d in range(dp):
+                mine = [_slice_numel(n, s, layout_tp, t) for i, (n, s) in enumerate(names) if owner(i, n, t, d, dp)]
                 most = max(most, 12 * sum(mine))
                 biggest = max([biggest] + mine)
     return most, biggest
+
+
+def _resume_reads(cfg: ModelConfig, tp: int, pp: int, split, dp: int) -> dict:
+    """Resuming on (tp, pp, dp): every tensor-parallel rank of a stage needs its TP slices; its
+    data-parallel group reads each once, a share of the rows per rank, and all-gathers them
+    (ds_state.py ``_read_once``). In bytes: read by all ranks, most read by one rank, most one
+    rank receives from the all-gathers; and the largest slice in elements."""
+    total = most = gathered = biggest = 0
+    for stage in _stage_params(cfg, pp, split):
+        for t in range(tp):
+            held = share = 0
+            for n, s in stage:
+                numel = _slice_numel(n, s, tp, t)
+                held, share, biggest = held + numel, share + _share(n, s, tp, t, dp), max(biggest, numel)
+                total += 12 * numel * (dp if _rows(n, s, tp, t) < dp else 1)
+            most, gathered = max(most, 12 * share), max(gathered, 12 * (held - share))
+    return {"bytes_read": total, "most_per_rank": most, "gathered_per_rank": gathered, "largest_slice": biggest}
 
 
 def reshard_cost(cfg: ModelConfig, src: dict, dst: dict, bucket_bytes: int = BUCKET_BYTES) -> dict:
@@ -404,12 +472,14 @@ def reshard_cost(cfg: ModelConfig, src: dict, dst: dict, bucket_bytes: int = BUC
       (fp32 master, exp_avg, exp_avg_sq) per parameter in all; per rank, the most one rank
       writes and its peak (one bucket of pending writes plus one parameter's TP slice gathered
       over the data-parallel group, three tensors);
-    * ``resume``: ``train.resume`` on ``dst``: every rank reads its TP slice of its stage's
-      parameters (each data-parallel replica reads the same slices); per rank the most read and
-      its peak (one parameter's slice, three tensors, beside the engine's own memory); nothing
-      written before the next save;
+    * ``resume``: ``train.resume`` on ``dst``: every rank needs its TP slice of its stage's
+      parameters; its data-parallel group reads each slice once (each rank a share of the rows)
+      and all-gathers it; per rank the most read, the most received from the all-gathers and
+      the peak (one parameter's slice, three tensors, and one being gathered: 16 bytes per
+      element, beside the engine's own memory); nothing written before the next save;
     * ``offline``: ``rlt-mega reshard`` on one process: reads each stored tensor once, writes
-      each once, peak one bucket plus one slice.
+      each once, streamed (checkpoint_tools/reshard_ckpt.py): peak one key of the largest slice,
+      twice where tensor-parallel pieces are joined (8 bytes per element).
     """
     tp_s, pp_s, dp_s = (src.get(k, 1) for k in ("tp", "pp", "dp"))
     tp_d, pp_d, dp_d = (dst.get(k, 1) for k in ("tp", "pp", "dp"))
@@ -419,19 +489,16 @@ def reshard_cost(cfg: ModelConfig, src: dict, dst: dict, bucket_bytes: int = BUC
     total = 12 * sum(math.prod(s) for s in stored.values())
     largest = max(math.prod(s) for s in stored.values())
 
-    save_most, save_slice = _per_rank(cfg, tp_s, pp_s, src.get("pp_split"), True, dp_s)
-    read_most, read_slice = _per_rank(cfg, tp_d, pp_d, dst.get("pp_split"), False, 1)
-    reads_all = 0
-    for stage in _stage_params(cfg, pp_d, dst.get("pp_split")):
-        reads_all += sum(12 * math.prod(s) if shard_dim(n) is not None else 12 * math.prod(s) * tp_d for n, s in stage)
+    save_most, save_slice = _per_rank(cfg, tp_s, pp_s, src.get("pp_split"), dp_s)
+    reads = _resume_reads(cfg, tp_d, pp_d, dst.get("pp_split"), dp_d)
     return {
         "parameters": total // 12, "largest_parameter": largest,
         "save": {"bytes_written": total, "most_per_rank": save_most,
                  "peak_per_rank": min(bucket_bytes, save_most) + 12 * save_slice},
-        "resume": {"bytes_read": reads_all * dp_d, "most_per_rank": read_most, "peak_per_rank": 12 * read_slice,
+        "resume": {"bytes_read": reads["bytes_read"], "most_per_rank": reads["most_per_rank"],
+                   "gathered_per_rank": reads["gathered_per_rank"], "peak_per_rank": 16 * reads["largest_slice"],
                    "ranks": tp_d * pp_d * dp_d},
-        "offline": {"bytes_read": total, "bytes_written": total,
-                    "peak": min(bucket_bytes, total) + 12 * _largest_slice(stored, tp_d)},
+        "offline": {"bytes_read": total, "bytes_written": total, "peak": 8 * _largest_slice(stored, tp_d)},
     }
 
 
@@ -448,9 +515,10 @@ def format_cost(src: dict, dst: dict, cost: dict) -> str:
         "(fp32 master, exp_avg, exp_avg_sq)",
         f"  every checkpoint on {format_layout(src)} writes the state: {gb(s['bytes_written'])} in all, at most "
         f"{gb(s['most_per_rank'])} per rank, peak {gb(s['peak_per_rank'])} per rank (one bucket + one slice)",
-        f"  train.resume on {format_layout(dst)}: {r['ranks']} ranks read {gb(r['bytes_read'])} in all, at most "
-        f"{gb(r['most_per_rank'])} per rank, peak {gb(r['peak_per_rank'])} per rank beside the engine (one "
-        "parameter's slice); nothing written until the next save",
+        f"  train.resume on {format_layout(dst)}: {r['ranks']} ranks read {gb(r['bytes_read'])} in all (each TP "
+        f"slice once per data-parallel group), at most {gb(r['most_per_rank'])} per rank, and receive at most "
+        f"{gb(r['gathered_per_rank'])} per rank from the group's all-gathers; peak {gb(r['peak_per_rank'])} per "
+        "rank beside the engine (one parameter's slice); nothing written until the next save",
         f"  rlt-mega reshard (one process): reads {gb(o['bytes_read'])}, writes {gb(o['bytes_written'])}, "
-        f"peak {gb(o['peak'])} (one bucket + one slice)",
+        f"peak {gb(o['peak'])} (one tensor of the largest slice, twice where pieces are joined)",
     ])

@@ -12,8 +12,8 @@ step after), then learns the queue's head, data step k. Between steps the queue 
 steps k + 1 .. k + s, drawn by versions that no longer exist, so it cannot be regenerated: it
 is part of every rank's checkpoint (``state_dict``: each rank keeps its own part of the
 rollouts, the mu of its pipeline stage, its replica's prompts), and a resumed run learns
-exactly what the uninterrupted one would have. A checkpoint resumes only under the layout
-and the max_staleness it was written with when its queue is not empty.
+exactly what the uninterrupted one would have. A checkpoint whose queue is not empty resumes
+under the max_staleness it was written with, on any layout of the same data-parallel size.
 
 Partial rollouts (grpo.partial_rollouts = n >= 1): data step j's rollout calls start under
 version max(0, j - s - 1) and switch to version max(0, j - s) before decode step
@@ -208,8 +208,10 @@ class ReceivedVersions:
 
 
 class StalenessPipeline:
-    """The queue of sampled data steps; ``layout`` names the rank's place (a queue resumes
-    only on the rank and layout that wrote it, and under its max_staleness and partial_rollouts)."""
+    """The queue of sampled data steps; ``layout`` names the rank's place (dp, tp, pp, rank). A
+    queue resumes under its max_staleness and partial_rollouts, on a layout of the same
+    data-parallel size (each replica's prompts are its own): on another tp, pp or ZeRO stage each
+    rank takes its replica's queue from the last stage (train/loop.py ``source_rank``)."""
 
     def __init__(self, max_staleness: int, layout: tuple, partial_rollouts: int = 0) -> None:
         self.max_staleness, self.layout, self.partial_rollouts = max_staleness, tuple(layout), partial_rollouts
@@ -237,8 +239,13 @@ class StalenessPipeline:
         """``state`` None: the checkpoint has no queue for this rank (then none may be needed)."""
         queue = [] if state is None else state["queue"]
         partial = 0 if state is None else state.get("partial_rollouts", 0)
-        if queue and (state["max_staleness"] != self.max_staleness or tuple(state["layout"]) != self.layout
-                      or partial != self.partial_rollouts):
+        if queue and state["layout"][0] != self.layout[0]:  # a replica's queue moves to any tp, pp, ZeRO stage
+            raise ConfigError(
+                f"the checkpoint at step {step} holds {len(queue)} sampled steps queued by each of "
+                f"parallel.dp={state['layout'][0]} replicas (each replica's own prompts), and this run has "
+                f"parallel.dp={self.layout[0]}: resume with parallel.dp={state['layout'][0]} (any tp, pp or ZeRO "
+                "stage), or start afresh")
+        if queue and (state["max_staleness"] != self.max_staleness or partial != self.partial_rollouts):
             raise ConfigError(
                 f"the checkpoint at step {step} holds {len(queue)} sampled steps queued for grpo.max_staleness="
                 f"{state['max_staleness']}, partial_rollouts={partial} on layout {tuple(state['layout'])}; this run "

@@ -60,7 +60,7 @@ def build_engine(cfg: Config, dims: ParallelDims, engine: Optional[EngineConfig]
         from rlt_mega.parallel.distributed import DistributedEngine  # imports DeepSpeed's pieces when used
 
         return DistributedEngine(model, dims, cfg.optim, engine, cfg.parallel, cfg.checkpoint)
-    return LocalEngine(shard_for_rank(model, dims), dims, cfg.optim, engine)
+    return LocalEngine(shard_for_rank(model, dims), dims, cfg.optim, engine, cfg.checkpoint.layout_free)
 
 
 def reference_model(cfg: Config, dims: ParallelDims, engine: Engine) -> nn.Module:

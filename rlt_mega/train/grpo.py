@@ -237,6 +237,14 @@ class GRPOJob:
         self.pipeline.load_state_dict(None if state is None else state["pipeline"], step)
         self.steps_done = step
         self.history.load_state_dict(state, step)
+        if state is not None and tuple(state["pipeline"]["layout"]) != self.pipeline.layout and self.history.kept:
+            # another layout's rank: its kept policy versions are that rank's parameters
+            if self.cfg.grpo.verify_onpolicy or self.cfg.grpo.partial_rollouts:
+                raise ConfigError(f"the checkpoint at step {step} keeps policy versions {sorted(self.history.kept)} "
+                                  "as the parameters of its own layout's ranks (grpo.verify_onpolicy, "
+                                  "grpo.partial_rollouts), which do not move to this layout: resume on its layout, "
+                                  "or with grpo.verify_onpolicy=false and grpo.partial_rollouts=0")
+            self.history.kept = {}
         if self.cfg.grpo.partial_rollouts and step > 0 and step - 1 not in self.history.kept:
             raise ConfigError(f"the checkpoint at step {step} holds no parameters of policy version {step - 1}, which "
                               f"grpo.partial_rollouts={self.cfg.grpo.partial_rollouts} starts the next rollouts under "

@@ -103,6 +103,16 @@ class Job(Protocol):
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None: ...
 
 
+def source_rank(saved: dict, dims: ParallelDims) -> int:
+    """The rank of layout ``saved`` whose per-rank job state this rank resumes on another layout:
+    the last pipeline stage's tensor-parallel rank 0 of the same data-parallel replica (it holds
+    the replica's state complete: GRPO's queued samples with their mu), the last replica's where
+    the saved layout has fewer (the job then says whether its state can move). Megatron's rank
+    order (parallel/dims.py): rank = tp_rank + tp * (dp_rank + dp * pp_rank)."""
+    tp, pp, dp = (int(saved.get(k, 1) or 1) for k in ("tp", "pp", "dp"))
+    return tp * (min(dims.dp_rank, dp - 1) + dp * (pp - 1))
+
+
 class Trainer:
     def __init__(self, cfg: Config, dims: ParallelDims, engine: Engine, job: Job, timers: Timers) -> None:
         self.cfg, self.dims, self.engine, self.job, self.timers = cfg, dims, engine, job, timers
@@ -215,14 +225,15 @@ class Trainer:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold the state of this {self.job.name} "
                                   f"run ({type(exc).__name__}: {exc})") from None
-        job_file = path / f"job_rank{self.dims.rank}.pt"
+        saved_layout = load_manifest_layout(path)
+        moved = saved_layout is not None and not same_layout(saved_layout, self.engine.layout())
+        job_file = path / f"job_rank{source_rank(saved_layout, self.dims) if moved else self.dims.rank}.pt"
         self.job.load_rank_state_dict(load_torch(job_file, allow=self.job.rank_state_types) if job_file.is_file()
                                      else None, self.state.step)
         rng_file = path / f"rng_rank{self.dims.rank}.pt"
-        saved_layout = load_manifest_layout(path)
-        if saved_layout is not None and not same_layout(saved_layout, self.engine.layout()):
+        if moved:
             log.info("RNG streams not restored: they belong to the ranks of layout %s (the data order is seeded "
-                     "and its position is in trainer.pt)", saved_layout)
+                     "and its position is in trainer.pt); this rank's job state is %s's", saved_layout, job_file.name)
         elif rng_file.is_file():
             set_rng_state(load_torch(rng_file))
         self.state.last_checkpoint_step, self._last_path = self.state.step, path

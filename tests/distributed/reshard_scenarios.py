@@ -1,11 +1,15 @@
 """Resuming on another layout (issue 43), run on every rank of one 4-rank launch by
 tests/distributed/worker.py as ``reshard_scenarios.<name>``.
 
-A run trains on a layout from the same start and the same global batches, saves complete
-training checkpoints (manifest, config.yaml, the layout-free state) at the steps asked, and may
-start from another layout's checkpoint. The "one process" layout runs on rank 0 alone (the local
-engine) while the other ranks wait. The test process compares the checkpoints' layout-free
-states (fp32 masters and Adam moments, full tensors). Nothing here asserts."""
+``matrix``: every layout trains from the same start on the same global batches, saving a
+complete training checkpoint (manifest, config.yaml, the layout-free state) at step 2 and its
+layout-free state at the end; then one engine per target layout resumes from each source's step
+2 in turn, writing the state as loaded and after the last step. ``run`` and ``reshard_then_run``:
+one run, saving complete checkpoints, from a start or from another layout's checkpoint (through
+``rlt-mega reshard``). ``grpo``: an asynchronous GRPO run of the real trainer (checkpoints with
+the queue, metrics.jsonl). The "one process" layout runs on rank 0 alone (the local engine)
+while the other ranks wait. The test process compares the written states (fp32 masters and Adam
+moments, full tensors) and logs. Nothing here asserts."""
 
 from __future__ import annotations
 
@@ -21,22 +25,25 @@ from rlt_mega.train.builders import build_engine
 from tests.distributed.scenarios import local_batches, make_cfg
 
 MODEL = {"n_layers": 4, "n_heads": 4, "n_kv_heads": 4}
-ROWS = 8  # the global batch of every layout: dp x grad_accum x micro_batch_size
+ROWS = 4  # the global batch of every layout (dp x micro_batch_size) of SEQ tokens each
+SEQ = 4  # the tensor-parallel all-reduces of the decoder steps are most of a step's time on gloo
 LAYOUTS = {
     "tp2pp2z1": {"tp": 2, "pp": 2, "zero_stage": 1, "micro_batches": 2},
     "pp4z2": {"pp": 4, "zero_stage": 2, "micro_batches": 2},
     "tp4z3": {"tp": 4, "zero_stage": 3},
     "dp4z1": {"zero_stage": 1},
     "one": None,  # one process: the local engine on rank 0
+    "tp2pp2z0": {"tp": 2, "pp": 2, "zero_stage": 0, "micro_batches": 2},  # bf16: DeepSpeed's unfused optimizer
 }
-DP = {"tp2pp2z1": 1, "pp4z2": 1, "tp4z3": 1, "dp4z1": 4, "one": 1}
+DP = {"tp2pp2z1": 1, "pp4z2": 1, "tp4z3": 1, "dp4z1": 4, "one": 1, "tp2pp2z0": 1}
 LORA = {"rank": 4, "alpha": 8.0}
 
 
 def config(layout: str, dtype: str = "fp32", lora: bool = False):
-    mbs = ROWS // DP[layout] // 2
     cfg = make_cfg({**MODEL, **({"lora": LORA} if lora else {})}, LAYOUTS[layout] or {},
-                   {"micro_batch_size": mbs, "grad_accum": 2, "dtype": dtype}, {"lr": 1e-2, "grad_clip": 0.5})
+                   {"micro_batch_size": ROWS // DP[layout], "grad_accum": 1, "dtype": dtype},
+                   {"lr": 1e-2, "grad_clip": 0.5})
+    cfg.data.seq_len = SEQ
     cfg.checkpoint.consolidate = False  # the layout-free state is what the tests read
     return cfg
 
@@ -89,6 +96,88 @@ def _train(engine, cfg, dims, root: Path, steps: int, save_at, resume_from, barr
     return {"start": start, "saved": saved, "layout": engine.layout()}
 
 
+def _write_state(engine, directory: Path, barrier) -> str:
+    """The engine's layout-free state alone (parallel/reshard.py) into ``directory``: what the
+    tests compare, without the engine's own files."""
+    if hasattr(engine, "files"):  # the distributed engine (a collective)
+        engine.state.save_layout_free(directory, engine.steps_taken)
+    else:
+        engine._save_layout_free(directory)
+    barrier()
+    return str(directory)
+
+
+def matrix(root: str, dtype: str, layouts: list, pairs: list, steps: int = 4, at: int = 2) -> dict:
+    """Every layout of ``layouts`` trains ``steps`` steps from the same start (saving a checkpoint
+    at step ``at``: root/<layout>/step_..., and its layout-free state after the last step:
+    root/<layout>/final); then for each target B of ``pairs`` (ordered (A, B)), one engine on B
+    resumes from each of its sources' step ``at`` in turn, writes the state as loaded
+    (root/<A>_to_<B>/reloaded) and after ``steps`` (root/<A>_to_<B>/final). Returns rank 0's
+    seconds per phase."""
+    import time
+
+    root = Path(root)
+    seconds = {}
+    for layout in layouts:
+        t0 = time.perf_counter()
+        _on_layout(layout, dtype, lambda engine, cfg, dims, barrier: _uninterrupted(
+            engine, cfg, dims, barrier, root / layout, steps, at))
+        seconds[layout] = time.perf_counter() - t0
+    for b in dict.fromkeys(b for _, b in pairs):
+        sources = [a for a, bb in pairs if bb == b]
+        t0 = time.perf_counter()
+        _on_layout(b, dtype, lambda engine, cfg, dims, barrier: _resumes(
+            engine, cfg, dims, barrier, root, sources, b, steps, at))
+        seconds[f"to_{b}"] = time.perf_counter() - t0
+    return seconds
+
+
+def _on_layout(layout: str, dtype: str, body) -> None:
+    """``body(engine, cfg, dims, barrier)`` on a fresh engine of ``layout`` (one process: on rank 0
+    while the others wait)."""
+    cfg = config(layout, dtype)
+    if layout == "one":
+        if dist.get_rank() == 0:
+            dims = ParallelDims.single(cfg.model, "cpu")
+            body(build_engine(cfg, dims), cfg, dims, lambda: None)
+        dist.barrier()
+        return
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", cfg.train)
+    engine = build_engine(cfg, dims)
+    try:
+        body(engine, cfg, dims, dist.barrier)
+    finally:
+        engine.close()
+        dims.destroy()
+
+
+def _uninterrupted(engine, cfg, dims, barrier, root: Path, steps: int, at: int) -> None:
+    for step in range(steps):
+        engine.train_step(local_batches(cfg, step, dims))
+        if step + 1 == at:
+            _save(engine, cfg, dims.rank, root, at, barrier)
+    _write_state(engine, root / "final", barrier)
+
+
+def _resumes(engine, cfg, dims, barrier, root: Path, sources: list, b: str, steps: int, at: int) -> None:
+    """One engine on layout ``b`` resumes from every source in turn: each load sets every
+    parameter, moment, step and schedule position anew (what a fresh engine would hold)."""
+    for a in sources:
+        out = root / f"{a}_to_{b}"
+        engine.load(_step(root / a, at))
+        if hasattr(engine, "files"):
+            (out / "read").mkdir(parents=True, exist_ok=True)
+            (out / "read" / f"rank{dims.rank}").write_text(str(engine.files.bytes_read))
+        _write_state(engine, out / "reloaded", barrier)
+        for step in range(at, steps):
+            engine.train_step(local_batches(cfg, step, dims))
+        _write_state(engine, out / "final", barrier)
+
+
+def _step(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
 def reshard_then_run(root: str, checkpoint: str, layout: str, dtype: str = "fp32") -> dict:
     """Rank 0 reshards ``checkpoint`` offline for ``layout`` (rlt-mega reshard) into root/resharded;
     then every rank resumes from it (run)."""
@@ -100,3 +189,36 @@ def reshard_then_run(root: str, checkpoint: str, layout: str, dtype: str = "fp32
         reshard(checkpoint, target, p.get("tp", 1), p.get("pp", 1), DP[layout], p.get("zero_stage", 0))
     dist.barrier()
     return run(root, layout, dtype, resume_from=str(target))
+
+
+# ---------------------------------------------------------------------- GRPO
+GRPO_LAYOUTS = {"tp2pp2z1": {"tp": 2, "pp": 2, "zero_stage": 1}, "tp4z3": {"tp": 4, "zero_stage": 3}}
+GRPO = {"max_staleness": 1, "is_correction": "token_tis"}  # a queue in every checkpoint
+
+
+def grpo_config_of(root: Path, layout: str, train: dict):
+    """Asynchronous GRPO (max_staleness 1: every checkpoint queues the next data step, sampled by
+    an older policy) on a 4-rank layout of one data-parallel replica (the same prompts on both)."""
+    import dataclasses
+
+    from tests.distributed.async_scenarios import roles_config
+
+    cfg = roles_config(GRPO, {"steps": 2, **train}, str(root), 0, GRPO_LAYOUTS[layout])
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_kv_heads=4),
+                               checkpoint=dataclasses.replace(cfg.checkpoint, every=1, consolidate=False))
+
+
+def grpo(root: str, layout: str, train: dict) -> dict:
+    """A GRPO run on ``layout`` (train: its train.* settings: stop_after, resume) writing its
+    checkpoints and metrics under ``root``."""
+    from rlt_mega.data.tokenizer import load_tokenizer
+    from rlt_mega.train.grpo import build_trainer, engine_config
+    from tests.distributed.grpo_scenarios import odd, records
+
+    cfg = grpo_config_of(Path(root), layout, train)
+    dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
+    try:
+        out = build_trainer(cfg, dims, load_tokenizer("byte"), odd, records(24), []).run()
+    finally:
+        dims.destroy()
+    return {"step": out["step"]}

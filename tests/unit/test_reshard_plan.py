@@ -87,6 +87,11 @@ def test_any_layout_reads_the_slices_another_wrote(tmp_path, tp_from, tp_to, dp)
             for key, v in values.items():
                 want = v if dim is None else v.chunk(tp_to, dim)[t]
                 assert torch.equal(state.read(name, key, tp_to, t), want), (name, key, t)
+                assert state.slice_shape(name, tp_to, t) == tuple(want.shape)
+                for a, b in ((0, 1), (1, 3), (2, 2), (len(want) - 1, len(want))):  # a data-parallel rank's rows
+                    before = state.bytes_read
+                    assert torch.equal(state.read(name, key, tp_to, t, rows=(a, b)), want[a:b]), (name, key, t, a, b)
+                    assert state.bytes_read - before == want[a:b].numel() * 4  # those rows, no more
     assert state.lookup("lm_head.weight", tied=True) == "embed.weight"
     with pytest.raises(CheckpointError, match="has no 'lm_head.weight'"):
         state.lookup("lm_head.weight", tied=False)
@@ -117,3 +122,29 @@ def test_universal_patterns_name_each_parameter_once_with_its_tensor_parallel_sp
     assert {"null_memory", "z_init", "recur_proj.weight", "final_norm.weight"} <= replicated_names
     split = ("attn.q.weight", "attn.q.bias", "mlp.up.weight", "embed.weight")
     assert not any(n.endswith(split) for n in replicated_names)
+
+
+def test_a_rank_on_another_layout_takes_its_replicas_job_state_from_the_last_stage():
+    """train/loop.py source_rank: Megatron's order, rank = tp_rank + tp * (dp_rank + dp * pp_rank)."""
+    from types import SimpleNamespace
+
+    from rlt_mega.train.loop import source_rank
+
+    saved = {"tp": 2, "pp": 2, "dp": 2}
+    assert [source_rank(saved, SimpleNamespace(dp_rank=d)) for d in range(2)] == [4, 6]  # pp 1, tp 0, dp d
+    assert source_rank(saved, SimpleNamespace(dp_rank=3)) == 6  # fewer replicas saved: the last one's
+    assert source_rank({"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}, SimpleNamespace(dp_rank=0)) == 0
+
+
+def test_a_grpo_queue_moves_to_another_tp_pp_or_zero_stage_but_not_to_another_dp():
+    from rlt_mega.config import ConfigError
+    from rlt_mega.train.async_grpo import Generated, StalenessPipeline
+
+    saved = StalenessPipeline(1, (2, 2, 2, 6))  # dp 2, tp 2, pp 2, rank 6
+    saved.push(Generated(step=3, version=2, rounds=[], sampling={}))
+    moved = StalenessPipeline(1, (2, 4, 1, 1))  # dp 2 on tp 4: the queue moves
+    moved.load_state_dict(saved.state_dict(), 3)
+    assert [g.step for g in moved.queue] == [3]
+    with pytest.raises(ConfigError, match=r"parallel.dp=2 replicas .* this run has parallel.dp=4: resume with "
+                                          r"parallel.dp=2"):
+        StalenessPipeline(1, (4, 1, 1, 0)).load_state_dict(saved.state_dict(), 3)
