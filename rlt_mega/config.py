@@ -556,9 +556,13 @@ class GRPOConfig:
     is_band_high: float = 2.0
     # Sampler and learner roles in one job (train/async_grpo.py, parallel/roles.py): the
     # learner's replica of tp x pp x dp ranks (any ZeRO stage) and sampler_replicas replicas of tp x
-    # pp ranks sampling (weights broadcast to them, rollouts sent back, rank for rank), data
-    # step j by sampler j mod sampler_replicas, each learner data-parallel rank's share; 0: colocated.
+    # pp ranks sampling (weights sent to them, rollouts sent back, position for position), each
+    # data step by the first replica that claims it, every learner data-parallel rank's share;
+    # a lost replica's steps are redone by the others; 0: colocated.
     sampler_replicas: int = 0
+    # Seconds a sampler replica's rank may go without a heartbeat (or a message of the roles may
+    # take) before the replica counts as lost: the others redo its data steps (parallel/roles.py).
+    sampler_timeout_s: float = 120.0
     # On-policy distillation (learner/distill.py): an export directory (rlt-mega export, or an
     # imported Llama/Qwen2: rlt-mega import) whose model scores every sampled token in the
     # learner's replay pass; per-token advantage teacher_coef * (log teacher - log mu) +
@@ -630,6 +634,8 @@ class GRPOConfig:
                f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 without "
                "partial rollouts has none (the ratio against mu is exact): set grpo.max_staleness >= 1, "
                "grpo.partial_rollouts >= 1 or grpo.is_correction=none")
+        _check(self.sampler_timeout_s > 0,
+               f"grpo.sampler_timeout_s={self.sampler_timeout_s}: must be > 0 (seconds before a silent sampler is lost)")
         _check(self.sampler_replicas >= 0,
                f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
         _check(self.is_cap > 0, f"grpo.is_cap={self.is_cap}: the truncation of the IS weight must be > 0")

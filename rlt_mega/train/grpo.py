@@ -131,7 +131,7 @@ class GRPOJob:
         seconds = time.perf_counter() - t_step
         scalars.update({"async/learner_idle_fraction": t_fill / max(seconds, 1e-9),
                         "async/sampler_idle_fraction": self.source.sampler_idle_fraction(item, seconds, t_fill),
-                        "async/weight_sync_s": sync})
+                        "async/weight_sync_s": sync, **self.source.pool_metrics(item)})
         scalars.update(self._train_scalars(learned))
         if self.phases.teacher is not None:
             scalars.update(distill_step_metrics(self.dims, learned.records))
@@ -346,8 +346,9 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
         else:
             dims = ParallelDims.build(mine.parallel, cfg.model, cfg.train.device, engine_config(mine),
                                       cfg.train.deterministic)
-        role = dims.dp_rank if replica == 0 else dp + replica - 1
-        channel = RoleChannel(g.sampler_replicas, dp, dims.pp_rank * dims.tp + dims.tp_rank, role, device)
+        role = dims.dp_rank if replica == 0 else dp + replica - 1  # sampler replica r = replica - 1
+        channel = RoleChannel(g.sampler_replicas, dp, dims.pp_rank * dims.tp + dims.tp_rank, role, device,
+                              positions=n, timeout_s=g.sampler_timeout_s)
         if channel.is_learner:
             trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs, channel)
             job = trainer.job

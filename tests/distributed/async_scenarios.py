@@ -124,3 +124,24 @@ def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
         build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records(24), []).run()
         out.update({"logged_whole": logged("whole"), "logged_cut": logged("cut"), "logged_single": logged("single")})
     return out
+
+
+def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica: int, kill_at: int) -> dict:
+    """The roles (a learner of one process, ``samplers`` replicas of one process each) where
+    sampler replica ``kill_replica`` dies (SIGKILL, no clean-up) when it is about to sample a data
+    step >= ``kill_at``: it dies holding a claimed data step, which the others redo."""
+    import os
+    import signal
+
+    if int(os.environ["RANK"]) == 1 + kill_replica:
+        from rlt_mega.train.grpo_sample import SamplePhase
+
+        sample = SamplePhase.sample
+
+        def dying(self, sampler, data_step, holder):
+            if data_step >= kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return sample(self, sampler, data_step, holder)
+
+        SamplePhase.sample = dying
+    return roles_run(grpo, train, out_dir, samplers)
