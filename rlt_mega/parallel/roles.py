@@ -75,11 +75,13 @@ def role_group(name: str, rank: int, size: int, device: torch.device, timeout_s:
 
 
 class RoleStore:
-    """The roles' keys on the launcher's store (this run's generation)."""
+    """The roles' keys on the launcher's store (this run's generation), or on ``store``."""
 
-    def __init__(self) -> None:
-        store, _, generation = launcher_store()
-        self.store = dist.PrefixStore(f"{generation}/roles/", store)
+    def __init__(self, store: Optional[dist.Store] = None) -> None:
+        if store is None:
+            store, _, generation = launcher_store()
+            store = dist.PrefixStore(f"{generation}/roles/", store)
+        self.store = store
 
     def has(self, key: str) -> bool:
         return self.store.check([key])

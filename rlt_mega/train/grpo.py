@@ -386,7 +386,7 @@ def check_roles_layout(cfg: Config, world: int) -> None:
         raise ConfigError(f"grpo.sampler_replicas={g.sampler_replicas} with parallel.tp={p.tp}, pp={p.pp}, dp={dp} "
                           f"runs on {want} processes (the learner's tp x pp x dp = {n * dp}, then "
                           f"{g.sampler_replicas} sampler replicas of tp x pp = {n}), but the launcher started {world}: "
-                          f"launch {want} (torchrun --nproc-per-node {want})")
+                          f"launch {want} (nodes x processes per node; one node: torchrun --nproc-per-node {want})")
     if dp > 1 and g.partial_rollouts:
         raise ConfigError(f"grpo.partial_rollouts={g.partial_rollouts} with grpo.sampler_replicas and parallel.dp={dp}: "
                           "a sampler samples each learner rank's share in turn, and a partial rollout's share would "
