@@ -563,6 +563,9 @@ class GRPOConfig:
     # Seconds a sampler replica's rank may go without a heartbeat (or a message of the roles may
     # take) before the replica counts as lost: the others redo its data steps (parallel/roles.py).
     sampler_timeout_s: float = 120.0
+    # The sampler replicas are launched on their own and join (RLT_ROLES_JOIN=host:port of this
+    # job's store): the job holds the learner alone, so a sampler that dies never stops it.
+    samplers_join: bool = False
     # On-policy distillation (learner/distill.py): an export directory (rlt-mega export, or an
     # imported Llama/Qwen2: rlt-mega import) whose model scores every sampled token in the
     # learner's replay pass; per-token advantage teacher_coef * (log teacher - log mu) +

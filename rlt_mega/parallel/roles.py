@@ -59,12 +59,33 @@ class SamplerLost(RuntimeError):
     """This sampler replica was marked lost (a rank of it stopped): it stops too."""
 
 
+_JOINED: Optional[tuple] = None  # (the learner's store, its generation) of a replica that joins
+
+
+def join(address: str, timeout_s: float) -> None:
+    """This process's replica joins a running job (``RLT_ROLES_JOIN=host:port[/generation]``:
+    the learner's launcher store): the roles' keys and groups are made on that store."""
+    global _JOINED
+    where, _, generation = address.partition("/")
+    host, _, port = where.rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
+    _JOINED = (store, int(generation or 1))
+
+
+def roles_store() -> tuple:
+    """(the store the roles' keys live on, the run's generation)."""
+    if _JOINED is not None:
+        return _JOINED
+    store, _, generation = launcher_store()
+    return store, generation
+
+
 def role_group(name: str, rank: int, size: int, device: torch.device, timeout_s: float):
     """A group of the roles (``name``: the same on each of its ``size`` members; ``rank`` this
     process's there), made directly on the launcher's store with a timeout of ``timeout_s`` (its
     creation and each message: a lost peer raises instead of hanging); not registered with
     torch.distributed (messages go through its methods)."""
-    store, _, generation = launcher_store()
+    store, generation = roles_store()
     prefixed = dist.PrefixStore(f"{generation}/roles/{name}/", store)
     timeout = datetime.timedelta(seconds=timeout_s)
     if device.type == "cuda":
@@ -79,7 +100,7 @@ class RoleStore:
 
     def __init__(self, store: Optional[dist.Store] = None) -> None:
         if store is None:
-            store, _, generation = launcher_store()
+            store, generation = roles_store()
             store = dist.PrefixStore(f"{generation}/roles/", store)
         self.store = store
 
@@ -121,10 +142,11 @@ class RoleStore:
 class SamplerPool:
     """A learner rank's view of the sampler replicas: alive while each of their ``positions``
     ranks beats (``beat/r/position`` grows) at least every ``timeout_s`` seconds, lost once one
-    does not (or once any rank marked it lost: ``lost/r``, which every rank reads)."""
+    does not (or once any rank marked it lost: ``lost/r``, which every rank reads). Replicas that
+    join a running job (``joined``) are numbered on from ``num``."""
 
     def __init__(self, store: RoleStore, num: int, positions: int, timeout_s: float) -> None:
-        self.store, self.num, self.positions, self.timeout_s = store, num, positions, timeout_s
+        self.store, self.base, self.num, self.positions, self.timeout_s = store, num, num, positions, timeout_s
         self.lost: dict[int, str] = {}
         self._seen: dict[tuple[int, int], tuple[int, float]] = {}
         self._checked = 0.0
@@ -139,6 +161,7 @@ class SamplerPool:
         if not force and now - self._checked < BEAT_S:
             return
         self._checked = now
+        self.num = self.base + self.store.count("joined")
         for r in range(self.num):
             if r in self.lost:
                 continue
@@ -266,6 +289,7 @@ class RoleChannel:
         self.pair = None  # sampler: the learner's weights group
         self.heartbeat = None
         self.bytes_sent = 0  # weights sent by this rank in the last publication
+        self._handle = None  # the last publication (its sends, the flat vector, its version, when)
         self._tasks = 0
         self._done: set[int] = set()  # data steps this replica sampled
         if self.replica is not None:
@@ -300,15 +324,23 @@ class RoleChannel:
         While waiting, a step whose owner is lost is given back to the pool."""
         t0 = time.perf_counter()
         key = f"roll/{step}/{self.rank}/{self.position}"
+        none_since = None  # since when no replica is alive
         while not self.store.has(key):
             self.pool.refresh()
+            if self.publishes:
+                self._admit(None)
             owner = self.store.get(f"owner/{step}", "")
             if owner and int(owner) in self.pool.lost:
                 self.store.claim(f"owner/{step}", owner, "")  # once, whichever rank sees it first
-            if not self.pool.alive(refresh=False):
-                raise RuntimeError(f"every sampler replica is lost ({'; '.join(f'{r}: {w}' for r, w in sorted(self.pool.lost.items()))}) "
-                                   f"while the learner waits for data step {step}: the job stops; resume it "
-                                   "(train.resume=auto) with samplers running")
+            if self.pool.alive(refresh=False):
+                none_since = None
+            elif none_since is None:
+                none_since = time.monotonic()
+            elif time.monotonic() - none_since > self.timeout_s:
+                lost = "; ".join(f"{r}: {w}" for r, w in sorted(self.pool.lost.items())) or "none joined"
+                raise RuntimeError(f"no sampler replica alive for grpo.sampler_timeout_s={self.timeout_s:g} s ({lost}) "
+                                   f"while the learner waits for data step {step}: the job stops; start samplers "
+                                   "(RLT_ROLES_JOIN) or resume it (train.resume=auto) with samplers running")
             time.sleep(POLL_S)
         item = self.store.take(key)
         self.store.set(f"got/{key}", "1")
@@ -328,15 +360,35 @@ class RoleChannel:
             flat = params.detach().to(self.device, copy=True)
         else:
             flat = parameters_to_vector([p.detach() for p in params]).to(self.device)
+        self._admit(version)
         works = {}
-        for r in self.pool.alive():
+        for r in self.pool.alive(refresh=False):
+            if r not in self.pairs:  # joined after this position's admission: from the next version
+                continue
             try:
                 works[r] = self.pairs[r].send([flat], 1, 0)
             except Exception as exc:  # the peer closed its end (gloo says so when posting)
                 self.pool.mark_lost(r, f"the weights' send failed: {exc}".splitlines()[0])
         self.store.set(f"sent/{self.position}/{version}", "1")
         self.bytes_sent = flat.numel() * flat.element_size() * len(works)
-        return (works, flat, version, time.monotonic()), time.perf_counter() - t0
+        self._handle = (works, flat, version, time.monotonic())
+        return self._handle, time.perf_counter() - t0
+
+    def _admit(self, version: Optional[int]) -> None:
+        """Replicas that joined since: their weights' group at this position, and the first version
+        they receive (``first/r/position``): ``version``, about to be published, or (None: while
+        the learner waits for a data step) the last one published, sent to it now."""
+        if version is not None:
+            self.pool.refresh(force=True)
+        elif self._handle is None:  # nothing published yet
+            return
+        for r in range(len(self.pairs), self.pool.num):
+            self.pairs[r] = role_group(f"weights{self.position}/{r}", 0, 2, self.device, self.timeout_s)
+            first = version if version is not None else self._handle[2]
+            self.store.set(f"first/{r}/{self.position}", str(first))
+            if version is None:  # settled with the last publication's other sends
+                self._handle[0][r] = self.pairs[r].send([self._handle[1]], 1, 0)
+            log.warning("GRPO roles: sampler replica %d joined; it receives policy versions from %d on", r, first)
 
     def settle(self, handle: Optional[Any]) -> None:
         """Waits until a publication reached every sampler it was sent to that is not lost (each
@@ -384,15 +436,27 @@ class RoleChannel:
     def published(self) -> int:
         return int(self.store.get("published", "-1"))
 
-    def next_task(self, first: int, end: int, target) -> Optional[int]:
+    def first_version(self, positions: Optional[int] = None) -> Optional[int]:
+        """On a replica that joined a running job: the first version the learner sends it at this
+        position (``positions``: the newest of that over every position) -> None on the others."""
+        if self.replica is None or self.replica < self.num_samplers:
+            return None
+        keys = [f"first/{self.replica}/{p}" for p in ([self.position] if positions is None else range(positions))]
+        while not all(self.store.has(k) for k in keys):
+            self.check_not_lost()
+            time.sleep(POLL_S)
+        return max(int(self.store.get(k)) for k in keys)
+
+    def next_task(self, first: int, end: int, target, oldest=None) -> Optional[int]:
         """The next data step this replica samples (the same on each of its ranks), or None when
         the learner has every data step: position 0's rank claims the first data step in
         [first, end) that no live replica owns and whose versions are published
-        (``target(j)``: the newest version data step j needs), and tells the others."""
+        (``target(j)``: the newest version data step j needs; ``oldest`` (j, version): a data
+        step's oldest, where this replica joined at ``version``), and tells the others."""
         key = f"task/{self.replica}/{self._tasks}"
         self._tasks += 1
         if self.position == 0:
-            j = self._claim(first, end, target)
+            j = self._claim(first, end, target, oldest)
             self.store.set(key, "stop" if j is None else str(j))
         while not self.store.has(key):
             self.check_not_lost()
@@ -400,8 +464,11 @@ class RoleChannel:
         value = self.store.get(key)
         return None if value == "stop" else int(value)
 
-    def _claim(self, first: int, end: int, target) -> Optional[int]:
+    def _claim(self, first: int, end: int, target, oldest=None) -> Optional[int]:
         mine = str(self.replica)
+        if oldest is not None:  # a replica that joined: the steps whose versions it receives
+            start, joined = oldest
+            first = next(j for j in range(first, end + 1) if j == end or start(j) >= joined)
         while True:
             if self.store.has("stop"):
                 return None

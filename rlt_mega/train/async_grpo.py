@@ -435,12 +435,15 @@ def run_sampler(sampling, policy, channel: RoleChannel) -> None:
     plan = sampling.plan
     start = channel.wait_start()
     last = start.end + plan.max_staleness  # data steps first .. last - 1
-    versions = ReceivedVersions(channel, policy.module(), start.version, start.last)
+    joined = channel.first_version(channel.pool.positions)  # a replica that joined a running job
+    first_version = start.version if joined is None else channel.first_version()
+    versions = ReceivedVersions(channel, policy.module(), first_version, start.last)
     cursor = OrderCursor(sampling, start)
-    target = plan.target if channel.num_samplers > 1 else plan.start
+    target = plan.target if channel.num_samplers > 1 or joined is not None else plan.start
+    oldest = None if joined is None else (plan.start, joined)
     try:
         t_free = time.perf_counter()
-        while (data_step := channel.next_task(start.first, last, target)) is not None:
+        while (data_step := channel.next_task(start.first, last, target, oldest)) is not None:
             idle = time.perf_counter() - t_free
             versions.drop_below(plan.start(max(start.first, channel.published())))
             cursor.seek(data_step)

@@ -126,22 +126,38 @@ def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
     return out
 
 
-def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica: int, kill_at: int) -> dict:
+def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica: int, kill_at: int,
+             joiner: bool = False) -> dict:
     """The roles (a learner of one process, ``samplers`` replicas of one process each) where
     sampler replica ``kill_replica`` dies (SIGKILL, no clean-up) when it is about to sample a data
-    step >= ``kill_at``: it dies holding a claimed data step, which the others redo."""
+    step >= ``kill_at``: it dies holding a claimed data step, which the others redo. ``joiner``:
+    a replacement replica (number ``samplers``) joins (the test starts it, RLT_ROLES_JOIN), and
+    replica 0 waits for it so that it takes a data step: at data step kill_at + 1 until it beats,
+    at kill_at + 2 until it has claimed data step kill_at + 3."""
     import os
     import signal
+    import time
 
-    if int(os.environ["RANK"]) == 1 + kill_replica:
-        from rlt_mega.train.grpo_sample import SamplePhase
+    from rlt_mega.train.grpo_sample import SamplePhase
 
-        sample = SamplePhase.sample
-
+    rank, sample = int(os.environ["RANK"]), SamplePhase.sample
+    if rank == 1 + kill_replica and not os.environ.get("RLT_ROLES_JOIN"):
         def dying(self, sampler, data_step, holder):
             if data_step >= kill_at:
                 os.kill(os.getpid(), signal.SIGKILL)
             return sample(self, sampler, data_step, holder)
 
         SamplePhase.sample = dying
+    if joiner and rank == 1 and not os.environ.get("RLT_ROLES_JOIN"):
+        from rlt_mega.parallel.roles import RoleStore
+
+        def waiting(self, sampler, data_step, holder):
+            store, new = RoleStore(), str(samplers)
+            while data_step == kill_at + 1 and not store.has(f"beat/{new}/0"):
+                time.sleep(0.05)
+            while data_step == kill_at + 2 and store.get(f"owner/{kill_at + 3}") != new:
+                time.sleep(0.05)
+            return sample(self, sampler, data_step, holder)
+
+        SamplePhase.sample = waiting
     return roles_run(grpo, train, out_dir, samplers)
