@@ -641,6 +641,9 @@ class GRPOConfig:
                f"grpo.sampler_timeout_s={self.sampler_timeout_s}: must be > 0 (seconds before a silent sampler is lost)")
         _check(self.sampler_replicas >= 0,
                f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
+        _check(not self.samplers_join or self.sampler_replicas >= 1,
+               "grpo.samplers_join=true with grpo.sampler_replicas=0: set grpo.sampler_replicas to the replicas "
+               "that join (the learner waits for them), or grpo.samplers_join=false")
         _check(self.is_cap > 0, f"grpo.is_cap={self.is_cap}: the truncation of the IS weight must be > 0")
         _check(0 < self.is_band_low <= 1 <= self.is_band_high,
                f"grpo.is_band_low={self.is_band_low}, grpo.is_band_high={self.is_band_high}: the band of kept "

@@ -52,7 +52,20 @@ log = get_logger(__name__)
 LEARNER = 0
 CHUNK = 4 << 20  # bytes per store value (the store's server refuses values over 8 MiB)
 BEAT_S = 0.5  # a sampler rank's heartbeat period
-POLL_S = 0.01  # how often a waiting rank looks at the store
+POLL_S = 0.002  # how soon a waiting rank looks at the store again, at first
+POLL_MAX_S = 0.05  # and at the latest
+
+
+class Poll:
+    """A waiting rank's pauses between looks at the store: POLL_S, growing to POLL_MAX_S (so that
+    many ranks waiting long do not load the store's server)."""
+
+    def __init__(self) -> None:
+        self.pause = POLL_S
+
+    def sleep(self) -> None:
+        time.sleep(self.pause)
+        self.pause = min(POLL_MAX_S, self.pause * 1.5)
 
 
 class SamplerLost(RuntimeError):
@@ -230,10 +243,11 @@ class WeightsReceiver:
         ch = self.channel
         try:
             for v in range(self.first, self.last + 1):
+                poll = Poll()
                 while not ch.store.has(f"sent/{ch.position}/{v}"):
                     if self._stop.is_set() or ch.store.has("stop"):
                         return
-                    time.sleep(POLL_S)
+                    poll.sleep()
                 flat = torch.empty(self.numel, dtype=self.dtype, device=ch.device)
                 ch.pair.recv([flat], LEARNER, 0).wait()
                 ch.store.set(f"recv/{ch.replica}/{ch.position}/{v}", "1")  # the learner's send is done
@@ -278,8 +292,10 @@ class RoleChannel:
     (CPU for gloo, this rank's GPU for NCCL); ``timeout_s``: grpo.sampler_timeout_s."""
 
     def __init__(self, num_samplers: int, learner_dp: int, position: int, role: int, device: torch.device,
-                 positions: int = 1, timeout_s: float = 120.0) -> None:
-        self.device, self.rank, self.position, self.timeout_s = device, role, position, timeout_s
+                 positions: int = 1, timeout_s: float = 120.0, joining: int = 0) -> None:
+        """``joining``: the replicas expected to join (grpo.samplers_join: grpo.sampler_replicas),
+        which the learner waits for, at most ``timeout_s``, before it starts them."""
+        self.device, self.rank, self.position, self.timeout_s, self.joining = device, role, position, timeout_s, joining
         self.learners = list(range(learner_dp))
         self.num_samplers = num_samplers
         self.store = RoleStore()
@@ -310,7 +326,11 @@ class RoleChannel:
 
     # ------------------------------------------------------------------ the learner's end
     def begin(self, start: Any) -> None:
-        """Where every sampler starts (written once, by the learner's first rank)."""
+        """Where every sampler starts (written once, by the learner's first rank), once the
+        replicas expected to join have (or grpo.sampler_timeout_s has passed)."""
+        t0, poll = time.monotonic(), Poll()
+        while self.store.count("joined") < self.joining and time.monotonic() - t0 < self.timeout_s:
+            poll.sleep()
         if self.rank == LEARNER and self.position == 0:
             self.store.put("start", start)
 
@@ -325,6 +345,7 @@ class RoleChannel:
         t0 = time.perf_counter()
         key = f"roll/{step}/{self.rank}/{self.position}"
         none_since = None  # since when no replica is alive
+        poll = Poll()
         while not self.store.has(key):
             self.pool.refresh()
             if self.publishes:
@@ -341,7 +362,7 @@ class RoleChannel:
                 raise RuntimeError(f"no sampler replica alive for grpo.sampler_timeout_s={self.timeout_s:g} s ({lost}) "
                                    f"while the learner waits for data step {step}: the job stops; start samplers "
                                    "(RLT_ROLES_JOIN) or resume it (train.resume=auto) with samplers running")
-            time.sleep(POLL_S)
+            poll.sleep()
         item = self.store.take(key)
         self.store.set(f"got/{key}", "1")
         return item, time.perf_counter() - t0
@@ -399,6 +420,7 @@ class RoleChannel:
         works, _, version, posted = handle
         for r, work in works.items():
             key = f"recv/{r}/{self.position}/{version}"
+            poll = Poll()
             while r not in self.pool.lost:  # a lost peer's send is abandoned
                 if self.store.has(key):
                     try:
@@ -411,7 +433,7 @@ class RoleChannel:
                                            f"grpo.sampler_timeout_s={self.timeout_s:g} s")
                     break
                 self.pool.refresh()
-                time.sleep(POLL_S)
+                poll.sleep()
 
     def stop(self) -> None:
         """Every data step was received: the samplers stop."""
@@ -425,8 +447,9 @@ class RoleChannel:
             raise SamplerLost(f"sampler replica {self.replica} was marked lost ({why}): it stops")
 
     def wait_start(self) -> Any:
+        poll = Poll()
         while not self.store.has("start"):
-            time.sleep(POLL_S)
+            poll.sleep()
         n = int(self.store.store.get("start"))
         return pickle.loads(b"".join(self.store.store.get(f"start/{i}") for i in range(n)))
 
@@ -442,9 +465,10 @@ class RoleChannel:
         if self.replica is None or self.replica < self.num_samplers:
             return None
         keys = [f"first/{self.replica}/{p}" for p in ([self.position] if positions is None else range(positions))]
+        poll = Poll()
         while not all(self.store.has(k) for k in keys):
             self.check_not_lost()
-            time.sleep(POLL_S)
+            poll.sleep()
         return max(int(self.store.get(k)) for k in keys)
 
     def next_task(self, first: int, end: int, target, oldest=None) -> Optional[int]:
@@ -458,9 +482,10 @@ class RoleChannel:
         if self.position == 0:
             j = self._claim(first, end, target, oldest)
             self.store.set(key, "stop" if j is None else str(j))
+        poll = Poll()
         while not self.store.has(key):
             self.check_not_lost()
-            time.sleep(POLL_S)
+            poll.sleep()
         value = self.store.get(key)
         return None if value == "stop" else int(value)
 
@@ -469,6 +494,7 @@ class RoleChannel:
         if oldest is not None:  # a replica that joined: the steps whose versions it receives
             start, joined = oldest
             first = next(j for j in range(first, end + 1) if j == end or start(j) >= joined)
+        poll = Poll()
         while True:
             if self.store.has("stop"):
                 return None
@@ -479,7 +505,7 @@ class RoleChannel:
                     break
                 if self.store.claim(f"owner/{j}", "", mine) and j not in self._done:
                     return j
-            time.sleep(POLL_S)
+            poll.sleep()
 
     def put(self, step: int, share: int, obj: Any) -> None:
         """This rank's part of data step ``step``'s share ``share`` for the learner (skipped where

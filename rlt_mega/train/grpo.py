@@ -350,8 +350,12 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
                                       cfg.train.deterministic)
         role = dims.dp_rank if replica == 0 else dp + replica - 1  # sampler replica r = replica - 1
         channel = RoleChannel(in_launch(cfg), dp, dims.pp_rank * dims.tp + dims.tp_rank, role, device,
-                              positions=n, timeout_s=g.sampler_timeout_s)
+                              positions=n, timeout_s=g.sampler_timeout_s,
+                              joining=g.sampler_replicas if g.samplers_join else 0)
         if channel.is_learner:
+            if launcher_store()[1] == 0:
+                log.info("GRPO roles: %d sampler replica(s) in this launch; more join with RLT_ROLES_JOIN=%s:%s",
+                         in_launch(cfg), os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", ""))
             trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs, channel)
             job = trainer.job
             if CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep).resolve(cfg.train.resume) is None:
@@ -438,8 +442,3 @@ def check_roles_layout(cfg: Config, world: int) -> None:
                           f"runs on {want} processes (the learner's tp x pp x dp = {n * dp}, then "
                           f"{g.sampler_replicas} sampler replicas of tp x pp = {n}), but the launcher started {world}: "
                           f"launch {want} (nodes x processes per node; one node: torchrun --nproc-per-node {want})")
-    if dp > 1 and g.partial_rollouts:
-        raise ConfigError(f"grpo.partial_rollouts={g.partial_rollouts} with grpo.sampler_replicas and parallel.dp={dp}: "
-                          "a sampler samples each learner rank's share in turn, and a partial rollout's share would "
-                          "need the version it already switched away from; set grpo.partial_rollouts=0, or "
-                          "parallel.dp=1")

@@ -66,13 +66,19 @@ def roles_layout(parallel: dict, out_dir: str) -> list[dict]:
 def data_parallel_roles(out_dir: str) -> list[dict]:
     """On 4 ranks: a learner of 2 data-parallel ranks (ZeRO-1, then ZeRO-3) fed by 2 sampler
     replicas, max_staleness 0 with dynamic sampling (2 rounds reserved a step), against the
-    colocated dp=2 run of the same config on the first 2 ranks."""
+    colocated dp=2 run of the same config on the first 2 ranks; then ZeRO-1 with max_staleness 1,
+    partial rollouts (the switch at decode step 3) and token_tis, 3 steps."""
     grpo = {"minibatches": 2, "verify_onpolicy": True, "dynamic_sampling": True, "max_sampling_rounds": 2}
     out = []
     for zero in (1, 3):
         parallel = {"dp": 2, "zero_stage": zero}
         colocated_in_replica(parallel, grpo, {"steps": 2}, f"{out_dir}/colocated_z{zero}")
         out.append(roles_run(grpo, {"steps": 2}, f"{out_dir}/roles_z{zero}", samplers=2, parallel=parallel))
+    partial = {"minibatches": 2, "verify_onpolicy": True, "max_staleness": 1, "partial_rollouts": 3,
+               "is_correction": "token_tis"}
+    colocated_in_replica({"dp": 2, "zero_stage": 1}, partial, {"steps": 3}, f"{out_dir}/colocated_z1_partial")
+    out.append(roles_run(partial, {"steps": 3}, f"{out_dir}/roles_z1_partial", samplers=2,
+                         parallel={"dp": 2, "zero_stage": 1}))
     return out
 
 

@@ -65,9 +65,10 @@ def test_a_launch_that_does_not_fit_the_roles_is_refused(tmp_path):
 
 def test_samplers_launched_on_their_own_join_and_one_killed_costs_time_never_the_run(tmp_path):
     """grpo.samplers_join: torchrun launches the learner alone (dp=2, ZeRO-1), two more launches
-    one sampler replica each (RLT_ROLES_JOIN: the learner's store); the first sampler kills
-    itself (SIGKILL) as it begins its second data step: its torchrun fails, the learner's job
-    goes on with the other sampler and ends with the parameters of the colocated dp=2 run."""
+    one sampler replica each (RLT_ROLES_JOIN: the learner's store; the learner waits for both
+    to join); the first sampler kills itself (SIGKILL) as it begins its first data step: its
+    torchrun fails, the learner's job goes on with the other sampler and ends with the
+    parameters and losses of the colocated dp=2 run."""
     from pathlib import Path
 
     import torch
@@ -86,7 +87,7 @@ def test_samplers_launched_on_their_own_join_and_one_killed_costs_time_never_the
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
 
     join = {"RLT_ROLES_JOIN": f"127.0.0.1:{port}"}
-    jobs = [run(2, {}, common, port), run(1, {**join, "RLT_CRASH_GRPO_KILL": "0:2"}, common, free_port()),
+    jobs = [run(2, {}, common, port), run(1, {**join, "RLT_CRASH_GRPO_KILL": "0:1"}, common, free_port()),
             run(1, join, common, free_port())]
     try:
         outs = [p.communicate(timeout=600) for p in jobs]

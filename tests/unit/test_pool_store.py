@@ -47,3 +47,14 @@ def test_a_message_larger_than_the_stores_limit_travels_in_chunks(monkeypatch):
     assert s.put("roll/7/0/0", obj) > 3 * 1000
     got = s.take("roll/7/0/0")
     assert torch.equal(got["x"], obj["x"]) and got["step"] == 7 and not s.has("roll/7/0/0")
+
+
+def test_the_pool_keys_are_checked():
+    import pytest
+
+    from rlt_mega.config import ConfigError, GRPOConfig
+
+    with pytest.raises(ConfigError, match=r"grpo\.sampler_timeout_s=0: must be > 0"):
+        GRPOConfig(sampler_replicas=1, sampler_timeout_s=0)
+    with pytest.raises(ConfigError, match=r"grpo\.samplers_join=true with grpo\.sampler_replicas=0: set"):
+        GRPOConfig(samplers_join=True)
