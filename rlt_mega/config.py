@@ -638,7 +638,8 @@ class GRPOConfig:
                "partial rollouts has none (the ratio against mu is exact): set grpo.max_staleness >= 1, "
                "grpo.partial_rollouts >= 1 or grpo.is_correction=none")
         _check(self.sampler_timeout_s > 0,
-               f"grpo.sampler_timeout_s={self.sampler_timeout_s}: must be > 0 (seconds before a silent sampler is lost)")
+               f"grpo.sampler_timeout_s={self.sampler_timeout_s}: must be > 0 (the seconds before a silent "
+               "sampler replica is lost)")
         _check(self.sampler_replicas >= 0,
                f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
         _check(not self.samplers_join or self.sampler_replicas >= 1,

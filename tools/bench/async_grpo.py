@@ -191,7 +191,8 @@ def report_pool(res: harness.Results, args, arms: dict[str, dict]) -> None:
     print(f"{args.config}, tp {n}: a learner of dp=2 (ZeRO-1) colocated on {2 * n} processes, and fed by 2 sampler "
           f"replicas on {4 * n}; {args.prompts} x {args.group} rows a step and data-parallel rank, {args.steps} "
           f"steps; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-    table = f"asynchronous GRPO pool, {args.config}, tp {n}, dp 2, {args.prompts} x {args.group} rows, {args.steps} steps"
+    table = (f"asynchronous GRPO pool, {args.config}, tp {n}, dp 2, {args.prompts} x {args.group} rows, "
+             f"{args.steps} steps")
     for name, r in arms.items():
         speed = r["steps"] / r["seconds"]
         print(f"{name:22s} {speed:.3f} steps/s  learner idle {r['learner_idle']:.1%}  sampler idle "
