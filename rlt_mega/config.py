@@ -562,9 +562,16 @@ class GRPOConfig:
     is_band_high: float = 2.0
     # Sampler and learner roles in one job (train/async_grpo.py, parallel/roles.py): the
     # learner's replica of tp x pp x dp ranks (any ZeRO stage) and sampler_replicas replicas of tp x
-    # pp ranks sampling (weights broadcast to them, rollouts sent back, rank for rank), data
-    # step j by sampler j mod sampler_replicas, each learner data-parallel rank's share; 0: colocated.
+    # pp ranks sampling (weights sent to them, rollouts sent back, position for position), each
+    # data step by the first replica that claims it, every learner data-parallel rank's share;
+    # a lost replica's steps are redone by the others; 0: colocated.
     sampler_replicas: int = 0
+    # Seconds a sampler replica's rank may go without a heartbeat (or a message of the roles may
+    # take) before the replica counts as lost: the others redo its data steps (parallel/roles.py).
+    sampler_timeout_s: float = 120.0
+    # The sampler replicas are launched on their own and join (RLT_ROLES_JOIN=host:port of this
+    # job's store): the job holds the learner alone, so a sampler that dies never stops it.
+    samplers_join: bool = False
     # On-policy distillation (learner/distill.py): an export directory (rlt-mega export, or an
     # imported Llama/Qwen2: rlt-mega import) whose model scores every sampled token in the
     # learner's replay pass; per-token advantage teacher_coef * (log teacher - log mu) +
@@ -636,8 +643,14 @@ class GRPOConfig:
                f"grpo.is_correction={self.is_correction!r} corrects stale samples, and grpo.max_staleness=0 without "
                "partial rollouts has none (the ratio against mu is exact): set grpo.max_staleness >= 1, "
                "grpo.partial_rollouts >= 1 or grpo.is_correction=none")
+        _check(self.sampler_timeout_s > 0,
+               f"grpo.sampler_timeout_s={self.sampler_timeout_s}: must be > 0 (the seconds before a silent "
+               "sampler replica is lost)")
         _check(self.sampler_replicas >= 0,
                f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
+        _check(not self.samplers_join or self.sampler_replicas >= 1,
+               "grpo.samplers_join=true with grpo.sampler_replicas=0: set grpo.sampler_replicas to the replicas "
+               "that join (the learner waits for them), or grpo.samplers_join=false")
         _check(self.is_cap > 0, f"grpo.is_cap={self.is_cap}: the truncation of the IS weight must be > 0")
         _check(0 < self.is_band_low <= 1 <= self.is_band_high,
                f"grpo.is_band_low={self.is_band_low}, grpo.is_band_high={self.is_band_high}: the band of kept "

@@ -38,7 +38,7 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from rlt_mega.config import ConfigError
-from rlt_mega.parallel.roles import LEARNER, RoleChannel
+from rlt_mega.parallel.roles import RoleChannel
 from rlt_mega.train.grpo_rounds import Round
 from rlt_mega.train.loop import StopAfter
 
@@ -68,6 +68,7 @@ class Generated:
     t_generate: float = 0.0  # seconds the sampling took
     idle: float = 0.0  # seconds the sampler waited for weights before it (roles)
     order: Optional[dict] = None  # the data order's state after it (roles: the learner follows it)
+    replica: int = -1  # the sampler replica that sampled it (roles)
 
     def lag(self, learner_step: int) -> int:
         return learner_step - self.version
@@ -188,23 +189,36 @@ class PolicyHistory:
 
 
 class ReceivedVersions:
-    """A sampler role's parameters: versions arrive in order from the learner (parallel/roles.py);
-    ``waited`` sums the seconds spent waiting for them."""
+    """A sampler role's parameters: versions arrive in order from the learner on the channel's
+    receiving thread (parallel/roles.py), which keeps the ones a data step still to be learned
+    may need (a lost replica's steps are redone under their own versions); ``waited`` sums the
+    seconds spent waiting for them."""
 
-    def __init__(self, channel: RoleChannel, module: torch.nn.Module, first: int = 0) -> None:
-        """``first``: the first version the learner publishes."""
-        self.channel, self.params = channel, list(module.parameters())
-        self.version, self.waited = first - 1, 0.0
+    def __init__(self, channel: RoleChannel, module: torch.nn.Module, first: int, last: int) -> None:
+        """``first`` .. ``last``: the versions the learner publishes to this sampler."""
+        self.params = list(module.parameters())
+        self.receiver = channel.weights_receiver(sum(p.numel() for p in self.params), self.params[0].dtype, first,
+                                                 last)
+        self.version: Optional[int] = None  # the version in the parameters (None: the initial ones)
+        self.waited = 0.0
 
     def load(self, version: int) -> None:
-        if version < self.version:  # the pipeline's invariant, not a user error
-            raise RuntimeError(f"the sampler holds policy version {self.version} and was asked for {version}")
-        while self.version < version:
-            self.waited += self.channel.receive_weights(self.params)
-            self.version += 1
+        if version == self.version:
+            return
+        t0 = time.perf_counter()
+        flat = self.receiver.get(version)
+        self.waited += time.perf_counter() - t0
+        copy_into(flat.to(self.params[0].device), self.params)
+        self.version = version
+
+    def drop_below(self, version: int) -> None:
+        self.receiver.drop_below(version)
 
     def restore(self) -> None:
         pass
+
+    def close(self) -> None:
+        self.receiver.close()
 
 
 class StalenessPipeline:
@@ -286,6 +300,9 @@ class ColocatedSource:
     def publish(self, done: int) -> float:
         return 0.0
 
+    def pool_metrics(self, item: Generated) -> dict[str, float]:
+        return {}
+
     def complete(self, pipeline: StalenessPipeline, done: int) -> None:
         """Before a save: the queue holds data steps done .. done + s - 1 already."""
 
@@ -296,21 +313,22 @@ class ColocatedSource:
 @dataclass
 class RolesStart:
     """What the learner tells every sampler before its first data step (fresh or resumed at
-    step ``done``): sample data steps ``first`` .. ``end`` + s - 1 (its own of them), with the
-    data order in ``order``'s state (after data step first - 1), receiving policy versions from
-    ``version`` on (the first one data step ``first``'s rollouts start under)."""
+    step ``done``): sample data steps ``first`` .. ``end`` + s - 1 (those it claims), with the
+    data order in ``order``'s state (after data step first - 1), receiving policy versions
+    ``version`` (the first one data step ``first``'s rollouts start under) .. ``last``."""
 
     first: int
     end: int
     version: int
     order: dict
+    last: int
 
 
 class RemoteSource:
-    """The learner's end of the roles (grpo.sampler_replicas): data steps arrive from the
-    samplers (parallel/roles.py) in order, data step j from sampler j mod R; weights are
-    published after every step a sampler still needs (version v samples data step v + s, for
-    data steps below ``end`` + s).
+    """The learner's end of the roles (grpo.sampler_replicas): data steps arrive from the pool of
+    samplers (parallel/roles.py) in order, each from whichever replica claimed it (a lost
+    replica's from the one that redoes it); weights are published after every step a sampler
+    still needs (version v samples data step v + s, for data steps below ``end`` + s).
 
     ``begin`` starts the samplers at step ``done`` (0, or the step a run resumed at; it runs at
     the first use otherwise): the queue holds data steps done .. first - 1 already (a
@@ -335,21 +353,19 @@ class RemoteSource:
         self.end = self.stop_after.end(done, self.steps)
         first = pipeline.to_sample(done).start
         version = self.plan.start(first)
-        if self.channel.publishes:  # the learner's first rank starts every sampler at this position
-            for sampler in self.channel.samplers:
-                self.channel.send(RolesStart(first, self.end, version, self.order.state_dict()), dst=sampler)
+        self.channel.begin(RolesStart(first, self.end, version, self.order.state_dict(), max(done, self.end - 1)))
         self._received = first - 1
         for v in range(version, done + 1):
             if v < done and v not in self.history.kept:  # load_rank_state_dict refuses such a checkpoint first
                 raise RuntimeError(f"policy version {v} is not kept at step {done}")
             params = self.history.kept[v] if v < done else list(self.policy.module().parameters())
-            self._published, _ = self.channel.publish(params, self._published)
+            self._published, _ = self.channel.publish(params, self._published, v)
+        self.channel.announce(done)
 
     def _receive_through(self, pipeline: StalenessPipeline, step: int) -> float:
         waited = 0.0
         while self._received < step:
-            samplers = self.channel.samplers
-            item, w = self.channel.recv(samplers[(self._received + 1) % len(samplers)])  # data step j: sampler j mod R
+            item, w = self.channel.receive(self._received + 1)
             waited += w
             self._received = item.step
             self.order.load_state_dict(item.order)
@@ -361,14 +377,26 @@ class RemoteSource:
         return self._receive_through(pipeline, done)
 
     def sampler_idle_fraction(self, item: Generated, step_seconds: float, fill_seconds: float) -> float:
-        """Of the sampler's time for this data step: waiting for weights / (that + sampling)."""
+        """Of the sampler's time for this data step: waiting (for a data step to claim, for
+        weights) / (that + sampling)."""
         return item.idle / max(item.idle + item.t_generate, 1e-9)
+
+    def pool_metrics(self, item: Generated) -> dict[str, float]:
+        """The sampler replicas alive, the replica that sampled this data step (the step's
+        ``sampler_idle_fraction`` is that replica's), the bytes of the last publication (every
+        position's, summed on the learner's ranks by the caller's reduction: this rank's)."""
+        return {"async/samplers_alive": float(len(self.channel.pool.alive())),
+                "async/sampler_replica": float(item.replica),
+                "async/weight_bytes": float(self.channel.bytes_sent)}
 
     def publish(self, done: int) -> float:
         """``done`` steps are done: publishes version ``done`` if a data step below end + s needs it."""
         if done >= self.end:
+            self.channel.bytes_sent = 0
             return 0.0
-        self._published, seconds = self.channel.publish(list(self.policy.module().parameters()), self._published)
+        self._published, seconds = self.channel.publish(list(self.policy.module().parameters()), self._published,
+                                                         done)
+        self.channel.announce(done)
         return seconds
 
     def complete(self, pipeline: StalenessPipeline, done: int) -> None:
@@ -376,37 +404,65 @@ class RemoteSource:
         self._receive_through(pipeline, done + self.plan.max_staleness - 1)
 
     def close(self, pipeline: StalenessPipeline, done: int) -> None:
-        """At the end: whatever the sampler still sends (its last data steps) is received."""
+        """At the end: whatever the samplers still send (their last data steps) is received,
+        the last publication settled, and the samplers told to stop."""
         self.begin(pipeline, done)
         self._receive_through(pipeline, self.end + self.plan.max_staleness - 1)
-        if self._published is not None:
-            self._published[0].wait()
+        self.channel.settle(self._published)
+        self.channel.stop()
+
+
+class OrderCursor:
+    """A sampler's data order at any data step from ``start.first`` on (a lost replica's step may
+    lie behind this replica's): each data step reserves a fixed number of prompts, so the order
+    at step j is the start's with the steps before j skipped."""
+
+    def __init__(self, sampling, start: RolesStart) -> None:
+        self.sampling, self.start, self.at = sampling, start, start.first
+        sampling.order.load_state_dict(start.order)
+
+    def seek(self, data_step: int) -> None:
+        if data_step < self.at:
+            self.sampling.order.load_state_dict(self.start.order)
+            self.at = self.start.first
+        while self.at < data_step:
+            self.sampling.skip(self.at)
+            self.at += 1
+        self.at = data_step + 1  # the sampling reserves its own
 
 
 def run_sampler(sampling, policy, channel: RoleChannel) -> None:
-    """A sampler rank's loop: told where to start (``RolesStart``: a fresh or a resumed run),
-    data step j, for j from the first below end + s and j = its index mod the number of
-    samplers R, sampled by version max(0, j - s) (received from the learner when a call first
-    needs it: before the call, or at a partial rollout's switch) and sent to the learner; the
-    other data steps only reserve their prompts (``sampling.skip``). A data step's share of each
-    data-parallel rank of the learner goes to that rank. Every sampler takes part in every weight
-    broadcast, in order (a collective), up to the last version published. ``sampling``: the
-    sample phase on this rank (train/grpo_sample.py, every learner rank's share), ``policy``
-    its model."""
-    s = sampling.plan.max_staleness
-    index, num = channel.samplers.index(channel.rank), len(channel.samplers)
-    start, _ = channel.recv(LEARNER)
-    sampling.order.load_state_dict(start.order)
-    versions = ReceivedVersions(channel, policy.module(), start.version)
-    for data_step in range(start.first, start.end + s):
-        if data_step % num != index:
-            sampling.skip(data_step)
-            continue
-        waited = versions.waited
-        shares = sampling.sample(policy.sampler(), data_step, versions)
-        for learner, item in zip(channel.learners, shares):
-            item.idle = versions.waited - waited  # waiting for weights, inside the sampling's time
-            item.t_generate -= item.idle
-            channel.send(item, dst=learner)
-    versions.load(max(0, start.end - 1))  # the versions published after this sampler's last data step
-    channel.flush()
+    """A sampler rank's loop: told where to start (``RolesStart``: a fresh or a resumed run), it
+    takes data steps from the pool (``channel.next_task``: the first one no live replica owns,
+    below end + s; with more than one replica only once every version it needs is published, so
+    that no replica ever waits inside a data step for a version that a lost replica's step holds
+    back), samples each under version max(0, j - s) (received from the learner, parallel/roles.py)
+    and hands each learner data-parallel rank its share. ``sampling``: the sample phase on this
+    rank (train/grpo_sample.py, every learner rank's share), ``policy`` its model."""
+    plan = sampling.plan
+    start = channel.wait_start()
+    last = start.end + plan.max_staleness  # data steps first .. last - 1
+    joined = channel.first_version(channel.pool.positions)  # a replica that joined a running job
+    first_version = start.version if joined is None else channel.first_version()
+    versions = ReceivedVersions(channel, policy.module(), first_version, start.last)
+    cursor = OrderCursor(sampling, start)
+    target = plan.target if channel.num_samplers > 1 or joined is not None else plan.start
+    oldest = None if joined is None else (plan.start, joined)
+    try:
+        t_free = time.perf_counter()
+        while (data_step := channel.next_task(start.first, last, target, oldest)) is not None:
+            idle = time.perf_counter() - t_free
+            versions.drop_below(plan.start(max(start.first, channel.published())))
+            cursor.seek(data_step)
+            waited = versions.waited
+            shares = sampling.sample(policy.sampler(), data_step, versions)
+            for share, item in zip(sampling.shares, shares):
+                item.idle = idle + versions.waited - waited  # waiting for a step and weights
+                item.t_generate -= versions.waited - waited
+                item.replica = channel.replica
+                channel.put(data_step, share, item)
+            channel.done(data_step)
+            t_free = time.perf_counter()
+    finally:
+        versions.close()
+        channel.close()

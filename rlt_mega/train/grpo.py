@@ -131,7 +131,7 @@ class GRPOJob:
         seconds = time.perf_counter() - t_step
         scalars.update({"async/learner_idle_fraction": t_fill / max(seconds, 1e-9),
                         "async/sampler_idle_fraction": self.source.sampler_idle_fraction(item, seconds, t_fill),
-                        "async/weight_sync_s": sync})
+                        "async/weight_sync_s": sync, **self.source.pool_metrics(item)})
         scalars.update(self._train_scalars(learned))
         if self.phases.teacher is not None:
             scalars.update(distill_step_metrics(self.dims, learned.records))
@@ -341,11 +341,13 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
     resumes exactly, colocated or with the roles. ``cfg`` is ``grpo_config``'s."""
     p, g = cfg.parallel, cfg.grpo
     n, dp = p.tp * p.pp, p.dp or 1
+    if os.environ.get("RLT_ROLES_JOIN"):
+        return run_joined(cfg, tokenizer, reward_fn, train_recs, eval_recs, os.environ["RLT_ROLES_JOIN"])
     check_roles_layout(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     configure_determinism(cfg.train.deterministic)
     _, device = init_distributed(p.backend, cfg.train.device, deterministic=cfg.train.deterministic,
-                                 replica_size=[n * dp] + [n] * g.sampler_replicas)
-    replica = replica_of(launcher_store()[1], [n * dp] + [n] * g.sampler_replicas)[0]
+                                 replica_size=[n * dp] + [n] * in_launch(cfg))
+    replica = replica_of(launcher_store()[1], [n * dp] + [n] * in_launch(cfg))[0]
     dims = None
     try:
         mine = cfg if replica == 0 else sampler_config(cfg)
@@ -354,9 +356,14 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
         else:
             dims = ParallelDims.build(mine.parallel, cfg.model, cfg.train.device, engine_config(mine),
                                       cfg.train.deterministic)
-        role = dims.dp_rank if replica == 0 else dp + replica - 1
-        channel = RoleChannel(g.sampler_replicas, dp, dims.pp_rank * dims.tp + dims.tp_rank, role, device)
+        role = dims.dp_rank if replica == 0 else dp + replica - 1  # sampler replica r = replica - 1
+        channel = RoleChannel(in_launch(cfg), dp, dims.pp_rank * dims.tp + dims.tp_rank, role, device,
+                              positions=n, timeout_s=g.sampler_timeout_s,
+                              joining=g.sampler_replicas if g.samplers_join else 0)
         if channel.is_learner:
+            if launcher_store()[1] == 0:
+                log.info("GRPO roles: %d sampler replica(s) in this launch; more join with RLT_ROLES_JOIN=%s:%s",
+                         in_launch(cfg), os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", ""))
             trainer = build_trainer(cfg, dims, tokenizer, reward_fn, train_recs, eval_recs, channel)
             job = trainer.job
             if CheckpointManager(cfg.checkpoint.dir, cfg.checkpoint.keep).resolve(cfg.train.resume) is None:
@@ -375,6 +382,51 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
         dist.destroy_process_group()
 
 
+def run_joined(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs, eval_recs, address: str) -> dict:
+    """A sampler replica that joins a running job's pool (``RLT_ROLES_JOIN=host:port``: the
+    learner's launcher store, MASTER_ADDR:MASTER_PORT of its job): its own launch of tp x pp
+    processes, the same config; it takes the next replica number, the learner admits it at its
+    next publication, and it claims the data steps whose versions it receives from then on."""
+    from rlt_mega.parallel import roles
+
+    p, g = cfg.parallel, cfg.grpo
+    n, dp = p.tp * p.pp, p.dp or 1
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world != n:
+        raise ConfigError(f"RLT_ROLES_JOIN={address}: a sampler replica that joins runs on parallel.tp x pp = {n} "
+                          f"processes, but the launcher started {world}: launch {n}")
+    configure_determinism(cfg.train.deterministic)
+    _, device = init_distributed(p.backend, cfg.train.device, deterministic=cfg.train.deterministic)
+    roles.join(address, g.sampler_timeout_s)
+    dims = None
+    try:
+        mine = sampler_config(cfg)
+        if n == 1 and mine.parallel.zero_stage == 0:
+            dims = ParallelDims.single(cfg.model, device)
+        else:
+            dims = ParallelDims.build(mine.parallel, cfg.model, cfg.train.device, engine_config(mine),
+                                      cfg.train.deterministic)
+        job = build_job(mine, dims, tokenizer, reward_fn, train_recs, eval_recs, shares=list(range(dp)))
+        # Its number, once it is ready: the learner admits it at its next publication.
+        box = [roles.RoleStore().count("joined", 1) if dist.get_rank() == 0 else None]
+        if n > 1:
+            dist.broadcast_object_list(box, src=0)
+        replica = in_launch(cfg) + box[0] - 1
+        channel = RoleChannel(in_launch(cfg), dp, dims.pp_rank * dims.tp + dims.tp_rank, dp + replica, device,
+                              positions=n, timeout_s=g.sampler_timeout_s)
+        run_sampler(job.sampling, job.policy, channel)
+        return {"role": "sampler", "replica": replica}
+    finally:
+        if dims is not None:
+            dims.destroy()
+        dist.destroy_process_group()
+
+
+def in_launch(cfg: Config) -> int:
+    """The sampler replicas in the learner's launch (none under grpo.samplers_join: they join)."""
+    return 0 if cfg.grpo.samplers_join else cfg.grpo.sampler_replicas
+
+
 def sampler_config(cfg: Config) -> Config:
     """A sampler replica's config: the learner's, with one data-parallel rank (it samples every
     learner rank's share) and its parameters whole (ZeRO-3's partitions would be refreshed over
@@ -388,14 +440,13 @@ def check_roles_layout(cfg: Config, world: int) -> None:
     """The launcher's world must be the learner's tp x pp x dp ranks and R replicas of tp x pp."""
     p, g = cfg.parallel, cfg.grpo
     n, dp = p.tp * p.pp, p.dp or 1
-    want = n * dp + g.sampler_replicas * n
+    if g.samplers_join and world != n * dp:
+        raise ConfigError(f"grpo.samplers_join with parallel.tp={p.tp}, pp={p.pp}, dp={dp}: the job is the learner's "
+                          f"tp x pp x dp = {n * dp} processes (the samplers join it with RLT_ROLES_JOIN), but the "
+                          f"launcher started {world}: launch {n * dp}")
+    want = n * dp + in_launch(cfg) * n
     if world != want:
         raise ConfigError(f"grpo.sampler_replicas={g.sampler_replicas} with parallel.tp={p.tp}, pp={p.pp}, dp={dp} "
                           f"runs on {want} processes (the learner's tp x pp x dp = {n * dp}, then "
                           f"{g.sampler_replicas} sampler replicas of tp x pp = {n}), but the launcher started {world}: "
-                          f"launch {want} (torchrun --nproc-per-node {want})")
-    if dp > 1 and g.partial_rollouts:
-        raise ConfigError(f"grpo.partial_rollouts={g.partial_rollouts} with grpo.sampler_replicas and parallel.dp={dp}: "
-                          "a sampler samples each learner rank's share in turn, and a partial rollout's share would "
-                          "need the version it already switched away from; set grpo.partial_rollouts=0, or "
-                          "parallel.dp=1")
+                          f"launch {want} (nodes x processes per node; one node: torchrun --nproc-per-node {want})")

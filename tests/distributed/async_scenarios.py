@@ -66,13 +66,19 @@ def roles_layout(parallel: dict, out_dir: str) -> list[dict]:
 def data_parallel_roles(out_dir: str) -> list[dict]:
     """On 4 ranks: a learner of 2 data-parallel ranks (ZeRO-1, then ZeRO-3) fed by 2 sampler
     replicas, max_staleness 0 with dynamic sampling (2 rounds reserved a step), against the
-    colocated dp=2 run of the same config on the first 2 ranks."""
+    colocated dp=2 run of the same config on the first 2 ranks; then ZeRO-1 with max_staleness 1,
+    partial rollouts (the switch at decode step 3) and token_tis, 3 steps."""
     grpo = {"minibatches": 2, "verify_onpolicy": True, "dynamic_sampling": True, "max_sampling_rounds": 2}
     out = []
     for zero in (1, 3):
         parallel = {"dp": 2, "zero_stage": zero}
         colocated_in_replica(parallel, grpo, {"steps": 2}, f"{out_dir}/colocated_z{zero}")
         out.append(roles_run(grpo, {"steps": 2}, f"{out_dir}/roles_z{zero}", samplers=2, parallel=parallel))
+    partial = {"minibatches": 2, "verify_onpolicy": True, "max_staleness": 1, "partial_rollouts": 3,
+               "is_correction": "token_tis"}
+    colocated_in_replica({"dp": 2, "zero_stage": 1}, partial, {"steps": 3}, f"{out_dir}/colocated_z1_partial")
+    out.append(roles_run(partial, {"steps": 3}, f"{out_dir}/roles_z1_partial", samplers=2,
+                         parallel={"dp": 2, "zero_stage": 1}))
     return out
 
 
@@ -124,3 +130,40 @@ def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
         build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records(24), []).run()
         out.update({"logged_whole": logged("whole"), "logged_cut": logged("cut"), "logged_single": logged("single")})
     return out
+
+
+def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica: int, kill_at: int,
+             joiner: bool = False) -> dict:
+    """The roles (a learner of one process, ``samplers`` replicas of one process each) where
+    sampler replica ``kill_replica`` dies (SIGKILL, no clean-up) when it is about to sample a data
+    step >= ``kill_at``: it dies holding a claimed data step, which the others redo. ``joiner``:
+    a replacement replica (number ``samplers``) joins (the test starts it, RLT_ROLES_JOIN), and
+    replica 0 waits for it so that it takes a data step: at data step kill_at + 1 until it beats,
+    at kill_at + 2 until it has claimed data step kill_at + 3."""
+    import os
+    import signal
+    import time
+
+    from rlt_mega.train.grpo_sample import SamplePhase
+
+    rank, sample = int(os.environ["RANK"]), SamplePhase.sample
+    if rank == 1 + kill_replica and not os.environ.get("RLT_ROLES_JOIN"):
+        def dying(self, sampler, data_step, holder):
+            if data_step >= kill_at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return sample(self, sampler, data_step, holder)
+
+        SamplePhase.sample = dying
+    if joiner and rank == 1 and not os.environ.get("RLT_ROLES_JOIN"):
+        from rlt_mega.parallel.roles import RoleStore
+
+        def waiting(self, sampler, data_step, holder):
+            store, new = RoleStore(), str(samplers)
+            while data_step == kill_at + 1 and not store.has(f"beat/{new}/0"):
+                time.sleep(0.05)
+            while data_step == kill_at + 2 and store.get(f"owner/{kill_at + 3}") != new:
+                time.sleep(0.05)
+            return sample(self, sampler, data_step, holder)
+
+        SamplePhase.sample = waiting
+    return roles_run(grpo, train, out_dir, samplers)

@@ -35,6 +35,40 @@ def final_params(out_dir) -> dict:
     return load_file(str(ckpt / (ckpt / "latest").read_text().strip() / "model.safetensors"))
 
 
+def assert_same_optimizer(a_dir, b_dir) -> None:
+    """The last checkpoints' optimizer states (engine.pt, and DeepSpeed's per-rank ZeRO shards
+    where the engine is DeepSpeed's) are equal, tensor for tensor."""
+    from rlt_mega.checkpoint import load_torch
+
+    def assert_equal_tree(x, y, where):
+        if torch.is_tensor(x):
+            assert torch.equal(x, y), where
+        elif isinstance(x, dict):
+            assert x.keys() == y.keys(), where
+            for k in x:
+                assert_equal_tree(x[k], y[k], f"{where}/{k}")
+        elif isinstance(x, (list, tuple)):
+            assert len(x) == len(y), where
+            for i, (u, v) in enumerate(zip(x, y)):
+                assert_equal_tree(u, v, f"{where}/{i}")
+        elif hasattr(x, "__dict__"):  # e.g. DeepSpeed's loss scaler, which has no __eq__
+            assert type(x) is type(y), where
+            assert_equal_tree(vars(x), vars(y), where)
+        else:
+            assert x == y, where
+
+    def last(d):
+        ckpt = d / "ckpt"
+        return ckpt / (ckpt / "latest").read_text().strip()
+
+    a, b = last(a_dir), last(b_dir)
+    files = sorted(p.relative_to(a) for p in a.rglob("*.pt") if p.name == "engine.pt" or "optim" in p.name)
+    assert files and files == sorted(p.relative_to(b) for p in b.rglob("*.pt") if p.name == "engine.pt"
+                                     or "optim" in p.name)
+    for f in files:
+        assert_equal_tree(load_torch(a / f, deepspeed=True), load_torch(b / f, deepspeed=True), str(f))
+
+
 def logged(out_dir) -> list[dict]:
     return [json.loads(x) for x in (out_dir / "log" / "metrics.jsonl").read_text().splitlines() if "train/loss" in x]
 
@@ -119,18 +153,23 @@ def test_data_parallel_learners_fed_by_two_samplers_equal_the_colocated_run(tmp_
     """One launch of 4 processes: a learner of dp=2 under ZeRO-1 and under ZeRO-3, two sampler
     replicas (each sampling both data-parallel ranks' shares of its data steps), dynamic sampling
     (its prompts reserved per step, so the data does not depend on which sampler ran it), staleness
-    0: the colocated dp=2 run's parameters, losses, rewards and rounds, bit for bit."""
+    0: the colocated dp=2 run's parameters, optimizer state, losses, rewards and rounds, bit for
+    bit; and ZeRO-1 at max_staleness 1 with partial rollouts and token_tis (each share of a data
+    step starts under the older version again, kept by the sampler): the same, with ratio
+    exactly 1 against the sampling version at every step."""
     args = {"out_dir": str(tmp_path / "out")}
     res = run_ranks(4, [("async_scenarios.data_parallel_roles", args)], tmp_path / "ranks", timeout=1800)
     roles = [result(res, "async_scenarios.data_parallel_roles", args, r) for r in range(4)]
-    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 2] * 2 + [["sampler"] * 2] * 2
+    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 3] * 2 + [["sampler"] * 3] * 2
     out = tmp_path / "out"
-    for zero in (1, 3):
+    for zero in (1, 3, "1_partial"):
         a, b = final_params(out / f"roles_z{zero}"), final_params(out / f"colocated_z{zero}")
         assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+        assert_same_optimizer(out / f"roles_z{zero}", out / f"colocated_z{zero}")
         lines, want = logged(out / f"roles_z{zero}"), logged(out / f"colocated_z{zero}")
-        assert len(lines) == 2
-        for key in ("train/loss", "reward/mean", "sampling/rounds", "sampling/groups_kept"):
+        assert len(lines) == (3 if zero == "1_partial" else 2)
+        dynamic = ("sampling/rounds", "sampling/groups_kept") if zero != "1_partial" else ()
+        for key in ("train/loss", "reward/mean", "async/staleness_max", *dynamic):
             assert [x[key] for x in lines] == [x[key] for x in want], key
         assert all(x["ratio/onpolicy_max_dev"] == 0.0 for x in lines)
 
@@ -150,6 +189,7 @@ def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match=r"dp=2 runs on 3 processes \(the learner's tp x pp x dp = 2, then 1 sampler"):
         run_roles(dp, load_tokenizer("byte"), odd, records(24), [])
     monkeypatch.setenv("WORLD_SIZE", "3")
-    partial = roles_config({"max_staleness": 1, "partial_rollouts": 2}, {}, str(tmp_path), 1, {"dp": 2})
-    with pytest.raises(ConfigError, match=r"grpo\.partial_rollouts=2 with grpo\.sampler_replicas and parallel\.dp=2"):
-        run_roles(partial, load_tokenizer("byte"), odd, records(24), [])
+    join = roles_config({"samplers_join": True}, {}, str(tmp_path), 2, {"dp": 2})
+    with pytest.raises(ConfigError, match=r"grpo\.samplers_join with parallel\.tp=1, pp=1, dp=2: the job is the "
+                                          r"learner's tp x pp x dp = 2 processes .*but the launcher started 3"):
+        run_roles(join, load_tokenizer("byte"), odd, records(24), [])

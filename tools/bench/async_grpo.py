@@ -18,6 +18,8 @@ budget. Wall clock (the roles overlap in time): run it on a quiet machine, one t
     PYTHONPATH=. python tools/bench/async_grpo.py --quick           # tiny, 3 steps: a smoke test
     PYTHONPATH=. python tools/bench/async_grpo.py --tp 2            # every replica tensor-parallel:
                                                                     # 2 processes colocated, 4 with the roles
+    PYTHONPATH=. python tools/bench/async_grpo.py --pool            # a learner of dp=2 colocated, and fed
+                                                                    # by R=2 samplers (4 processes)
 
 What a GPU cluster would see (the cost model, not measured here): with s = 1 a step takes
 max(sample, learn + sync) instead of sample + learn, so the ratio is (sample + learn) /
@@ -51,7 +53,8 @@ from rlt_mega.config import from_dict, load_config, to_dict  # noqa: E402
 from rlt_mega.parallel.dims import free_port  # noqa: E402
 
 
-def job_config(args, out: Path, s: int, roles: bool, partial: int = 0):
+def job_config(args, out: Path, s: int, roles: int, partial: int = 0, dp: int = 1):
+    """``roles``: the sampler replicas (0: colocated); ``dp``: the learner's data-parallel ranks."""
     base = to_dict(load_config(args.config))
     data = {
         "model": {**base["model"], "vocab_size": 260},  # the byte tokenizer
@@ -62,7 +65,7 @@ def job_config(args, out: Path, s: int, roles: bool, partial: int = 0):
                      "stop_strings": [chr(ord("a") + i) for i in range(args.stops)]},
         "grpo": {"prompts_per_step": args.prompts, "group_size": args.group, "eval_size": 0, "eval_every": 0,
                  "max_staleness": s, "sampler_replicas": int(roles), "partial_rollouts": partial},
-        "parallel": {"tp": args.tp},
+        "parallel": {"tp": args.tp, "dp": dp, "zero_stage": 1 if dp > 1 else 0},
         "checkpoint": {"dir": str(out / "ckpt"), "every": 0},
         "logging": {"dir": str(out / "log"), "progress": False},
     }
@@ -100,7 +103,7 @@ def worker(args) -> None:
     GRPOJob.step = timed
 
     out = Path(args.out)
-    cfg = grpo_config(job_config(args, out, args.s, args.roles, args.partial))
+    cfg = grpo_config(job_config(args, out, args.s, args.roles, args.partial, args.dp))
     recs, tok, reward = records(4096), load_tokenizer("byte"), resolve_reward("gsm8k")
     if args.roles:
         run_roles(cfg, tok, reward, recs, [])
@@ -111,13 +114,14 @@ def worker(args) -> None:
         (out / "wall.json").write_text(json.dumps({"ends": ends}))
 
 
-def run_arm(args, name: str, s: int, roles: bool, base: Path, partial: int = 0) -> dict:
+def run_arm(args, name: str, s: int, roles: int, base: Path, partial: int = 0, dp: int = 1) -> dict:
+    """``roles``: the sampler replicas (0: colocated); ``dp``: the learner's data-parallel ranks."""
     out = base / name
     out.mkdir(parents=True)
-    nprocs = args.tp * (2 if roles else 1)
+    nprocs = args.tp * (dp + int(roles))
     port = free_port()
-    cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--s", str(s), "--partial", str(partial)]
-    cmd += ["--roles"] if roles else []
+    cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--s", str(s), "--partial", str(partial),
+           "--roles", str(int(roles)), "--dp", str(dp)]
     cmd += ["--config", args.config, "--tp", str(args.tp), "--steps", str(args.steps), "--prompts", str(args.prompts),
             "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--stops", str(args.stops)]
     procs = []
@@ -139,6 +143,8 @@ def run_arm(args, name: str, s: int, roles: bool, base: Path, partial: int = 0) 
     return {"seconds": ends[-1] - ends[0], "steps": len(ends) - 1,
             "learner_idle": mean("async/learner_idle_fraction"), "sampler_idle": mean("async/sampler_idle_fraction"),
             "sync_s": mean("async/weight_sync_s"), "length": mean("completion/length_mean"),
+            "weight_bytes": mean("async/weight_bytes") if roles else 0.0,
+            "replicas": sorted({int(x["async/sampler_replica"]) for x in lines}) if roles else [],
             "stopped": mean("completion/stopped_fraction")}
 
 
@@ -177,6 +183,30 @@ def report(res: harness.Results, args, arms: dict[str, dict]) -> None:
         res.row(table, arm=f"{a} / {b}", **{"steps/s": f"{ratio:.2f}x"})
 
 
+def report_pool(res: harness.Results, args, arms: dict[str, dict]) -> None:
+    """The pool's arms: a learner of dp=2 colocated (2 x tp processes) and fed by two sampler
+    replicas (4 x tp processes), with the replicas that sampled, the weights' bytes a step and
+    the learner's idle fraction at s=1 against the 15% target."""
+    n = args.tp
+    print(f"{args.config}, tp {n}: a learner of dp=2 (ZeRO-1) colocated on {2 * n} processes, and fed by 2 sampler "
+          f"replicas on {4 * n}; {args.prompts} x {args.group} rows a step and data-parallel rank, {args.steps} "
+          f"steps; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    table = (f"asynchronous GRPO pool, {args.config}, tp {n}, dp 2, {args.prompts} x {args.group} rows, "
+             f"{args.steps} steps")
+    for name, r in arms.items():
+        speed = r["steps"] / r["seconds"]
+        print(f"{name:22s} {speed:.3f} steps/s  learner idle {r['learner_idle']:.1%}  sampler idle "
+              f"{r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step, "
+              f"{r['weight_bytes'] / 2**20:.2f} MiB/step  replicas {r['replicas']}")
+        res.row(table, arm=name, **{"steps/s": round(speed, 3), "learner idle": f"{r['learner_idle']:.1%}",
+                                    "sampler idle": f"{r['sampler_idle']:.1%}",
+                                    "weight sync ms/step": round(r["sync_s"] * 1e3, 1),
+                                    "weight MiB/step": round(r["weight_bytes"] / 2**20, 2)})
+    r1 = arms["roles dp=2 R=2 s=1"]
+    res.target("learner idle fraction, dp=2, R=2, s=1", "<= 15%", f"{r1['learner_idle']:.1%}",
+               r1["learner_idle"] <= 0.15)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="configs/small_cpu.yaml")
@@ -190,7 +220,10 @@ def main() -> None:
                     help="grpo.partial_rollouts of the partial arm (default: half of --max-new-tokens)")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    ap.add_argument("--roles", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--roles", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--pool", action="store_true",
+                    help="the pool's arms only: a learner of dp=2 (ZeRO-1) colocated and fed by R=2 samplers")
     ap.add_argument("--s", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     harness.add_json_arg(ap)
@@ -201,12 +234,21 @@ def main() -> None:
     if args.quick:
         args.config, args.steps, args.prompts, args.group, args.max_new_tokens = "configs/tiny_cpu.yaml", 3, 2, 2, 32
     args.partial = args.partial or max(1, args.max_new_tokens // 2)
+    if args.pool:
+        with tempfile.TemporaryDirectory() as tmp:
+            arms = {"colocated dp=2 s=0": run_arm(args, "colocated_dp2", 0, 0, Path(tmp), dp=2),
+                    "roles dp=2 R=2 s=0": run_arm(args, "pool0", 0, 2, Path(tmp), dp=2),
+                    "roles dp=2 R=2 s=1": run_arm(args, "pool1", 1, 2, Path(tmp), dp=2)}
+        res = harness.Results("async_grpo_pool", args)
+        report_pool(res, args, arms)
+        res.write()
+        return
     with tempfile.TemporaryDirectory() as tmp:
         arms = {"colocated s=0": run_arm(args, "colocated", 0, False, Path(tmp)),
-                "roles s=0": run_arm(args, "roles0", 0, True, Path(tmp)),
-                "roles s=1": run_arm(args, "roles1", 1, True, Path(tmp)),
-                "roles s=1 partial": run_arm(args, "roles1p", 1, True, Path(tmp), args.partial),
-                "roles s=0 partial": run_arm(args, "roles0p", 0, True, Path(tmp), args.partial)}
+                "roles s=0": run_arm(args, "roles0", 0, 1, Path(tmp)),
+                "roles s=1": run_arm(args, "roles1", 1, 1, Path(tmp)),
+                "roles s=1 partial": run_arm(args, "roles1p", 1, 1, Path(tmp), args.partial),
+                "roles s=0 partial": run_arm(args, "roles0p", 0, 1, Path(tmp), args.partial)}
     res = harness.Results("async_grpo", args)
     report(res, args, arms)
     res.write()

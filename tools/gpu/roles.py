@@ -1,6 +1,7 @@
 """The sampler and learner roles of tools/gpu_check_multi.sh (grpo.sampler_replicas = 1), on
-every rank of ``torchrun --nproc_per_node 2``: rank 0 learns, rank 1 samples, the weights
-broadcast and the rollouts sent over NCCL (gloo on the CPU with --smoke). Each arm runs the
+every rank of ``torchrun --nproc_per_node 2``: rank 0 learns, rank 1 samples, the weights sent
+over an NCCL group of two (gloo on the CPU with --smoke) and received on the sampler's own
+thread, the rollouts through the launcher's store (parallel/roles.py). Each arm runs the
 colocated job on rank 0 alone first, then the roles on both ranks, and asks for the colocated
 run's parameters (the last checkpoint's) and logged losses bit for bit:
 

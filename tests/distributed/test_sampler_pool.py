@@ -1,0 +1,87 @@
+"""A pool of sampler replicas that may fail (grpo.sampler_replicas, parallel/roles.py): one of
+two sampler replicas is killed (SIGKILL) when it is about to sample data step 3 of 7 (it holds
+the claim), the learner marks it lost (its weights' send fails, or its heartbeat stops for
+grpo.sampler_timeout_s), gives its data step back, the other replica redoes it; a replacement
+replica started afterwards (a launch of its own, RLT_ROLES_JOIN) joins the pool and samples
+a data step the learner learns; the run ends with the parameters and every logged loss of the run without the
+failure (the colocated run of the same config, which the roles equal bit for bit:
+tests/distributed/test_async_roles.py). A 3-process launch of its own and the replacement's:
+the suite's launcher stops every rank once one fails, which is what this test must not do."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import torch
+
+from rlt_mega.parallel.dims import free_port
+from tests.distributed.launch import ROOT, key
+from tests.distributed.test_async_roles import colocated, final_params, logged
+
+
+def spawn(rank: int, nprocs: int, port: int, spec, out_dir, env: dict | None = None):
+    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT),
+               RLT_LOG_LEVEL="WARNING", PYTHONWARNINGS="ignore", **(env or {}))
+    log = open(out_dir / f"rank{rank}.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "tests.distributed.worker", str(spec), str(out_dir)], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT), log
+
+
+def outcome(proc, log, out_dir, rank: int, scenario) -> dict:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    log.close()
+    path = out_dir / f"rank{rank}.json"
+    res = json.loads(path.read_text()) if path.exists() else {}
+    return {"exitcode": proc.returncode, "result": res.get(key(*scenario)),
+            "log": (out_dir / f"rank{rank}.log").read_text()[-3000:]}
+
+
+def launch_with_losses(nprocs: int, scenario: tuple[str, dict], out_dir, timeout: float, dies: int):
+    """Runs the scenario on ``nprocs`` ranks and waits for every one of them (a rank that dies
+    does not stop the others; the time limit does); once rank ``dies`` has died, a replacement
+    sampler replica joins: a launch of its own (one process, RLT_ROLES_JOIN: the learner's store)
+    -> (per rank {"exitcode", "result", "log"}, the replacement's)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    spec = out_dir / "scenarios.json"
+    spec.write_text(json.dumps([scenario]))
+    port = free_port()
+    procs = [spawn(rank, nprocs, port, spec, out_dir) for rank in range(nprocs)]
+    joiner, joiner_dir = None, out_dir / "joiner"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and (any(p.poll() is None for p, _ in procs)
+                                           or (joiner and joiner[0].poll() is None)):
+        if joiner is None and procs[dies][0].poll() is not None:
+            joiner_dir.mkdir()
+            joiner = spawn(0, 1, free_port(), spec, joiner_dir, {"RLT_ROLES_JOIN": f"127.0.0.1:{port}"})
+        time.sleep(0.2)
+    ranks = [outcome(p, log, out_dir, rank, scenario) for rank, (p, log) in enumerate(procs)]
+    return ranks, (outcome(*joiner, joiner_dir, 0, scenario) if joiner else None)
+
+
+def test_a_killed_sampler_costs_time_never_the_run_and_a_replacement_joins(tmp_path):
+    """Replica 1 dies at data step 3 (of 7); a replacement (replica 2) starts once it is dead and
+    joins at the learner's next publication and samples a learned data step (replica 0 waits for
+    it to beat at data step 4, and at data step 5 for it to claim data step 6)."""
+    grpo = {"max_staleness": 1, "sampler_timeout_s": 10.0}
+    args = {"grpo": grpo, "train": {"steps": 7}, "out_dir": str(tmp_path / "roles"), "samplers": 2,
+            "kill_replica": 1, "kill_at": 3, "joiner": True}
+    ranks, joiner = launch_with_losses(3, ("async_scenarios.pool_run", args), tmp_path / "ranks", 600, dies=2)
+    assert ranks[2]["exitcode"] == -9, ranks[2]  # the replica died holding a data step >= 3
+    for r in (0, 1):
+        assert ranks[r]["exitcode"] == 0 and "error" not in ranks[r]["result"], ranks[r]
+    assert ranks[0]["result"]["step"] == 7 and ranks[1]["result"]["role"] == "sampler"
+    assert joiner["exitcode"] == 0 and joiner["result"]["role"] == "sampler", joiner
+    lines = logged(tmp_path / "roles")
+    assert len(lines) == 7
+    replicas = [x["async/sampler_replica"] for x in lines]
+    assert 1.0 not in replicas[3:] and 2.0 in replicas[3:], replicas  # step 3 redone; replica 2 sampled
+    assert lines[0]["async/samplers_alive"] == 2.0 and lines[-1]["async/samplers_alive"] == 2.0
+    colocated({"max_staleness": 1}, {"steps": 7}, tmp_path / "colocated")
+    a, b = final_params(tmp_path / "roles"), final_params(tmp_path / "colocated")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert [x["train/loss"] for x in lines] == [x["train/loss"] for x in logged(tmp_path / "colocated")]
