@@ -21,6 +21,20 @@ cd "$ROOT"
 # second thread gains little on a quiet machine and, when other jobs share the cores, makes
 # each step many times slower. OMP_NUM_THREADS=2 bash launch/demo.sh on a machine of its own.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Every variant's start: RUN (default $1; deleted first), the clock, the per-stage overrides and
+# the problem sizes from the environment (above), then stage 1, the generated problems
+# (demo_problems.py, with the arguments after $1).
+start_run() {
+  RUN="${RUN:-$1}"
+  shift
+  rm -rf "$RUN"
+  START=$SECONDS
+  read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
+  read -r -a GRPO_EXTRA <<< "${GRPO_OVERRIDES:-}"
+  read -r -a PROBLEM_ARGS <<< "${PROBLEMS:-}"
+  echo "== 1. generated problems -> $RUN/data"
+  python launch/demo_problems.py "$RUN/data" "$@" ${PROBLEM_ARGS[@]+"${PROBLEM_ARGS[@]}"}
+}
 TOOL=""
 if [ "${1:-}" = "--tool" ]; then
   TOOL=_tool
@@ -42,14 +56,7 @@ fi
 # $RUN/distill.json (docs/guide/grpo.md#distillation).
 if [ "${1:-}" = "--distill" ]; then
   shift
-  RUN="${RUN:-runs/demo_distill}"
-  rm -rf "$RUN"
-  START=$SECONDS
-  read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
-  read -r -a GRPO_EXTRA <<< "${GRPO_OVERRIDES:-}"
-  read -r -a PROBLEM_ARGS <<< "${PROBLEMS:-}"
-  echo "== 1. generated problems -> $RUN/data"
-  python launch/demo_problems.py "$RUN/data" ${PROBLEM_ARGS[@]+"${PROBLEM_ARGS[@]}"}
+  start_run runs/demo_distill
   TEACHER_DIR="${TEACHER:-}"
   if [ -z "$TEACHER_DIR" ]; then
     echo "== 2. the teacher: the demo's SFT then GRPO (configs/demo_sft.yaml, configs/demo_grpo.yaml)"
@@ -88,15 +95,7 @@ if [ "${1:-}" = "--async" ]; then
   RUN="${RUN:-runs/demo_async}"
   shift
 fi
-RUN="${RUN:-runs/demo$TOOL}"
-rm -rf "$RUN"
-START=$SECONDS
-read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
-read -r -a GRPO_EXTRA <<< "${GRPO_OVERRIDES:-}"
-read -r -a PROBLEM_ARGS <<< "${PROBLEMS:-}"
-
-echo "== 1. generated problems -> $RUN/data"
-python launch/demo_problems.py "$RUN/data" ${TOOL:+--tool} ${PROBLEM_ARGS[@]+"${PROBLEM_ARGS[@]}"}
+start_run "runs/demo$TOOL" ${TOOL:+--tool}
 
 echo "== 2. SFT of a tiny RLT (TensorBoard logs: $RUN/sft/tb)"
 rlt-mega sft --config configs/demo${TOOL}_sft.yaml data.train=$RUN/data checkpoint.dir=$RUN/sft/checkpoints \
