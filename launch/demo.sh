@@ -53,7 +53,8 @@ fi
 # d_model 64) is SFT'd on the same data, then GRPO from the student's export twice with the same
 # steps and seed: alone, and with grpo.teacher (teacher_coef 1: the teacher's per-token reverse KL
 # alone; dynamic sampling off, as a group of equal task rewards still carries the teacher's signal); held-out accuracy by step and by wall-clock second for both, beside the teacher's, in
-# $RUN/distill.json (docs/guide/grpo.md#distillation).
+# $RUN/distill.json (docs/guide/grpo.md#distillation). DISTILL_OVERRIDES (space-separated) go to the
+# distilled arm only (e.g. DISTILL_OVERRIDES=grpo.teacher_topk=8: the teacher's top-k forward KL).
 if [ "${1:-}" = "--distill" ]; then
   shift
   start_run runs/demo_distill
@@ -76,7 +77,8 @@ if [ "${1:-}" = "--distill" ]; then
     echo "== 4. the student's GRPO: $ARM"
     rlt-mega grpo --config configs/demo_distill_grpo.yaml data.train=$RUN/data train.init_from=$RUN/student_sft/export \
       checkpoint.dir=$RUN/$ARM/checkpoints logging.dir=$RUN/$ARM/tb \
-      $( [ $ARM = distill ] && echo grpo.teacher=$TEACHER_DIR grpo.dynamic_sampling=false ) "$@" ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
+      $( [ $ARM = distill ] && echo grpo.teacher=$TEACHER_DIR grpo.dynamic_sampling=false ${DISTILL_OVERRIDES:-} ) "$@" \
+      ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
   done
   echo "== 5. the teacher on the held-out problems"
   TEACHER_ACC=$(rlt-mega eval --config configs/demo_grpo.yaml train.init_from=$TEACHER_DIR "$@" \
