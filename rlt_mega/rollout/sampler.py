@@ -401,7 +401,7 @@ class _ForceTopK(_Force):
         self.lp = torch.zeros(*tokens.shape, k, dtype=torch.float32, device=tokens.device)
 
     def choose_rows(self, targets, positions, logprobs):
-        top = torch.topk(logprobs, self.k, dim=-1)  # (B, k), descending; ties by the lower id first
+        top = torch.topk(logprobs, self.k, dim=-1)  # (B, k), descending
         self.ids[targets, positions + 1] = top.indices
         self.lp[targets, positions + 1] = top.values.to(self.lp.dtype)
         return super().choose_rows(targets, positions, logprobs)
