@@ -1,6 +1,7 @@
-"""launch/demo_distill_curves.py --seeds (and launch/demo_precision_curves.py --summary, the bf16 study): the seeds' accuracy by step per arm and the issue's
+"""launch/demo_distill_curves.py --seeds: the seeds' accuracy by step per arm and the issue's
 target (the distilled student reaches the GRPO-alone student's final mean accuracy in at most half
-the steps), met, met late, or missed by the distilled arm's best mean's shortfall."""
+the steps), met, met late, or missed by the distilled arm's best mean's shortfall; and
+launch/demo_precision_curves.py --summary, the bf16 study's table and its fp32-spread check."""
 
 import importlib.util
 import json
