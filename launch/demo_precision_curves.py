@@ -1,7 +1,7 @@
 """The bf16 finding's curves (docs/stability.md, "The bf16 copy"): from a GRPO run's metrics, the
 held-out greedy accuracy at each evaluation and, under train.dtype=bf16, precision/stale_fraction
 and precision/copy_lag at every step; printed and written as JSON with the machine and the date
-(docs/stability.md says what remains to be measured).
+(docs/stability.md, "The GRPO demo in bf16, measured").
 
     python launch/demo_precision_curves.py runs/bf16_stochastic_s0/tb --json out.json --run "GRPO_OVERRIDES=..."
 
