@@ -21,6 +21,20 @@ cd "$ROOT"
 # second thread gains little on a quiet machine and, when other jobs share the cores, makes
 # each step many times slower. OMP_NUM_THREADS=2 bash launch/demo.sh on a machine of its own.
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+# Every variant's start: RUN (default $1; deleted first), the clock, the per-stage overrides and
+# the problem sizes from the environment (above), then stage 1, the generated problems
+# (demo_problems.py, with the arguments after $1).
+start_run() {
+  RUN="${RUN:-$1}"
+  shift
+  rm -rf "$RUN"
+  START=$SECONDS
+  read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
+  read -r -a GRPO_EXTRA <<< "${GRPO_OVERRIDES:-}"
+  read -r -a PROBLEM_ARGS <<< "${PROBLEMS:-}"
+  echo "== 1. generated problems -> $RUN/data"
+  python launch/demo_problems.py "$RUN/data" "$@" ${PROBLEM_ARGS[@]+"${PROBLEM_ARGS[@]}"}
+}
 TOOL=""
 if [ "${1:-}" = "--tool" ]; then
   TOOL=_tool
@@ -39,17 +53,11 @@ fi
 # d_model 64) is SFT'd on the same data, then GRPO from the student's export twice with the same
 # steps and seed: alone, and with grpo.teacher (teacher_coef 1: the teacher's per-token reverse KL
 # alone; dynamic sampling off, as a group of equal task rewards still carries the teacher's signal); held-out accuracy by step and by wall-clock second for both, beside the teacher's, in
-# $RUN/distill.json (docs/guide/grpo.md#distillation).
+# $RUN/distill.json (docs/guide/grpo.md#distillation). DISTILL_OVERRIDES (space-separated) go to the
+# distilled arm only (e.g. DISTILL_OVERRIDES=grpo.teacher_topk=8: the teacher's top-k forward KL).
 if [ "${1:-}" = "--distill" ]; then
   shift
-  RUN="${RUN:-runs/demo_distill}"
-  rm -rf "$RUN"
-  START=$SECONDS
-  read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
-  read -r -a GRPO_EXTRA <<< "${GRPO_OVERRIDES:-}"
-  read -r -a PROBLEM_ARGS <<< "${PROBLEMS:-}"
-  echo "== 1. generated problems -> $RUN/data"
-  python launch/demo_problems.py "$RUN/data" ${PROBLEM_ARGS[@]+"${PROBLEM_ARGS[@]}"}
+  start_run runs/demo_distill
   TEACHER_DIR="${TEACHER:-}"
   if [ -z "$TEACHER_DIR" ]; then
     echo "== 2. the teacher: the demo's SFT then GRPO (configs/demo_sft.yaml, configs/demo_grpo.yaml)"
@@ -69,7 +77,8 @@ if [ "${1:-}" = "--distill" ]; then
     echo "== 4. the student's GRPO: $ARM"
     rlt-mega grpo --config configs/demo_distill_grpo.yaml data.train=$RUN/data train.init_from=$RUN/student_sft/export \
       checkpoint.dir=$RUN/$ARM/checkpoints logging.dir=$RUN/$ARM/tb \
-      $( [ $ARM = distill ] && echo grpo.teacher=$TEACHER_DIR grpo.dynamic_sampling=false ) "$@" ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
+      $( [ $ARM = distill ] && echo grpo.teacher=$TEACHER_DIR grpo.dynamic_sampling=false ${DISTILL_OVERRIDES:-} ) "$@" \
+      ${GRPO_EXTRA[@]+"${GRPO_EXTRA[@]}"}
   done
   echo "== 5. the teacher on the held-out problems"
   TEACHER_ACC=$(rlt-mega eval --config configs/demo_grpo.yaml train.init_from=$TEACHER_DIR "$@" \
@@ -88,15 +97,7 @@ if [ "${1:-}" = "--async" ]; then
   RUN="${RUN:-runs/demo_async}"
   shift
 fi
-RUN="${RUN:-runs/demo$TOOL}"
-rm -rf "$RUN"
-START=$SECONDS
-read -r -a SFT_EXTRA <<< "${SFT_OVERRIDES:-}"
-read -r -a GRPO_EXTRA <<< "${GRPO_OVERRIDES:-}"
-read -r -a PROBLEM_ARGS <<< "${PROBLEMS:-}"
-
-echo "== 1. generated problems -> $RUN/data"
-python launch/demo_problems.py "$RUN/data" ${TOOL:+--tool} ${PROBLEM_ARGS[@]+"${PROBLEM_ARGS[@]}"}
+start_run "runs/demo$TOOL" ${TOOL:+--tool}
 
 echo "== 2. SFT of a tiny RLT (TensorBoard logs: $RUN/sft/tb)"
 rlt-mega sft --config configs/demo${TOOL}_sft.yaml data.train=$RUN/data checkpoint.dir=$RUN/sft/checkpoints \

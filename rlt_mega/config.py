@@ -578,6 +578,11 @@ class GRPOConfig:
     # (1 - teacher_coef) * the task advantage. null: no teacher.
     teacher: Optional[str] = None
     teacher_coef: float = 1.0
+    # A forward-KL term on the teacher's top-k (learner/distill.py): k > 0 adds teacher_topk_coef *
+    # sum_{teacher's k most probable tokens} p_T (log p_T - log p_student) at each sampled position
+    # (p_T not renormalised over the k), aggregated as the policy loss. 0: none.
+    teacher_topk: int = 0
+    teacher_topk_coef: float = 1.0
 
     def __post_init__(self) -> None:
         self._check_objective()
@@ -589,6 +594,15 @@ class GRPOConfig:
                "grpo.teacher is empty: give an export directory (rlt-mega export / rlt-mega import), or null")
         _check(0.0 <= self.teacher_coef <= 1.0,
                f"grpo.teacher_coef={self.teacher_coef}: must be in [0, 1] (1: distillation alone, 0: the task reward alone)")
+        _check(isinstance(self.teacher_topk, int) and self.teacher_topk >= 0,
+               f"grpo.teacher_topk={self.teacher_topk}: must be an integer >= 0 (0: no forward-KL term; k: the "
+               "teacher's k most probable tokens at each sampled position)")
+        _check(self.teacher_topk == 0 or self.teacher is not None,
+               f"grpo.teacher_topk={self.teacher_topk} needs grpo.teacher (the model whose top-k it reads): set "
+               "grpo.teacher, or grpo.teacher_topk=0")
+        _check(math.isfinite(self.teacher_topk_coef) and self.teacher_topk_coef >= 0,
+               f"grpo.teacher_topk_coef={self.teacher_topk_coef}: must be a finite number >= 0 (the forward-KL "
+               "term's weight)")
         _check(self.prompts_per_step >= 1, f"grpo.prompts_per_step={self.prompts_per_step}: must be >= 1")
         _check(self.group_size >= 2, f"grpo.group_size={self.group_size}: group advantages need >= 2")
         _check(self.minibatches >= 1 and self.epochs >= 1, "grpo.minibatches and grpo.epochs must be >= 1")

@@ -14,7 +14,9 @@ core_algos imports besides torch and numpy are stand-ins made here, stated plain
   folders (their ``__init__`` files import ray and the trainers), so the real submodules load;
 - ``verl.utils.device``: get_device_name() = "cpu" (verl probes the accelerator);
 - ``verl.trainer.config.AlgoConfig``, ``verl.workers.config.ActorConfig``: empty classes (used
-  as type hints and in one isinstance check); ``verl.protocol.DataProto``,
+  as type hints and in one isinstance check); ``DistillationConfig``, ``DistillationLossConfig``:
+  empty classes (type hints of the distillation losses; a test passes what they read);
+  ``verl.trainer.distillation``: an empty package over the real folder; ``verl.protocol.DataProto``,
   ``RolloutCorrectionConfig``, ``PolicyLossConfig``: empty classes (type hints of
   rollout_corr_helper);
 - ``omegaconf.DictConfig`` and ``tensordict.TensorDict``: empty classes (type hints only);
@@ -85,7 +87,10 @@ def _load(name: str) -> types.ModuleType:
     _module("verl.utils.device", get_device_name=lambda: "cpu", get_torch_device=lambda: torch.cpu,
             is_cuda_available=False, is_npu_available=False)
     _module("verl.trainer.config", AlgoConfig=type("AlgoConfig", (), {}))
-    _module("verl.workers.config", ActorConfig=type("ActorConfig", (), {}))
+    _module("verl.workers.config", ActorConfig=type("ActorConfig", (), {}),
+            DistillationConfig=type("DistillationConfig", (), {}),
+            DistillationLossConfig=type("DistillationLossConfig", (), {}))
+    _package("verl.trainer.distillation", root / "trainer" / "distillation")  # (its __init__ pulls the trainers)
     # rollout_corr_helper's imports besides torch_functional: type hints only
     _module("verl.protocol", DataProto=type("DataProto", (), {}))
     _module("verl.trainer.config.algorithm", RolloutCorrectionConfig=type("RolloutCorrectionConfig", (), {}))
@@ -110,6 +115,11 @@ def core_algos():
 def rollout_corr_helper():
     """verl's rollout_corr_helper module (off-policy IS weights and rejection masks)."""
     return _load("verl.trainer.ppo.rollout_corr_helper")
+
+
+def distillation_fsdp_losses():
+    """verl's FSDP distillation losses (compute_forward_kl_topk, kl_divergence)."""
+    return _load("verl.trainer.distillation.fsdp.losses")
 
 
 def actor_config(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float = 3.0, **global_batch_info):

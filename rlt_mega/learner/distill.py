@@ -23,6 +23,20 @@ advantage it minimises the sequence-level reverse KL. teacher_coef = 1 is pure d
 A token outside the teacher's support under the rollout's processing (top-k / top-p keep a set)
 has log pi_teacher = -inf: its distillation advantage is held at -DISTILL_FLOOR (as verl clamps
 its KL estimators' log-ratio at 20), so one such token cannot swamp the step.
+
+Top-k forward KL (grpo.teacher_topk = k > 0, weight grpo.teacher_topk_coef): the teacher's replay
+also keeps, at each sampled token's position, its k most probable tokens V_k and their log-probs;
+the student's dense pass takes its own log-probs of those tokens (with grad), and the loss gains
+
+    teacher_topk_coef * agg_t F[b, t],   F[b, t] = sum_{v in V_k} p_T(v) (log p_T(v) - log p_S(v))
+
+aggregated as the policy loss (grpo.loss_agg) over the same tokens. p_T is the teacher's own
+probability, NOT renormalised over V_k (verl 0.9.1's forward_kl_topk, ``kl_divergence``): F is the
+cross-entropy of the student on the teacher's top-k mass minus that mass's entropy term, its
+gradient -sum p_T grad log p_S. Both sides are under the rollout's processing (temperature, top-k,
+top-p), as mu is. A teacher entry outside its own kept set (p_T = 0) adds nothing; a student
+log-prob is held at >= -DISTILL_FLOOR (verl clamps at log_prob_min_clamp), so a token outside the
+student's kept set adds a bounded term and no gradient.
 """
 
 from __future__ import annotations
@@ -58,24 +72,51 @@ def distill_metrics(teacher: torch.Tensor, mu: torch.Tensor, mask: torch.Tensor)
             "distill_miss": float(miss.sum())}
 
 
+def forward_kl_topk(student: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """student, teacher (B, N, k) log-probs of the teacher's top-k tokens at each sampled position
+    (the student's with grad); mask (B, N) -> F (B, N) = sum_k p_T (log p_T - log p_S), 0 off the
+    mask (module docstring: not renormalised; a teacher entry of p_T = 0 adds nothing; the
+    student's log-prob held at >= -DISTILL_FLOOR)."""
+    teacher = teacher.detach().to(student)
+    valid = mask.bool()[..., None] & torch.isfinite(teacher)
+    t = torch.where(valid, teacher, torch.zeros_like(teacher))
+    s = torch.where(valid, student.clamp(min=-DISTILL_FLOOR), torch.zeros_like(student))
+    return torch.where(valid, t.exp() * (t - s), torch.zeros_like(s)).sum(dim=-1)
+
+
+def forward_kl_metrics(per_token: torch.Tensor, teacher: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """Sums over the loss tokens (reduce, then divide): the forward-KL term F and the teacher's
+    probability mass inside its top-k."""
+    mask = mask.bool()
+    teacher = teacher.to(per_token.device)
+    mass = torch.where(torch.isfinite(teacher), teacher.exp(), torch.zeros_like(teacher)).sum(dim=-1)
+    return {"distill_fkl_sum": float(per_token.detach()[mask].sum()), "distill_topk_mass_sum": float(mass[mask].sum())}
+
+
 class Teacher:
     """A frozen teacher in this rank's layout: ``sampler`` replays rollouts on it (a
     rollout.Sampler over the teacher's stage and shard, built by train/builders.py
     ``teacher_model``). :meth:`score` is a collective of the model replica (every tp and pp
     rank calls it with the same batches, as the student's replay)."""
 
-    def __init__(self, sampler, name: str) -> None:
-        self.sampler, self.name = sampler, name
+    def __init__(self, sampler, name: str, topk: int = 0) -> None:
+        self.sampler, self.name, self.topk = sampler, name, topk
 
     def score(self, batches: Sequence[dict]) -> None:
         """Attaches the teacher's log-probs (B, N) to every part of every GRPO batch
         (``part.teacher``; None on a rank without the loss), batch by batch, each rollout
-        replayed as it was sampled."""
+        replayed as it was sampled; with topk > 0 also its top-k (``part.teacher_topk``: ids
+        (B, N, k), log-probs (B, N, k)) from the same replay."""
         for batch in batches:
             parts = batch["parts"]
-            values: list[Optional[torch.Tensor]] = self.sampler.replay([p.rollout for p in parts])
-            for part, value in zip(parts, values):
-                part.teacher = value
+            rollouts = [p.rollout for p in parts]
+            if not self.topk:
+                values: list[Optional[torch.Tensor]] = self.sampler.replay(rollouts)
+                for part, value in zip(parts, values):
+                    part.teacher = value
+                continue
+            for part, scored in zip(parts, self.sampler.replay_topk(rollouts, self.topk)):
+                part.teacher, part.teacher_topk = (None, None) if scored is None else (scored[0], scored[1:])
 
 
 def distill_step_metrics(dims, records: Sequence[dict]) -> dict[str, float]:
@@ -83,11 +124,16 @@ def distill_step_metrics(dims, records: Sequence[dict]) -> dict[str, float]:
     the loss; a collective over the world, every rank calls it): distill/reverse_kl, the mean
     over the loss tokens of log mu - log teacher (KL(student || teacher) per token, the
     teacher's support misses left out), and distill/teacher_miss_fraction."""
-    sums = {"distill_tokens": 0.0, "distill_kl_sum": 0.0, "distill_miss": 0.0}
+    sums = {"distill_tokens": 0.0, "distill_kl_sum": 0.0, "distill_miss": 0.0, "distill_fkl_sum": 0.0,
+            "distill_topk_mass_sum": 0.0}
     for m in records if dims.is_loss_rank else ():
         for k in sums:
             sums[k] += m.get(k, 0.0)
     r = dims.reduce(sums, {}, {})
     tokens = max(r["distill_tokens"], 1.0)
-    return {"distill/reverse_kl": r["distill_kl_sum"] / max(r["distill_tokens"] - r["distill_miss"], 1.0),
-            "distill/teacher_miss_fraction": r["distill_miss"] / tokens}
+    out = {"distill/reverse_kl": r["distill_kl_sum"] / max(r["distill_tokens"] - r["distill_miss"], 1.0),
+           "distill/teacher_miss_fraction": r["distill_miss"] / tokens}
+    if r["distill_topk_mass_sum"]:  # grpo.teacher_topk: the forward-KL term and the top-k's mass
+        out.update({"distill/forward_kl_topk": r["distill_fkl_sum"] / tokens,
+                    "distill/teacher_topk_mass": r["distill_topk_mass_sum"] / tokens})
+    return out

@@ -101,6 +101,25 @@ def dense_logprobs_and_entropy(logits: torch.Tensor, rollout: Rollout,
     return out, entropy.masked_scatter(mask, -plogp.sum(dim=-1))
 
 
+def dense_logprobs_at(logits: torch.Tensor, rollout: Rollout, ids: torch.Tensor,
+                      gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
+    """The processed log-probs of the tokens ``ids`` (B, N, k) at each completion token's step
+    (the distribution that token was drawn from), as ``dense_logprobs_from_logits`` computes them,
+    with autograd -> (B, N, k) fp32, 0 where masked (grpo.teacher_topk: the student's side of
+    the forward-KL term, learner/distill.py)."""
+    s = rollout.schedule
+    device = rollout.tokens.device
+    step, mask = completion_positions(s.prompt_lens, rollout.completion_lens, device)  # (B, N)
+    mask = mask & rollout.mask.to(device).bool()
+    rows = torch.arange(rollout.batch_size, device=device)[:, None].expand_as(step)
+    picked = logits[rows[mask], step[mask]]  # (M, V_local)
+    if gather_vocab is not None:
+        picked = gather_vocab(picked)
+    values = process_logits(picked, s.processing).gather(1, ids.to(device)[mask])  # (M, k)
+    out = torch.zeros(*step.shape, ids.shape[-1], dtype=values.dtype, device=device)
+    return out.masked_scatter(mask[..., None].expand_as(out), values)
+
+
 def replay_logprobs(model: RLT, rollout: Rollout) -> torch.Tensor:
     """The rollout schedule re-executed with current parameters (fresh caches), no grad."""
     return replay(model, rollout)

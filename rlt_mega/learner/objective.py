@@ -34,12 +34,12 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from rlt_mega.learner.aggregation import loss_count
+from rlt_mega.learner.aggregation import loss_count, loss_sum
 from rlt_mega.learner.correction import Correction, is_weights, ratio_by_version
-from rlt_mega.learner.distill import distill_advantages, distill_metrics
+from rlt_mega.learner.distill import distill_advantages, distill_metrics, forward_kl_metrics, forward_kl_topk
 from rlt_mega.learner.grpo import grpo_loss
-from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_rows, hybrid_logprobs,
-                                     mismatch_metrics)
+from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_logprobs_at, dense_rows,
+                                     hybrid_logprobs, mismatch_metrics)
 from rlt_mega.loss import DENSE_ROWS, LogitsLoss, Vocab
 from rlt_mega.schedule.dense import stack_rows
 from rlt_mega.rollout.sampler import Rollout
@@ -58,6 +58,9 @@ class GRPOPart:
     # (B, N) the teacher's log-probs of the sampled tokens (grpo.teacher, learner/distill.py),
     # attached by Teacher.score; None: no distillation
     teacher: Optional[torch.Tensor] = None
+    # the teacher's top-k at each sampled position (grpo.teacher_topk): ids (B, N, k), log-probs
+    # (B, N, k), from the same replay; None: no forward-KL term
+    teacher_topk: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def loss_mask(self) -> torch.Tensor:
         """(B, N) bool: the completion tokens that carry loss."""
@@ -97,6 +100,7 @@ class LossSettings:
     entropy_coef: float = 0.0
     correction: Correction = Correction()
     teacher_coef: float = 1.0  # grpo.teacher_coef: the distillation advantage's weight (learner/distill.py)
+    teacher_topk_coef: float = 1.0  # grpo.teacher_topk_coef: the top-k forward-KL term's weight
 
 
 class GRPOObjective(LogitsLoss):
@@ -140,12 +144,18 @@ class GRPOObjective(LogitsLoss):
             if weights is not None:
                 record.update(correction_metrics(part.proximal, ro.mu, part.loss_mask(), weights))
             record.update(mismatch_metrics(ro.mu, dense, part.replay, ro.mask))
+            loss = out.loss
             if part.teacher is not None:
                 record.update(distill_metrics(part.teacher, ro.mu, part.loss_mask()))
+            if part.teacher_topk is not None:  # the forward-KL term on the teacher's top-k
+                ids, teacher_lp = part.teacher_topk
+                fkl = forward_kl_topk(dense_logprobs_at(rows, ro, ids, vocab.gather), teacher_lp, part.loss_mask())
+                loss = loss + s.teacher_topk_coef * loss_sum(fkl, part.loss_mask(), s.loss_agg)
+                record.update(forward_kl_metrics(fkl, teacher_lp, part.loss_mask()))
             if ro.version is not None:  # the staleness metrics, by each token's own policy version
                 record["by_version"] = ratio_by_version(out.ratio, part.loss_mask(), ro.version.to(out.ratio.device))
             self.records.append(record)
-            total = out.loss if total is None else total + out.loss
+            total = loss if total is None else total + loss
         return total
 
 

@@ -291,6 +291,25 @@ class _Force:
         pass
 
 
+class _ForceTopK(_Force):
+    """The replay's chooser that also keeps, at every position it forces, the k most probable
+    tokens of the processed distribution and their log-probs (grpo.teacher_topk: the teacher's
+    top-k for the forward-KL term, learner/distill.py). It reads the log-probs the step already
+    computed: the forced tokens and their values are the plain replay's."""
+
+    def __init__(self, tokens: torch.Tensor, num_rows: int, k: int) -> None:
+        super().__init__(tokens, num_rows)
+        self.k = k
+        self.ids = torch.zeros(*tokens.shape, k, dtype=torch.long, device=tokens.device)  # (S, capacity, k)
+        self.lp = torch.zeros(*tokens.shape, k, dtype=torch.float32, device=tokens.device)
+
+    def choose_rows(self, targets, positions, logprobs):
+        top = torch.topk(logprobs, self.k, dim=-1)  # (B, k), descending
+        self.ids[targets, positions + 1] = top.indices
+        self.lp[targets, positions + 1] = top.values.to(self.lp.dtype)
+        return super().choose_rows(targets, positions, logprobs)
+
+
 def _seq_tokens(layout: RowLayout, rows: torch.Tensor, capacity: int, pad_id: int) -> torch.Tensor:
     """(S, capacity): the rows' tokens (R, n <= capacity), then each entry's prompt."""
     R = layout.num_rows
@@ -393,6 +412,16 @@ class Sampler:
         if switch and load is None:
             raise ValueError(f"a weight switch {tuple(switch)} needs load (the parameters of each policy version)")
 
+    def replay_topk(self, rollouts: Sequence[Rollout], k: int
+                    ) -> list[Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
+        """``replay`` (current parameters throughout) that also returns, at every sampled token's
+        position, the k most probable tokens of the processed distribution: (values (B, N), ids
+        (B, N, k), log-probs (B, N, k) fp32, descending) on the last stage, 0 where masked; None
+        on the others. values are torch.equal to ``replay``'s."""
+        if k < 1:
+            raise ValueError(f"replay_topk needs k >= 1, got {k}")
+        return self._replay(rollouts, None, k)
+
     def replay(self, rollouts: Sequence[Rollout], load: Optional[Callable[[int], None]] = None
                ) -> list[Optional[torch.Tensor]]:
         """Re-executes each rollout's schedule with the model's current parameters, tokens
@@ -402,6 +431,9 @@ class Sampler:
         parameters of each policy version (``generate``'s): the recorded start version first and
         a weight switch's at it, so a partial rollout's replay is torch.equal to its mu; None: the
         current parameters throughout (a switch then changes nothing)."""
+        return self._replay(rollouts, load, 0)
+
+    def _replay(self, rollouts: Sequence[Rollout], load: Optional[Callable[[int], None]], k: int) -> list:
         if len(rollouts) == 0:
             return []
         schedules = [ro.schedule for ro in rollouts]
@@ -418,11 +450,15 @@ class Sampler:
         for ro in rollouts:
             s, record = ro.schedule, ro.schedule.rows
             tokens = _seq_tokens(record.layout, ro.tokens.to(self.device), s.capacity, s.pad_id)
-            works.append(RowWork(tokens, RowPlan(record.layout, recorded=record),
-                                 _Force(tokens, record.layout.num_rows)))
+            force = _ForceTopK(tokens, record.layout.num_rows, k) if k else _Force(tokens, record.layout.num_rows)
+            works.append(RowWork(tokens, RowPlan(record.layout, recorded=record), force))
         with torch.no_grad(), precision(schedules[0].dtype, self.device):
             results = self.executor.run(works, schedules[0].processing, load)
-        return [_replay_values(ro, work, res) for ro, work, res in zip(rollouts, works, results)]
+        values = [_replay_values(ro, work, res) for ro, work, res in zip(rollouts, works, results)]
+        if not k:
+            return values
+        return [None if v is None else (v, *_topk_values(ro, work.chooser))
+                for ro, work, v in zip(rollouts, works, values)]
 
 
 def _check_model_fits(model: RLT, capacity: int) -> None:
@@ -501,6 +537,17 @@ def _replay_values(ro: Rollout, work: RowWork, res: RowResult) -> Optional[torch
         return None
     return _completion_values(res.lp[:record.layout.num_rows], s.prompt_lens, ro.completion_lens,
                               ro.mask.to(res.lp.device).bool())
+
+
+def _topk_values(ro: Rollout, force: _ForceTopK) -> tuple[torch.Tensor, torch.Tensor]:
+    """The top-k a replay kept, in the layout of ``rollout.mu`` (B, N, k); 0 where masked."""
+    R = ro.schedule.rows.layout.num_rows
+    mask = ro.mask.to(force.lp.device).bool()
+    step, _ = completion_positions(ro.schedule.prompt_lens, ro.completion_lens, mask.device)  # (B, N)
+    at = (step + 1)[..., None].expand(-1, -1, force.k)
+    ids = torch.where(mask[..., None], force.ids[:R].gather(1, at), 0)
+    lp = torch.where(mask[..., None], force.lp[:R].gather(1, at), torch.zeros((), device=mask.device))
+    return ids, lp
 
 
 def generate(model: RLT, prompts: Sequence[Sequence[int]], params: SamplingParams, seeds: Sequence[int],

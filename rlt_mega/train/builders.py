@@ -97,6 +97,9 @@ def build_teacher(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, engine:
         raise ConfigError(f"grpo.teacher={path} is a model.arch={teacher_cfg.arch} export: the teacher replays the "
                           "rollout schedule, which is the RLT's; import the Llama/Qwen2 checkpoint with "
                           "`rlt-mega import` (without --arch dense)")
+    if cfg.grpo.teacher_topk > student.vocab_size:
+        raise ConfigError(f"grpo.teacher_topk={cfg.grpo.teacher_topk} exceeds the vocabulary of {student.vocab_size} "
+                          f"tokens (model.vocab_size): choose k <= {student.vocab_size}")
     layers = split_layers(teacher_cfg.n_layers, dims.pp)[dims.pp_rank]
     try:
         model = init_stage_from(path, teacher_cfg, layers, dims.is_first_stage, dims.is_last_stage)
@@ -104,10 +107,11 @@ def build_teacher(cfg: Config, dims: ParallelDims, tokenizer: Tokenizer, engine:
         raise ConfigError(f"grpo.teacher={path} does not load: {exc}") from None
     apply_tensor_parallel(model, dims)  # (not shard_for_rank: that would prune to the student's layers)
     model = model.to(dims.device, next(engine.module.parameters()).dtype).requires_grad_(False).eval()
-    log.info("grpo.teacher: %s (%d layers, d_model %d), teacher_coef %s", path, teacher_cfg.n_layers,
-             teacher_cfg.d_model, cfg.grpo.teacher_coef)
+    log.info("grpo.teacher: %s (%d layers, d_model %d), teacher_coef %s%s", path, teacher_cfg.n_layers,
+             teacher_cfg.d_model, cfg.grpo.teacher_coef, f", top-{cfg.grpo.teacher_topk} forward KL x "
+             f"{cfg.grpo.teacher_topk_coef}" if cfg.grpo.teacher_topk else "")
     sampler = Sampler(model, comms, layers, check_every=cfg.sampling.check_every, rows=rows)
-    return Teacher(sampler, str(path))
+    return Teacher(sampler, str(path), cfg.grpo.teacher_topk)
 
 
 def inference_model(cfg: Config) -> RLT:

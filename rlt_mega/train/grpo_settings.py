@@ -36,7 +36,7 @@ def loss_settings(cfg: Config) -> LossSettings:
                         kl_estimator=g.kl_estimator, loss_agg=g.loss_agg,
                         loss_agg_length=g.loss_agg_length or cfg.sampling.max_new_tokens, entropy_coef=g.entropy_coef,
                         correction=Correction(g.is_correction, g.is_cap, g.is_band_low, g.is_band_high),
-                        teacher_coef=g.teacher_coef)
+                        teacher_coef=g.teacher_coef, teacher_topk_coef=g.teacher_topk_coef)
 
 
 def grpo_config(cfg: Config) -> Config:

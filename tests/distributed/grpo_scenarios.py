@@ -398,7 +398,8 @@ def teacher_scores(parallel: dict, teacher_dir: str, train: dict | None = None, 
     """One GRPO step with grpo.teacher (learner/distill.py) on this layout: the teacher (its own
     3 layers split over the stages, its heads over the TP ranks) scores every learned rollout;
     the scores on the loss rank against the whole teacher replaying the same rollouts on one
-    process. Rank 0 writes the teacher's export into ``teacher_dir`` first."""
+    process, and with grpo.teacher_topk its top-k (ids, log-probs) likewise. Rank 0 writes the
+    teacher's export into ``teacher_dir`` first."""
     import torch.distributed as dist
 
     from rlt_mega.checkpoint_tools.export import export_model
@@ -419,8 +420,15 @@ def teacher_scores(parallel: dict, teacher_dir: str, train: dict | None = None, 
     scalars = trainer.job.step(0)
     scored = [p for p in parts if p.teacher is not None]
     diff = max((float((p.teacher - replay(whole, p.rollout)).abs().max()) for p in scored), default=float("inf"))
+    k = cfg.grpo.teacher_topk  # the top-k (grpo.teacher_topk) against the whole teacher's on one process
+    topk_diff, topk_ids_equal = 0.0, True
+    for p in scored if k else ():
+        _, ids, lp = Sampler(whole).replay_topk([p.rollout], k)[0]
+        topk_diff = max(topk_diff, float((p.teacher_topk[1] - lp).abs().max()))
+        topk_ids_equal &= torch.equal(p.teacher_topk[0], ids)
     out = {"is_loss_rank": dims.is_loss_rank, "num_scored": len(scored), "num_parts": len(parts),
-           "teacher_diff_one_process": diff, "scalars": scalars,
+           "teacher_diff_one_process": diff, "topk_diff_one_process": topk_diff, "topk_ids_equal": topk_ids_equal,
+           "scalars": scalars,
            "tokens": sum(int(p.loss_mask().sum()) for p in scored)}
     trainer.engine.close()
     dims.destroy()

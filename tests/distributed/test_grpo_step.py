@@ -9,6 +9,8 @@ the reference the padded dense schedule (the encoder too: with shared prompts th
 encodes each batch's prompt pack, every pipeline stage included); PP=2 once more with both off. With an
 environment (observations inserted and masked out of the loss): TP=2 with the KL, PP=2."""
 
+import math
+
 import pytest
 
 TWO = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 1}}),
@@ -29,12 +31,13 @@ TWO += [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "zero_s
                                                    "sampling": ENV["sampling"]}),
         ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
                                                    "train": {"grad_accum": 2}, **ENV})]
-# grpo.teacher (learner/distill.py): a larger teacher's scores under TP=2 and PP=2 (its three
-# layers split 2 + 1) against the whole teacher on one process
-TEACHER = [("grpo_scenarios.teacher_scores", {"parallel": {"tp": 2, "zero_stage": 1},
+# grpo.teacher (learner/distill.py): a larger teacher's scores and its top-5 (grpo.teacher_topk)
+# under TP=2 and PP=2 (its three layers split 2 + 1) against the whole teacher on one process
+TEACHER = [("grpo_scenarios.teacher_scores", {"parallel": {"tp": 2, "zero_stage": 1}, "grpo": {"teacher_topk": 5},
                                               "teacher_dir": "{shared}/teacher_tp2"}),
            ("grpo_scenarios.teacher_scores", {"parallel": {"pp": 2, "zero_stage": 1, "micro_batches": 2},
-                                              "train": {"grad_accum": 2}, "teacher_dir": "{shared}/teacher_pp2"})]
+                                              "grpo": {"teacher_topk": 5}, "train": {"grad_accum": 2},
+                                              "teacher_dir": "{shared}/teacher_pp2"})]
 SCENARIOS = {2: TWO + TEACHER, 4: FOUR}
 
 
@@ -84,4 +87,6 @@ def test_teacher_scores_on_two_ranks_match_one_process(ranks, name, args):
         if r["is_loss_rank"]:  # (the scores live where the loss is computed)
             assert r["num_scored"] == r["num_parts"] and r["tokens"] > 0
             assert r["teacher_diff_one_process"] <= 1e-5, r["teacher_diff_one_process"]
+            assert r["topk_ids_equal"] and r["topk_diff_one_process"] <= 1e-5, r["topk_diff_one_process"]
+            assert math.isfinite(r["scalars"]["distill/forward_kl_topk"])  # the forward-KL term (top-5)
         assert r["scalars"]["distill/reverse_kl"] != 0.0

@@ -5,7 +5,9 @@ then compute_policy_loss_vanilla); a GRPO run with a teacher whose replay stays 
 (ratio/onpolicy_max_dev 0) and whose teacher scores equal the teacher's own replay; observation
 and padding tokens carry no loss; LoRA; a teacher of another vocabulary, or an export that does
 not load, refused before step 1; a run with a teacher and the stochastic bf16 cast resumed mid-run
-bit for bit."""
+bit for bit. The top-k forward-KL term (grpo.teacher_topk): against a float64 computation (1e-12)
+and verl 0.9.1's compute_forward_kl_topk; the teacher's top-k from the same replay as its scores;
+bad values refused in one line naming the key."""
 
 import json
 import math
@@ -17,14 +19,16 @@ from rlt_mega.checkpoint_tools.export import export_model
 from rlt_mega.config import ConfigError, ModelConfig
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.aggregation import loss_count
-from rlt_mega.learner.distill import DISTILL_FLOOR, distill_advantages
+from rlt_mega.learner.distill import DISTILL_FLOOR, distill_advantages, forward_kl_topk
+from rlt_mega.learner.logprob import dense_logprobs_at, dense_logprobs_from_logits
 from rlt_mega.learner.grpo import grpo_loss
 from rlt_mega.model.rlt import build_model
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.rollout import replay
+from rlt_mega.rollout.sampler import Sampler
 from rlt_mega.train.grpo import build_trainer, grpo_config
 from tests.distributed.grpo_scenarios import MODEL, grpo_cfg, odd, records
-from tests.verl_reference import actor_config, core_algos
+from tests.verl_reference import actor_config, core_algos, distillation_fsdp_losses
 
 TEACHER = {**MODEL, "d_model": 48, "n_layers": 3, "ffn_hidden": 96}  # a larger RLT, the student's vocabulary
 
@@ -236,3 +240,111 @@ def test_resume_with_a_teacher_and_the_stochastic_cast_is_bit_for_bit(tmp_path):
         return [json.loads(x)["train/loss"] for x in lines if "train/loss" in x]
 
     assert losses("whole") == losses("cut") and len(losses("whole")) == 2
+
+
+def _topk_case(seed=3, B=4, N=5, V=11, k=4, dtype=torch.float64):
+    """Student logits (B, N, V), the teacher's top-k ids and log-probs (B, N, k), a mask (B, N)."""
+    g = torch.Generator().manual_seed(seed)
+    student = torch.randn(B, N, V, generator=g, dtype=dtype) * 2
+    top = torch.topk(torch.log_softmax(torch.randn(B, N, V, generator=g, dtype=dtype) * 2, -1), k, dim=-1)
+    mask = torch.arange(N)[None, :] < torch.tensor([5, 2, 4, 0])[:B, None]
+    return student, top.indices, top.values, mask
+
+
+def test_forward_kl_topk_equals_a_float64_per_token_computation():
+    logits, ids, teacher, mask = _topk_case()
+    teacher[0, 1, -1] = -math.inf  # outside the teacher's kept set: p_T = 0 adds nothing
+    logits[2, 0, ids[2, 0, 1]] = -60.0  # the student's log-prob below the floor: held at -DISTILL_FLOOR
+    student = torch.log_softmax(logits, -1).gather(-1, ids).requires_grad_()
+    ours = forward_kl_topk(student, teacher, mask)
+    B, N, k = ids.shape
+    for b in range(B):
+        for t in range(N):
+            want = 0.0
+            for j in range(k):
+                lt, ls = float(teacher[b, t, j]), float(student.detach()[b, t, j])
+                if mask[b, t] and lt != -math.inf:
+                    want += math.exp(lt) * (lt - max(ls, -DISTILL_FLOOR))
+            assert float(ours.detach()[b, t]) == pytest.approx(want, rel=1e-12, abs=1e-12)
+    (grad,) = torch.autograd.grad(ours.sum(), student)  # d F / d log p_S = -p_T where it is not held
+    held = student.detach() < -DISTILL_FLOOR
+    want = torch.where(mask[..., None] & torch.isfinite(teacher) & ~held, -teacher.exp(), torch.zeros_like(teacher))
+    assert bool(held[2, 0, 1]) and torch.allclose(grad, want, rtol=1e-12, atol=0)
+
+
+def test_forward_kl_topk_matches_verl():
+    """verl 0.9.1 verl/trainer/distillation/fsdp/losses.py compute_forward_kl_topk (loss_mode
+    forward_kl_topk, no clamp) on the same student logits and teacher top-k: the per-token loss and
+    its gradient in the student's logits (verl computes its KL in float32: compared at float32's
+    precision)."""
+    from types import SimpleNamespace
+
+    verl = distillation_fsdp_losses()
+    logits, ids, teacher, mask = _topk_case(4, dtype=torch.float32)
+    B, N, V = logits.shape
+    cfg = SimpleNamespace(distillation_loss=SimpleNamespace(use_chunked_topk=False, log_prob_min_clamp=None))
+    nested = lambda x: torch.nested.nested_tensor([x[b] for b in range(B)], layout=torch.jagged)  # noqa: E731
+    theirs_in = logits.reshape(1, B * N, V).clone().requires_grad_()
+    theirs = verl.compute_forward_kl_topk(theirs_in, nested(teacher), nested(ids), cfg, "thd")["distillation_losses"]
+    ours_in = logits.clone().requires_grad_()
+    ours = forward_kl_topk(torch.log_softmax(ours_in, -1).gather(-1, ids), teacher, torch.ones(B, N, dtype=torch.bool))
+    assert torch.allclose(ours.reshape(1, -1), theirs, rtol=1e-6, atol=1e-6)
+    (g_ours,) = torch.autograd.grad(ours.sum(), ours_in)
+    (g_theirs,) = torch.autograd.grad(theirs.sum(), theirs_in)
+    assert torch.allclose(g_ours.reshape(1, B * N, V), g_theirs, rtol=1e-5, atol=1e-6)
+
+
+def test_grpo_with_a_teacher_topk_adds_the_forward_kl_term(tmp_path):
+    path = _export(tmp_path)
+    trainer = _trainer(path, grpo={"teacher_topk": 3, "teacher_topk_coef": 0.5})
+    seen = []
+    original = trainer.engine.train_step
+    trainer.engine.train_step = lambda batches, loss: seen.append((batches, loss)) or original(batches, loss)
+    scalars = trainer.job.step(0)
+    assert scalars["ratio/onpolicy_max_dev"] == 0.0  # the student's replay is still mu, bit for bit
+    assert math.isfinite(scalars["distill/forward_kl_topk"]) and 0 < scalars["distill/teacher_topk_mass"] <= 1
+    teacher_model = build_model(ModelConfig(**TEACHER), "cpu", seed=7)
+    (batches, objective), = seen[:1]
+    part = batches[0]["parts"][0]
+    ro = part.rollout
+    values, ids, lp = Sampler(teacher_model).replay_topk([ro], 3)[0]
+    assert torch.equal(part.teacher, replay(teacher_model, ro)) and torch.equal(values, part.teacher)
+    assert torch.equal(part.teacher_topk[0], ids) and torch.equal(part.teacher_topk[1], lp)
+    mask = ro.mask.bool()
+    assert bool((lp[mask][:, :-1] >= lp[mask][:, 1:]).all())  # descending
+    # k = the whole vocabulary: the sampled token's entry is its score, and the mass is 1
+    _, all_ids, all_lp = Sampler(teacher_model).replay_topk([ro], 260)[0]
+    hit = (all_ids == ro.tokens.gather(1, completion_steps(ro) + 1)[..., None]) & mask[..., None]
+    assert torch.equal(hit.sum(-1), mask.long()) and torch.equal(all_lp[hit], part.teacher[mask])
+    assert torch.allclose(all_lp[mask].exp().sum(-1), torch.ones(int(mask.sum())), atol=1e-5)
+    # the objective: the plain GRPO loss + coef * loss_sum(F) with the student's processed log-probs
+    logits = torch.randn(ro.batch_size, ro.schedule.num_steps, 260, generator=torch.Generator().manual_seed(0))
+    one = {"inputs": batches[0]["inputs"][:ro.batch_size], "parts": [part]}
+    from rlt_mega.learner.aggregation import loss_sum
+    from rlt_mega.loss import WHOLE_VOCAB
+
+    with_term = objective.logits_loss(logits, one, WHOLE_VOCAB)
+    saved, part.teacher_topk = part.teacher_topk, None
+    without = objective.logits_loss(logits, one, WHOLE_VOCAB)
+    student = dense_logprobs_at(logits, ro, saved[0])
+    term = loss_sum(forward_kl_topk(student, saved[1], part.loss_mask()), part.loss_mask(), "token_mean")
+    assert float(with_term - without) == pytest.approx(0.5 * float(term), rel=1e-5, abs=1e-6)
+    first = dense_logprobs_at(logits, ro, ro.tokens.gather(1, completion_steps(ro) + 1)[..., None])[..., 0]
+    assert torch.equal(first, dense_logprobs_from_logits(logits, ro))  # the same log-probs as the policy's
+
+
+def completion_steps(ro):
+    from rlt_mega.rollout.sampler import completion_positions
+
+    return completion_positions(ro.schedule.prompt_lens, ro.completion_lens, ro.tokens.device)[0]
+
+
+@pytest.mark.parametrize("grpo,key", [({"teacher_topk": -1}, "grpo.teacher_topk=-1"),
+                                      ({"teacher_topk": 3, "teacher": None}, "grpo.teacher_topk=3 needs grpo.teacher"),
+                                      ({"teacher_topk": 3, "teacher_topk_coef": -0.5}, "grpo.teacher_topk_coef=-0.5"),
+                                      ({"teacher_topk": 300}, "grpo.teacher_topk=300 exceeds the vocabulary of 260")])
+def test_bad_teacher_topk_values_are_refused_naming_the_key(tmp_path, grpo, key):
+    path = _export(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        _trainer(path, grpo=grpo)
+    assert "\n" not in str(err.value) and key in str(err.value), str(err.value)
