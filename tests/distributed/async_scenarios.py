@@ -133,10 +133,12 @@ def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
 
 
 def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica: int, kill_at: int,
-             joiner: bool = False) -> dict:
+             joiner: bool = False, signal_name: str = "SIGKILL") -> dict:
     """The roles (a learner of one process, ``samplers`` replicas of one process each) where
     sampler replica ``kill_replica`` dies (SIGKILL, no clean-up) when it is about to sample a data
-    step >= ``kill_at``: it dies holding a claimed data step, which the others redo. ``joiner``:
+    step >= ``kill_at``: it dies holding a claimed data step, which the others redo (``signal_name``
+    SIGSTOP: it hangs instead, heartbeat and all, and the test kills it at the end; replica 0 then
+    waits at data step >= kill_at until the victim holds one to hang with). ``joiner``:
     a replacement replica (number ``samplers``) joins (the test starts it, RLT_ROLES_JOIN), and
     replica 0 waits for it so that it takes a data step: at data step kill_at + 1 until it beats,
     at kill_at + 2 until it has claimed data step kill_at + 3."""
@@ -150,10 +152,21 @@ def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica:
     if rank == 1 + kill_replica and not os.environ.get("RLT_ROLES_JOIN"):
         def dying(self, sampler, data_step, holder):
             if data_step >= kill_at:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), getattr(signal, signal_name))
             return sample(self, sampler, data_step, holder)
 
         SamplePhase.sample = dying
+    if signal_name == "SIGSTOP" and rank == 1 and not os.environ.get("RLT_ROLES_JOIN"):
+        from rlt_mega.parallel.roles import RoleStore
+
+        def yielding(self, sampler, data_step, holder):  # until the victim holds a step to hang with
+            store, victim = RoleStore(), str(kill_replica)
+            while data_step >= kill_at and not store.has(f"lost/{victim}") and not any(
+                    store.get(f"owner/{j}") == victim for j in range(kill_at, kill_at + 3)):
+                time.sleep(0.05)
+            return sample(self, sampler, data_step, holder)
+
+        SamplePhase.sample = yielding
     if joiner and rank == 1 and not os.environ.get("RLT_ROLES_JOIN"):
         from rlt_mega.parallel.roles import RoleStore
 

@@ -6,7 +6,8 @@ replica started afterwards (a launch of its own, RLT_ROLES_JOIN) joins the pool 
 a data step the learner learns; the run ends with the parameters and every logged loss of the run without the
 failure (the colocated run of the same config, which the roles equal bit for bit:
 tests/distributed/test_async_roles.py). A 3-process launch of its own and the replacement's:
-the suite's launcher stops every rank once one fails, which is what this test must not do."""
+the suite's launcher stops every rank once one fails, which is what this test must not do. And
+a replica that hangs (SIGSTOP: no message fails) is lost by its heartbeat alone."""
 
 import json
 import os
@@ -41,10 +42,11 @@ def outcome(proc, log, out_dir, rank: int, scenario) -> dict:
             "log": (out_dir / f"rank{rank}.log").read_text()[-3000:]}
 
 
-def launch_with_losses(nprocs: int, scenario: tuple[str, dict], out_dir, timeout: float, dies: int):
+def launch_with_losses(nprocs: int, scenario: tuple[str, dict], out_dir, timeout: float, dies: int,
+                       join: bool = True):
     """Runs the scenario on ``nprocs`` ranks and waits for every one of them (a rank that dies
-    does not stop the others; the time limit does); once rank ``dies`` has died, a replacement
-    sampler replica joins: a launch of its own (one process, RLT_ROLES_JOIN: the learner's store)
+    does not stop the others; the time limit does, and rank ``dies`` is killed once the others
+    are done); once rank ``dies`` has died (``join``), a replacement sampler replica joins: a launch of its own (one process, RLT_ROLES_JOIN: the learner's store)
     -> (per rank {"exitcode", "result", "log"}, the replacement's)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "scenarios.json"
@@ -55,7 +57,9 @@ def launch_with_losses(nprocs: int, scenario: tuple[str, dict], out_dir, timeout
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and (any(p.poll() is None for p, _ in procs)
                                            or (joiner and joiner[0].poll() is None)):
-        if joiner is None and procs[dies][0].poll() is not None:
+        if all(p.poll() is not None for r, (p, _) in enumerate(procs) if r != dies):
+            break  # the others are done: a rank that hangs (SIGSTOP) is killed below
+        if join and joiner is None and procs[dies][0].poll() is not None:
             joiner_dir.mkdir()
             joiner = spawn(0, 1, free_port(), spec, joiner_dir, {"RLT_ROLES_JOIN": f"127.0.0.1:{port}"})
         time.sleep(0.2)
@@ -85,3 +89,24 @@ def test_a_killed_sampler_costs_time_never_the_run_and_a_replacement_joins(tmp_p
     a, b = final_params(tmp_path / "roles"), final_params(tmp_path / "colocated")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert [x["train/loss"] for x in lines] == [x["train/loss"] for x in logged(tmp_path / "colocated")]
+
+
+def test_a_hung_sampler_is_lost_by_its_heartbeat(tmp_path):
+    """Replica 1 stops (SIGSTOP: its process, heartbeat thread included, hangs, its sockets stay
+    open) holding data step 3 of 5: no message fails, the learner marks it lost when its heartbeat
+    has been silent for grpo.sampler_timeout_s (5 s), replica 0 redoes the step, and the run
+    equals the colocated one; the hung process is killed after the learner is done."""
+    grpo = {"max_staleness": 1, "sampler_timeout_s": 5.0}
+    args = {"grpo": grpo, "train": {"steps": 5}, "out_dir": str(tmp_path / "roles"), "samplers": 2,
+            "kill_replica": 1, "kill_at": 3, "signal_name": "SIGSTOP"}
+    ranks, _ = launch_with_losses(3, ("async_scenarios.pool_run", args), tmp_path / "ranks", 600, dies=2,
+                                  join=False)
+    assert ranks[2]["exitcode"] == -9, ranks[2]  # hung until the launcher killed it
+    for r in (0, 1):
+        assert ranks[r]["exitcode"] == 0 and "error" not in ranks[r]["result"], ranks[r]
+    lines = logged(tmp_path / "roles")
+    assert len(lines) == 5 and lines[-1]["async/samplers_alive"] == 1.0
+    assert all(x["async/sampler_replica"] == 0.0 for x in lines[3:])
+    colocated({"max_staleness": 1}, {"steps": 5}, tmp_path / "colocated")
+    a, b = final_params(tmp_path / "roles"), final_params(tmp_path / "colocated")
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
