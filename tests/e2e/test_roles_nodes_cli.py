@@ -32,6 +32,17 @@ def args(tmp_path) -> list[str]:
             "grpo.max_staleness=1", f"checkpoint.dir={tmp_path / 'ckpt'}", f"logging.dir={tmp_path / 'tb'}"]
 
 
+def finish(procs: list) -> list[tuple[str, str]]:
+    """Each launch's (stdout, stderr); a launch still running after 10 minutes is killed with its
+    whole process group."""
+    try:
+        return [p.communicate(timeout=600) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+
+
 def test_a_learner_node_and_a_sampler_node_under_a_c10d_rendezvous(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", RLT_LOG_LEVEL="WARNING", PYTHONPATH=str(ROOT),
                PYTHONWARNINGS="ignore", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
@@ -41,12 +52,7 @@ def test_a_learner_node_and_a_sampler_node_under_a_c10d_rendezvous(tmp_path):
            *args(tmp_path)]
     nodes = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True) for _ in range(2)]
-    try:
-        outs = [p.communicate(timeout=600) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+    outs = finish(nodes)
     for p, (_, err) in zip(nodes, outs):
         assert p.returncode == 0, err[-4000:]
     logged = [r for r in read_metrics(tmp_path / "tb") if "train/loss" in r]
@@ -89,12 +95,7 @@ def test_samplers_launched_on_their_own_join_and_one_killed_costs_time_never_the
     join = {"RLT_ROLES_JOIN": f"127.0.0.1:{port}"}
     jobs = [run(2, {}, common, port), run(1, {**join, "RLT_CRASH_GRPO_KILL": "0:1"}, common, free_port()),
             run(1, join, common, free_port())]
-    try:
-        outs = [p.communicate(timeout=600) for p in jobs]
-    finally:
-        for p in jobs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
+    outs = finish(jobs)
     assert jobs[0].returncode == 0, outs[0][1][-4000:]
     assert jobs[1].returncode != 0 and "exitcode: -9" in outs[1][1], outs[1][1][-3000:]
     assert jobs[2].returncode == 0, outs[2][1][-4000:]
