@@ -71,7 +71,8 @@ def main() -> None:
     ap.add_argument("tb_dir", nargs="?")
     ap.add_argument("--json", metavar="PATH")
     ap.add_argument("--run", default="")
-    ap.add_argument("--summary", nargs="+", metavar="CAST=JSON,JSON")
+    ap.add_argument("--summary", nargs="+", metavar="CAST=JSON,JSON",
+                    help="CAST=JSON[,JSON...]; a cast given again adds its files")
     args = ap.parse_args()
     if args.summary:
         groups = {}
@@ -79,7 +80,7 @@ def main() -> None:
             cast, sep, paths = item.partition("=")
             if not sep or not paths:
                 ap.error(f"--summary {item!r}: give CAST=PATH[,PATH...], e.g. fp32=runs/a/curves.json,runs/b/curves.json")
-            groups[cast] = paths.split(",")
+            groups.setdefault(cast, []).extend(paths.split(","))  # a cast given again adds its paths
         out = summary(groups)
         print_summary(out)
         if args.json:

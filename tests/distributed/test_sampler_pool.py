@@ -58,7 +58,11 @@ def launch_with_losses(nprocs: int, scenario: tuple[str, dict], out_dir, timeout
     while time.monotonic() < deadline and (any(p.poll() is None for p, _ in procs)
                                            or (joiner and joiner[0].poll() is None)):
         if all(p.poll() is not None for r, (p, _) in enumerate(procs) if r != dies):
-            break  # the others are done: a rank that hangs (SIGSTOP) is killed below
+            # the others are done: a rank that hangs (SIGSTOP) is killed below; the replacement,
+            # which may still be leaving (it saw the learner's end), gets a minute to exit
+            deadline = min(deadline, time.monotonic() + 60)
+            if joiner is None or joiner[0].poll() is not None:
+                break
         if join and joiner is None and procs[dies][0].poll() is not None:
             joiner_dir.mkdir()
             joiner = spawn(0, 1, free_port(), spec, joiner_dir, {"RLT_ROLES_JOIN": f"127.0.0.1:{port}"})
