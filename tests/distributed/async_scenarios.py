@@ -133,15 +133,13 @@ def stale_layout(parallel: dict, grpo: dict, out_dir: str) -> dict:
 
 
 def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica: int, kill_at: int,
-             joiner: bool = False, signal_name: str = "SIGKILL") -> dict:
+             signal_name: str = "SIGKILL") -> dict:
     """The roles (a learner of one process, ``samplers`` replicas of one process each) where
     sampler replica ``kill_replica`` dies (SIGKILL, no clean-up) when it is about to sample a data
     step >= ``kill_at``: it dies holding a claimed data step, which the others redo (``signal_name``
-    SIGSTOP: it hangs instead, heartbeat and all, and the test kills it at the end; replica 0 then
-    waits at data step >= kill_at until the victim holds one to hang with). ``joiner``:
-    a replacement replica (number ``samplers``) joins (the test starts it, RLT_ROLES_JOIN), and
-    replica 0 waits for it so that it takes a data step: at data step kill_at + 1 until it beats,
-    at kill_at + 2 until it has claimed data step kill_at + 3."""
+    SIGSTOP: it hangs instead, heartbeat and all, and the test kills it at the end); replica 0
+    waits at data step >= kill_at until the victim holds one to die or hang with (else it may
+    claim them all)."""
     import os
     import signal
     import time
@@ -156,7 +154,7 @@ def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica:
             return sample(self, sampler, data_step, holder)
 
         SamplePhase.sample = dying
-    if signal_name == "SIGSTOP" and rank == 1 and not os.environ.get("RLT_ROLES_JOIN"):
+    if rank == 1 and not os.environ.get("RLT_ROLES_JOIN"):
         from rlt_mega.parallel.roles import RoleStore
 
         def yielding(self, sampler, data_step, holder):  # until the victim holds a step to hang with
@@ -167,16 +165,4 @@ def pool_run(grpo: dict, train: dict, out_dir: str, samplers: int, kill_replica:
             return sample(self, sampler, data_step, holder)
 
         SamplePhase.sample = yielding
-    if joiner and rank == 1 and not os.environ.get("RLT_ROLES_JOIN"):
-        from rlt_mega.parallel.roles import RoleStore
-
-        def waiting(self, sampler, data_step, holder):
-            store, new = RoleStore(), str(samplers)
-            while data_step == kill_at + 1 and not store.has(f"beat/{new}/0"):
-                time.sleep(0.05)
-            while data_step == kill_at + 2 and store.get(f"owner/{kill_at + 3}") != new:
-                time.sleep(0.05)
-            return sample(self, sampler, data_step, holder)
-
-        SamplePhase.sample = waiting
     return roles_run(grpo, train, out_dir, samplers)

@@ -1,11 +1,10 @@
 """A pool of sampler replicas that may fail (grpo.sampler_replicas, parallel/roles.py): one of
 two sampler replicas is killed (SIGKILL) when it is about to sample data step 3 of 7 (it holds
 the claim), the learner marks it lost (its weights' send fails, or its heartbeat stops for
-grpo.sampler_timeout_s), gives its data step back, the other replica redoes it; a replacement
-replica started afterwards (a launch of its own, RLT_ROLES_JOIN) joins the pool and samples
-a data step the learner learns; the run ends with the parameters and every logged loss of the run without the
-failure (the colocated run of the same config, which the roles equal bit for bit:
-tests/distributed/test_async_roles.py). A 3-process launch of its own and the replacement's:
+grpo.sampler_timeout_s), gives its data step back, the other replica redoes it; the run ends
+with the parameters and every logged loss of the run without the failure (the colocated run of
+the same config, which the roles equal bit for bit: tests/distributed/test_async_roles.py). A
+3-process launch of its own:
 the suite's launcher stops every rank once one fails, which is what this test must not do. And
 a replica that hangs (SIGSTOP: no message fails) is lost by its heartbeat alone."""
 
@@ -42,53 +41,42 @@ def outcome(proc, log, out_dir, rank: int, scenario) -> dict:
             "log": (out_dir / f"rank{rank}.log").read_text()[-3000:]}
 
 
-def launch_with_losses(nprocs: int, scenario: tuple[str, dict], out_dir, timeout: float, dies: int,
-                       join: bool = True):
+def launch_with_losses(nprocs: int, scenario: tuple[str, dict], out_dir, timeout: float, dies: int) -> list[dict]:
     """Runs the scenario on ``nprocs`` ranks and waits for every one of them (a rank that dies
     does not stop the others; the time limit does, and rank ``dies`` is killed once the others
-    are done); once rank ``dies`` has died (``join``), a replacement sampler replica joins: a launch of its own (one process, RLT_ROLES_JOIN: the learner's store)
-    -> (per rank {"exitcode", "result", "log"}, the replacement's)."""
+    are done) -> per rank {"exitcode", "result", "log"}."""
     out_dir.mkdir(parents=True, exist_ok=True)
     spec = out_dir / "scenarios.json"
     spec.write_text(json.dumps([scenario]))
     port = free_port()
     procs = [spawn(rank, nprocs, port, spec, out_dir) for rank in range(nprocs)]
-    joiner, joiner_dir = None, out_dir / "joiner"
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and (any(p.poll() is None for p, _ in procs)
-                                           or (joiner and joiner[0].poll() is None)):
+    while time.monotonic() < deadline and any(p.poll() is None for p, _ in procs):
         if all(p.poll() is not None for r, (p, _) in enumerate(procs) if r != dies):
-            # the others are done: a rank that hangs (SIGSTOP) is killed below; the replacement,
-            # which may still be leaving (it saw the learner's end), gets a minute to exit
-            deadline = min(deadline, time.monotonic() + 60)
-            if joiner is None or joiner[0].poll() is not None:
-                break
-        if join and joiner is None and procs[dies][0].poll() is not None:
-            joiner_dir.mkdir()
-            joiner = spawn(0, 1, free_port(), spec, joiner_dir, {"RLT_ROLES_JOIN": f"127.0.0.1:{port}"})
+            break  # the others are done: a rank that hangs (SIGSTOP) is killed below
         time.sleep(0.2)
-    ranks = [outcome(p, log, out_dir, rank, scenario) for rank, (p, log) in enumerate(procs)]
-    return ranks, (outcome(*joiner, joiner_dir, 0, scenario) if joiner else None)
+    return [outcome(p, log, out_dir, rank, scenario) for rank, (p, log) in enumerate(procs)]
 
 
-def test_a_killed_sampler_costs_time_never_the_run_and_a_replacement_joins(tmp_path):
-    """Replica 1 dies at data step 3 (of 7); a replacement (replica 2) starts once it is dead and
-    joins at the learner's next publication and samples a learned data step (replica 0 waits for
-    it to beat at data step 4, and at data step 5 for it to claim data step 6)."""
+def test_a_killed_sampler_costs_time_never_the_run(tmp_path):
+    """Replica 1 dies at data step 3 (of 7) holding it; replica 0 redoes it and the run equals the
+    colocated one. (A replacement joining mid-run is not tested here: the version of this test
+    that made replica 0 wait for a joiner deadlocked under load when the loss was noticed after
+    replica 0 had passed the lost step: replica 0 waited for the joiner, the joiner for a version
+    that needed the lost step; the samplers_join e2e test covers replicas that join.)"""
     grpo = {"max_staleness": 1, "sampler_timeout_s": 10.0}
     args = {"grpo": grpo, "train": {"steps": 7}, "out_dir": str(tmp_path / "roles"), "samplers": 2,
-            "kill_replica": 1, "kill_at": 3, "joiner": True}
-    ranks, joiner = launch_with_losses(3, ("async_scenarios.pool_run", args), tmp_path / "ranks", 600, dies=2)
+            "kill_replica": 1, "kill_at": 3}
+    ranks = launch_with_losses(3, ("async_scenarios.pool_run", args), tmp_path / "ranks", 600, dies=2)
     assert ranks[2]["exitcode"] == -9, ranks[2]  # the replica died holding a data step >= 3
     for r in (0, 1):
         assert ranks[r]["exitcode"] == 0 and "error" not in ranks[r]["result"], ranks[r]
     assert ranks[0]["result"]["step"] == 7 and ranks[1]["result"]["role"] == "sampler"
-    assert joiner["exitcode"] == 0 and joiner["result"]["role"] == "sampler", joiner
     lines = logged(tmp_path / "roles")
     assert len(lines) == 7
     replicas = [x["async/sampler_replica"] for x in lines]
-    assert 1.0 not in replicas[3:] and 2.0 in replicas[3:], replicas  # step 3 redone; replica 2 sampled
-    assert lines[0]["async/samplers_alive"] == 2.0 and lines[-1]["async/samplers_alive"] == 2.0
+    assert 1.0 not in replicas[3:], replicas  # step 3 redone by replica 0
+    assert lines[0]["async/samplers_alive"] == 2.0 and lines[-1]["async/samplers_alive"] == 1.0
     colocated({"max_staleness": 1}, {"steps": 7}, tmp_path / "colocated")
     a, b = final_params(tmp_path / "roles"), final_params(tmp_path / "colocated")
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
@@ -103,8 +91,7 @@ def test_a_hung_sampler_is_lost_by_its_heartbeat(tmp_path):
     grpo = {"max_staleness": 1, "sampler_timeout_s": 5.0}
     args = {"grpo": grpo, "train": {"steps": 5}, "out_dir": str(tmp_path / "roles"), "samplers": 2,
             "kill_replica": 1, "kill_at": 3, "signal_name": "SIGSTOP"}
-    ranks, _ = launch_with_losses(3, ("async_scenarios.pool_run", args), tmp_path / "ranks", 600, dies=2,
-                                  join=False)
+    ranks = launch_with_losses(3, ("async_scenarios.pool_run", args), tmp_path / "ranks", 600, dies=2)
     assert ranks[2]["exitcode"] == -9, ranks[2]  # hung until the launcher killed it
     for r in (0, 1):
         assert ranks[r]["exitcode"] == 0 and "error" not in ranks[r]["result"], ranks[r]
