@@ -6,6 +6,7 @@ layers) and ZeRO-3 (partitioned parameters)."""
 
 from __future__ import annotations
 
+import gc
 from contextlib import contextmanager
 
 import torch
@@ -146,12 +147,19 @@ def encoder_kept_bytes(cfg, dims, model) -> dict | None:
     def kept(rows: int) -> int:
         x, _ = global_batch(cfg, 0, 2)
         h = model.embed(x[:rows]).detach().requires_grad_(True)
-        tracker = _PeakTracker()
-        tracker.track_external(model, h)
-        with tracker:
-            before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
-            out = Encode()(h)
-            after = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        # The garbage of an earlier call (the checkpoints' reference cycles) is collected before,
+        # not during, the tracked call: a collection inside it would subtract that call's bytes.
+        gc.collect()
+        gc.disable()
+        try:
+            tracker = _PeakTracker()
+            tracker.track_external(model, h)
+            with tracker:
+                before = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+                out = Encode()(h)
+                after = tracker.get_tracker_snapshot("current")[torch.device("cpu")]["Total"]
+        finally:
+            gc.enable()
         return after - before - out.numel() * out.element_size()
 
     B, T, d = cfg.train.micro_batch_size, cfg.data.seq_len, cfg.model.d_model
