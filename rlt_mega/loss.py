@@ -99,7 +99,7 @@ class Logits:
             return tuple(o.reshape(1) if o.dim() == 0 else o for o in (out if isinstance(out, tuple) else (out,)))
 
         pieces = []
-        for lo in range(0, M, step):
+        for lo in range(0, max(M, 1), step):  # (no positions: one empty piece, the outputs' shapes)
             sliced = [a[lo:lo + step] for a in args]
             if self.chunk > 0 and self.recompute and torch.is_grad_enabled():  # the chunk's logits recomputed in the backward
                 pieces.append(checkpoint(piece, lo, lo + step, *sliced, use_reentrant=False,

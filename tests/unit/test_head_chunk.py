@@ -170,6 +170,14 @@ def test_the_planners_chunked_head_peak_against_memtracker():
     assert predicted.peak == pytest.approx(_measure_engine_step(cfg, 8, 16, ck), rel=0.05), predicted.phases
 
 
+def test_a_loss_that_reads_no_position_reads_an_empty_chunk():
+    z = torch.randn(2, 3, 8, requires_grad=True)
+    head = torch.nn.Linear(8, 5)
+    for chunk in (0, 2):
+        out = Logits(z, head, chunk).map(lambda x: x.sum(-1), torch.zeros(0, dtype=torch.long))
+        assert len(out) == 1 and out[0].shape == (0,)
+
+
 def test_a_negative_head_chunk_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"train\.checkpointing\.head_chunk=-1.*0 computes the head"):
         CheckpointingConfig(head_chunk=-1)
