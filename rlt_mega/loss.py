@@ -79,10 +79,6 @@ class Logits:
     def rows(self, start: int, stop: int) -> "Logits":
         return Logits(self.x[start:stop], self.head, self.chunk, self.recompute)
 
-    def tensor(self) -> torch.Tensor:
-        """Every position's logits (B, T, V_local) at once: for a loss that needs them whole."""
-        return self.x if self.head is None else self.head(self.x)
-
     def map(self, fn: Callable[..., object], index: Optional[torch.Tensor] = None,
             *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """``fn(logits (n, V_local), *args' n rows)`` -> a tensor or a tuple of tensors, each with
