@@ -170,6 +170,28 @@ def test_the_planners_chunked_head_peak_against_memtracker():
     assert predicted.peak == pytest.approx(_measure_engine_step(cfg, 8, 16, ck), rel=0.05), predicted.phases
 
 
+def test_the_planners_head_recomputation_is_what_flop_counter_counts():
+    """The chunked head's backward runs each chunk's lm_head GEMM once more: cost/flops.py's head
+    row prices it as recomputation, and flop_counter counts exactly that much more."""
+    from rlt_mega.cost.flops import flop_rows
+    from rlt_mega.cost.measure import count_flops
+
+    model = tiny(vocab=512)
+    x = torch.randint(0, 512, (2, 24), generator=torch.Generator().manual_seed(2))
+    batch = {"inputs": x, "targets": x}
+    z = model(x, hidden=True).detach().requires_grad_(True)
+
+    def flops(chunk: int) -> int:
+        def step():
+            logits = Logits(z, model.head, chunk) if chunk else model.head(z)
+            LM_LOSS.logits_loss(logits, batch, WHOLE_VOCAB).backward()
+        return count_flops(step)
+
+    head = [r for r in flop_rows(model.cfg, 24, CheckpointingConfig(head_chunk=10)) if r.part == "head"]
+    assert len(head) == 1 and head[0].recompute == head[0].forward > 0
+    assert flops(10) - flops(0) == 2 * head[0].recompute  # 2 rows of 24 positions
+
+
 def test_a_loss_that_reads_no_position_reads_an_empty_chunk():
     z = torch.randn(2, 3, 8, requires_grad=True)
     head = torch.nn.Linear(8, 5)
