@@ -15,6 +15,9 @@ GRADIENTS = [
                              "parallel": {"pp": 2, "micro_batches": 2, "zero_stage": 1},
                              "train": {"checkpointing": {"decoder": "every_k", "decoder_k": 3}}}),
     (S + "fused_vs_module", {"model": {"share_weights": False}, "parallel": {"tp": 2, "pp": 2, "micro_batches": 2}}),
+    # the head over chunks of positions with ZeRO-3 partitioning lm_head (its gathers in each chunk's recompute)
+    (S + "fused_vs_module", {"model": {"n_kv_heads": 2}, "parallel": {"tp": 2, "zero_stage": 3},
+                             "train": {"checkpointing": {"head_chunk": 5}}, "persistence_threshold": 0}),
 ]
 CHECKPOINTING = [
     (S + "checkpointing_bit_identical", {"model": {"memory_block": 1, "n_kv_heads": 2}, "parallel": {"tp": 2}}),
@@ -37,6 +40,7 @@ def test_gradients_equal_the_one_process_reference(ranks, name, args):
     for r in ranks(4).each(name, args):
         assert r["fused_positions"] > 0 and r["module_layers"] == 0, r
         assert r["ref_module_layers"] > 0 and r["ref_fused_positions"] == 0
+        assert (r["head_chunks"] > 0) == bool(args.get("train", {}).get("checkpointing", {}).get("head_chunk"))
         assert abs(r["loss"] - r["ref_loss"]) < 1e-5
         assert r["grad_diff"] < 1e-5 * max(1.0, r["grad_scale"]), r["grad_worst"]
 
