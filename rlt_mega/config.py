@@ -315,9 +315,14 @@ class CheckpointingConfig:
     decoder: Literal["none", "step", "every_k"] = "none"
     decoder_k: int = 4  # steps per checkpointed segment when decoder == "every_k"
     encoder: bool = False  # checkpoint each encoder block
+    # The learner's head (final norm, lm_head, the loss's processing) over this many positions at a
+    # time, each chunk's fp32 logits recomputed in the backward (loss.py Logits): 0, all at once.
+    head_chunk: int = 0
 
     def __post_init__(self) -> None:
         _check(self.decoder_k >= 1, f"train.checkpointing.decoder_k={self.decoder_k}: must be >= 1")
+        _check(self.head_chunk >= 0, f"train.checkpointing.head_chunk={self.head_chunk}: must be >= 0 "
+                                     "(positions per head chunk; 0 computes the head over all positions at once)")
 
 
 @dataclass

@@ -96,7 +96,8 @@ def run_plan(args, out=None) -> int:
             return 0
         hw = _hardware(args)
         plans, considered = plan_layouts(cfg.model, hw, cfg.data.seq_len, args.global_batch,
-                                         dtype=cfg.train.dtype, max_global_batch=args.max_global_batch)
+                                         dtype=cfg.train.dtype, max_global_batch=args.max_global_batch,
+                                         head_chunk=cfg.train.checkpointing.head_chunk)
     except ConfigError as exc:
         sys.stderr.write(f"rlt-mega plan: error: {exc}\n")
         return 2

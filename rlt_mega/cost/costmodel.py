@@ -119,7 +119,9 @@ def format_report(rep: dict) -> str:
         f"{lay['sequences_per_step']} sequences = {_si(lay['tokens_per_step'])} tokens per step",
         f"checkpointing: decoder={lay['checkpointing']['decoder']}"
         + (f" (k={lay['checkpointing']['decoder_k']})" if lay['checkpointing']['decoder'] == "every_k" else "")
-        + f", encoder={lay['checkpointing']['encoder']}; attention kernel {lay['attention_kernel']}",
+        + f", encoder={lay['checkpointing']['encoder']}"
+        + (f", head_chunk={lay['checkpointing']['head_chunk']}" if lay['checkpointing'].get('head_chunk') else "")
+        + f"; attention kernel {lay['attention_kernel']}",
         "",
         "Parameters",
     ]

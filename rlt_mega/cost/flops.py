@@ -13,7 +13,8 @@ Per sequence of T positions (B = 1), summed over all L layers:
                         (the null slot is projected for every sequence); self-attention scores
                         4 H Dh (t + 1) at position t; cross scores 4 H Dh (1 + vis(t))
   decoder input         recur_proj 2 d^2 per position
-  head                  lm_head 2 d V per position
+  head                  lm_head 2 d V per position (recomputed in the backward under
+                        train.checkpointing.head_chunk: each chunk's logits)
 
 model.arch dense / looped (model/baselines.py): the encoder rows alone, for R * L block
 applications (R = model.loops; 1 for dense), every one a causal batch, and the head; no
@@ -103,7 +104,7 @@ def flop_rows(cfg: ModelConfig, seq_len: int, checkpointing: CheckpointingConfig
         FlopRow("decoder", "recurrence", recur, 2 * recur, recur if dec_ck else 0),
     ]
     head = T * 2 * d * cfg.vocab_size / tp if last_stage else 0
-    rows.append(FlopRow("head", "lm_head", head, 2 * head, 0))
+    rows.append(FlopRow("head", "lm_head", head, 2 * head, head if ck.head_chunk else 0))
     return rows
 
 
@@ -122,7 +123,7 @@ def _baseline_rows(cfg: ModelConfig, T: int, ck: CheckpointingConfig, kernel: st
         FlopRow("encoder", "self_attn_proj", proj, 2 * proj, proj if ckpt else 0),
         FlopRow("encoder", "self_attn_scores", scores, sdpa_bwd * scores, scores if ckpt else 0),
         FlopRow("encoder", "mlp", mlp, 2 * mlp, mlp - n * T * 2 * d * f if ckpt else 0),
-        FlopRow("head", "lm_head", head, 2 * head, 0),
+        FlopRow("head", "lm_head", head, 2 * head, head if ck.head_chunk else 0),
     ]
 
 

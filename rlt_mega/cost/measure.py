@@ -37,6 +37,15 @@ def _peak_tracker_class():
         """MemTracker's storage accounting without its per-module peak snapshots (which
         loop over every module at every operator: a decoder step calls 10 L modules)."""
 
+        def _pre_fw_hook(self, module, inputs) -> None:
+            """A module called again from no common root (the chunked head, loss.Logits, calls the
+            model's final_norm and lm_head after the model's own call) is a new one here: MemTracker
+            takes it for a second iteration and refuses; the totals do not depend on it."""
+            parents = set(self._mod_tracker.parents) - {self._mod_tracker.get_known_fqn(module)}
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and parents == {"Global"}:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 if snap[_TOTAL_KEY] > self._peak_mem.get(dev, 0):

@@ -17,7 +17,11 @@ q = H Dh / tp, kv = H_kv Dh / tp, F = ffn / tp, H = heads / tp:
   memory           memory_norm; the slots {null} + m (a d (T+1)/T); the memory K/V of every
                    layer (2 a kv (T+1)/T), which cross-attention saves as views
   head             final_norm; the fp32 logits (4 V/tp) when the trainer keeps them and the
-                   fp32 log-softmax the loss saves (4 V/tp)
+                   fp32 log-softmax the loss saves (4 V/tp). Chunked (train.checkpointing.
+                   head_chunk = c, loss.Logits): the head's input z alone (a d), and in the
+                   backward one chunk's recomputed head at a time: c positions (at most B T) of
+                   final_norm, logits, log-softmax and their gradients, beside the head weight's
+                   gradient accumulated over the chunks before
 
 Outside autograd: the DecoderKV buffers (2 a kv per layer and position) for the whole step.
 In backward the DecoderKV gradient buffers (2 x 4 kv per layer and position, fp32), the
@@ -125,15 +129,24 @@ def activation_per_token(cfg: ModelConfig, layout: Layout, stage: int,
             # memory_norm (last stage) and the slots {null} + m that the K/V products save
             "memory": (_norm(d, a, fused, output_saved=False) if last else 0.0) + a * d * (T + 1) / T,
             "decoder_kv": 0.0,
-            "head": norm if last else 0.0,
-            "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
+            **_head_per_token(cfg, layout, ck, norm, last),
             "tokens": 8 * (first + last),
         }
     apps = cfg.loops * n  # dense / looped: block applications per token
     ckpt = ck.encoder or ck.decoder != "none"
-    return {"encoder": apps * (a * d if ckpt else enc_block), "head": norm if last else 0.0,
-            "logits": (4 * cfg.vocab_size / tp) * ((1 if layout.keep_logits else 0) + 1) if last else 0.0,
+    return {"encoder": apps * (a * d if ckpt else enc_block), **_head_per_token(cfg, layout, ck, norm, last),
             "tokens": 8 * (first + last)}
+
+
+def _head_per_token(cfg: ModelConfig, layout: Layout, ck: CheckpointingConfig, norm: float, last: bool
+                    ) -> dict[str, float]:
+    """What the head saves per position to the end of the forward (the last stage): final_norm's and
+    the fp32 logits' (the kept logits, the loss's log-softmax); chunked, z alone (the checkpoint's input)."""
+    if not last:
+        return {"head": 0.0, "logits": 0.0}
+    if ck.head_chunk:
+        return {"head": layout.act_bytes * cfg.d_model, "logits": 0.0}
+    return {"head": norm, "logits": (4 * cfg.vocab_size / layout.tp) * ((1 if layout.keep_logits else 0) + 1)}
 
 
 def recompute_per_token(cfg: ModelConfig, layout: Layout, stage: int) -> dict[str, float]:
@@ -262,8 +275,9 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     saved = sum(act.values())
     baseline = cfg.arch != "rlt"
     act = {"decoder_kv": 0.0, **act}  # a baseline keeps no DecoderKV
-    logits_kept = 4 * V if (last and layout.keep_logits) else 0.0
-    logsoftmax = 4 * V if last else 0.0
+    chunk = min(layout.checkpointing.head_chunk, tok)  # the chunked head's positions at a time (0: whole)
+    logits_kept = 4 * V if (last and layout.keep_logits and not chunk) else 0.0
+    logsoftmax = 4 * V if (last and not chunk) else 0.0
     fused = not baseline
     dkv_grad = 0.0 if (baseline or fused) else n * 2 * 4 * kv  # (the fused run's are in its slab)
     retained, held, accumulators, scratch = _decoder_held(cfg, layout, stage, act, dkv_grad, tok, fused)
@@ -276,8 +290,13 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     round_acc = accumulators if pp > 1 else 0.0
 
     phases = {}
-    if last:  # log-softmax backward: its output, its gradient and the logits' gradient
+    if last and not chunk:  # log-softmax backward: its output, its gradient and the logits' gradient
         phases["head_backward"] = after_decoder + round_acc + in_flight * tok * saved + tok * 2 * 4 * V
+    elif last:  # the last chunk recomputed (final_norm, logits, log-softmax) in its log-softmax
+        # backward, beside the head weight's gradient of the chunks before it
+        head_grad = (counts["lm_head"] or counts["embed"]) * w if chunk < tok else 0.0
+        phases["head_backward"] = (after_decoder + round_acc + in_flight * tok * saved
+                                   + chunk * (_norm(d, a, layout.fused_rms_norm) + 3 * 4 * V) + head_grad)
     # the memory K/V gradients handed back (the fused run frees each layer's K/V gradients once
     # its copies are made: one layer's copies beside them at most), the embeddings' and z's
     mem_grads = (1 if fused else n) * 2 * a * kv * (T + 1) / T

@@ -111,7 +111,7 @@ class LayoutEstimate:
     def describe(self) -> str:
         lay, ck = self.layout, self.layout.checkpointing
         ckpt = ck.decoder + (f"({ck.decoder_k})" if ck.decoder == "every_k" else "") + (
-            "+enc" if ck.encoder else "")
+            "+enc" if ck.encoder else "") + (f"+head({ck.head_chunk})" if ck.head_chunk else "")
         return (f"tp={lay.tp} pp={lay.pp} dp={lay.dp} zero={lay.zero_stage} ckpt={ckpt} "
                 f"B={lay.micro_batch_size} M={lay.micro_batches} accum={lay.grad_accum}")
 
@@ -224,16 +224,18 @@ def _shapes(pp: int, per_replica: int, B: int) -> list[tuple[int, int]]:
 
 
 def candidate_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int,
-                      dtype: str = "bf16", max_global_batch: Optional[int] = None) -> list[Layout]:
+                      dtype: str = "bf16", max_global_batch: Optional[int] = None,
+                      head_chunk: int = 0) -> list[Layout]:
     """Every layout of the enumeration in the module docstring: sequences per step from
-    ``global_batch`` up to ``max_global_batch`` (default: exactly ``global_batch``)."""
+    ``global_batch`` up to ``max_global_batch`` (default: exactly ``global_batch``); the head
+    chunked by ``head_chunk`` positions (train.checkpointing.head_chunk) in every one."""
     world = hw.world_size
     most = max_global_batch or global_batch
     if most < global_batch:
         raise ConfigError(f"--max-global-batch {most} is below --global-batch {global_batch}: raise it "
                           "(or leave it out to keep the batch fixed)")
     k = 2 ** round(math.log2(max(1.0, math.sqrt(seq_len))))
-    ckpts = [CheckpointingConfig(decoder=dm, decoder_k=k, encoder=enc)
+    ckpts = [CheckpointingConfig(decoder=dm, decoder_k=k, encoder=enc, head_chunk=head_chunk)
              for dm in ("none", "every_k", "step") for enc in (False, True)]
     out = []
     for tp in _divisors(hw.gpus_per_node):
@@ -275,10 +277,10 @@ def evaluate(cfg: ModelConfig, lay: Layout, hw: Hardware, mem: Optional[float] =
 
 def plan_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int,
                  dtype: str = "bf16", top: Optional[int] = None,
-                 max_global_batch: Optional[int] = None) -> tuple[list[LayoutEstimate], int]:
+                 max_global_batch: Optional[int] = None, head_chunk: int = 0) -> tuple[list[LayoutEstimate], int]:
     """Layouts that fit, highest tokens/s first (ties: less memory), and the number of
     candidates considered."""
-    candidates = candidate_layouts(cfg, hw, seq_len, global_batch, dtype, max_global_batch)
+    candidates = candidate_layouts(cfg, hw, seq_len, global_batch, dtype, max_global_batch, head_chunk)
     plans = []
     for lay in candidates:
         mem = peak_memory(cfg, lay)

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from rlt_mega.config import Config, ConfigError, StateTaskConfig, state_task
-from rlt_mega.loss import IGNORE, LogitsLoss, Vocab
+from rlt_mega.loss import IGNORE, Logits, LogitsLoss, Vocab
 
 PERMUTATIONS = list(itertools.permutations(range(5)))  # S5: token id i is PERMUTATIONS[i]
 _PERM_INDEX = {p: i for i, p in enumerate(PERMUTATIONS)}
@@ -122,8 +122,9 @@ def eval_set(name: str, length: int, task: StateTaskConfig) -> list[dict]:
 # ------------------------------------------------------------------ accuracy as a loss of the logits
 def _hits(logits: torch.Tensor, batch: dict, vocab: Vocab) -> tuple[torch.Tensor, torch.Tensor]:
     """(b, T) correct, (b, T) has a target: greedy prediction over the whole vocabulary."""
-    targets = batch["targets"]
-    predicted = vocab.gather(logits)[:, :targets.shape[1]].argmax(-1)  # a pipeline round may pad T
+    targets, logits = batch["targets"], Logits.of(logits)
+    predicted = logits.map(lambda x: vocab.gather(x).argmax(-1))[0].view(logits.shape)
+    predicted = predicted[:, :targets.shape[1]]  # a pipeline round may pad T
     valid = targets != IGNORE
     return (predicted == targets) & valid, valid
 

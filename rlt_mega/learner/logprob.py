@@ -19,6 +19,7 @@ from typing import Callable, Optional
 
 import torch
 
+from rlt_mega.loss import Logits
 from rlt_mega.schedule.dense import DenseRows
 from rlt_mega.model.rlt import RLT
 from rlt_mega.precision import precision
@@ -62,62 +63,73 @@ def dense_inputs(rollout: Rollout) -> torch.Tensor:
     return rollout.tokens[:, :rollout.schedule.num_steps]
 
 
-def dense_logprobs_from_logits(logits: torch.Tensor, rollout: Rollout,
+def dense_logprobs_from_logits(logits: Logits | torch.Tensor, rollout: Rollout,
                                gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """logits (B, T, V_local) of the dense schedule on ``dense_inputs(rollout)`` (T >= num_steps:
-    positions past the rollout's steps are never read) -> processed log-probs (B, N) fp32 of the
-    completion tokens, with autograd. Under tensor parallelism V_local = V / tp and
-    ``gather_vocab`` (differentiable) makes the picked rows whole before the processing, which
-    needs the whole distribution (top-k, top-p, the normalisation)."""
-    return dense_logprobs_and_entropy(logits, rollout, gather_vocab, with_entropy=False)[0]
+    positions past the rollout's steps are never read; loss.Logits, or the tensor) -> processed
+    log-probs (B, N) fp32 of the completion tokens, with autograd. Under tensor parallelism
+    V_local = V / tp and ``gather_vocab`` (differentiable) makes the picked rows whole before the
+    processing, which needs the whole distribution (top-k, top-p, the normalisation)."""
+    return completion_values(logits, rollout, gather_vocab, with_entropy=False)[0]
 
 
-def dense_logprobs_and_entropy(logits: torch.Tensor, rollout: Rollout,
+def dense_logprobs_and_entropy(logits: Logits | torch.Tensor, rollout: Rollout,
                                gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
                                with_entropy: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """``dense_logprobs_from_logits`` and, with_entropy, the entropy (B, N) fp32 of the policy's
     processed distribution at each completion token (the one the rollout sampled from: its
     temperature, top-k and top-p), with autograd (GRPO's entropy bonus); 0 where masked."""
-    s = rollout.schedule
-    device = rollout.tokens.device
-    step, mask = completion_positions(s.prompt_lens, rollout.completion_lens, device)  # (B, N)
-    mask = mask & rollout.mask.to(device).bool()  # the sampled tokens (an inserted observation has no value)
-    rows = torch.arange(rollout.batch_size, device=device)[:, None].expand_as(step)
-    picked = logits[rows[mask], step[mask]]  # (M, V_local), M = number of completion tokens
-    if gather_vocab is not None:
-        picked = gather_vocab(picked)  # (M, V)
-    logprobs = process_logits(picked, s.processing)
-    targets = rollout.tokens.gather(1, step + 1)[mask]  # (M,)
-    values = logprobs.gather(1, targets[:, None]).squeeze(1)
-    out = torch.zeros(step.shape, dtype=values.dtype, device=device)
-    out = out.masked_scatter(mask, values)
-    if not with_entropy:
-        return out, None
-    # -sum p log p over the kept set: outside it p = 0 and log p = -inf, whose product is 0.
-    kept = torch.isfinite(logprobs)
-    plogp = torch.where(kept, logprobs.exp() * torch.where(kept, logprobs, torch.zeros_like(logprobs)),
-                        torch.zeros_like(logprobs))
-    entropy = torch.zeros(step.shape, dtype=values.dtype, device=device)
-    return out, entropy.masked_scatter(mask, -plogp.sum(dim=-1))
+    return completion_values(logits, rollout, gather_vocab, with_entropy)[:2]
 
 
-def dense_logprobs_at(logits: torch.Tensor, rollout: Rollout, ids: torch.Tensor,
+def dense_logprobs_at(logits: Logits | torch.Tensor, rollout: Rollout, ids: torch.Tensor,
                       gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> torch.Tensor:
     """The processed log-probs of the tokens ``ids`` (B, N, k) at each completion token's step
     (the distribution that token was drawn from), as ``dense_logprobs_from_logits`` computes them,
     with autograd -> (B, N, k) fp32, 0 where masked (grpo.teacher_topk: the student's side of
     the forward-KL term, learner/distill.py)."""
+    return completion_values(logits, rollout, gather_vocab, with_entropy=False, ids=ids)[2]
+
+
+def completion_values(logits: Logits | torch.Tensor, rollout: Rollout,
+                      gather_vocab: Optional[Callable[[torch.Tensor], torch.Tensor]] = None,
+                      with_entropy: bool = True, ids: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """What the learner reads of the processed distribution at each completion token, in one pass
+    over the logits (loss.Logits.map: under train.checkpointing.head_chunk a chunk of positions
+    at a time): the sampled token's log-prob (B, N), with_entropy the entropy (B, N), with
+    ``ids`` (B, N, k) their log-probs (B, N, k); fp32, with autograd, 0 where masked."""
     s = rollout.schedule
     device = rollout.tokens.device
+    logits = Logits.of(logits)
     step, mask = completion_positions(s.prompt_lens, rollout.completion_lens, device)  # (B, N)
-    mask = mask & rollout.mask.to(device).bool()
+    mask = mask & rollout.mask.to(device).bool()  # the sampled tokens (an inserted observation has no value)
     rows = torch.arange(rollout.batch_size, device=device)[:, None].expand_as(step)
-    picked = logits[rows[mask], step[mask]]  # (M, V_local)
-    if gather_vocab is not None:
-        picked = gather_vocab(picked)
-    values = process_logits(picked, s.processing).gather(1, ids.to(device)[mask])  # (M, k)
-    out = torch.zeros(*step.shape, ids.shape[-1], dtype=values.dtype, device=device)
-    return out.masked_scatter(mask[..., None].expand_as(out), values)
+    index = rows[mask] * logits.shape[1] + step[mask]  # (M,) flat positions, M = number of completion tokens
+    targets = rollout.tokens.gather(1, step + 1)[mask]  # (M,)
+    picked_ids = () if ids is None else (ids.to(device)[mask],)  # (M, k)
+
+    def read(picked: torch.Tensor, targets: torch.Tensor, *at: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if gather_vocab is not None:
+            picked = gather_vocab(picked)  # (n, V_local) -> (n, V)
+        logprobs = process_logits(picked, s.processing)
+        out = (logprobs.gather(1, targets[:, None]).squeeze(1),)  # (n,)
+        if with_entropy:  # -sum p log p over the kept set: outside it p = 0 and log p = -inf, whose product is 0
+            kept = torch.isfinite(logprobs)
+            plogp = torch.where(kept, logprobs.exp() * torch.where(kept, logprobs, torch.zeros_like(logprobs)),
+                                torch.zeros_like(logprobs))
+            out += (-plogp.sum(dim=-1),)
+        return out + tuple(logprobs.gather(1, a) for a in at)  # (n, k)
+
+    got = list(logits.map(read, index, targets, *picked_ids))
+    values = got.pop(0)
+    out = torch.zeros(step.shape, dtype=values.dtype, device=device).masked_scatter(mask, values)
+    entropy = torch.zeros_like(out).masked_scatter(mask, got.pop(0)) if with_entropy else None
+    at = None
+    if ids is not None:
+        at = torch.zeros(*step.shape, ids.shape[-1], dtype=values.dtype, device=device)
+        at = at.masked_scatter(mask[..., None].expand_as(at), got.pop(0))
+    return out, entropy, at
 
 
 def replay_logprobs(model: RLT, rollout: Rollout) -> torch.Tensor:

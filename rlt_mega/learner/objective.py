@@ -38,9 +38,8 @@ from rlt_mega.learner.aggregation import loss_count, loss_sum
 from rlt_mega.learner.correction import Correction, is_weights, ratio_by_version
 from rlt_mega.learner.distill import distill_advantages, distill_metrics, forward_kl_metrics, forward_kl_topk
 from rlt_mega.learner.grpo import grpo_loss
-from rlt_mega.learner.logprob import (dense_inputs, dense_logprobs_and_entropy, dense_logprobs_at, dense_rows,
-                                     hybrid_logprobs, mismatch_metrics)
-from rlt_mega.loss import DENSE_ROWS, LogitsLoss, Vocab
+from rlt_mega.learner.logprob import completion_values, dense_inputs, dense_rows, hybrid_logprobs, mismatch_metrics
+from rlt_mega.loss import DENSE_ROWS, Logits, LogitsLoss, Vocab
 from rlt_mega.schedule.dense import stack_rows
 from rlt_mega.rollout.sampler import Rollout
 
@@ -118,15 +117,17 @@ class GRPOObjective(LogitsLoss):
         s = self.settings
         return sum(loss_count(p.loss_mask(), s.loss_agg, s.loss_agg_length) for p in batch["parts"])
 
-    def logits_loss(self, logits: torch.Tensor, batch: dict, vocab: Vocab) -> torch.Tensor:
+    def logits_loss(self, logits: torch.Tensor | Logits, batch: dict, vocab: Vocab) -> torch.Tensor:
         s, total, offset = self.settings, None, 0
+        logits = Logits.of(logits)
         for part in batch["parts"]:
             ro: Rollout = part.rollout
             if part.replay is None:
                 raise RuntimeError("the GRPO loss needs the replay of its rollout on the rank that computes it")
-            rows = logits[offset:offset + ro.batch_size]  # (B, T, V_local)
+            rows = logits.rows(offset, offset + ro.batch_size)  # (B, T, V_local)
             offset += ro.batch_size
-            dense, entropy = dense_logprobs_and_entropy(rows, ro, vocab.gather)  # (B, N) each
+            ids = None if part.teacher_topk is None else part.teacher_topk[0]  # (B, N, k)
+            dense, entropy, student_topk = completion_values(rows, ro, vocab.gather, ids=ids)  # (B, N) each
             logp = hybrid_logprobs(dense, part.replay)
             kl_coef = s.kl_coef if part.ref is not None else 0.0
             old, weights = ro.mu, None
@@ -148,8 +149,8 @@ class GRPOObjective(LogitsLoss):
             if part.teacher is not None:
                 record.update(distill_metrics(part.teacher, ro.mu, part.loss_mask()))
             if part.teacher_topk is not None:  # the forward-KL term on the teacher's top-k
-                ids, teacher_lp = part.teacher_topk
-                fkl = forward_kl_topk(dense_logprobs_at(rows, ro, ids, vocab.gather), teacher_lp, part.loss_mask())
+                teacher_lp = part.teacher_topk[1]
+                fkl = forward_kl_topk(student_topk, teacher_lp, part.loss_mask())
                 loss = loss + s.teacher_topk_coef * loss_sum(fkl, part.loss_mask(), s.loss_agg)
                 record.update(forward_kl_metrics(fkl, teacher_lp, part.loss_mask()))
             if ro.version is not None:  # the staleness metrics, by each token's own policy version

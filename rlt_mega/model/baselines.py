@@ -98,12 +98,15 @@ class DenseLM(ModelBase):
         return KVCache(self.num_cache_layers, capacity)
 
     def forward(self, tokens: torch.Tensor, cache: Optional[KVCache] = None, start: int = 0,
-                rows: Optional[DenseRows] = None) -> torch.Tensor:
-        """tokens (B, T) -> logits (B, T, V), fp32; logits_t is the distribution of x_{t+1}.
+                rows: Optional[DenseRows] = None, hidden: bool = False) -> torch.Tensor:
+        """tokens (B, T) -> logits (B, T, V), fp32; logits_t is the distribution of x_{t+1}
+        (``hidden``: the head's input z (B, T, d), as RLT.forward's).
         ``rows`` (schedule/dense.py): with compaction the head runs at the
         completion positions only, as RLT.forward's (0 elsewhere); the blocks run every position
         (they are parallel over positions: nothing to skip but padding)."""
         z = self.hidden(tokens, cache, start)
+        if hidden:
+            return z
         return self.head(z) if rows is None else rows.head(self.head, z)
 
 

@@ -156,15 +156,18 @@ class RLT(ModelBase):
         return pack.unpack(self.memory_norm(self.encode(pack.pack(emb), documents=pack)))
 
     def forward(self, tokens: torch.Tensor, documents: Optional[Documents] = None,
-                rows: Optional[DenseRows] = None) -> torch.Tensor:
+                rows: Optional[DenseRows] = None, hidden: bool = False) -> torch.Tensor:
         """The dense schedule: tokens (B, T) -> logits (B, T, V), fp32; logits_t is the
         distribution of x_{t+1}. ``documents``: the rows are packed documents, each computed
         as if alone in its row (model/documents.py). ``rows`` (schedule/dense.py): row b's
         logits are those of its completion positions [P_b - 1, rows.lengths[b]) when
-        ``rows.compact`` (0 elsewhere: not computed), of [0, rows.lengths[b]) otherwise."""
+        ``rows.compact`` (0 elsewhere: not computed), of [0, rows.lengths[b]) otherwise.
+        ``hidden``: the head's input z (B, T, d) instead (an engine's chunked head, loss.Logits)."""
         emb = self.embed(tokens)
         m = self.dense_memory(emb, documents, rows)
         z = self.decode_dense(emb, self.memory_kv(m), documents=documents, rows=rows)
+        if hidden:
+            return z
         return self.head(z) if rows is None else rows.head(self.head, z)
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rlt_mega.loss import DENSE_ROWS, DOC_STARTS, IGNORE, LogitsLoss
+from rlt_mega.loss import DENSE_ROWS, DOC_STARTS, IGNORE, Logits, LogitsLoss
 from rlt_mega.model.documents import Documents
 from rlt_mega.parallel.dims import ParallelDims
 
@@ -31,6 +31,17 @@ def forward_kwargs(batch: dict) -> dict:
     if batch.get(DENSE_ROWS) is not None:
         kwargs["rows"] = batch[DENSE_ROWS]
     return kwargs
+
+
+def dense_logits(call, module: torch.nn.Module, batch: dict) -> torch.Tensor | Logits:
+    """What a loss reads of one batch: the dense schedule's logits (b, T, V_local) fp32 from ``call``
+    (the model, or the DeepSpeed engine around it); under train.checkpointing.head_chunk its
+    head's input z and ``module``'s head (loss.Logits), which the loss applies a chunk of
+    positions at a time."""
+    chunk = module.checkpointing.head_chunk
+    if not chunk:
+        return call(batch["inputs"], **forward_kwargs(batch))
+    return Logits(call(batch["inputs"], hidden=True, **forward_kwargs(batch)), module.head, chunk)  # z (b, T, d)
 
 
 def pad_to(x: torch.Tensor, length: int, value: int) -> torch.Tensor:

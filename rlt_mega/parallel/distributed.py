@@ -38,7 +38,7 @@ from rlt_mega.config import CheckpointConfig, OptimConfig, ParallelConfig
 from rlt_mega.loss import LM_LOSS, LogitsLoss
 from rlt_mega.model.rlt import RLT
 from rlt_mega.parallel import batching
-from rlt_mega.parallel.batching import forward_kwargs
+from rlt_mega.parallel.batching import dense_logits
 from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims, micro_batch_plan
 from rlt_mega.parallel.ds_checkpoint import DeepSpeedCheckpoint
@@ -135,7 +135,7 @@ class DistributedEngine:
         return float(total) / max(count, 1.0)  # the normalisation: the global sum over the global count
 
     def _dense_loss(self, batch: dict, loss: LogitsLoss) -> torch.Tensor:
-        return loss.logits_loss(self.ds(batch["inputs"], **forward_kwargs(batch)), batch, self.vocab)  # logits (b, T, V / tp) fp32
+        return loss.logits_loss(dense_logits(self.ds, self.module, batch), batch, self.vocab)  # logits (b, T, V / tp) fp32
 
     def _all_finite(self, grads: dict) -> bool:
         """Every rank's accumulated gradients finite: one flag per tensor on the device, one

@@ -37,7 +37,7 @@ from rlt_mega.parallel.adapter_files import base_state, load_adapters, save_adap
 from rlt_mega.model.lora import has_adapters
 from rlt_mega.config import CheckpointingConfig, OptimConfig, TrainConfig
 from rlt_mega.loss import LM_LOSS, WHOLE_VOCAB, LogitsLoss
-from rlt_mega.parallel.batching import forward_kwargs
+from rlt_mega.parallel.batching import dense_logits
 from rlt_mega.parallel.cuda_graphs import install_cuda_graphs
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.zero import param_groups
@@ -178,7 +178,7 @@ class LocalEngine:
         for b in batches:
             with precision(self.dtype, self.device):
                 # The normalisation: each batch's loss SUM over the step's count.
-                part = loss.logits_loss(self.model(b["inputs"], **forward_kwargs(b)), b, WHOLE_VOCAB) / max(total, 1)
+                part = loss.logits_loss(dense_logits(self.model, self.model, b), b, WHOLE_VOCAB) / max(total, 1)
             part.backward()
             loss_sum += float(part.detach())
         params = [p for p in self.model.parameters() if p.grad is not None]
@@ -207,7 +207,7 @@ class LocalEngine:
         for b in batches:
             b = self._to_device(b)
             with precision(self.dtype, self.device):
-                loss_sum += float(loss.logits_loss(self.model(b["inputs"], **forward_kwargs(b)), b, WHOLE_VOCAB))
+                loss_sum += float(loss.logits_loss(dense_logits(self.model, self.model, b), b, WHOLE_VOCAB))
             total += loss.count(b)
         return loss_sum / max(total, 1)  # the normalisation: the summed loss over the summed count
 

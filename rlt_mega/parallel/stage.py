@@ -52,7 +52,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from rlt_mega.loss import DENSE_ROWS, LogitsLoss, Vocab
+from rlt_mega.loss import DENSE_ROWS, Logits, LogitsLoss, Vocab
 from rlt_mega.model.decoder import DecoderRun
 from rlt_mega.model.stack import WeightGrads
 from rlt_mega.model.documents import Documents
@@ -251,7 +251,9 @@ class RLTStage:
         mb = self.mbs[j]
         z = torch.cat([mb.z_cut[t] for t in range(len(mb.z_cut))], dim=1)  # (b, T, d)
         rows = mb.batch.get(DENSE_ROWS)
-        logits = self.model.head(z) if rows is None else rows.head(self.model.head, z)  # (b, T, V / tp) fp32
+        chunk = self.model.checkpointing.head_chunk  # (loss.Logits: the head a chunk of positions at a time)
+        logits = (Logits(z, self.model.head, chunk) if chunk else
+                  self.model.head(z) if rows is None else rows.head(self.model.head, z))  # (b, T, V / tp) fp32
         total = self.loss.logits_loss(logits, mb.batch, self.vocab)
         if self.grad:
             mb.loss = total * self.loss_scale

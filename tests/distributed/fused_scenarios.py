@@ -13,6 +13,7 @@ from contextlib import contextmanager
 import torch
 
 
+import rlt_mega.loss as loss_module
 import rlt_mega.reference as reference
 from rlt_mega.model import decoder as fused_run
 from rlt_mega.parallel.gather import gather_full
@@ -21,9 +22,14 @@ from tests.distributed.scenarios import Reference, _close, _engine, global_batch
 
 @contextmanager
 def count_calls():
-    """Counts the decoder step's positions and the reference's decoder layers run inside."""
-    counts = {"fused_positions": 0, "module_layers": 0}
-    fused, module = fused_run.DecoderRun.step_forward, reference._layer
+    """Counts the decoder step's positions, the reference's decoder layers and the chunks of a
+    chunked head (train.checkpointing.head_chunk: loss.Logits checkpoints each) run inside."""
+    counts = {"fused_positions": 0, "module_layers": 0, "head_chunks": 0}
+    fused, module, chunk = fused_run.DecoderRun.step_forward, reference._layer, loss_module.checkpoint
+
+    def chunk_spy(*args, **kwargs):
+        counts["head_chunks"] += 1
+        return chunk(*args, **kwargs)
 
     def fused_spy(self, *args, **kwargs):
         counts["fused_positions"] += 1
@@ -33,11 +39,11 @@ def count_calls():
         counts["module_layers"] += 1
         return module(*args, **kwargs)
 
-    fused_run.DecoderRun.step_forward, reference._layer = fused_spy, module_spy
+    fused_run.DecoderRun.step_forward, reference._layer, loss_module.checkpoint = fused_spy, module_spy, chunk_spy
     try:
         yield counts
     finally:
-        fused_run.DecoderRun.step_forward, reference._layer = fused, module
+        fused_run.DecoderRun.step_forward, reference._layer, loss_module.checkpoint = fused, module, chunk
 
 
 @contextmanager
@@ -93,22 +99,27 @@ def checkpointing_bit_identical(model=None, parallel=None, train=None) -> dict:
     input, parallel/tp.py CheckpointShards), the same batch: losses and every gathered gradient
     equal bit for bit. Flushes of 8 rows (W = 2 positions at B = 4) make the recomputation ring
     (4 slots at k = 3) shorter than the sequence. Also the bytes the checkpointed encoder keeps
-    (MemTracker) against the planner's."""
+    (MemTracker) against the planner's, and the head chunked by 5 positions (under TP the
+    vocab-parallel cross-entropy of each chunk, under PP on the last stage): its loss and
+    gradients against the whole head's, to rounding (loss.Logits says why not bit for bit)."""
     from rlt_mega.model import run_buffers
 
-    results = {}
+    results, chunks = {}, 0
     rows = run_buffers.WGRAD_ROWS
     run_buffers.WGRAD_ROWS = 8
     try:
-        for run, decoder, k, encoder in (("none", "none", 4, False), ("step", "step", 1, False),
-                                         ("every_k", "every_k", 3, False), ("encoder", "none", 4, True)):
+        for run, decoder, k, encoder, head in (("none", "none", 4, False, 0), ("step", "step", 1, False, 0),
+                                               ("every_k", "every_k", 3, False, 0), ("encoder", "none", 4, True, 0),
+                                               ("head", "none", 4, False, 5)):
             cfg = make_cfg(model or {}, parallel, {**(train or {}), "checkpointing": {
-                "decoder": decoder, "decoder_k": k, "encoder": encoder}})
+                "decoder": decoder, "decoder_k": k, "encoder": encoder, "head_chunk": head}})
             dims, engine = _engine(cfg)
             with count_calls() as counts:
                 loss, _, _ = engine.backward_step(local_batches(cfg, 0, dims))
             full = {n: g.detach().clone() for n, g in gather_full(engine.gradients(), dims).items()}
             results[run] = (float(loss), full, counts["fused_positions"])
+            chunks += counts["head_chunks"]
+            last = dims.is_last_stage  # (the head and the loss run on the last stage)
             if encoder:
                 kept = encoder_kept_bytes(cfg, dims, engine.module)
             _close(dims, engine)
@@ -117,11 +128,14 @@ def checkpointing_bit_identical(model=None, parallel=None, train=None) -> dict:
     base_loss, base, base_positions = results["none"]
     out = {"compared": len(base), "fused_positions": base_positions, "encoder_kept": kept,
            "scale": max(float(g.abs().max()) for g in base.values())}
-    for run in ("step", "every_k", "encoder"):
+    for run in ("step", "every_k", "encoder", "head"):
         loss, grads, positions = results[run]
         out[run] = {"loss_equal": loss == base_loss, "names_equal": sorted(grads) == sorted(base),
                     "unequal": [n for n in base if n not in grads or not grads[n].equal(base[n])],
                     "more_positions": positions > base_positions}  # the recomputation ran
+    loss, grads, _ = results["head"]
+    out["head"].update(loss_diff=abs(loss - base_loss), chunks=chunks, last_stage=last, grad_diff=max(
+        float((grads[n] - base[n]).abs().max()) for n in base if n in grads))
     return out
 
 

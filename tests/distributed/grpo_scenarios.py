@@ -27,6 +27,7 @@ from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.learner.aggregation import loss_count
 from rlt_mega.learner.grpo import group_advantages, grpo_loss
 from rlt_mega.learner.logprob import dense_logprobs, hybrid_logprobs
+import rlt_mega.loss as loss_module
 from rlt_mega.loss import DENSE_ROWS
 from rlt_mega.schedule.dense import DensePlan
 from rlt_mega.schedule.prompt_pack import PromptPack
@@ -340,8 +341,13 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
         return stats
 
     trainer.engine.train_step = spy
-    with _prompt_packs() as packs:
-        scalars = trainer.job.step(0)
+    chunks, checkpoint = [], loss_module.checkpoint  # the chunked head's chunks (train.checkpointing.head_chunk)
+    loss_module.checkpoint = lambda *a, **k: chunks.append(1) or checkpoint(*a, **k)
+    try:
+        with _prompt_packs() as packs:
+            scalars = trainer.job.step(0)
+    finally:
+        loss_module.checkpoint = checkpoint
     stats = captured["stats"]
     ref = OneProcessGRPO(cfg, dims.dp).step(recs, [s.lr for s in stats])
     mine = captured["rollouts"][:len(captured["rollouts"]) // cfg.grpo.epochs]
@@ -356,7 +362,7 @@ def grpo_step_vs_reference(parallel: dict, train: dict | None = None, grpo: dict
            "norm": [s.grad_norm for s in stats], "ref_norm": ref["norm"], "param_diff": param_diff,
            "param_worst": worst, "scalars": scalars, "ref_reward_mean": sum(ref["rewards"]) / len(ref["rewards"]),
            "row_steps": [sum(s for s, _ in captured["row_steps"]), sum(p for _, p in captured["row_steps"])],
-           "packs": packs}
+           "packs": packs, "head_chunks": len(chunks), "last_stage": dims.is_last_stage}
     trainer.engine.close()
     dims.destroy()
     return out

@@ -15,6 +15,9 @@ GRADIENTS = [
                              "parallel": {"pp": 2, "micro_batches": 2, "zero_stage": 1},
                              "train": {"checkpointing": {"decoder": "every_k", "decoder_k": 3}}}),
     (S + "fused_vs_module", {"model": {"share_weights": False}, "parallel": {"tp": 2, "pp": 2, "micro_batches": 2}}),
+    # the head over chunks of positions with ZeRO-3 partitioning lm_head (its gathers in each chunk's recompute)
+    (S + "fused_vs_module", {"model": {"n_kv_heads": 2}, "parallel": {"tp": 2, "zero_stage": 3},
+                             "train": {"checkpointing": {"head_chunk": 5}}, "persistence_threshold": 0}),
 ]
 CHECKPOINTING = [
     (S + "checkpointing_bit_identical", {"model": {"memory_block": 1, "n_kv_heads": 2}, "parallel": {"tp": 2}}),
@@ -37,6 +40,7 @@ def test_gradients_equal_the_one_process_reference(ranks, name, args):
     for r in ranks(4).each(name, args):
         assert r["fused_positions"] > 0 and r["module_layers"] == 0, r
         assert r["ref_module_layers"] > 0 and r["ref_fused_positions"] == 0
+        assert (r["head_chunks"] > 0) == bool(args.get("train", {}).get("checkpointing", {}).get("head_chunk"))
         assert abs(r["loss"] - r["ref_loss"]) < 1e-5
         assert r["grad_diff"] < 1e-5 * max(1.0, r["grad_scale"]), r["grad_worst"]
 
@@ -48,14 +52,21 @@ def test_checkpointed_gradients_are_bit_identical_in_every_layout(ranks, name, a
     what it received) and TP=2 x PP=2: the gradients of "none", "step" and "every_k" equal; and
     those of the checkpointed encoder, which under TP keeps 1/tp of each block's input per rank
     (measured on the one-stage layout: what the planner says, the inputs after the first block
-    halved at TP=2)."""
+    halved at TP=2). And the head chunked by positions, each chunk's logits recomputed in the
+    backward (under TP each chunk's vocab-parallel cross-entropy; under PP on the last stage):
+    loss and gradients within rounding of the whole head's."""
     tp = args["parallel"].get("tp", 1)
+    tol = 2e-2 if args.get("train", {}).get("dtype") == "bf16" else 1e-5
     for r in ranks(4).each(name, args):
         assert r["compared"] > 0 and r["scale"] > 1e-4 and r["fused_positions"] > 0, r
         for run in ("step", "every_k"):
             got = r[run]
             assert got["loss_equal"] and got["names_equal"] and got["more_positions"], (run, got)
             assert got["unequal"] == [], (run, got["unequal"])
+        # the head chunked by 5 positions (train.checkpointing.head_chunk): to rounding of the whole head
+        got = r["head"]
+        assert got["names_equal"] and (got["chunks"] > 0) == got["last_stage"], got
+        assert got["loss_diff"] <= tol * 10 and got["grad_diff"] <= tol * r["scale"], got
         got = r["encoder"]
         assert got["loss_equal"] and got["names_equal"] and got["unequal"] == [], got
         kept = r["encoder_kept"]

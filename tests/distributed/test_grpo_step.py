@@ -7,7 +7,8 @@ the KL) and DP=2 ZeRO-3 with every parameter partitioned; on four: TP=2 x PP=2 (
 PP=2 x DP=2 ZeRO-2. The trainer's learner runs compaction and shared prompts (the defaults),
 the reference the padded dense schedule (the encoder too: with shared prompts the trainer's
 encodes each batch's prompt pack, every pipeline stage included); PP=2 once more with both off. With an
-environment (observations inserted and masked out of the loss): TP=2 with the KL, PP=2."""
+environment (observations inserted and masked out of the loss): TP=2 with the KL, PP=2. TP=2 x PP=2
+once more with the head over chunks of positions (train.checkpointing.head_chunk)."""
 
 import math
 
@@ -21,7 +22,12 @@ TWO = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"zero_stage": 1}}
 FOUR = [("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "pp": 2, "zero_stage": 1, "micro_batches": 2},
                                                    "train": {"grad_accum": 2}, "grpo": {"kl_coef": 0.1}}),
         ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"pp": 2, "zero_stage": 2, "micro_batches": 2},
-                                                   "train": {"grad_accum": 2}})]
+                                                   "train": {"grad_accum": 2}}),
+        # the head over chunks of 7 positions (train.checkpointing.head_chunk): each chunk's vocab
+        # shards gathered for the processing, on the last stage, against the one-process whole head
+        ("grpo_scenarios.grpo_step_vs_reference", {"parallel": {"tp": 2, "pp": 2, "zero_stage": 1, "micro_batches": 2},
+                                                   "train": {"grad_accum": 2, "checkpointing": {"head_chunk": 7}},
+                                                   "grpo": {"kl_coef": 0.1}})]
 # An environment inside the rollouts (observations inserted, masked out of the loss): TP=2 with
 # the KL, PP=2 with grad_accum 2
 ENV = {"grpo": {"env": "tests.distributed.grpo_scenarios:EveryThird"},
@@ -54,6 +60,8 @@ def check_grpo_step(r: dict, args: dict) -> None:
     for loss, ref in zip(r["loss"], r["ref_loss"]):
         assert loss == pytest.approx(ref, abs=1e-6)
     assert r["param_moved"] > 1e-3
+    chunked = args.get("train", {}).get("checkpointing", {}).get("head_chunk", 0)
+    assert (r["head_chunks"] > 0) == (chunked > 0 and r["last_stage"]), r["head_chunks"]
     # Adam's first steps divide by |g|: TP's reordered sums move tiny gradients' updates most
     assert r["param_diff"] < 5e-5, r["param_worst"]
     if args.get("grpo", {}).get("kl_coef"):

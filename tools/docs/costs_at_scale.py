@@ -8,8 +8,9 @@ The page's prose is kept; everything between the markers ``<!-- tables:begin -->
 Each point: rlt_48x48 at sequence length T with n_kv_heads key/value heads, B rows per decoder
 step, on 8 x 8 H100 80 GB (the planner's default hardware), one layout per point: the widest
 tensor parallelism the heads allow (tp <= 8, dividing n_kv_heads), no pipeline, ZeRO-1, the
-decoder checkpointed per position with the encoder blocks (step+enc), one micro-batch per
-replica; the prediction as if memory were unlimited, with whether it fits beside it.
+decoder checkpointed per position with the encoder blocks (step+enc) and the head over chunks of
+HEAD_CHUNK positions (train.checkpointing.head_chunk: one chunk's fp32 logits alive), one
+micro-batch per replica; the prediction as if memory were unlimited, with whether it fits beside it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 SEQ_LENS = (512, 1024, 4096)
 KV_HEADS = (16, 4, 2, 1)
 ROWS = (8, 32, 128, 512)
+HEAD_CHUNK = 4096  # positions: one row of T = 4096
 
 
 def point(model, T: int, B: int, hw):
@@ -38,7 +40,8 @@ def point(model, T: int, B: int, hw):
     tp = max(t for t in (1, 2, 4, 8) if model.n_kv_heads % t == 0)
     dp = hw.world_size // tp
     layout = Layout(seq_len=T, micro_batch_size=B, tp=tp, pp=1, dp=dp, zero_stage=1, dtype="bf16",
-                    checkpointing=CheckpointingConfig(decoder="step", encoder=True), keep_logits=False)
+                    checkpointing=CheckpointingConfig(decoder="step", encoder=True, head_chunk=HEAD_CHUNK),
+                    keep_logits=False)
     return evaluate(model, layout, hw)
 
 
