@@ -187,6 +187,11 @@ def test_a_reshard_carries_the_per_rank_files_as_written_with_their_layout(runs)
     names = sorted(f.name for f in src.glob("*_rank*.pt"))
     assert names == sorted(f.name for f in out.glob("*_rank*.pt")) and len(names) == 8
     assert all((out / n).read_bytes() == (src / n).read_bytes() for n in names)
+    from rlt_mega.checkpoint_tools.inspect_ckpt import inspect_path
+
+    queue = inspect_path(out)["queue"]  # rlt-mega inspect says the queue moves, and how
+    assert queue.startswith("1 data step sampled ahead (grpo.max_staleness=1) on each of 2 data-parallel replicas")
+    assert "it moves to any layout" in queue and "grpo.prompts_per_step x parallel.dp = 4" in queue
 
 
 @pytest.mark.parametrize("a", [a for a in LAYOUTS if a != "dp4z1"])
