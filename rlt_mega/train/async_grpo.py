@@ -13,7 +13,7 @@ steps k + 1 .. k + s, drawn by versions that no longer exist, so it cannot be re
 is part of every rank's checkpoint (``state_dict``: each rank keeps its own part of the
 rollouts, the mu of its pipeline stage, its replica's prompts), and a resumed run learns
 exactly what the uninterrupted one would have. A checkpoint whose queue is not empty resumes
-under the max_staleness it was written with, on any layout of the same data-parallel size.
+under the max_staleness it was written with, on any layout (``resplit``: another dp too).
 
 Partial rollouts (grpo.partial_rollouts = n >= 1): data step j's rollout calls start under
 version max(0, j - s - 1) and switch to version max(0, j - s) before decode step
@@ -300,15 +300,15 @@ def _resplit_round(olds: list[Round], cut: ShareCut, step: int) -> Round:
                 units[-1] = (key, dd, start, n + ro.batch_size)
                 a += ro.batch_size
         units.sort()
-        lo, hi, at, block = cut.share * mr, (cut.share + 1) * mr, 0, []
-        for _, d, start, n in units:
-            if at < hi and at + n > lo:
-                if at < lo or at + n > hi or start % G or n % G:
-                    raise ConfigError(
-                        f"the checkpoint's queued data step {step}: a group of {G} rows or a run of rollout batches "
-                        f"sampled together ({n} rows) would fall across this layout's replicas (minibatches of {mr} "
-                        f"rows on dp={cut.dp}): resume with parallel.dp={D}, or with train.grad_accum cutting "
-                        "batches of whole groups")
+        at, block = 0, []
+        for _, d, start, n in units:  # every share's blocks checked, so that every rank refuses alike
+            if start % G or n % G or at // mr != (at + n - 1) // mr:
+                raise ConfigError(
+                    f"the checkpoint's queued data step {step}: a group of {G} rows or a run of rollout batches "
+                    f"sampled together ({n} rows) would fall across this layout's replicas (minibatches of {mr} "
+                    f"rows on dp={cut.dp}): resume with parallel.dp={D}, or with train.grad_accum cutting "
+                    "batches of whole groups")
+            if at // mr == cut.share:
                 block.append((d, start, n))
             at += n
         mine.append(block)
@@ -381,8 +381,8 @@ class StalenessPipeline:
             return
         self._check(states[0], len(queues[0]), step)
         if len({len(q) for q in queues}) > 1 or any(q[0].step != step for q in queues):
-            raise ConfigError(f"the checkpoint at step {step} queues data steps {[[x.step for x in q] for q in queues]} "
-                              "on its replicas: it is damaged")
+            steps = [[x.step for x in q] for q in queues]
+            raise ConfigError(f"the checkpoint at step {step} queues data steps {steps} on its replicas: it is damaged")
         self.queue = deque(resplit([q[i] for q in queues], cut) for i in range(len(queues[0])))
 
     def _check(self, state: Optional[dict], queued: int, step: int) -> None:
