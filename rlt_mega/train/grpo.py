@@ -255,7 +255,8 @@ class GRPOJob:
                     f"the checkpoint at step {step} keeps policy versions as the parameters of its ranks on tp="
                     f"{saved[1]}, pp={saved[2]} (grpo.verify_onpolicy, grpo.partial_rollouts), which this run cuts as "
                     f"tp={self.dims.tp}, pp={self.dims.pp}: resume with parallel.tp={saved[1]} parallel.pp={saved[2]} "
-                    "and the same stage split (any dp or ZeRO stage)")
+                    "and the same stage split (any dp or ZeRO stage)"
+                    + ("" if g.partial_rollouts else ", or with grpo.verify_onpolicy=false"))
         self._load_history(kept, step)
 
     def _load_history(self, state: Optional[dict], step: int) -> None:
