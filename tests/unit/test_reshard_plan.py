@@ -209,3 +209,39 @@ def test_a_queued_data_step_is_re_split_into_the_shares_of_another_data_parallel
     saved[1].queue[0] = Generated(4, 3, queued[1].rounds, {})
     with pytest.raises(ConfigError, match=r"queues data steps \[\[3\], \[4\]\] on its replicas: it is damaged"):
         moved.load_moved([p.state_dict() for p in saved], 3, ShareCut(1, 0, 8, 2, G))
+
+
+def test_kept_policy_versions_move_to_a_layout_that_cuts_the_model_alike_only():
+    """train/grpo.py load_moved_rank_state: the queue re-split, and the policy versions kept for
+    partial rollouts taken from the saved rank at this rank's place (same tp and pp), or refused
+    in one line naming the layout to resume on."""
+    from types import SimpleNamespace
+
+    from rlt_mega.config import ConfigError
+    from rlt_mega.train.async_grpo import PolicyHistory, StalenessPipeline, VersionPlan
+    from rlt_mega.train.grpo import GRPOJob
+
+    saved = []
+    for d, item in enumerate(_queued(2, 4, 2, 2)):
+        pipe = StalenessPipeline(1, (2, 1, 1, d), 1)
+        pipe.push(item)
+        kept = torch.full((3,), 2.0)  # version 2's parameters on the saved rank
+        saved.append({"pipeline": pipe.state_dict(), "previous": kept, "versions": {2: kept}})
+
+    def job(tp: int):
+        grpo = SimpleNamespace(group_size=2, verify_onpolicy=False, partial_rollouts=1)
+        cut = SimpleNamespace(minibatch_rows=8, batch_rows=2)
+        j = SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), phases=SimpleNamespace(cut=cut),
+                            dims=SimpleNamespace(dp=1, dp_rank=0, tp=tp, pp=1), pipeline=StalenessPipeline(1, (1, tp, 1, 0), 1),
+                            history=PolicyHistory(VersionPlan(1, 1, 2), False))
+        j._load_history = lambda state, step: GRPOJob._load_history(j, state, step)
+        return j
+
+    moved = job(1)
+    GRPOJob.load_moved_rank_state(moved, saved, saved[0], 3)
+    assert sorted(moved.history.kept) == [2] and moved.steps_done == 3
+    assert [_rows(x) for x in moved.pipeline.queue] == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+    with pytest.raises(ConfigError, match=r"on tp=1, pp=1 \(grpo.verify_onpolicy, grpo.partial_rollouts\), which this "
+                                          r"run cuts as tp=2, pp=1: resume with parallel.tp=1 parallel.pp=1 and the "
+                                          r"same stage split \(any dp or ZeRO stage\)$"):
+        GRPOJob.load_moved_rank_state(job(2), saved, None, 3)
