@@ -232,7 +232,8 @@ def test_kept_policy_versions_move_to_a_layout_that_cuts_the_model_alike_only():
         grpo = SimpleNamespace(group_size=2, verify_onpolicy=False, partial_rollouts=1)
         cut = SimpleNamespace(minibatch_rows=8, batch_rows=2)
         j = SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), phases=SimpleNamespace(cut=cut),
-                            dims=SimpleNamespace(dp=1, dp_rank=0, tp=tp, pp=1), pipeline=StalenessPipeline(1, (1, tp, 1, 0), 1),
+                            dims=SimpleNamespace(dp=1, dp_rank=0, tp=tp, pp=1),
+                            pipeline=StalenessPipeline(1, (1, tp, 1, 0), 1),
                             history=PolicyHistory(VersionPlan(1, 1, 2), False))
         j._load_history = lambda state, step: GRPOJob._load_history(j, state, step)
         return j
