@@ -206,6 +206,20 @@ def check_output(out: str | Path, inputs: Iterable[str | Path] = (), overwrite: 
                                   "directory (or remove this one yourself)")
 
 
+def rank_files_layout(path: Path) -> Optional[dict]:
+    """The layout whose ranks wrote a checkpoint's per-rank files (job_rank<r>.pt, rng_rank<r>.pt):
+    the manifest's ``rank_files_layout`` (a reshard carries them as they are, checkpoint_tools/
+    reshard_ckpt.py), else its ``layout``; None without either (a bare engine save)."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        return None
+    try:
+        meta = json.loads(manifest.read_text())
+        return meta.get("rank_files_layout") or meta.get("layout")
+    except (ValueError, AttributeError):
+        raise CheckpointError(f"checkpoint {path}: {MANIFEST} is corrupt") from None
+
+
 def seal(directory: Path, step: int, meta: Optional[dict]) -> None:
     """fsync every file, then the manifest (size + sha256 of each), then the directory: a
     manifest on disk implies the files it lists are on disk."""

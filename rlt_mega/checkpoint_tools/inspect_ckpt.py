@@ -13,7 +13,7 @@ import json
 import math
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from rlt_mega.model.rlt import param_counts
 from rlt_mega.checkpoint_tools import shards, training
@@ -101,9 +101,32 @@ def inspect_training_checkpoint(path: Path, verify: bool = True) -> dict[str, An
         report["resumes"] = (f"with its optimizer state on {reshard.format_layout(layout)} only (written without "
                              "the layout-free state: checkpoint.layout_free=false, or before it existed); elsewhere "
                              "with its weights only (export, then train.init_from)")
+    queue = queue_moves(run_cfg, manifest, step_dir)
+    if queue:
+        report["queue"] = queue
     if verify:
         report["checks"]["sha256"] = f"ok ({len(manifest['files'])} files)"
     return report
+
+
+def queue_moves(run_cfg, manifest: dict, step_dir: Path) -> Optional[str]:
+    """In words, an asynchronous GRPO checkpoint's queue of sampled data steps and how it moves
+    (train/async_grpo.py ``resplit``); None for any other checkpoint."""
+    g = run_cfg.grpo
+    files = [f for f in step_dir.glob("job_rank*.pt") if f.is_file()]
+    if manifest.get("job") != "grpo" or not g.max_staleness or not files:
+        return None
+    layout = manifest.get("rank_files_layout") or training.layout_of(manifest)
+    dp = layout.get("dp", 1) or 1
+    partial = f", partial_rollouts={g.partial_rollouts}" if g.partial_rollouts else ""
+    kept = (" Its kept policy versions (grpo.partial_rollouts, grpo.verify_onpolicy) move to a layout of the same tp "
+            "and pp (any dp, ZeRO stage)." if g.partial_rollouts or g.verify_onpolicy else "")
+    return (f"{g.max_staleness} data step{'s' if g.max_staleness > 1 else ''} sampled ahead (grpo.max_staleness={g.max_staleness}{partial}) on each "
+            f"of {dp} data-parallel replicas, in {len(files)} job_rank<r>.pt written on {reshard.format_layout(layout)}; "
+            f"it moves to any layout with the checkpoint (train.resume, or rlt-mega reshard first): each data step's "
+            f"{g.prompts_per_step * dp} prompts x {g.group_size} completions are re-split into the new data-parallel "
+            f"replicas' shares as that layout samples them, keeping the global batch (grpo.prompts_per_step x "
+            f"parallel.dp = {g.prompts_per_step * dp}) and the rows of a rollout batch (train.grad_accum).{kept}")
 
 
 def candidate_layouts(run_cfg, layout: dict) -> list[dict]:
@@ -187,6 +210,8 @@ def format_report(report: dict[str, Any]) -> str:
                      f"{_human(move['read_per_rank'])}B (and receives at most {_human(move['gathered_per_rank'])}B "
                      f"from its data-parallel group), peak {_human(move['peak_per_rank'])}B beside the engine "
                      f"(train.resume, or rlt-mega reshard first)")
+    if report.get("queue"):
+        lines.append(f"queue: {report['queue']}")
     if report.get("source"):
         lines.append(f"source: {json.dumps(report['source'])}")
     as_rlt = " (of the RLT it imports as)" if report["kind"] == "hf" else ""

@@ -15,23 +15,27 @@ streamed: its header planned from the shapes, then every tensor read from the in
 one parameter's slice) and written at once; the peak memory is one such tensor (two where
 tensor-parallel pieces are joined), not a bucket.
 
-What a reshard does not carry: DeepSpeed's own files (the resume rebuilds them from the state),
-every rank's RNG stream and per-rank job state (the data order is seeded; an asynchronous GRPO
-queue moves by resuming the checkpoint itself on the new layout, train/loop.py), the
-consolidated model.safetensors (``rlt-mega export OUT`` reads the weights from the state's fp32
-masters).
+The per-rank files (job_rank<r>.pt: an asynchronous GRPO queue and its kept policy versions;
+rng_rank<r>.pt) are carried as they are, never loaded, with the layout whose ranks wrote them
+(the manifest's ``rank_files_layout``): the resume moves them as it moves a checkpoint's own, by
+one mechanism (train/loop.py: every saved replica's queue re-split into the new layout's shares,
+train/async_grpo.py ``resplit``), so resuming the output equals resuming the input on the same
+layout. What a reshard does not carry: DeepSpeed's own files (the resume rebuilds them from the
+state), the consolidated model.safetensors (``rlt-mega export OUT`` reads the weights from the
+state's fp32 masters).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import time
 from pathlib import Path
 from typing import Optional
 
-from rlt_mega.checkpoint import MANIFEST, CheckpointError, seal, verify
+from rlt_mega.checkpoint import MANIFEST, CheckpointError, rank_files_layout, seal, verify
 from rlt_mega.config import ConfigError, load_config, save_config
 from rlt_mega.checkpoint_tools.files import atomic_directory
 from rlt_mega.model.rlt import build_model
@@ -135,19 +139,33 @@ def reshard(src: str | Path, out: str | Path, tp: int, pp: int, dp: int, zero: i
         for name in CARRIED:
             if (src / name).is_file():
                 shutil.copy2(src / name, tmp / name)
+        per_rank = rank_files(src)
+        for f in per_rank:
+            shutil.copy2(f, tmp / f.name)
         save_config(cfg, tmp / "config.yaml")
-        seal(tmp, int(manifest["step"]), {"layout": layout, "job": manifest.get("job"),
+        carried = {"rank_files_layout": rank_files_layout(src)} if per_rank else {}
+        seal(tmp, int(manifest["step"]), {"layout": layout, "job": manifest.get("job"), **carried,
                                           "resharded_from": {"path": str(src.resolve()), "layout": source_layout,
                                                              "time": time.time()}})
     files = json.loads((out / MANIFEST).read_text())["files"]
     return {"source": str(src), "out": str(out), "from": source_layout, "to": layout,
             "changes": changes(source_layout, layout), "parameters": len(state.names()),
-            "bytes_read": state.bytes_read, "bytes_written": written, "files": len(files)}
+            "bytes_read": state.bytes_read, "bytes_written": written, "files": len(files),
+            "rank_files": len(per_rank)}
+
+
+def rank_files(src: Path) -> list[Path]:
+    """A checkpoint's per-rank files (job_rank<r>.pt, rng_rank<r>.pt), in rank order."""
+    found = [(m.group(1), int(m.group(2)), f) for f in src.iterdir()
+             if f.is_file() and (m := re.fullmatch(r"(job|rng)_rank(\d+)\.pt", f.name))]
+    return [f for _, _, f in sorted(found)]
 
 
 def format_summary(s: dict) -> str:
     return (f"resharded {s['source']} {format_layout(s['from'])} -> {s['out']} {format_layout(s['to'])} "
-            f"({s['changes']}): {s['parameters']} parameters with their fp32 masters and Adam moments, read "
+            f"({s['changes']}): {s['parameters']} parameters with their fp32 masters and Adam moments"
+            + (f", {s['rank_files']} per-rank files as they are (an asynchronous GRPO queue is re-split at the "
+               "resume)" if s.get("rank_files") else "") + ", read "
             f"{s['bytes_read'] / 1e6:.2f} MB, wrote {s['bytes_written'] / 1e6:.2f} MB in {s['files']} files "
             f"(manifest.json: sha256 of each); resume it with train.resume={s['out']} and parallel.tp={s['to']['tp']} "
             f"parallel.pp={s['to']['pp']} parallel.zero_stage={s['to']['zero_stage']} on "

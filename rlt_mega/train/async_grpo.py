@@ -13,7 +13,7 @@ steps k + 1 .. k + s, drawn by versions that no longer exist, so it cannot be re
 is part of every rank's checkpoint (``state_dict``: each rank keeps its own part of the
 rollouts, the mu of its pipeline stage, its replica's prompts), and a resumed run learns
 exactly what the uninterrupted one would have. A checkpoint whose queue is not empty resumes
-under the max_staleness it was written with, on any layout of the same data-parallel size.
+under the max_staleness it was written with, on any layout (``resplit``: another dp too).
 
 Partial rollouts (grpo.partial_rollouts = n >= 1): data step j's rollout calls start under
 version max(0, j - s - 1) and switch to version max(0, j - s) before decode step
@@ -221,11 +221,123 @@ class ReceivedVersions:
         self.receiver.close()
 
 
+@dataclass(frozen=True)
+class ShareCut:
+    """How this run cuts a replica's rows of a data step (train/grpo_settings.py ``RowCut``): share
+    ``share`` of ``dp`` replicas, ``minibatch_rows`` rows per minibatch in rollout batches of
+    ``batch_rows``, groups of ``group_size`` rows (a prompt's completions, contiguous)."""
+
+    dp: int
+    share: int
+    minibatch_rows: int
+    batch_rows: int
+    group_size: int
+
+
+def resplit(items: list[Generated], cut: ShareCut) -> Generated:
+    """One data step's queued items of every saved replica (``items[d]``: replica d's share of
+    the step's global batch) -> share ``cut.share`` of ``cut.dp``, as this layout samples it.
+
+    A replica d of D holds every D-th prompt of the global batch from d (``RecordOrder.take``), so
+    its row i is the global batch's row of prompt d + D * (i // G); on this layout that prompt is
+    share p % dp's, at its row (p // dp) * G + i % G, and its seed is the same
+    (``request_seeds``: a function of the global row). A rollout batch is the unit that moves: it
+    was sampled together and its recorded schedule replays it (replay == mu), so it is never cut
+    or joined; batches that share a group move together. Per round and minibatch, the units of
+    every saved replica, ordered by their first row's (share, row) on this layout, are dealt in
+    blocks of this layout's minibatch rows, block ``share`` being this share's: exactly this
+    layout's shares, rows in its order, where each unit's prompts belong to one share (always
+    when replicas are merged; when they are split, where a batch holds at most one prompt),
+    else the same rows in blocks of the right size. Rows, scores, penalties and kept groups
+    (dynamic sampling's decisions, the saved run's) move with their rows; a round's reward
+    failure counts (per replica, not per row) with the saved replica's first row; dynamic
+    sampling's counts are recounted. What cannot move is refused naming the numbers: another
+    global batch (grpo.prompts_per_step x dp) or group size, or rollout batches of another size
+    than this layout cuts (train.grad_accum and the pipeline's pieces)."""
+    first, D, G = items[0], len(items), cut.group_size
+    if any(x.step != first.step or x.version != first.version or len(x.rounds) != len(first.rounds) for x in items):
+        raise ConfigError(f"the checkpoint's queued data step {first.step} differs between its {D} replicas (steps "
+                          f"{[x.step for x in items]}, versions {[x.version for x in items]}, rounds "
+                          f"{[len(x.rounds) for x in items]}): it is damaged")
+    rounds = [_resplit_round([x.rounds[r] for x in items], cut, first.step) for r in range(len(first.rounds))]
+    minibatches = len(first.rounds[0].rollouts)
+    prompts = cut.minibatch_rows * minibatches // G
+    kept = sum(int(rnd.group_keep.sum()) for rnd in rounds)
+    counts = {"sampling/prompts_drawn": float(len(rounds) * prompts), "sampling/groups_kept": float(kept),
+              "sampling/groups_dropped": float(len(rounds) * prompts - kept), "sampling/rounds": float(len(rounds))}
+    return Generated(first.step, first.version, rounds, {**first.sampling, **counts}, t_generate=first.t_generate,
+                     idle=first.idle, order=first.order, replica=first.replica)
+
+
+def _resplit_round(olds: list[Round], cut: ShareCut, step: int) -> Round:
+    D, G, mr, br = len(olds), cut.group_size, cut.minibatch_rows, cut.batch_rows
+    rows = [len(rnd.rows) for rnd in olds]
+    minibatches = len(olds[0].rollouts)
+    if len(set(rows)) > 1 or rows[0] * D != mr * minibatches * cut.dp:
+        raise ConfigError(
+            f"the checkpoint queues data step {step} as {D} replicas x {rows[0]} rows, and this run's global batch is "
+            f"dp={cut.dp} x {mr * minibatches} rows (grpo.prompts_per_step x grpo.group_size): resume with "
+            f"grpo.prompts_per_step={rows[0] * D // (G * cut.dp) if rows[0] * D % (G * cut.dp) == 0 else '?'} "
+            f"(the same global batch of {rows[0] * D // G} prompts; the same grpo.group_size and grpo.minibatches)")
+    sizes = {ro.batch_size for rnd in olds for mb in rnd.rollouts for ro in mb}
+    if sizes != {br}:
+        raise ConfigError(
+            f"the checkpoint queues data step {step} in rollout batches of {sorted(sizes)} rows, and this run cuts its "
+            f"minibatches of {mr} rows into batches of {br} (train.grad_accum x the pipeline's pieces per "
+            "minibatch): a rollout batch replays as it was sampled and is never cut or joined; resume with "
+            f"train.grad_accum and parallel.micro_batches that cut {mr // min(sizes)} batches of "
+            f"{min(sizes)} rows per minibatch")
+    mine: list[list[tuple[int, int, int]]] = []  # [minibatch] (saved replica, first local row, rows) of each unit
+    for k in range(minibatches):
+        units = []  # (key on this layout, saved replica, first local row, rows)
+        for d, rnd in enumerate(olds):
+            a = k * (rows[0] // minibatches)
+            for j, ro in enumerate(rnd.rollouts[k]):
+                if j == 0 or a % G == 0:  # a batch starting inside a group joins the one before
+                    p = d + D * (a // G)
+                    units.append(((p % cut.dp, (p // cut.dp) * G + a % G), d, a, 0))
+                key, dd, start, n = units[-1]
+                units[-1] = (key, dd, start, n + ro.batch_size)
+                a += ro.batch_size
+        units.sort()
+        at, block = 0, []
+        for _, d, start, n in units:  # every share's blocks checked, so that every rank refuses alike
+            if start % G or n % G or at // mr != (at + n - 1) // mr:
+                raise ConfigError(
+                    f"the checkpoint's queued data step {step}: a group of {G} rows or a run of rollout batches "
+                    f"sampled together ({n} rows) would fall across this layout's replicas (minibatches of {mr} "
+                    f"rows on dp={cut.dp}): resume with parallel.dp={D}, or with train.grad_accum cutting "
+                    "batches of whole groups")
+            if at // mr == cut.share:
+                block.append((d, start, n))
+            at += n
+        mine.append(block)
+    out_rows, scores, penalties, keep, rollouts = [], [], [], [], []
+    for k, block in enumerate(mine):
+        batches = []
+        for d, start, n in block:
+            rnd = olds[d]
+            out_rows += rnd.rows[start:start + n]
+            scores += rnd.scores[start:start + n]
+            penalties += rnd.penalties[start:start + n]
+            keep.append(rnd.group_keep[start // G:(start + n) // G])
+            a = k * (rows[0] // minibatches)
+            for ro in rnd.rollouts[k]:
+                if start <= a < start + n:
+                    batches.append(ro)
+                a += ro.batch_size
+        rollouts.append(batches)
+    firsts = {d for block in mine for d, start, _ in block if start == 0}  # the replicas whose row 0 is here
+    return Round(out_rows, rollouts, scores, penalties, sum(olds[d].failures for d in firsts),
+                 sum(olds[d].nonfinite for d in firsts),
+                 group_keep=torch.cat(keep) if keep else torch.zeros(0, dtype=torch.bool))
+
+
 class StalenessPipeline:
     """The queue of sampled data steps; ``layout`` names the rank's place (dp, tp, pp, rank). A
-    queue resumes under its max_staleness and partial_rollouts, on a layout of the same
-    data-parallel size (each replica's prompts are its own): on another tp, pp or ZeRO stage each
-    rank takes its replica's queue from the last stage (train/loop.py ``source_rank``)."""
+    queue resumes under its max_staleness and partial_rollouts, on any layout: on the same one
+    each rank takes its own, on another each rank takes every saved replica's queue (from its
+    last stage, train/loop.py ``source_ranks``) and keeps its share (``load_moved``, ``resplit``)."""
 
     def __init__(self, max_staleness: int, layout: tuple, partial_rollouts: int = 0) -> None:
         self.max_staleness, self.layout, self.partial_rollouts = max_staleness, tuple(layout), partial_rollouts
@@ -252,27 +364,40 @@ class StalenessPipeline:
     def load_state_dict(self, state: Optional[dict], step: int) -> None:
         """``state`` None: the checkpoint has no queue for this rank (then none may be needed)."""
         queue = [] if state is None else state["queue"]
+        self._check(state, len(queue), step)
+        if queue and queue[0].step != step:
+            raise ConfigError(f"the checkpoint at step {step} queues data step {queue[0].step} first: it is damaged")
+        self.queue = deque(queue)
+
+    def load_moved(self, states: list[Optional[dict]], step: int, cut: ShareCut) -> None:
+        """On another layout: ``states[d]``, saved replica d's queue (None: its file is missing),
+        each data step re-split into this rank's share (``resplit``)."""
+        missing = [d for d, s in enumerate(states) if s is None]
+        if missing and self.max_staleness > 0 and step > 0:
+            self._check(None, 0, step)
+        queues = [s["queue"] for s in states if s is not None]
+        if missing or not any(queues):
+            self.load_state_dict(None if missing or not states else states[0], step)
+            return
+        self._check(states[0], len(queues[0]), step)
+        if len({len(q) for q in queues}) > 1 or any(q[0].step != step for q in queues):
+            steps = [[x.step for x in q] for q in queues]
+            raise ConfigError(f"the checkpoint at step {step} queues data steps {steps} on its replicas: it is damaged")
+        self.queue = deque(resplit([q[i] for q in queues], cut) for i in range(len(queues[0])))
+
+    def _check(self, state: Optional[dict], queued: int, step: int) -> None:
         partial = 0 if state is None else state.get("partial_rollouts", 0)
-        if queue and state["layout"][0] != self.layout[0]:  # a replica's queue moves to any tp, pp, ZeRO stage
+        if queued and (state["max_staleness"] != self.max_staleness or partial != self.partial_rollouts):
             raise ConfigError(
-                f"the checkpoint at step {step} holds {len(queue)} sampled steps queued by each of "
-                f"parallel.dp={state['layout'][0]} replicas (each replica's own prompts), and this run has "
-                f"parallel.dp={self.layout[0]}: resume with parallel.dp={state['layout'][0]} (any tp, pp or ZeRO "
-                "stage), or start afresh")
-        if queue and (state["max_staleness"] != self.max_staleness or partial != self.partial_rollouts):
-            raise ConfigError(
-                f"the checkpoint at step {step} holds {len(queue)} sampled steps queued for grpo.max_staleness="
+                f"the checkpoint at step {step} holds {queued} sampled steps queued for grpo.max_staleness="
                 f"{state['max_staleness']}, partial_rollouts={partial} on layout {tuple(state['layout'])}; this run "
                 f"has max_staleness={self.max_staleness}, partial_rollouts={self.partial_rollouts} on {self.layout}: "
                 "resume with the checkpoint's, or start afresh")
-        if not queue and step > 0 and self.max_staleness > 0:
+        if not queued and step > 0 and self.max_staleness > 0:
             raise ConfigError(
                 f"the checkpoint at step {step} holds no sampled steps for grpo.max_staleness={self.max_staleness} "
                 "(it was written by a synchronous run, or this rank's file job_rank<r>.pt is missing): the queued "
                 "samples of older policies cannot be regenerated; resume with grpo.max_staleness=0 or start afresh")
-        if queue and queue[0].step != step:
-            raise ConfigError(f"the checkpoint at step {step} queues data step {queue[0].step} first: it is damaged")
-        self.queue = deque(queue)
 
 
 # ---------------------------------------------------------------------- where samples come from

@@ -63,8 +63,8 @@ from rlt_mega.precision import mean_metrics
 from rlt_mega.rollout import Comms
 from rlt_mega.schedule.rows import RowSwitches
 from rlt_mega.rollout.rewards import RewardFn, resolve_reward
-from rlt_mega.train.async_grpo import (ColocatedSource, PolicyHistory, RemoteSource, StalenessPipeline, queue_types,
-                                      run_sampler)
+from rlt_mega.train.async_grpo import (ColocatedSource, PolicyHistory, RemoteSource, ShareCut, StalenessPipeline,
+                                      queue_types, run_sampler)
 from rlt_mega.train.builders import build_engine, build_teacher, check_vocab, reference_model
 from rlt_mega.rollout.evaluation import metric_names
 from rlt_mega.train.common import greedy_accuracy, sampled_scores, sampling_params
@@ -235,16 +235,33 @@ class GRPOJob:
 
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
         self.pipeline.load_state_dict(None if state is None else state["pipeline"], step)
+        self._load_history(state, step)
+
+    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: Optional[dict], step: int) -> None:
+        """On another layout: every saved replica's queue re-split into this replica's share
+        (train/async_grpo.py ``resplit``); the kept policy versions from ``own``, the saved rank at
+        this rank's place in the model (None where the saved layout cuts the model otherwise:
+        another tp, pp or stage split)."""
+        g, cut = self.cfg.grpo, self.phases.cut
+        self.pipeline.load_moved([None if s is None else s["pipeline"] for s in replicas], step,
+                                 ShareCut(self.dims.dp, self.dims.dp_rank, cut.minibatch_rows, cut.batch_rows,
+                                          g.group_size))
+        kept = None if own is None else {"previous": own.get("previous"), "versions": own.get("versions")}
+        if own is None and any(s is not None and (s.get("versions") or s.get("previous") is not None)
+                               for s in replicas):
+            saved = next(s for s in replicas if s is not None)["pipeline"]["layout"]  # (dp, tp, pp, rank)
+            if g.verify_onpolicy or g.partial_rollouts:
+                raise ConfigError(
+                    f"the checkpoint at step {step} keeps policy versions as the parameters of its ranks on tp="
+                    f"{saved[1]}, pp={saved[2]} (grpo.verify_onpolicy, grpo.partial_rollouts), which this run cuts as "
+                    f"tp={self.dims.tp}, pp={self.dims.pp}: resume with parallel.tp={saved[1]} parallel.pp={saved[2]} "
+                    "and the same stage split (any dp or ZeRO stage)"
+                    + ("" if g.partial_rollouts else ", or with grpo.verify_onpolicy=false"))
+        self._load_history(kept, step)
+
+    def _load_history(self, state: Optional[dict], step: int) -> None:
         self.steps_done = step
         self.history.load_state_dict(state, step)
-        if state is not None and tuple(state["pipeline"]["layout"]) != self.pipeline.layout and self.history.kept:
-            # another layout's rank: its kept policy versions are that rank's parameters
-            if self.cfg.grpo.verify_onpolicy or self.cfg.grpo.partial_rollouts:
-                raise ConfigError(f"the checkpoint at step {step} keeps policy versions {sorted(self.history.kept)} "
-                                  "as the parameters of its own layout's ranks (grpo.verify_onpolicy, "
-                                  "grpo.partial_rollouts), which do not move to this layout: resume on its layout, "
-                                  "or with grpo.verify_onpolicy=false and grpo.partial_rollouts=0")
-            self.history.kept = {}
         if self.cfg.grpo.partial_rollouts and step > 0 and step - 1 not in self.history.kept:
             raise ConfigError(f"the checkpoint at step {step} holds no parameters of policy version {step - 1}, which "
                               f"grpo.partial_rollouts={self.cfg.grpo.partial_rollouts} starts the next rollouts under "

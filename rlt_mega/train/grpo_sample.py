@@ -150,7 +150,7 @@ class SamplePhase:
         """The rows' completions -> ([minibatch][batch] rollouts, seconds)."""
         g, cut = self.cfg.grpo, self.cut
         prompts = [prompt_ids(self.tokenizer, r["question"]) for r in rows]
-        seeds = request_seeds(self.cfg.train.seed, done, share, len(rows), round_)
+        seeds = request_seeds(self.cfg.train.seed, done, share, len(rows), round_, self.dp, g.group_size)
         episodes = None if self.envs is None else self.envs.episodes(rows)  # one per row, from its record
         with self.timers("generate"):
             t0 = time.perf_counter()

@@ -18,11 +18,19 @@ from rlt_mega.parallel.engine import EngineConfig
 from rlt_mega.rollout.env import EnvLimits, Environments, resolve_env
 
 
-def request_seeds(seed: int, step: int, dp_rank: int, num: int, round_: int = 0) -> list[int]:
+def request_seeds(seed: int, step: int, share: int, num: int, round_: int = 0, dp: int = 1,
+                  group_size: int = 1) -> list[int]:
     """Per-request sampling seeds from (run seed, step, sampling round, global row): replicas
-    and dynamic sampling's rounds draw independent samples, and a resumed run draws the same ones."""
-    base = (seed * 1_000_003 + step) * 65_536 + dp_rank * num + round_ * 2 ** 40
-    return [base + i for i in range(num)]
+    and dynamic sampling's rounds draw independent samples, a resumed run draws the same ones,
+    and a row draws the same seed on every layout (so a queue of samples moves to another
+    data-parallel size, train/async_grpo.py ``resplit``). Share ``share`` of ``dp`` holds every
+    dp-th prompt of the step's global batch from ``share`` (``RecordOrder.take``), ``group_size``
+    rows each: its row i is the global batch's row (share + dp * (i // group_size)) * group_size
+    + i % group_size."""
+    if not 0 <= share < dp:
+        raise ValueError(f"request_seeds: share {share} of dp={dp}")
+    base = (seed * 1_000_003 + step) * 65_536 + round_ * 2 ** 40
+    return [base + (share + dp * (i // group_size)) * group_size + i % group_size for i in range(num)]
 
 
 def loss_settings(cfg: Config) -> LossSettings:

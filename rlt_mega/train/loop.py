@@ -19,14 +19,14 @@ from typing import Optional, Protocol, Sequence
 import torch
 from tqdm import tqdm
 
-from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch, require_writable,
-                                 rng_state, set_rng_state)
+from rlt_mega.checkpoint import (CheckpointError, CheckpointManager, check_resume_config, load_torch,
+                                 rank_files_layout, require_writable, rng_state, set_rng_state)
 from rlt_mega.config import Config, save_config
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Metrics, Timers
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import Engine
-from rlt_mega.parallel.reshard import same_layout, saved_layout as load_manifest_layout
+from rlt_mega.parallel.reshard import same_layout
 
 log = get_logger(__name__)
 
@@ -101,16 +101,32 @@ class Job(Protocol):
     rank_state_types: Sequence[type]
     # None: the checkpoint has no file for this rank; step: the checkpoint's step
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None: ...
+    # On another layout: ``replicas`` every saved replica's source rank's state (``source_ranks``;
+    # None where its file is missing), ``own`` the state of the saved rank at this rank's place
+    # (``position_rank``; None where the model is cut otherwise)
+    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: Optional[dict], step: int) -> None: ...
 
 
-def source_rank(saved: dict, dims: ParallelDims) -> int:
-    """The rank of layout ``saved`` whose per-rank job state this rank resumes on another layout:
-    the last pipeline stage's tensor-parallel rank 0 of the same data-parallel replica (it holds
-    the replica's state complete: GRPO's queued samples with their mu), the last replica's where
-    the saved layout has fewer (the job then says whether its state can move). Megatron's rank
-    order (parallel/dims.py): rank = tp_rank + tp * (dp_rank + dp * pp_rank)."""
+def source_ranks(saved: dict) -> list[int]:
+    """The rank of layout ``saved`` that holds each data-parallel replica's per-rank job state
+    complete: its last pipeline stage's tensor-parallel rank 0 (GRPO's queued samples with their
+    mu). Megatron's rank order (parallel/dims.py): rank = tp_rank + tp * (dp_rank + dp * pp_rank)."""
     tp, pp, dp = (int(saved.get(k, 1) or 1) for k in ("tp", "pp", "dp"))
-    return tp * (min(dims.dp_rank, dp - 1) + dp * (pp - 1))
+    return [tp * (d + dp * (pp - 1)) for d in range(dp)]
+
+
+def position_rank(saved: dict, current: dict, dims: ParallelDims) -> Optional[int]:
+    """The rank of layout ``saved`` at this rank's place in its model replica (tensor- and
+    pipeline-parallel rank; replica min(dp_rank, dp - 1), every replica holding the same), where
+    ``saved`` cuts the model as ``current`` does (tp, pp, the stage split): its per-rank copies of
+    parameters (GRPO's kept policy versions) are then this rank's. None elsewhere."""
+    if any(int(saved.get(k, 1) or 1) != int(current.get(k, 1) or 1) for k in ("tp", "pp")):
+        return None
+    if None not in (saved.get("pp_split"), current.get("pp_split")) and \
+            list(saved["pp_split"]) != list(current["pp_split"]):
+        return None
+    tp, dp = int(saved.get("tp", 1) or 1), int(saved.get("dp", 1) or 1)
+    return dims.tp_rank + tp * (min(dims.dp_rank, dp - 1) + dp * dims.pp_rank)
 
 
 class Trainer:
@@ -207,6 +223,10 @@ class Trainer:
         log.info("saved checkpoint %s", path)
         return path
 
+    def _rank_state(self, path: Path, rank: int) -> Optional[dict]:
+        file = path / f"job_rank{rank}.pt"
+        return load_torch(file, allow=self.job.rank_state_types) if file.is_file() else None
+
     def resume(self) -> Optional[Path]:
         """Loads the checkpoint train.resume names (None: there is none) into the engine, the
         loop and the job, and sets this rank's RNG state."""
@@ -225,15 +245,21 @@ class Trainer:
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"checkpoint {path}: trainer.pt does not hold the state of this {self.job.name} "
                                   f"run ({type(exc).__name__}: {exc})") from None
-        saved_layout = load_manifest_layout(path)
+        # The per-rank files (job_rank<r>.pt, rng_rank<r>.pt) belong to the ranks of the layout that
+        # wrote them: the manifest's layout, or the one a reshard carried them from.
+        saved_layout = rank_files_layout(path)
         moved = saved_layout is not None and not same_layout(saved_layout, self.engine.layout())
-        job_file = path / f"job_rank{source_rank(saved_layout, self.dims) if moved else self.dims.rank}.pt"
-        self.job.load_rank_state_dict(load_torch(job_file, allow=self.job.rank_state_types) if job_file.is_file()
-                                     else None, self.state.step)
+        if moved:  # every saved replica's job state (GRPO: each replica's queue, re-split) and this place's
+            own = position_rank(saved_layout, self.engine.layout(), self.dims)
+            self.job.load_moved_rank_state([self._rank_state(path, r) for r in source_ranks(saved_layout)],
+                                           None if own is None else self._rank_state(path, own), self.state.step)
+        else:
+            self.job.load_rank_state_dict(self._rank_state(path, self.dims.rank), self.state.step)
         rng_file = path / f"rng_rank{self.dims.rank}.pt"
         if moved:
             log.info("RNG streams not restored: they belong to the ranks of layout %s (the data order is seeded "
-                     "and its position is in trainer.pt); this rank's job state is %s's", saved_layout, job_file.name)
+                     "and its position is in trainer.pt; sampling draws from per-request seeds); the job's per-rank "
+                     "state moved from every saved replica's last stage", saved_layout)
         elif rng_file.is_file():
             set_rng_state(load_torch(rng_file))
         self.state.last_checkpoint_step, self._last_path = self.state.step, path

@@ -130,6 +130,9 @@ class SupervisedJob:
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
         pass
 
+    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: Optional[dict], step: int) -> None:
+        pass
+
 
 def run(cfg: Config, data: DataFn) -> dict:
     """Pretraining or SFT on the layout of this launch: ``data`` builds this data-parallel rank's

@@ -242,7 +242,7 @@ class OneProcessGRPO:
         for r in range(self.dp):
             rows = [recs[i] for i in global_idx[r::self.dp] for _ in range(g.group_size)]
             prompts = [prompt_ids(self.tok, x["question"]) for x in rows]
-            seeds = request_seeds(cfg.train.seed, 0, r, len(rows))
+            seeds = request_seeds(cfg.train.seed, 0, r, len(rows), dp=self.dp, group_size=g.group_size)
             batches = [(prompts[a:a + size], seeds[a:a + size], rows[a:a + size]) for a in range(0, len(rows), size)]
             rollouts = [generate(self.model, p, max_new_tokens_for(self.model, p, params), s, pad_id=self.tok.pad_id,
                                  dtype=cfg.train.dtype, decode=self.tok.decode, check_every=cfg.sampling.check_every,

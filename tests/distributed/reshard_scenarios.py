@@ -192,33 +192,66 @@ def reshard_then_run(root: str, checkpoint: str, layout: str, dtype: str = "fp32
 
 
 # ---------------------------------------------------------------------- GRPO
-GRPO_LAYOUTS = {"tp2pp2z1": {"tp": 2, "pp": 2, "zero_stage": 1}, "tp4z3": {"tp": 4, "zero_stage": 3}}
+# Asynchronous GRPO layouts: (parallel.*, data-parallel replicas). Every layout samples the same
+# global batch of 4 prompts x 2 completions a step (grpo.prompts_per_step = 4 / dp) in rollout
+# batches of one group (train.grad_accum = prompts_per_step), so that a queue saved on one
+# data-parallel size is dealt into the shares of any other as that one samples them.
+GRPO_LAYOUTS = {"pp2dp2z1": ({"pp": 2, "dp": 2, "zero_stage": 1}, 2), "tp4z3": ({"tp": 4, "zero_stage": 3}, 1),
+                "dp4z1": ({"dp": 4, "zero_stage": 1}, 4), "dp2": ({"dp": 2}, 2), "one": (None, 1)}
 GRPO = {"max_staleness": 1, "is_correction": "token_tis"}  # a queue in every checkpoint
+PROMPTS = 4  # the global batch's prompts
 
 
-def grpo_config_of(root: Path, layout: str, train: dict):
+def grpo_config_of(root: Path, layout: str, train: dict, grpo: Optional[dict] = None):
     """Asynchronous GRPO (max_staleness 1: every checkpoint queues the next data step, sampled by
-    an older policy) on a 4-rank layout of one data-parallel replica (the same prompts on both)."""
+    an older policy) on ``layout`` (``GRPO_LAYOUTS``) with the same global batch on every layout."""
     import dataclasses
 
     from tests.distributed.async_scenarios import roles_config
 
-    cfg = roles_config(GRPO, {"steps": 2, **train}, str(root), 0, GRPO_LAYOUTS[layout])
+    parallel, dp = GRPO_LAYOUTS[layout]
+    grpo = {**GRPO, **(grpo or {}), "prompts_per_step": PROMPTS // dp}
+    cfg = roles_config(grpo, {"steps": 2, "grad_accum": PROMPTS // dp, **train}, str(root), 0, parallel or {})
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, n_kv_heads=4),
                                checkpoint=dataclasses.replace(cfg.checkpoint, every=1, consolidate=False))
 
 
-def grpo(root: str, layout: str, train: dict) -> dict:
-    """A GRPO run on ``layout`` (train: its train.* settings: stop_after, resume) writing its
-    checkpoints and metrics under ``root``."""
+def grpo(root: str, layout: str, train: dict, grpo: Optional[dict] = None) -> dict:
+    """A GRPO run on ``layout`` (train: its train.* settings: stop_after, resume; grpo: more grpo.*)
+    writing its checkpoints and metrics under ``root`` (one process: on rank 0 while the others
+    wait)."""
     from rlt_mega.data.tokenizer import load_tokenizer
     from rlt_mega.train.grpo import build_trainer, engine_config
     from tests.distributed.grpo_scenarios import odd, records
 
-    cfg = grpo_config_of(Path(root), layout, train)
+    cfg = grpo_config_of(Path(root), layout, train, grpo)
+    if GRPO_LAYOUTS[layout][0] is None:
+        from rlt_mega.parallel.dims import init_distributed
+
+        init_distributed(None, "cpu")  # the launch's world (up already after another scenario)
+        out = {}
+        if dist.get_rank() == 0:
+            out = build_trainer(cfg, ParallelDims.single(cfg.model, "cpu"), load_tokenizer("byte"), odd, records(24),
+                                []).run()
+        dist.barrier()
+        return {"step": out.get("step")}
     dims = ParallelDims.build(cfg.parallel, cfg.model, "cpu", engine_config(cfg))
     try:
         out = build_trainer(cfg, dims, load_tokenizer("byte"), odd, records(24), []).run()
     finally:
         dims.destroy()
     return {"step": out["step"]}
+
+
+def grpo_resharded(root: str, checkpoint: str, layout: str) -> dict:
+    """Rank 0 reshards the GRPO ``checkpoint`` offline for ``layout`` (rlt-mega reshard: the
+    state re-cut, the per-rank files with the queue carried) into root/resharded; then the run
+    resumes from it on ``layout`` (grpo)."""
+    from rlt_mega.checkpoint_tools.reshard_ckpt import reshard
+
+    target = Path(root) / "resharded"
+    if dist.get_rank() == 0:
+        p, dp = GRPO_LAYOUTS[layout]
+        reshard(checkpoint, target, p.get("tp", 1), p.get("pp", 1), dp, p.get("zero_stage", 0))
+    dist.barrier()
+    return grpo(root, layout, {"resume": str(target)})

@@ -4,14 +4,30 @@ step's first minibatch learns with ratio exactly 1 against its proximal replay (
 samples' replay is exact on the layout), step k's staleness is min(k, 1), a run stopped after
 step 1 (checkpoint with every rank's queue) and resumed ends with the uninterrupted run's
 parameters (every rank's shard) and logged losses bit for bit, and the losses follow the
-one-process run of the same config."""
+one-process run of the same config.
+
+And a queue moved to another data-parallel size with partial rollouts (tests/distributed/
+reshard_scenarios.py ``grpo``): saved after step 1 on dp=2 (its queue holds data step 1 of every
+replica, and version 0, which partial rollouts start data step 2 under), resumed in one process
+(the same tp and pp: the kept version moves from the saved rank at the same place in the model),
+the step learns the two replicas' queued shares together: the very samples the uninterrupted
+one-process run draws (a row's seed is the same on every layout), and ends where that run ends
+within the cross-layout tolerance."""
+
+import json
+from pathlib import Path
 
 import pytest
 
 GRPO = {"max_staleness": 1, "is_correction": "token_tis", "minibatches": 2, "verify_onpolicy": True}
 LAYOUTS = [{"tp": 2, "zero_stage": 1}, {"pp": 2, "zero_stage": 1, "micro_batches": 2}]
 ARGS = [{"parallel": p, "grpo": GRPO, "out_dir": f"{{shared}}/async/layout{i}"} for i, p in enumerate(LAYOUTS)]
-SCENARIOS = {2: [("async_scenarios.stale_layout", a) for a in ARGS]}
+PARTIAL = {"partial_rollouts": 1, "verify_onpolicy": True}
+MOVED = {"source": {"layout": "dp2", "train": {}}, "whole": {"layout": "one", "train": {}},
+         "moved": {"layout": "one", "train": {"resume": "{shared}/async/moved/source/ckpt/step_00000001"}}}
+MOVES = [("reshard_scenarios.grpo", {"root": f"{{shared}}/async/moved/{name}", **a, "grpo": PARTIAL})
+         for name, a in MOVED.items()]
+SCENARIOS = {2: [("async_scenarios.stale_layout", a) for a in ARGS] + MOVES}
 
 
 @pytest.mark.parametrize("args", ARGS)
@@ -27,3 +43,24 @@ def test_stale_grpo_on_a_layout_is_exact_and_resumes_exactly(ranks, args):
     assert whole[0]["reward/mean"] == single[0]["reward/mean"]
     for x, y in zip(whole, single):
         assert x["train/loss"] == pytest.approx(y["train/loss"], rel=1e-3, abs=1e-5)
+
+
+def test_a_queue_with_partial_rollouts_moves_to_another_data_parallel_size(ranks, shared_dir):
+    from tests.distributed.test_reshard_layouts import CONTINUED, equal, state_of, worst
+
+    for name, args in MOVES:
+        ranks(2).each(name, args)
+    root = Path(shared_dir) / "async" / "moved"
+    logged = {n: [x for x in map(json.loads, (root / n / "log" / "metrics.jsonl").read_text().splitlines())
+                  if "train/loss" in x] for n in MOVED}
+    moved, whole = logged["moved"], logged["whole"]
+    assert [x["async/staleness_max"] for x in moved] == [1.0] == [x["async/staleness_max"] for x in whole[1:]]
+    assert moved[0]["reward/mean"] == whole[1]["reward/mean"]  # the queued samples: the one-process run's
+    assert moved[0]["ratio/onpolicy_max_dev"] == 0.0  # replayed under its kept versions: mu bit for bit
+    assert moved[0]["train/loss"] == pytest.approx(whole[1]["train/loss"], rel=1e-4, abs=1e-6)
+    ckpt = lambda name, step: state_of(root / name / "ckpt" / f"step_{step:08d}")  # noqa: E731
+    continued, where = worst(ckpt("moved", 2), ckpt("source", 2))
+    assert continued < CONTINUED["fp32"], (continued, where)
+    assert worst(ckpt("moved", 2), ckpt("whole", 2))[0] <= worst(ckpt("source", 2), ckpt("whole", 2))[0]
+    if equal(ckpt("source", 1), ckpt("whole", 1)):  # step 1 summed alike on both layouts (it is, measured)
+        assert equal(ckpt("moved", 2), ckpt("whole", 2))  # the moved step is the one-process step bit for bit

@@ -8,8 +8,9 @@ resumes from every source A's step 2 in turn and trains 2 more steps:
 * bf16: every ordered pair, 20, and tp=2 pp=2 without ZeRO (DeepSpeed's unfused bf16 optimizer)
   into and out of tp=2 pp=2 ZeRO-1 and one process, 4;
 * one pair with adapters (model.lora), one through ``rlt-mega reshard``, and an asynchronous GRPO
-  run (its checkpoint queues a sample of an older policy) moved from tp=2 pp=2 ZeRO-1 to tp=4
-  ZeRO-3.
+  run (its checkpoint queues a sample of an older policy on each of its 2 data-parallel replicas)
+  moved from pp=2 dp=2 ZeRO-1 to tp=4 ZeRO-3 (one replica) and, through ``rlt-mega reshard``, to
+  dp=4 ZeRO-1 (the queue re-split into the new replicas' shares).
 
 Compared through the layout-free state (every parameter's fp32 master and Adam moments, full
 tensors):
@@ -46,7 +47,9 @@ PAIRS = {
                                                       for a, b in ((x, y), (y, x))],
 }
 RESHARDED = ("dp4z1", "pp4z2")  # through rlt-mega reshard: the direct resume's engine had two sources before
-PAIR = ("tp2pp2z1", "tp4z3")  # adapters and GRPO: pipeline + ZeRO-1 -> tensor parallel ZeRO-3
+PAIR = ("tp2pp2z1", "tp4z3")  # adapters: pipeline + ZeRO-1 -> tensor parallel ZeRO-3
+GRPO_SOURCE = "pp2dp2z1"  # asynchronous GRPO on 2 replicas, moved to 1 (tp4z3) and 4 (dp4z1, resharded)
+GRPO_MOVES = {"moved": "whole", "resharded": "whole_dp4"}  # each moved run: the uninterrupted run on its layout
 RESUMES = [(kind, a, b) for kind, pairs in PAIRS.items() for a, b in pairs]
 # Relative to each tensor's largest entry. The continued run against the run it came from: two
 # steps on another layout (the layout tests' cross-layout tolerance in fp32; bf16 rounds its
@@ -72,10 +75,12 @@ def runs(tmp_path_factory):
     scenarios.append((S + "reshard_then_run", {"root": str(root / "resharded"), "layout": b,
                                                 "checkpoint": str(_step(root / "fp32" / a, 2))}))
     g = root / "grpo"
-    scenarios += [(S + "grpo", {"root": str(g / "whole"), "layout": PAIR[1], "train": {}}),
-                  (S + "grpo", {"root": str(g / "source"), "layout": PAIR[0], "train": {}}),
-                  (S + "grpo", {"root": str(g / "moved"), "layout": PAIR[1],
-                                "train": {"resume": str(_step(g / "source" / "ckpt", 1))}})]
+    queued = str(_step(g / "source" / "ckpt", 1))
+    scenarios += [(S + "grpo", {"root": str(g / "whole"), "layout": "tp4z3", "train": {}}),
+                  (S + "grpo", {"root": str(g / "whole_dp4"), "layout": "dp4z1", "train": {}}),
+                  (S + "grpo", {"root": str(g / "source"), "layout": GRPO_SOURCE, "train": {}}),
+                  (S + "grpo", {"root": str(g / "moved"), "layout": "tp4z3", "train": {"resume": queued}}),
+                  (S + "grpo_resharded", {"root": str(g / "resharded"), "layout": "dp4z1", "checkpoint": queued})]
     results = run_ranks(4, scenarios, root / "launch", timeout=900)
     for name, args in scenarios:
         result(results, name, args, 0)  # raises with the traceback of a failed scenario
@@ -148,23 +153,45 @@ def _logged(root) -> list[dict]:
     return [x for x in map(json.loads, lines) if "train/loss" in x]
 
 
-def test_asynchronous_grpo_moves_to_another_layout_with_its_queue(runs):
-    """Saved after step 1 on tp=2 pp=2 ZeRO-1 (the checkpoint queues data step 1, sampled by
-    version 0), resumed on tp=4 ZeRO-3: step 2 learns the queued sample (staleness 1), and ends
-    where the run it came from ends (within the cross-layout tolerance) and no farther from the
-    uninterrupted run on tp=4 ZeRO-3 than the two layouts' runs end apart."""
+@pytest.mark.parametrize("moved", GRPO_MOVES)
+def test_asynchronous_grpo_moves_to_another_data_parallel_size_with_its_queue(runs, moved):
+    """Saved after step 1 on pp=2 dp=2 ZeRO-1 (the checkpoint queues data step 1, sampled by
+    version 0, on each replica), resumed on tp=4 ZeRO-3 (one replica) or, through rlt-mega
+    reshard, on dp=4 ZeRO-1: step 2 learns the queued samples, re-split into the new replicas'
+    shares (staleness 1): the very samples the uninterrupted run on that layout draws (a row's
+    seed is the same on every layout), with its loss; it ends where the run it came from ends
+    (within the cross-layout tolerance) and no farther from the uninterrupted run on its layout
+    than the two layouts' runs end apart."""
     g = runs / "grpo"
     ckpt = lambda name, step: state_of(_step(g / name / "ckpt", step))  # noqa: E731
-    moved, whole = _logged(g / "moved"), _logged(g / "whole")
-    assert [x["async/staleness_max"] for x in moved] == [1.0] == [x["async/staleness_max"] for x in whole[1:]]
-    assert moved[0]["reward/mean"] == whole[1]["reward/mean"]  # the queued samples themselves
-    assert moved[0]["train/loss"] == pytest.approx(whole[1]["train/loss"], rel=1e-4, abs=1e-6)
-    source, resumed = ckpt("source", 1), ckpt("moved", 2)
+    whole = GRPO_MOVES[moved]
+    logged, uninterrupted = _logged(g / moved), _logged(g / whole)
+    assert [x["async/staleness_max"] for x in logged] == [1.0] == [x["async/staleness_max"] for x in uninterrupted[1:]]
+    assert logged[0]["reward/mean"] == uninterrupted[1]["reward/mean"]  # the queued samples themselves
+    assert logged[0]["train/loss"] == pytest.approx(uninterrupted[1]["train/loss"], rel=1e-4, abs=1e-6)
+    source, resumed = ckpt("source", 1), ckpt(moved, 2)
     assert all(float(v["exp_avg_sq"].abs().max()) > 0 for v in source.values())  # moments, not zeros
     continued, where = worst(resumed, ckpt("source", 2))
     assert continued < CONTINUED["fp32"], (continued, where)
-    to_b = worst(resumed, ckpt("whole", 2))[0]
-    assert to_b <= worst(ckpt("source", 2), ckpt("whole", 2))[0], to_b
+    to_b = worst(resumed, ckpt(whole, 2))[0]
+    assert to_b <= worst(ckpt("source", 2), ckpt(whole, 2))[0], to_b
+
+
+def test_a_reshard_carries_the_per_rank_files_as_written_with_their_layout(runs):
+    """The queue (job_rank<r>.pt) and RNG streams of the 4 ranks of pp=2 dp=2, byte for byte,
+    recorded as that layout's (the resume on dp=4 above re-split the queue from them)."""
+    g = runs / "grpo"
+    out, src = g / "resharded" / "resharded", _step(g / "source" / "ckpt", 1)
+    assert json.loads((out / "manifest.json").read_text())["rank_files_layout"] == \
+        json.loads((src / "manifest.json").read_text())["layout"]
+    names = sorted(f.name for f in src.glob("*_rank*.pt"))
+    assert names == sorted(f.name for f in out.glob("*_rank*.pt")) and len(names) == 8
+    assert all((out / n).read_bytes() == (src / n).read_bytes() for n in names)
+    from rlt_mega.checkpoint_tools.inspect_ckpt import inspect_path
+
+    queue = inspect_path(out)["queue"]  # rlt-mega inspect says the queue moves, and how
+    assert queue.startswith("1 data step sampled ahead (grpo.max_staleness=1) on each of 2 data-parallel replicas")
+    assert "it moves to any layout" in queue and "grpo.prompts_per_step x parallel.dp = 4" in queue
 
 
 @pytest.mark.parametrize("a", [a for a in LAYOUTS if a != "dp4z1"])

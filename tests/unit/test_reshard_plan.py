@@ -124,27 +124,125 @@ def test_universal_patterns_name_each_parameter_once_with_its_tensor_parallel_sp
     assert not any(n.endswith(split) for n in replicated_names)
 
 
-def test_a_rank_on_another_layout_takes_its_replicas_job_state_from_the_last_stage():
-    """train/loop.py source_rank: Megatron's order, rank = tp_rank + tp * (dp_rank + dp * pp_rank)."""
+def test_a_rank_on_another_layout_takes_every_replicas_job_state_from_its_last_stage():
+    """train/loop.py source_ranks and position_rank: Megatron's order, rank = tp_rank + tp *
+    (dp_rank + dp * pp_rank)."""
     from types import SimpleNamespace
 
-    from rlt_mega.train.loop import source_rank
+    from rlt_mega.train.loop import position_rank, source_ranks
 
-    saved = {"tp": 2, "pp": 2, "dp": 2}
-    assert [source_rank(saved, SimpleNamespace(dp_rank=d)) for d in range(2)] == [4, 6]  # pp 1, tp 0, dp d
-    assert source_rank(saved, SimpleNamespace(dp_rank=3)) == 6  # fewer replicas saved: the last one's
-    assert source_rank({"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}, SimpleNamespace(dp_rank=0)) == 0
+    saved = {"tp": 2, "pp": 2, "dp": 2, "pp_split": [1, 1]}
+    assert source_ranks(saved) == [4, 6]  # pp 1, tp 0, dp d
+    assert source_ranks({"tp": 1, "pp": 1, "dp": 1, "zero_stage": 0}) == [0]
+    at = SimpleNamespace(tp_rank=1, pp_rank=1, dp_rank=3)
+    assert position_rank(saved, {"tp": 2, "pp": 2, "dp": 4, "zero_stage": 1}, at) == 7  # replica 1's (the last)
+    assert position_rank(saved, {"tp": 2, "pp": 2, "dp": 4, "pp_split": [2, 0]}, at) is None  # another split
+    assert position_rank(saved, {"tp": 1, "pp": 2, "dp": 8}, at) is None
 
 
-def test_a_grpo_queue_moves_to_another_tp_pp_or_zero_stage_but_not_to_another_dp():
+def _queued(dp: int, prompts: int, group: int, batch: int, step: int = 3) -> list:
+    """Data step ``step`` as replica d of ``dp`` queues it: every dp-th of ``prompts`` prompts from
+    d, ``group`` rows each, in rollout batches of ``batch`` rows (one minibatch); each row's tokens
+    hold its global row, its score the same."""
+    from rlt_mega.rollout.sampler import Rollout
+    from rlt_mega.train.async_grpo import Generated
+    from rlt_mega.train.grpo_rounds import Round
+
+    out = []
+    for d in range(dp):
+        ids = [p * group + g for p in range(d, prompts, dp) for g in range(group)]
+        rollouts = [Rollout(torch.tensor(ids[a:a + batch]).view(-1, 1), torch.zeros(batch, 1), torch.ones(batch, 1),
+                            [1] * batch, ["length"] * batch, None) for a in range(0, len(ids), batch)]
+        rnd = Round([{"row": i} for i in ids], [rollouts], [float(i) for i in ids], [0.0] * len(ids), failures=d + 1,
+                    nonfinite=0, group_keep=torch.tensor([p % 3 != 0 for p in range(d, prompts, dp)]))
+        out.append(Generated(step, 2, [rnd], {"sampling/rounds": 1.0}, order={"epoch": 0, "cursor": 8}))
+    return out
+
+
+def _rows(item) -> list[list[int]]:
+    return [ro.tokens.view(-1).tolist() for ro in item.rounds[0].rollouts[0]]
+
+
+def test_a_queued_data_step_is_re_split_into_the_shares_of_another_data_parallel_size():
+    """train/async_grpo.py resplit: the saved replicas' batches of a data step, dealt as the new
+    layout samples it (share s holds every dp-th prompt from s), whole batches, rows with them."""
     from rlt_mega.config import ConfigError
-    from rlt_mega.train.async_grpo import Generated, StalenessPipeline
+    from rlt_mega.train.async_grpo import Generated, ShareCut, StalenessPipeline, resplit
 
-    saved = StalenessPipeline(1, (2, 2, 2, 6))  # dp 2, tp 2, pp 2, rank 6
-    saved.push(Generated(step=3, version=2, rounds=[], sampling={}))
-    moved = StalenessPipeline(1, (2, 4, 1, 1))  # dp 2 on tp 4: the queue moves
-    moved.load_state_dict(saved.state_dict(), 3)
-    assert [g.step for g in moved.queue] == [3]
-    with pytest.raises(ConfigError, match=r"parallel.dp=2 replicas .* this run has parallel.dp=4: resume with "
-                                          r"parallel.dp=2"):
-        StalenessPipeline(1, (4, 1, 1, 0)).load_state_dict(saved.state_dict(), 3)
+    G = 2
+    queued = _queued(2, 4, G, G)  # 2 replicas x 2 prompts x 2 rows, one group per batch
+    merged = resplit(queued, ShareCut(1, 0, 8, 2, G))
+    assert _rows(merged) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # dp=1's own order: prompts 0, 1, 2, 3
+    rnd = merged.rounds[0]
+    assert rnd.scores == [float(i) for i in range(8)] and [r["row"] for r in rnd.rows] == list(range(8))
+    assert rnd.group_keep.tolist() == [False, True, True, False] and rnd.failures == 3
+    assert merged.sampling["sampling/groups_kept"] == 2 and merged.sampling["sampling/prompts_drawn"] == 4
+    assert (merged.step, merged.version, merged.order) == (3, 2, {"epoch": 0, "cursor": 8})
+    split = [resplit(queued, ShareCut(4, s, 2, 2, G)) for s in range(4)]
+    assert [_rows(x) for x in split] == [[[2 * s, 2 * s + 1]] for s in range(4)]  # share s: prompt s
+    assert [x.rounds[0].failures for x in split] == [1, 2, 0, 0]  # each saved replica's count once
+    same = [resplit(queued, ShareCut(2, s, 4, 2, G)) for s in range(2)]
+    assert [_rows(x) for x in same] == [_rows(x) for x in queued]  # the same dp: the same shares
+    # batches of two prompts: merged whole (dp=1: the replicas' batches in turn), split in blocks
+    assert _rows(resplit(_queued(2, 4, G, 4), ShareCut(1, 0, 8, 4, G))) == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    wide = _queued(2, 8, G, 4)
+    assert [_rows(resplit(wide, ShareCut(4, s, 4, 4, G))) for s in range(4)] == \
+        [[[0, 1, 4, 5]], [[8, 9, 12, 13]], [[2, 3, 6, 7]], [[10, 11, 14, 15]]]
+    # a group split over batches moves with its batches
+    assert [_rows(resplit(_queued(2, 4, G, 1), ShareCut(4, s, 2, 1, G))) for s in range(4)] == \
+        [[[2 * s], [2 * s + 1]] for s in range(4)]
+    with pytest.raises(ConfigError, match=r"2 replicas x 4 rows, and this run's global batch is dp=1 x 4 rows .* "
+                                          r"resume with grpo.prompts_per_step=4"):
+        resplit(queued, ShareCut(1, 0, 4, 2, G))
+    with pytest.raises(ConfigError, match=r"rollout batches of \[2\] rows, and this run cuts its minibatches of 8 "
+                                          r"rows into batches of 8"):
+        resplit(queued, ShareCut(1, 0, 8, 8, G))
+    # the pipeline: every saved replica's queue, checked, re-split per data step
+    saved = [StalenessPipeline(1, (2, 1, 1, d)) for d in range(2)]
+    for pipe, item in zip(saved, queued):
+        pipe.push(item)
+    moved = StalenessPipeline(1, (1, 1, 1, 0))
+    moved.load_moved([p.state_dict() for p in saved], 3, ShareCut(1, 0, 8, 2, G))
+    assert [_rows(x) for x in moved.queue] == [_rows(merged)]
+    with pytest.raises(ConfigError, match="holds no sampled steps for grpo.max_staleness=1"):
+        moved.load_moved([saved[0].state_dict(), None], 3, ShareCut(1, 0, 8, 2, G))
+    saved[1].queue[0] = Generated(4, 3, queued[1].rounds, {})
+    with pytest.raises(ConfigError, match=r"queues data steps \[\[3\], \[4\]\] on its replicas: it is damaged"):
+        moved.load_moved([p.state_dict() for p in saved], 3, ShareCut(1, 0, 8, 2, G))
+
+
+def test_kept_policy_versions_move_to_a_layout_that_cuts_the_model_alike_only():
+    """train/grpo.py load_moved_rank_state: the queue re-split, and the policy versions kept for
+    partial rollouts taken from the saved rank at this rank's place (same tp and pp), or refused
+    in one line naming the layout to resume on."""
+    from types import SimpleNamespace
+
+    from rlt_mega.config import ConfigError
+    from rlt_mega.train.async_grpo import PolicyHistory, StalenessPipeline, VersionPlan
+    from rlt_mega.train.grpo import GRPOJob
+
+    saved = []
+    for d, item in enumerate(_queued(2, 4, 2, 2)):
+        pipe = StalenessPipeline(1, (2, 1, 1, d), 1)
+        pipe.push(item)
+        kept = torch.full((3,), 2.0)  # version 2's parameters on the saved rank
+        saved.append({"pipeline": pipe.state_dict(), "previous": kept, "versions": {2: kept}})
+
+    def job(tp: int):
+        grpo = SimpleNamespace(group_size=2, verify_onpolicy=False, partial_rollouts=1)
+        cut = SimpleNamespace(minibatch_rows=8, batch_rows=2)
+        j = SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), phases=SimpleNamespace(cut=cut),
+                            dims=SimpleNamespace(dp=1, dp_rank=0, tp=tp, pp=1),
+                            pipeline=StalenessPipeline(1, (1, tp, 1, 0), 1),
+                            history=PolicyHistory(VersionPlan(1, 1, 2), False))
+        j._load_history = lambda state, step: GRPOJob._load_history(j, state, step)
+        return j
+
+    moved = job(1)
+    GRPOJob.load_moved_rank_state(moved, saved, saved[0], 3)
+    assert sorted(moved.history.kept) == [2] and moved.steps_done == 3
+    assert [_rows(x) for x in moved.pipeline.queue] == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
+    with pytest.raises(ConfigError, match=r"on tp=1, pp=1 \(grpo.verify_onpolicy, grpo.partial_rollouts\), which this "
+                                          r"run cuts as tp=2, pp=1: resume with parallel.tp=1 parallel.pp=1 and the "
+                                          r"same stage split \(any dp or ZeRO stage\)$"):
+        GRPOJob.load_moved_rank_state(job(2), saved, None, 3)
