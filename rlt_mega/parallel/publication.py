@@ -248,31 +248,32 @@ class Publisher:
             self.group.send([snapshot[a:e]], 0, 0).wait()
 
     def _send(self, n: int, version: int, snapshot: torch.Tensor, kind: str) -> None:
-        ch, layout = self.channel, self.layout
         targets = self._targets.pop(n)
         if kind == "p":  # the samplers' receiving threads may post their receives
-            ch.store.set(f"sent/{ch.position}/{version}", "1")
-        sent = 0
-        for b in range(layout.num_buckets):
-            a, e = layout.bounds(b)
-            if layout.dp == 1:
-                buf = self.live.track(snapshot[a:e].view(1, -1))
-            else:
-                buf = self.live.track(torch.empty(layout.dp, e - a, dtype=snapshot.dtype, device=snapshot.device))
-                buf[0].copy_(snapshot[a:e])
-                for d in range(1, layout.dp):
-                    self.group.recv([buf[d]], d, 0).wait()
-            works = {}
-            for r in targets:
-                if r in ch.pool.lost:
-                    continue
-                try:
-                    works[r] = ch.pairs[r].send([buf], 1, 0)
-                except Exception as exc:  # the peer closed its end (gloo says so when posting)
-                    ch.pool.mark_lost(r, f"the weights' send failed: {exc}".splitlines()[0])
-            for r, work in works.items():
-                if ch.taken(r, version, b, work):
-                    sent += buf.numel() * buf.element_size()
-            del buf, works  # the bucket is freed before the next one is gathered
+            self.channel.store.set(f"sent/{self.channel.position}/{version}", "1")
+        sent = sum(self._bucket(b, version, snapshot, targets) for b in range(self.layout.num_buckets))
         if kind == "p":
             self.bytes_sent = sent
+
+    def _bucket(self, b: int, version: int, snapshot: torch.Tensor, targets: list[int]) -> int:
+        """Bucket ``b``: gathered, sent to ``targets``, taken -> the bytes sent. Its buffer (and
+        the sends that hold it) are freed on return, before the next bucket is gathered."""
+        ch, layout = self.channel, self.layout
+        a, e = layout.bounds(b)
+        if layout.dp == 1:
+            buf = self.live.track(snapshot[a:e].view(1, -1))
+        else:
+            buf = self.live.track(torch.empty(layout.dp, e - a, dtype=snapshot.dtype, device=snapshot.device))
+            buf[0].copy_(snapshot[a:e])
+            for d in range(1, layout.dp):
+                self.group.recv([buf[d]], d, 0).wait()
+        works = {}
+        for r in targets:
+            if r in ch.pool.lost:
+                continue
+            try:
+                works[r] = ch.pairs[r].send([buf], 1, 0)
+            except Exception as exc:  # the peer closed its end (gloo says so when posting)
+                ch.pool.mark_lost(r, f"the weights' send failed: {exc}".splitlines()[0])
+        taken = sum(ch.taken(r, version, b, work) for r, work in works.items())
+        return taken * buf.numel() * buf.element_size()

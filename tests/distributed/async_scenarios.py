@@ -14,20 +14,27 @@ from tests.distributed.grpo_scenarios import grpo_cfg, odd, records
 LAYOUT = {"prompts_per_step": 2, "group_size": 2, "minibatches": 1, "verify_onpolicy": False}
 
 
-def roles_config(grpo: dict, train: dict, out_dir: str, sampler_replicas: int, parallel: dict | None = None):
+def roles_config(grpo: dict, train: dict, out_dir: str, sampler_replicas: int, parallel: dict | None = None,
+                 lora: dict | None = None):
+    """``lora``: model.lora's settings (adapters on the learner and every sampler)."""
     cfg = grpo_cfg(parallel or {}, {"log_every": 1, **train}, {**LAYOUT, "sampler_replicas": sampler_replicas, **grpo})
     cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=f"{out_dir}/ckpt"),
                               logging=dataclasses.replace(cfg.logging, dir=f"{out_dir}/log"))
+    if lora:
+        from rlt_mega.config import LoraConfig
+
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, lora=LoraConfig(**lora)))
     return grpo_config(cfg)
 
 
-def roles_run(grpo: dict, train: dict, out_dir: str, samplers: int = 1, parallel: dict | None = None) -> dict:
-    cfg = roles_config(grpo, train, out_dir, samplers, parallel)
+def roles_run(grpo: dict, train: dict, out_dir: str, samplers: int = 1, parallel: dict | None = None,
+              lora: dict | None = None) -> dict:
+    cfg = roles_config(grpo, train, out_dir, samplers, parallel, lora)
     out = run_roles(cfg, load_tokenizer("byte"), odd, records(24), [])
     return {"step": out.get("step"), "role": out.get("role", "learner")}
 
 
-def colocated_in_replica(parallel: dict, grpo: dict, train: dict, out_dir: str) -> None:
+def colocated_in_replica(parallel: dict, grpo: dict, train: dict, out_dir: str, lora: dict | None = None) -> None:
     """The colocated run of the roles' config on the first tp x pp x dp ranks of the launch (each
     replica a world of its own, as under the roles; the others wait)."""
     import torch.distributed as dist
@@ -35,7 +42,7 @@ def colocated_in_replica(parallel: dict, grpo: dict, train: dict, out_dir: str) 
     from rlt_mega.parallel.dims import ParallelDims, init_distributed, launcher_store
     from rlt_mega.train.grpo import build_trainer, engine_config
 
-    cfg = roles_config(grpo, train, out_dir, 0, parallel)
+    cfg = roles_config(grpo, train, out_dir, 0, parallel, lora)
     n = cfg.parallel.tp * cfg.parallel.pp * (cfg.parallel.dp or 1)
     init_distributed(None, "cpu", replica_size=n)
     try:
@@ -63,19 +70,25 @@ def roles_layout(parallel: dict, out_dir: str) -> list[dict]:
     return out
 
 
+LORA = {"rank": 4, "alpha": 8.0}
+BUCKET_MB = 0.01  # 10 KiB: the weights of each position travel in many buckets
+
+
 def data_parallel_roles(out_dir: str) -> list[dict]:
-    """On 4 ranks: a learner of 2 data-parallel ranks (ZeRO-1, then ZeRO-3) fed by 2 sampler
-    replicas, max_staleness 0 with dynamic sampling (2 rounds reserved a step), against the
-    colocated dp=2 run of the same config on the first 2 ranks; then ZeRO-1 with max_staleness 1,
-    partial rollouts (the switch at decode step 3) and token_tis, 3 steps."""
-    grpo = {"minibatches": 2, "verify_onpolicy": True, "dynamic_sampling": True, "max_sampling_rounds": 2}
+    """On 4 ranks: a learner of 2 data-parallel ranks (ZeRO-1, then ZeRO-3, then ZeRO-3 with
+    low-rank adapters) fed by 2 sampler replicas, max_staleness 0 with dynamic sampling (2 rounds
+    reserved a step), the weights published in buckets of BUCKET_MB, against the colocated dp=2
+    run of the same config on the first 2 ranks; then ZeRO-1 with max_staleness 1, partial
+    rollouts (the switch at decode step 3) and token_tis, 3 steps."""
+    grpo = {"minibatches": 2, "verify_onpolicy": True, "dynamic_sampling": True, "max_sampling_rounds": 2,
+            "publish_bucket_mb": BUCKET_MB}
     out = []
-    for zero in (1, 3):
-        parallel = {"dp": 2, "zero_stage": zero}
-        colocated_in_replica(parallel, grpo, {"steps": 2}, f"{out_dir}/colocated_z{zero}")
-        out.append(roles_run(grpo, {"steps": 2}, f"{out_dir}/roles_z{zero}", samplers=2, parallel=parallel))
+    for zero in (1, 3, "3_lora"):
+        parallel, lora = {"dp": 2, "zero_stage": 3 if zero == "3_lora" else zero}, LORA if zero == "3_lora" else None
+        colocated_in_replica(parallel, grpo, {"steps": 2}, f"{out_dir}/colocated_z{zero}", lora)
+        out.append(roles_run(grpo, {"steps": 2}, f"{out_dir}/roles_z{zero}", samplers=2, parallel=parallel, lora=lora))
     partial = {"minibatches": 2, "verify_onpolicy": True, "max_staleness": 1, "partial_rollouts": 3,
-               "is_correction": "token_tis"}
+               "is_correction": "token_tis", "publish_bucket_mb": BUCKET_MB}
     colocated_in_replica({"dp": 2, "zero_stage": 1}, partial, {"steps": 3}, f"{out_dir}/colocated_z1_partial")
     out.append(roles_run(partial, {"steps": 3}, f"{out_dir}/roles_z1_partial", samplers=2,
                          parallel={"dp": 2, "zero_stage": 1}))

@@ -20,7 +20,7 @@ from rlt_mega.config import ConfigError
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.train.grpo import build_trainer, run_roles
-from tests.distributed.async_scenarios import roles_config
+from tests.distributed.async_scenarios import BUCKET_MB, roles_config
 from tests.distributed.grpo_scenarios import odd, records
 from tests.distributed.launch import result, run_ranks
 
@@ -150,21 +150,26 @@ def test_roles_under_tensor_and_pipeline_parallelism(tmp_path, parallel):
 
 
 def test_data_parallel_learners_fed_by_two_samplers_equal_the_colocated_run(tmp_path):
-    """One launch of 4 processes: a learner of dp=2 under ZeRO-1 and under ZeRO-3, two sampler
-    replicas (each sampling both data-parallel ranks' shares of its data steps), dynamic sampling
-    (its prompts reserved per step, so the data does not depend on which sampler ran it), staleness
-    0: the colocated dp=2 run's parameters, optimizer state, losses, rewards and rounds, bit for
-    bit; and ZeRO-1 at max_staleness 1 with partial rollouts and token_tis (each share of a data
-    step starts under the older version again, kept by the sampler): the same, with ratio
-    exactly 1 against the sampling version at every step."""
+    """One launch of 4 processes: a learner of dp=2 under ZeRO-1, under ZeRO-3 and under ZeRO-3
+    with low-rank adapters (model.lora), two sampler replicas (each sampling both data-parallel
+    ranks' shares of its data steps), dynamic sampling (its prompts reserved per step, so the
+    data does not depend on which sampler ran it), staleness 0: the colocated dp=2 run's
+    parameters, optimizer state, losses, rewards and rounds, bit for bit; and ZeRO-1 at
+    max_staleness 1 with partial rollouts and token_tis (each share of a data step starts under
+    the older version again, kept by the sampler): the same, with ratio exactly 1 against the
+    sampling version at every step. The weights travel in buckets of 10 KiB (many per version):
+    the learner's publishing rank never held more than one bucket of gathered weights at once
+    (async/weight_peak_bytes, the bytes of its gathered buffers alive at once, measured), far
+    less than a version."""
     args = {"out_dir": str(tmp_path / "out")}
     res = run_ranks(4, [("async_scenarios.data_parallel_roles", args)], tmp_path / "ranks", timeout=1800)
     roles = [result(res, "async_scenarios.data_parallel_roles", args, r) for r in range(4)]
-    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 3] * 2 + [["sampler"] * 3] * 2
-    out = tmp_path / "out"
-    for zero in (1, 3, "1_partial"):
-        a, b = final_params(out / f"roles_z{zero}"), final_params(out / f"colocated_z{zero}")
-        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 4] * 2 + [["sampler"] * 4] * 2
+    out, bucket = tmp_path / "out", int(BUCKET_MB * (1 << 20))
+    for zero in (1, 3, "3_lora", "1_partial"):
+        if zero != "3_lora":  # under adapters DeepSpeed's shards alone hold them (their fp32 masters, compared next)
+            a, b = final_params(out / f"roles_z{zero}"), final_params(out / f"colocated_z{zero}")
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
         assert_same_optimizer(out / f"roles_z{zero}", out / f"colocated_z{zero}")
         lines, want = logged(out / f"roles_z{zero}"), logged(out / f"colocated_z{zero}")
         assert len(lines) == (3 if zero == "1_partial" else 2)
@@ -172,6 +177,9 @@ def test_data_parallel_learners_fed_by_two_samplers_equal_the_colocated_run(tmp_
         for key in ("train/loss", "reward/mean", "async/staleness_max", *dynamic):
             assert [x[key] for x in lines] == [x[key] for x in want], key
         assert all(x["ratio/onpolicy_max_dev"] == 0.0 for x in lines)
+        for x in lines[:-1]:  # the last step publishes nothing
+            peak, version = x["async/weight_peak_bytes"], x["async/weight_bytes"] / x["async/samplers_alive"]
+            assert 0 < peak <= bucket and version > 4 * bucket, (zero, peak, version)
 
 
 def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):
