@@ -437,7 +437,7 @@ class RoleChannel:
         targets = []
         if self.publishes:
             self._admit(version)
-            targets = [r for r in self.pool.alive(refresh=False) if r in self.pairs]
+            targets = [r for r in self.pool.alive(refresh=False) if self.pairs.get(r) is not None]
         self.publisher.post(version, snapshot, keep_from, targets)
         self._published = version
         return time.perf_counter() - t0
@@ -468,7 +468,12 @@ class RoleChannel:
             return
         last = self._published
         for r in range(len(self.pairs), self.pool.num):
-            self.pairs[r] = role_group(f"weights{self.position}/{r}", 0, 2, self.device, self.timeout_s)
+            try:
+                self.pairs[r] = role_group(f"weights{self.position}/{r}", 0, 2, self.device, self.timeout_s)
+            except Exception as exc:  # it died joining (the group's creation timed out): the job goes on
+                self.pairs[r] = None
+                self.pool.mark_lost(r, f"its weights' group was not made: {exc}".splitlines()[0])
+                continue
             first = min(self.keep_from, last if version is None else version)
             self.store.set(f"first/{r}/{self.position}", str(first))
             for v in range(first, last + 1):

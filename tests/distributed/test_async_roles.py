@@ -124,19 +124,24 @@ def test_stale_roles_equal_the_colocated_run_and_resume_with_the_roles(tmp_path)
     assert [x["train/loss"] for x in logged(cut)] == [x["train/loss"] for x in logged(tmp_path / "colocated")]
 
 
-@pytest.mark.parametrize("parallel", [{"tp": 2, "zero_stage": 1}, {"pp": 2, "zero_stage": 1, "micro_batches": 2}],
-                         ids=["tp2", "pp2"])
-def test_roles_under_tensor_and_pipeline_parallelism(tmp_path, parallel):
-    """One sampler replica with the learner's layout (4 processes: replica 0 learns, replica 1
-    samples, rank for rank): max_staleness 0 equals the colocated run of the layout bit for bit
+@pytest.mark.parametrize("parallel,samplers", [({"tp": 2, "dp": 2, "zero_stage": 1}, 2),
+                                               ({"pp": 2, "zero_stage": 1, "micro_batches": 2}, 1)],
+                         ids=["tp2xdp2", "pp2"])
+def test_roles_under_tensor_and_pipeline_parallelism(tmp_path, parallel, samplers):
+    """Sampler replicas with the learner's tp x pp layout (rank for rank): a learner of tp=2 x
+    dp=2 fed by two sampler replicas of tp=2 (8 processes), and a learner of pp=2 fed by one of
+    pp=2 (4 processes). max_staleness 0 equals the colocated run of the layout bit for bit
     (parameters, losses); max_staleness 1 with token_tis, stopped after 2 steps and resumed with
     the roles, equals the colocated run: its first minibatch learns with ratio exactly 1 against
     the proximal replay (ratio/onpolicy_max_dev 0: a stale sample's replay on the layout is
-    exact)."""
-    args = {"parallel": parallel, "out_dir": str(tmp_path / "out")}
-    res = run_ranks(4, [("async_scenarios.roles_layout", args)], tmp_path / "ranks", timeout=900)
-    roles = [result(res, "async_scenarios.roles_layout", args, r) for r in range(4)]
-    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 3] * 2 + [["sampler"] * 3] * 2
+    exact). The weights of each TP position travel in buckets gathered from both data-parallel
+    ranks."""
+    args = {"parallel": parallel, "out_dir": str(tmp_path / "out"), "samplers": samplers}
+    n = parallel.get("tp", 1) * parallel.get("pp", 1)
+    learners, world = n * parallel.get("dp", 1), n * (parallel.get("dp", 1) + samplers)
+    res = run_ranks(world, [("async_scenarios.roles_layout", args)], tmp_path / "ranks", timeout=1200)
+    roles = [result(res, "async_scenarios.roles_layout", args, r) for r in range(world)]
+    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 3] * learners + [["sampler"] * 3] * (world - learners)
     assert roles[0][1]["step"] == 2 and roles[0][2]["step"] == 3
     out = tmp_path / "out"
     for name, ref, steps in (("roles0", "colocated0", 2), ("roles1", "colocated1", 3)):
