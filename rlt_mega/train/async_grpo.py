@@ -421,8 +421,11 @@ class RemoteSource:
 
 
 def roles_types() -> tuple:
-    """The records the roles pass through the store (``RoleStore.take``'s allow-list)."""
-    return (*queue_types(), RolesStart)
+    """The records the roles pass through the store (``RoleStore.take``'s allow-list): a queue's
+    (what a checkpoint's job_rank*.pt may hold, numpy's scalars included) and ``RolesStart``."""
+    from rlt_mega.checkpoint import trusted_globals
+
+    return (*trusted_globals(allow=queue_types()), RolesStart)
 
 
 class OrderCursor:

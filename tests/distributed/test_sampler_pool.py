@@ -1,10 +1,11 @@
 """A pool of sampler replicas that may fail (grpo.sampler_replicas, parallel/roles.py): one of
 two sampler replicas is killed (SIGKILL) when it is about to sample data step 3 of 7 (it holds
 the claim), the learner marks it lost (its weights' send fails, or its heartbeat stops for
-grpo.sampler_timeout_s), gives its data step back, the other replica redoes it; the run ends
-with the parameters and every logged loss of the run without the failure (the colocated run of
-the same config, which the roles equal bit for bit: tests/distributed/test_async_roles.py). A
-3-process launch of its own:
+grpo.sampler_timeout_s), gives its data step back, the other replica redoes it, and a
+replacement started once it is dead (a launch of its own, RLT_ROLES_JOIN) rejoins the pool and
+samples data steps; the run ends with the parameters and every logged loss of the run without
+the failure (the colocated run of the same config, which the roles equal bit for bit:
+tests/distributed/test_async_roles.py). A 3-process launch of its own and the replacement's:
 the suite's launcher stops every rank once one fails, which is what this test must not do. And
 a replica that hangs (SIGSTOP: no message fails) is lost by its heartbeat alone."""
 
