@@ -50,7 +50,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils import parameters_to_vector
 
 from rlt_mega.log import get_logger
 from rlt_mega.parallel.dims import launcher_store

@@ -36,7 +36,6 @@ steps before the switch (while the learner is the slower role, the wait moves to
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
