@@ -249,8 +249,6 @@ class Publisher:
 
     def _send(self, n: int, version: int, snapshot: torch.Tensor, kind: str) -> None:
         targets = self._targets.pop(n)
-        if kind == "p":  # the samplers' receiving threads may post their receives
-            self.channel.store.set(f"sent/{self.channel.position}/{version}", "1")
         sent = sum(self._bucket(b, version, snapshot, targets) for b in range(self.layout.num_buckets))
         if kind == "p":
             self.bytes_sent = sent
@@ -267,13 +265,14 @@ class Publisher:
             buf[0].copy_(snapshot[a:e])
             for d in range(1, layout.dp):
                 self.group.recv([buf[d]], d, 0).wait()
-        works = {}
+        works, posted = {}, time.monotonic()
         for r in targets:
             if r in ch.pool.lost:
                 continue
             try:
+                ch.store.set(f"sent/{r}/{ch.position}/{version}/{b}", "1")  # its receiving thread may post
                 works[r] = ch.pairs[r].send([buf], 1, 0)
             except Exception as exc:  # the peer closed its end (gloo says so when posting)
                 ch.pool.mark_lost(r, f"the weights' send failed: {exc}".splitlines()[0])
-        taken = sum(ch.taken(r, version, b, work) for r, work in works.items())
+        taken = sum(ch.taken(r, version, b, work, posted) for r, work in works.items())
         return taken * buf.numel() * buf.element_size()

@@ -31,7 +31,9 @@ fails) marks its replica lost (``lost/r``); a learner rank waiting for a data st
 lost gives the step back (``owner/j`` emptied, by compare-and-set: once), and the next replica
 that looks claims it. Sampling is a function of the data step, its policy versions and seeds,
 never of the replica, so the redone step is the lost one bit for bit. Every wait polls and has
-a bound; the groups are made with grpo.sampler_timeout_s as their timeout.
+a bound; the groups are made with grpo.sampler_timeout_s as their timeout (the learner's
+publishing group three times that: its messages may wait while rank 0 waits out a replica's
+receipt), and a sampler posts each bucket's receive only once its send is announced.
 
 A replica that joins (a restarted one: ``RLT_ROLES_JOIN``) is admitted by the learner at its next
 publication, or while the learner waits for a data step; it receives every version from the
@@ -261,8 +263,8 @@ class Heartbeat:
 
 
 class WeightsReceiver:
-    """A sampler rank's thread that receives versions ``first`` .. ``last`` from the learner as
-    each is announced (``sent/position/v``), bucket by bucket (``layout``, parallel/publication.py),
+    """A sampler rank's thread that receives versions ``first`` .. ``last`` from the learner, bucket
+    by bucket (``layout``, parallel/publication.py) as each is announced (``sent/r/position/v/b``),
     into flat vectors of ``dtype``; keeps them until ``drop_below``; ``get(v)`` waits for version v."""
 
     def __init__(self, channel: "RoleChannel", layout: BucketLayout, dtype: torch.dtype, first: int, last: int
@@ -279,13 +281,16 @@ class WeightsReceiver:
         ch = self.channel
         try:
             for v in range(self.first, self.last + 1):
-                poll = Poll()
-                while not ch.store.has(f"sent/{ch.position}/{v}"):
-                    if self._stop.is_set() or ch.store.has("stop"):
-                        return
-                    poll.sleep()
                 flat = torch.empty(self.layout.numel, dtype=self.dtype, device=ch.device)
                 for b in range(self.layout.num_buckets):
+                    # Posted once its send is: so a receive never waits out the group's timeout
+                    # while the learner waits for another replica's receipt of the bucket before.
+                    key, poll = f"sent/{ch.replica}/{ch.position}/{v}/{b}", Poll()
+                    while not ch.store.has(key):
+                        if self._stop.is_set() or ch.store.has("stop"):
+                            return
+                        poll.sleep()
+                    ch.store.store.delete_key(key)
                     a, e = self.layout.bounds(b)
                     buf = torch.empty(self.layout.dp, e - a, dtype=self.dtype, device=ch.device)
                     ch.pair.recv([buf], LEARNER, 0).wait()
@@ -451,8 +456,9 @@ class RoleChannel:
         numels = [int(getattr(t, "ds_numel", t.numel())) for t in params]
         layout = BucketLayout.of(numels, len(self.learners), params[0].element_size(), self.bucket_bytes)
         group = None
-        if len(self.learners) > 1:
-            group = role_group(f"publish{self.position}", self.rank, len(self.learners), self.device, self.timeout_s)
+        if len(self.learners) > 1:  # its messages wait while rank 0 waits for a bucket's receipts (one timeout)
+            group = role_group(f"publish{self.position}", self.rank, len(self.learners), self.device,
+                               3 * self.timeout_s)
         self.publisher = Publisher(self, layout, self.rank, group)
 
     def _admit(self, version: Optional[int]) -> None:
@@ -479,11 +485,12 @@ class RoleChannel:
                 self.publisher.post(v, None, self.keep_from, [r], kind="r")
             log.warning("GRPO roles: sampler replica %d joined; it receives policy versions from %d on", r, first)
 
-    def taken(self, r: int, version: int, bucket: int, work) -> bool:
+    def taken(self, r: int, version: int, bucket: int, work, posted: float) -> bool:
         """Waits until replica ``r`` took bucket ``bucket`` of version ``version`` (it says so in the
         store: a send's completion cannot be polled on every backend) -> True; a replica that does
-        not within grpo.sampler_timeout_s, or whose send fails, is lost (False)."""
-        key, posted, poll = f"recv/{r}/{self.position}/{version}/{bucket}", time.monotonic(), Poll()
+        not within grpo.sampler_timeout_s of ``posted`` (when the bucket's sends were posted), or
+        whose send fails, is lost (False)."""
+        key, poll = f"recv/{r}/{self.position}/{version}/{bucket}", Poll()
         while r not in self.pool.lost:  # a lost peer's send is abandoned
             if self.store.has(key):
                 self.store.store.delete_key(key)
