@@ -178,7 +178,8 @@ class RoleStore:
                 return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
         except Exception as exc:  # the weights-only unpickler refuses what is not on the list
             raise UntrustedMessage(f"GRPO roles: the value under {key!r} in the launcher's store is not one the roles "
-                                   f"write (it names a type or call outside their records: refused, not run): "
+                                   f"write (damaged, or naming a type or call outside their records: refused, not "
+                                   f"run): "
                                    f"{str(exc).splitlines()[0][:200]}; is another process writing to this job's "
                                    "store (MASTER_ADDR:MASTER_PORT)?") from None
 
