@@ -577,6 +577,10 @@ class GRPOConfig:
     # The sampler replicas are launched on their own and join (RLT_ROLES_JOIN=host:port of this
     # job's store): the job holds the learner alone, so a sampler that dies never stops it.
     samplers_join: bool = False
+    # MiB of weights a learner rank holds gathered at once while it publishes a version to the
+    # samplers (parallel/publication.py: gathered from the data-parallel ranks' partitions one
+    # bucket at a time, sent, then freed).
+    publish_bucket_mb: float = 64.0
     # On-policy distillation (learner/distill.py): an export directory (rlt-mega export, or an
     # imported Llama/Qwen2: rlt-mega import) whose model scores every sampled token in the
     # learner's replay pass; per-token advantage teacher_coef * (log teacher - log mu) +
@@ -665,6 +669,9 @@ class GRPOConfig:
         _check(self.sampler_timeout_s > 0,
                f"grpo.sampler_timeout_s={self.sampler_timeout_s}: must be > 0 (the seconds before a silent "
                "sampler replica is lost)")
+        _check(self.publish_bucket_mb > 0,
+               f"grpo.publish_bucket_mb={self.publish_bucket_mb}: must be > 0 (MiB of weights gathered at once "
+               "while publishing to the samplers)")
         _check(self.sampler_replicas >= 0,
                f"grpo.sampler_replicas={self.sampler_replicas}: must be >= 0 (0: colocated)")
         _check(not self.samplers_join or self.sampler_replicas >= 1,

@@ -4,29 +4,46 @@
 # against one process holding the whole model (losses and parameters after two steps), a
 # rollout's replay torch.equal to its mu under each layout (fp32, bf16), and the training ring's
 # bubble measured with CUDA events (P2P.wait_s over the step). tools/gpu/multi.py is one layout.
-# Then GRPO's sampler and learner roles on 2 GPUs (tools/gpu/roles.py: weights broadcast and
-# rollouts sent over NCCL), max_staleness 0 and 1 with partial rollouts, against the colocated run
-# bit for bit.
+# Then GRPO's sampler and learner roles on 2 GPUs (tools/gpu/roles.py: weights sent and
+# rollouts passed over NCCL and the store), max_staleness 0 and 1 with partial rollouts, against
+# the colocated run bit for bit; with 4 GPUs or more also their pool form (roles_pool: a learner of
+# dp=2 under ZeRO-3 and two sampler replicas, the weights gathered from the partitions and sent in
+# buckets over NCCL, the learner's peak of gathered weights at most one bucket).
 # Until this has passed on a node, train.cuda_graphs with parallel.tp > 1 stays refused.
 #
-#   source launch/env.sh && bash tools/gpu_check_multi.sh [--smoke] [--out FILE]
+#   source launch/env.sh && bash tools/gpu_check_multi.sh [--smoke] [--out FILE] [--list GPUS]
 #
 # About 1 minute per layout. One line per layout; the JSON summary goes to --out, by default
 # $OUT/gpu_check_multi.json when $OUT is set, else into a fresh temporary directory. --smoke: the
-# same layouts on 2 CPU ranks with gloo. Exit status 0 when every layout passed.
+# same layouts on 2 CPU ranks with gloo. --list GPUS: print the items (layout:processes) a node of
+# GPUS GPUs runs, one a line, and exit. Exit status 0 when every layout passed.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python}"
 SMOKE=""
 RESULT=""
+LIST=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE="--smoke" ;;
     --out) [ $# -ge 2 ] || { echo "$0: --out needs a file name" >&2; exit 2; }; RESULT="$2"; shift ;;
-    *) echo "usage: $0 [--smoke] [--out FILE]" >&2; exit 2 ;;
+    --list) [[ $# -ge 2 && "$2" =~ ^[0-9]+$ ]] || { echo "$0: --list needs a number of GPUs" >&2; exit 2; }
+            LIST="$2"; shift ;;
+    *) echo "usage: $0 [--smoke] [--out FILE] [--list GPUS]" >&2; exit 2 ;;
   esac
   shift
 done
+layouts() {  # the items a node of $1 GPUs runs
+  local items="tp=2:2 pp=2:2 dp=2:2"
+  [ "$1" -ge 4 ] && items="$items tp=2,pp=2:4"
+  items="$items roles:2"
+  [ "$1" -ge 4 ] && items="$items roles_pool:4"
+  echo "$items"
+}
+if [ -n "$LIST" ]; then
+  for item in $(layouts "$LIST"); do echo "$item"; done
+  exit 0
+fi
 if [ -z "$RESULT" ]; then
   if [ -n "${OUT:-}" ]; then RESULT="$OUT/gpu_check_multi.json"; else RESULT="$(mktemp -d)/gpu_check_multi.json"; fi
 fi
@@ -39,9 +56,7 @@ else
     exit 2
   fi
 fi
-LAYOUTS="tp=2:2 pp=2:2 dp=2:2"
-[ "$GPUS" -ge 4 ] && LAYOUTS="$LAYOUTS tp=2,pp=2:4"
-LAYOUTS="$LAYOUTS roles:2"
+LAYOUTS="$(layouts "$GPUS")"
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 export PYTHONPATH="$ROOT" PYTHONUNBUFFERED=1
@@ -51,8 +66,13 @@ for item in $LAYOUTS; do
   layout="${item%%:*}"; nproc="${item##*:}"
   file="$TMP/$(echo "$layout" | tr '=,' '__').json"
   port="$("$PY" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
-  if [ "$layout" = roles ]; then run=("$ROOT/tools/gpu/roles.py"); else run=("$ROOT/tools/gpu/multi.py" --layout "$layout"); fi
-  timeout --kill-after=5 240 "$PY" -m torch.distributed.run --nproc_per_node "$nproc" --master_addr 127.0.0.1 \
+  case "$layout" in
+    roles) run=("$ROOT/tools/gpu/roles.py") ;;
+    roles_pool) run=("$ROOT/tools/gpu/roles.py" --pool) ;;
+    *) run=("$ROOT/tools/gpu/multi.py" --layout "$layout") ;;
+  esac
+  limit=240; [ "$layout" = roles_pool ] && limit=480  # two DeepSpeed ZeRO-3 jobs per arm
+  timeout --kill-after=5 "$limit" "$PY" -m torch.distributed.run --nproc_per_node "$nproc" --master_addr 127.0.0.1 \
     --master_port "$port" "${run[@]}" --out "$file" $SMOKE >"$file.log" 2>&1
   rc=$?
   if [ -f "$file" ]; then

@@ -9,43 +9,53 @@ waiting in one. The roles talk between the ranks at the same place of the tp x p
 same TP and PP rank, its "position"):
 
 - weights: from the learner's data-parallel rank 0 at each position to the sampler ranks there,
-  one point-to-point group of two per sampler (NCCL on GPUs, gloo here), the flat vector of its
-  shard (gathered first from ZeRO-3's partitions by the sampling copy,
-  parallel/sampling_copy.py), sent without waiting from a copy taken after the update (the
-  learner may step again while it is in flight). A sampler receives every version on a thread
-  of its own as soon as it is announced, and keeps the versions a data step still to be learned
-  may need (a lost replica's steps are redone with their own versions). A copy is exact, so a
-  sampler's version v is the learner's version v bit for bit. A send to a sampler that is lost
-  is abandoned, never waited for.
+  one point-to-point group of two per sampler (NCCL on GPUs, gloo here), in buckets gathered
+  from the learner's data-parallel ranks' partitions one at a time, on a thread, while the
+  learner steps on (parallel/publication.py: no rank holds more than one bucket of the gathered
+  weights). A sampler receives every version on a thread of its own as soon as it is
+  announced, and keeps the versions a data step still to be learned may need (a lost replica's
+  steps are redone with their own versions). A copy is exact, so a sampler's version v is the
+  learner's version v bit for bit. A send to a sampler that is lost is abandoned, never waited
+  for.
 - everything else through the launcher's store (the c10d TCPStore of the rendezvous, under
   ``{generation}/roles/``): where the samplers start (``RolesStart``); the latest version
   published; which replica owns data step j (``owner/j``, claimed by compare-and-set: the first
   data step not owned whose versions are out); each sampler rank's heartbeat; the replicas lost;
-  and the rollouts, pickled in chunks under ``roll/j/d/position`` for the learner's
-  data-parallel rank d (the store holds values of at most 8 MiB).
+  and the rollouts, in chunks under ``roll/j/d/position`` for the learner's data-parallel rank
+  d (the store holds values of at most 8 MiB), encoded by torch.save and read back weights-only
+  with an allow-list of the roles' record types (``RoleStore.put``/``take``): a value planted in
+  the store can name no other type and run no code.
 
 A sampler rank that stops beating for grpo.sampler_timeout_s seconds (or whose weights' send
 fails) marks its replica lost (``lost/r``); a learner rank waiting for a data step whose owner is
 lost gives the step back (``owner/j`` emptied, by compare-and-set: once), and the next replica
 that looks claims it. Sampling is a function of the data step, its policy versions and seeds,
 never of the replica, so the redone step is the lost one bit for bit. Every wait polls and has
-a bound; the groups are made with grpo.sampler_timeout_s as their timeout.
+a bound; the groups are made with grpo.sampler_timeout_s as their timeout (the learner's
+publishing group three times that: its messages may wait while rank 0 waits out a replica's
+receipt), and a sampler posts each bucket's receive only once its send is announced.
+
+A replica that joins (a restarted one: ``RLT_ROLES_JOIN``) is admitted by the learner at its next
+publication, or while the learner waits for a data step; it receives every version from the
+oldest one a data step still to be learned needs (``keep_from``), and claims only data steps no
+live replica owns whose versions it has. So every step the learner waits for can be sampled by
+any live replica, the joiner included, and nobody waits for the joiner.
 """
 
 from __future__ import annotations
 
 import datetime
-import pickle
+import io
 import threading
 import time
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-from torch.nn.utils import parameters_to_vector
 
 from rlt_mega.log import get_logger
 from rlt_mega.parallel.dims import launcher_store
+from rlt_mega.parallel.publication import BucketLayout, Publisher
 
 log = get_logger(__name__)
 
@@ -70,6 +80,10 @@ class Poll:
 
 class SamplerLost(RuntimeError):
     """This sampler replica was marked lost (a rank of it stopped): it stops too."""
+
+
+class PoolEnded(RuntimeError):
+    """The job ended (every data step learned) before this joining replica was admitted."""
 
 
 _JOINED: Optional[tuple] = None  # (the learner's store, its generation) of a replica that joins
@@ -108,14 +122,19 @@ def role_group(name: str, rank: int, size: int, device: torch.device, timeout_s:
     return dist.ProcessGroupGloo(prefixed, rank, size, timeout)
 
 
-class RoleStore:
-    """The roles' keys on the launcher's store (this run's generation), or on ``store``."""
+class UntrustedMessage(RuntimeError):
+    """A value in the roles' store names a type outside the roles' records: it is not loaded."""
 
-    def __init__(self, store: Optional[dist.Store] = None) -> None:
+
+class RoleStore:
+    """The roles' keys on the launcher's store (this run's generation), or on ``store``;
+    ``trusted``: the record types ``take`` may build (besides tensors and plain containers)."""
+
+    def __init__(self, store: Optional[dist.Store] = None, trusted: tuple = ()) -> None:
         if store is None:
             store, generation = roles_store()
             store = dist.PrefixStore(f"{generation}/roles/", store)
-        self.store = store
+        self.store, self.trusted = store, tuple(trusted)
 
     def has(self, key: str) -> bool:
         return self.store.check([key])
@@ -134,22 +153,35 @@ class RoleStore:
         return self.store.compare_set(key, expected, desired).decode() == desired
 
     def put(self, key: str, obj: Any) -> int:
-        """``obj`` pickled in chunks, its header (the chunk count) last -> the bytes."""
-        data = pickle.dumps(obj)
+        """``obj`` (tensors, plain containers, the ``trusted`` records) by torch.save, in chunks,
+        its header (the chunk count) last -> the bytes."""
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = buffer.getvalue()
         chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
         for i, chunk in enumerate(chunks):
             self.store.set(f"{key}/{i}", chunk)
         self.store.set(key, str(len(chunks)))
         return len(data)
 
-    def take(self, key: str) -> Any:
-        """The object ``put`` under ``key`` (present), its keys deleted."""
+    def take(self, key: str, keep: bool = False) -> Any:
+        """The object ``put`` under ``key`` (present), its keys deleted (``keep``: not), read
+        weights-only: a value that names any other type or callable is refused, not run."""
         n = int(self.store.get(key))
         data = b"".join(self.store.get(f"{key}/{i}") for i in range(n))
-        for i in range(n):
-            self.store.delete_key(f"{key}/{i}")
-        self.store.delete_key(key)
-        return pickle.loads(data)
+        if not keep:
+            for i in range(n):
+                self.store.delete_key(f"{key}/{i}")
+            self.store.delete_key(key)
+        try:
+            with torch.serialization.safe_globals(list(self.trusted)):
+                return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+        except Exception as exc:  # the weights-only unpickler refuses what is not on the list
+            raise UntrustedMessage(f"GRPO roles: the value under {key!r} in the launcher's store is not one the roles "
+                                   f"write (damaged, or naming a type or call outside their records: refused, not "
+                                   f"run): "
+                                   f"{str(exc).splitlines()[0][:200]}; is another process writing to this job's "
+                                   "store (MASTER_ADDR:MASTER_PORT)?") from None
 
 
 class SamplerPool:
@@ -163,6 +195,7 @@ class SamplerPool:
         self.lost: dict[int, str] = {}
         self._seen: dict[tuple[int, int], tuple[int, float]] = {}
         self._checked = 0.0
+        self._lock = threading.RLock()  # the learner's thread and its publishing thread
 
     def alive(self, refresh: bool = True) -> list[int]:
         if refresh:
@@ -170,6 +203,10 @@ class SamplerPool:
         return [r for r in range(self.num) if r not in self.lost]
 
     def refresh(self, force: bool = False) -> None:
+        with self._lock:
+            self._refresh(force)
+
+    def _refresh(self, force: bool) -> None:
         now = time.monotonic()
         if not force and now - self._checked < BEAT_S:
             return
@@ -193,10 +230,11 @@ class SamplerPool:
                     break
 
     def mark_lost(self, r: int, why: str) -> None:
-        if r in self.lost:
-            return
-        self.store.claim(f"lost/{r}", "", why)
-        self._note(r, self.store.get(f"lost/{r}", why))
+        with self._lock:
+            if r in self.lost:
+                return
+            self.store.claim(f"lost/{r}", "", why)
+            self._note(r, self.store.get(f"lost/{r}", why))
 
     def _note(self, r: int, why: str) -> None:
         self.lost[r] = why
@@ -226,12 +264,13 @@ class Heartbeat:
 
 
 class WeightsReceiver:
-    """A sampler rank's thread that receives versions ``first`` .. ``last`` from the learner as
-    each is announced (``sent/position/v``), into flat vectors of ``numel`` x ``dtype``; keeps
-    them until ``drop_below``; ``get(v)`` waits for version v."""
+    """A sampler rank's thread that receives versions ``first`` .. ``last`` from the learner, bucket
+    by bucket (``layout``, parallel/publication.py) as each is announced (``sent/r/position/v/b``),
+    into flat vectors of ``dtype``; keeps them until ``drop_below``; ``get(v)`` waits for version v."""
 
-    def __init__(self, channel: "RoleChannel", numel: int, dtype: torch.dtype, first: int, last: int) -> None:
-        self.channel, self.numel, self.dtype, self.first, self.last = channel, numel, dtype, first, last
+    def __init__(self, channel: "RoleChannel", layout: BucketLayout, dtype: torch.dtype, first: int, last: int
+                 ) -> None:
+        self.channel, self.layout, self.dtype, self.first, self.last = channel, layout, dtype, first, last
         self.kept: dict[int, torch.Tensor] = {}
         self.error: Optional[BaseException] = None
         self._cond = threading.Condition()
@@ -243,14 +282,21 @@ class WeightsReceiver:
         ch = self.channel
         try:
             for v in range(self.first, self.last + 1):
-                poll = Poll()
-                while not ch.store.has(f"sent/{ch.position}/{v}"):
-                    if self._stop.is_set() or ch.store.has("stop"):
-                        return
-                    poll.sleep()
-                flat = torch.empty(self.numel, dtype=self.dtype, device=ch.device)
-                ch.pair.recv([flat], LEARNER, 0).wait()
-                ch.store.set(f"recv/{ch.replica}/{ch.position}/{v}", "1")  # the learner's send is done
+                flat = torch.empty(self.layout.numel, dtype=self.dtype, device=ch.device)
+                for b in range(self.layout.num_buckets):
+                    # Posted once its send is: so a receive never waits out the group's timeout
+                    # while the learner waits for another replica's receipt of the bucket before.
+                    key, poll = f"sent/{ch.replica}/{ch.position}/{v}/{b}", Poll()
+                    while not ch.store.has(key):
+                        if self._stop.is_set() or ch.store.has("stop"):
+                            return
+                        poll.sleep()
+                    ch.store.store.delete_key(key)
+                    a, e = self.layout.bounds(b)
+                    buf = torch.empty(self.layout.dp, e - a, dtype=self.dtype, device=ch.device)
+                    ch.pair.recv([buf], LEARNER, 0).wait()
+                    ch.store.set(f"recv/{ch.replica}/{ch.position}/{v}/{b}", "1")  # the learner's send is done
+                    self.layout.scatter(buf, b, flat)
                 with self._cond:
                     self.kept[v] = flat
                     self._cond.notify_all()
@@ -289,23 +335,26 @@ class RoleChannel:
     """This rank's end of the roles at its ``position`` of the tp x pp layout (``positions`` of
     them); ``role``: the learner's data-parallel rank (0 .. learner_dp - 1) on a learner rank,
     else learner_dp + r on sampler replica r (0 .. R - 1); ``device``: where weight messages live
-    (CPU for gloo, this rank's GPU for NCCL); ``timeout_s``: grpo.sampler_timeout_s."""
+    (CPU for gloo, this rank's GPU for NCCL); ``timeout_s``: grpo.sampler_timeout_s;
+    ``bucket_mb``: grpo.publish_bucket_mb (the same on every rank of the job)."""
 
     def __init__(self, num_samplers: int, learner_dp: int, position: int, role: int, device: torch.device,
-                 positions: int = 1, timeout_s: float = 120.0, joining: int = 0) -> None:
+                 positions: int = 1, timeout_s: float = 120.0, joining: int = 0, bucket_mb: float = 64.0) -> None:
         """``joining``: the replicas expected to join (grpo.samplers_join: grpo.sampler_replicas),
         which the learner waits for, at most ``timeout_s``, before it starts them."""
         self.device, self.rank, self.position, self.timeout_s, self.joining = device, role, position, timeout_s, joining
         self.learners = list(range(learner_dp))
         self.num_samplers = num_samplers
+        self.bucket_bytes = int(bucket_mb * (1 << 20))
         self.store = RoleStore()
         self.replica = None if role < learner_dp else role - learner_dp
         self.pool = SamplerPool(self.store, num_samplers, positions, timeout_s)
         self.pairs: dict[int, Any] = {}  # learner: sampler replica -> its weights' group at this position
         self.pair = None  # sampler: the learner's weights group
         self.heartbeat = None
-        self.bytes_sent = 0  # weights sent by this rank in the last publication
-        self._handle = None  # the last publication (its sends, the flat vector, its version, when)
+        self.publisher: Optional[Publisher] = None  # learner: made at the first publication
+        self.keep_from = 0  # learner: the oldest version a data step still to be learned needs
+        self._published = -1  # learner: the newest version published
         self._tasks = 0
         self._done: set[int] = set()  # data steps this replica sampled
         if self.replica is not None:
@@ -323,6 +372,16 @@ class RoleChannel:
     def publishes(self) -> bool:
         """Whether this rank sends the learner's weights (its data-parallel rank 0)."""
         return self.rank == LEARNER
+
+    @property
+    def bytes_sent(self) -> int:
+        """The bytes of the last version published, over every replica it reached (this rank's)."""
+        return 0 if self.publisher is None else self.publisher.bytes_sent
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes of gathered weights this rank held at once while publishing, so far."""
+        return 0 if self.publisher is None else self.publisher.live.peak
 
     # ------------------------------------------------------------------ the learner's end
     def begin(self, start: Any) -> None:
@@ -367,76 +426,98 @@ class RoleChannel:
         self.store.set(f"got/{key}", "1")
         return item, time.perf_counter() - t0
 
-    def publish(self, params: list[torch.Tensor] | torch.Tensor, previous: Optional[Any], version: int
-                ) -> tuple[Any, float]:
-        """On the learner: posts version ``version`` (``params`` copied; or a flat vector of them)
-        to every sampler replica not lost -> (its handle, seconds spent: the copy, and waiting for
-        ``previous`` to reach every such sampler first); (None, 0.0) on the learner's other
-        data-parallel ranks."""
-        if not self.publishes:
-            return None, 0.0
+    def publish(self, params: list[torch.Tensor] | torch.Tensor, version: int, keep_from: int) -> float:
+        """On every learner rank: posts version ``version`` (``params``: this rank's parameters,
+        or a flat vector of whole ones) to every sampler replica not lost, in buckets, on the
+        publishing thread (parallel/publication.py) -> seconds spent here (waiting for the last
+        publication to be done, and the snapshot). ``keep_from``: the oldest version a data step
+        still to be learned needs (a replica that joins receives those from it on)."""
         t0 = time.perf_counter()
-        self.settle(previous)
-        if torch.is_tensor(params):
-            flat = params.detach().to(self.device, copy=True)
-        else:
-            flat = parameters_to_vector([p.detach() for p in params]).to(self.device)
-        self._admit(version)
-        works = {}
-        for r in self.pool.alive(refresh=False):
-            if r not in self.pairs:  # joined after this position's admission: from the next version
-                continue
-            try:
-                works[r] = self.pairs[r].send([flat], 1, 0)
-            except Exception as exc:  # the peer closed its end (gloo says so when posting)
-                self.pool.mark_lost(r, f"the weights' send failed: {exc}".splitlines()[0])
-        self.store.set(f"sent/{self.position}/{version}", "1")
-        self.bytes_sent = flat.numel() * flat.element_size() * len(works)
-        self._handle = (works, flat, version, time.monotonic())
-        return self._handle, time.perf_counter() - t0
+        if self.publisher is None:  # the parameters' shapes
+            self.prepare(params)
+        self.settle()
+        tensors = self.publisher.layout.split(params) if torch.is_tensor(params) else list(params)
+        snapshot = self.publisher.layout.snapshot(tensors, self.rank, self.device)
+        self.keep_from = keep_from
+        targets = []
+        if self.publishes:
+            self._admit(version)
+            targets = [r for r in self.pool.alive(refresh=False) if self.pairs.get(r) is not None]
+        self.publisher.post(version, snapshot, keep_from, targets)
+        self._published = version
+        return time.perf_counter() - t0
+
+    def prepare(self, params: list[torch.Tensor]) -> None:
+        """The publishing thread, for ``params`` (the learner's parameters at this rank: their
+        whole sizes, ZeRO-3's too) and its group of the learner's data-parallel ranks here (every
+        learner rank calls this at the same point)."""
+        if self.publisher is not None:
+            return
+        params = list(params)
+        numels = [int(getattr(t, "ds_numel", t.numel())) for t in params]
+        layout = BucketLayout.of(numels, len(self.learners), params[0].element_size(), self.bucket_bytes)
+        group = None
+        if len(self.learners) > 1:  # its messages wait while rank 0 waits for a bucket's receipts (one timeout)
+            group = role_group(f"publish{self.position}", self.rank, len(self.learners), self.device,
+                               3 * self.timeout_s)
+        self.publisher = Publisher(self, layout, self.rank, group)
 
     def _admit(self, version: Optional[int]) -> None:
-        """Replicas that joined since: their weights' group at this position, and the first version
-        they receive (``first/r/position``): ``version``, about to be published, or (None: while
-        the learner waits for a data step) the last one published, sent to it now."""
+        """Replicas that joined since (data-parallel rank 0): their weights' group at this position,
+        the first version they receive (``first/r/position``: keep_from, the oldest a data step
+        still to be learned needs) and every version from it on: those published already sent
+        again now (a job of the publishing thread), ``version`` (about to be published; None: while
+        the learner waits for a data step) with the others'."""
         if version is not None:
             self.pool.refresh(force=True)
-        elif self._handle is None:  # nothing published yet
+        elif self.publisher is None:  # nothing published yet
             return
+        last = self._published
         for r in range(len(self.pairs), self.pool.num):
-            self.pairs[r] = role_group(f"weights{self.position}/{r}", 0, 2, self.device, self.timeout_s)
-            first = version if version is not None else self._handle[2]
+            try:
+                self.pairs[r] = role_group(f"weights{self.position}/{r}", 0, 2, self.device, self.timeout_s)
+            except Exception as exc:  # it died joining (the group's creation timed out): the job goes on
+                self.pairs[r] = None
+                self.pool.mark_lost(r, f"its weights' group was not made: {exc}".splitlines()[0])
+                continue
+            first = min(self.keep_from, last if version is None else version)
             self.store.set(f"first/{r}/{self.position}", str(first))
-            if version is None:  # settled with the last publication's other sends
-                self._handle[0][r] = self.pairs[r].send([self._handle[1]], 1, 0)
+            for v in range(first, last + 1):
+                self.publisher.post(v, None, self.keep_from, [r], kind="r")
             log.warning("GRPO roles: sampler replica %d joined; it receives policy versions from %d on", r, first)
 
-    def settle(self, handle: Optional[Any]) -> None:
-        """Waits until a publication reached every sampler it was sent to that is not lost (each
-        says so in the store: a send's completion cannot be polled on every backend); a sampler
-        that does not take it within grpo.sampler_timeout_s, or whose send fails, is lost."""
-        if handle is None:
-            return
-        works, _, version, posted = handle
-        for r, work in works.items():
-            key = f"recv/{r}/{self.position}/{version}"
-            poll = Poll()
-            while r not in self.pool.lost:  # a lost peer's send is abandoned
-                if self.store.has(key):
-                    try:
-                        work.wait()
-                    except Exception as exc:  # the peer closed its end
-                        self.pool.mark_lost(r, f"the weights' send failed: {exc}".splitlines()[0])
-                    break
-                if time.monotonic() - posted > self.timeout_s:
-                    self.pool.mark_lost(r, f"it did not receive policy version {version} in "
-                                           f"grpo.sampler_timeout_s={self.timeout_s:g} s")
-                    break
-                self.pool.refresh()
-                poll.sleep()
+    def taken(self, r: int, version: int, bucket: int, work, posted: float) -> bool:
+        """Waits until replica ``r`` took bucket ``bucket`` of version ``version`` (it says so in the
+        store: a send's completion cannot be polled on every backend) -> True; a replica that does
+        not within grpo.sampler_timeout_s of ``posted`` (when the bucket's sends were posted), or
+        whose send fails, is lost (False)."""
+        key, poll = f"recv/{r}/{self.position}/{version}/{bucket}", Poll()
+        while r not in self.pool.lost:  # a lost peer's send is abandoned
+            if self.store.has(key):
+                self.store.store.delete_key(key)
+                try:
+                    work.wait()
+                    return True
+                except Exception as exc:  # the peer closed its end
+                    self.pool.mark_lost(r, f"the weights' send failed: {exc}".splitlines()[0])
+                    return False
+            if time.monotonic() - posted > self.timeout_s:
+                self.pool.mark_lost(r, f"it did not receive policy version {version} in "
+                                       f"grpo.sampler_timeout_s={self.timeout_s:g} s")
+                return False
+            self.pool.refresh()
+            poll.sleep()
+        return False
+
+    def settle(self) -> None:
+        """Waits until the last publication is done (every wait of it is bounded)."""
+        if self.publisher is not None and self._published >= 0:
+            self.publisher.settle(self._published)
 
     def stop(self) -> None:
-        """Every data step was received: the samplers stop."""
+        """Every data step was received: the publications end and the samplers stop."""
+        if self.publisher is not None:
+            self.publisher.end()
         if self.rank == LEARNER and self.position == 0:
             self.store.set("stop", "1")
 
@@ -450,11 +531,11 @@ class RoleChannel:
         poll = Poll()
         while not self.store.has("start"):
             poll.sleep()
-        n = int(self.store.store.get("start"))
-        return pickle.loads(b"".join(self.store.store.get(f"start/{i}") for i in range(n)))
+        return self.store.take("start", keep=True)
 
-    def weights_receiver(self, numel: int, dtype: torch.dtype, first: int, last: int) -> WeightsReceiver:
-        return WeightsReceiver(self, numel, dtype, first, last)
+    def weights_receiver(self, numels: list[int], dtype: torch.dtype, first: int, last: int) -> WeightsReceiver:
+        layout = BucketLayout.of(numels, len(self.learners), dtype.itemsize, self.bucket_bytes)
+        return WeightsReceiver(self, layout, dtype, first, last)
 
     def published(self) -> int:
         return int(self.store.get("published", "-1"))
@@ -466,8 +547,10 @@ class RoleChannel:
             return None
         keys = [f"first/{self.replica}/{p}" for p in ([self.position] if positions is None else range(positions))]
         poll = Poll()
-        while not all(self.store.has(k) for k in keys):
+        while not all(self.store.has(k) for k in keys):  # bounded by the job: it admits, or it ends
             self.check_not_lost()
+            if self.store.has("stop"):
+                raise PoolEnded(f"sampler replica {self.replica}: the job ended before it was admitted")
             poll.sleep()
         return max(int(self.store.get(k)) for k in keys)
 

@@ -38,9 +38,12 @@ import torch
 from torch.nn.utils import parameters_to_vector
 
 from rlt_mega.config import ConfigError
-from rlt_mega.parallel.roles import RoleChannel
+from rlt_mega.log import get_logger
+from rlt_mega.parallel.roles import PoolEnded, RoleChannel
 from rlt_mega.train.grpo_rounds import Round
 from rlt_mega.train.loop import StopAfter
+
+log = get_logger(__name__)
 
 
 def queue_types() -> tuple:
@@ -197,8 +200,7 @@ class ReceivedVersions:
     def __init__(self, channel: RoleChannel, module: torch.nn.Module, first: int, last: int) -> None:
         """``first`` .. ``last``: the versions the learner publishes to this sampler."""
         self.params = list(module.parameters())
-        self.receiver = channel.weights_receiver(sum(p.numel() for p in self.params), self.params[0].dtype, first,
-                                                 last)
+        self.receiver = channel.weights_receiver([p.numel() for p in self.params], self.params[0].dtype, first, last)
         self.version: Optional[int] = None  # the version in the parameters (None: the initial ones)
         self.waited = 0.0
 
@@ -469,8 +471,9 @@ class RemoteSource:
         self.channel, self.plan, self.order, self.policy, self.history = channel, plan, order, policy, history
         self.stop_after, self.steps = stop_after, steps
         self.end: Optional[int] = None  # set by begin
-        self._published = None
+        self._first = 0  # the first data step the samplers sample (set by begin)
         self._received = -1  # the last data step received
+        channel.store.trusted = roles_types()
 
     def begin(self, pipeline: StalenessPipeline, done: int) -> None:
         if self.end is not None:
@@ -479,13 +482,19 @@ class RemoteSource:
         first = pipeline.to_sample(done).start
         version = self.plan.start(first)
         self.channel.begin(RolesStart(first, self.end, version, self.order.state_dict(), max(done, self.end - 1)))
-        self._received = first - 1
+        self._received, self._first = first - 1, first
+        self.channel.prepare(self._parameters())
         for v in range(version, done + 1):
             if v < done and v not in self.history.kept:  # load_rank_state_dict refuses such a checkpoint first
                 raise RuntimeError(f"policy version {v} is not kept at step {done}")
-            params = self.history.kept[v] if v < done else list(self.policy.module().parameters())
-            self._published, _ = self.channel.publish(params, self._published, v)
+            params = self.history.kept[v] if v < done else self._parameters()
+            self.channel.publish(params, v, keep_from=version)
         self.channel.announce(done)
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The engine's parameters as trained (ZeRO-3's partitioned: published from the
+        partitions, never gathered whole, parallel/publication.py)."""
+        return list(self.policy.engine.module.parameters())
 
     def _receive_through(self, pipeline: StalenessPipeline, step: int) -> float:
         waited = 0.0
@@ -512,15 +521,14 @@ class RemoteSource:
         position's, summed on the learner's ranks by the caller's reduction: this rank's)."""
         return {"async/samplers_alive": float(len(self.channel.pool.alive())),
                 "async/sampler_replica": float(item.replica),
-                "async/weight_bytes": float(self.channel.bytes_sent)}
+                "async/weight_bytes": float(self.channel.bytes_sent),
+                "async/weight_peak_bytes": float(self.channel.peak_bytes)}
 
     def publish(self, done: int) -> float:
         """``done`` steps are done: publishes version ``done`` if a data step below end + s needs it."""
         if done >= self.end:
-            self.channel.bytes_sent = 0
             return 0.0
-        self._published, seconds = self.channel.publish(list(self.policy.module().parameters()), self._published,
-                                                         done)
+        seconds = self.channel.publish(self._parameters(), done, keep_from=self.plan.start(max(done, self._first)))
         self.channel.announce(done)
         return seconds
 
@@ -533,8 +541,16 @@ class RemoteSource:
         the last publication settled, and the samplers told to stop."""
         self.begin(pipeline, done)
         self._receive_through(pipeline, self.end + self.plan.max_staleness - 1)
-        self.channel.settle(self._published)
+        self.channel.settle()
         self.channel.stop()
+
+
+def roles_types() -> tuple:
+    """The records the roles pass through the store (``RoleStore.take``'s allow-list): a queue's
+    (what a checkpoint's job_rank*.pt may hold, numpy's scalars included) and ``RolesStart``."""
+    from rlt_mega.checkpoint import trusted_globals
+
+    return (*trusted_globals(allow=queue_types()), RolesStart)
 
 
 class OrderCursor:
@@ -565,9 +581,15 @@ def run_sampler(sampling, policy, channel: RoleChannel) -> None:
     and hands each learner data-parallel rank its share. ``sampling``: the sample phase on this
     rank (train/grpo_sample.py, every learner rank's share), ``policy`` its model."""
     plan = sampling.plan
+    channel.store.trusted = roles_types()
     start = channel.wait_start()
     last = start.end + plan.max_staleness  # data steps first .. last - 1
-    joined = channel.first_version(channel.pool.positions)  # a replica that joined a running job
+    try:
+        joined = channel.first_version(channel.pool.positions)  # a replica that joined a running job
+    except PoolEnded as exc:
+        log.warning("GRPO roles: %s", exc)
+        channel.close()
+        return
     first_version = start.version if joined is None else channel.first_version()
     versions = ReceivedVersions(channel, policy.module(), first_version, start.last)
     cursor = OrderCursor(sampling, start)

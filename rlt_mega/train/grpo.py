@@ -376,7 +376,7 @@ def run_roles(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_recs
         role = dims.dp_rank if replica == 0 else dp + replica - 1  # sampler replica r = replica - 1
         channel = RoleChannel(in_launch(cfg), dp, dims.pp_rank * dims.tp + dims.tp_rank, role, device,
                               positions=n, timeout_s=g.sampler_timeout_s,
-                              joining=g.sampler_replicas if g.samplers_join else 0)
+                              joining=g.sampler_replicas if g.samplers_join else 0, bucket_mb=g.publish_bucket_mb)
         if channel.is_learner:
             if launcher_store()[1] == 0:
                 log.info("GRPO roles: %d sampler replica(s) in this launch; more join with RLT_ROLES_JOIN=%s:%s",
@@ -430,7 +430,7 @@ def run_joined(cfg: Config, tokenizer: Tokenizer, reward_fn: RewardFn, train_rec
             dist.broadcast_object_list(box, src=0)
         replica = in_launch(cfg) + box[0] - 1
         channel = RoleChannel(in_launch(cfg), dp, dims.pp_rank * dims.tp + dims.tp_rank, dp + replica, device,
-                              positions=n, timeout_s=g.sampler_timeout_s)
+                              positions=n, timeout_s=g.sampler_timeout_s, bucket_mb=g.publish_bucket_mb)
         run_sampler(job.sampling, job.policy, channel)
         return {"role": "sampler", "replica": replica}
     finally:

@@ -20,7 +20,7 @@ from rlt_mega.config import ConfigError
 from rlt_mega.data.tokenizer import load_tokenizer
 from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.train.grpo import build_trainer, run_roles
-from tests.distributed.async_scenarios import roles_config
+from tests.distributed.async_scenarios import BUCKET_MB, roles_config
 from tests.distributed.grpo_scenarios import odd, records
 from tests.distributed.launch import result, run_ranks
 
@@ -124,19 +124,24 @@ def test_stale_roles_equal_the_colocated_run_and_resume_with_the_roles(tmp_path)
     assert [x["train/loss"] for x in logged(cut)] == [x["train/loss"] for x in logged(tmp_path / "colocated")]
 
 
-@pytest.mark.parametrize("parallel", [{"tp": 2, "zero_stage": 1}, {"pp": 2, "zero_stage": 1, "micro_batches": 2}],
-                         ids=["tp2", "pp2"])
-def test_roles_under_tensor_and_pipeline_parallelism(tmp_path, parallel):
-    """One sampler replica with the learner's layout (4 processes: replica 0 learns, replica 1
-    samples, rank for rank): max_staleness 0 equals the colocated run of the layout bit for bit
+@pytest.mark.parametrize("parallel,samplers", [({"tp": 2, "dp": 2, "zero_stage": 1}, 2),
+                                               ({"pp": 2, "zero_stage": 1, "micro_batches": 2}, 1)],
+                         ids=["tp2xdp2", "pp2"])
+def test_roles_under_tensor_and_pipeline_parallelism(tmp_path, parallel, samplers):
+    """Sampler replicas with the learner's tp x pp layout (rank for rank): a learner of tp=2 x
+    dp=2 fed by two sampler replicas of tp=2 (8 processes), and a learner of pp=2 fed by one of
+    pp=2 (4 processes). max_staleness 0 equals the colocated run of the layout bit for bit
     (parameters, losses); max_staleness 1 with token_tis, stopped after 2 steps and resumed with
     the roles, equals the colocated run: its first minibatch learns with ratio exactly 1 against
     the proximal replay (ratio/onpolicy_max_dev 0: a stale sample's replay on the layout is
-    exact)."""
-    args = {"parallel": parallel, "out_dir": str(tmp_path / "out")}
-    res = run_ranks(4, [("async_scenarios.roles_layout", args)], tmp_path / "ranks", timeout=900)
-    roles = [result(res, "async_scenarios.roles_layout", args, r) for r in range(4)]
-    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 3] * 2 + [["sampler"] * 3] * 2
+    exact). The weights of each TP position travel in buckets gathered from both data-parallel
+    ranks."""
+    args = {"parallel": parallel, "out_dir": str(tmp_path / "out"), "samplers": samplers}
+    n = parallel.get("tp", 1) * parallel.get("pp", 1)
+    learners, world = n * parallel.get("dp", 1), n * (parallel.get("dp", 1) + samplers)
+    res = run_ranks(world, [("async_scenarios.roles_layout", args)], tmp_path / "ranks", timeout=1200)
+    roles = [result(res, "async_scenarios.roles_layout", args, r) for r in range(world)]
+    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 3] * learners + [["sampler"] * 3] * (world - learners)
     assert roles[0][1]["step"] == 2 and roles[0][2]["step"] == 3
     out = tmp_path / "out"
     for name, ref, steps in (("roles0", "colocated0", 2), ("roles1", "colocated1", 3)):
@@ -150,21 +155,26 @@ def test_roles_under_tensor_and_pipeline_parallelism(tmp_path, parallel):
 
 
 def test_data_parallel_learners_fed_by_two_samplers_equal_the_colocated_run(tmp_path):
-    """One launch of 4 processes: a learner of dp=2 under ZeRO-1 and under ZeRO-3, two sampler
-    replicas (each sampling both data-parallel ranks' shares of its data steps), dynamic sampling
-    (its prompts reserved per step, so the data does not depend on which sampler ran it), staleness
-    0: the colocated dp=2 run's parameters, optimizer state, losses, rewards and rounds, bit for
-    bit; and ZeRO-1 at max_staleness 1 with partial rollouts and token_tis (each share of a data
-    step starts under the older version again, kept by the sampler): the same, with ratio
-    exactly 1 against the sampling version at every step."""
+    """One launch of 4 processes: a learner of dp=2 under ZeRO-1, under ZeRO-3 and under ZeRO-3
+    with low-rank adapters (model.lora), two sampler replicas (each sampling both data-parallel
+    ranks' shares of its data steps), dynamic sampling (its prompts reserved per step, so the
+    data does not depend on which sampler ran it), staleness 0: the colocated dp=2 run's
+    parameters, optimizer state, losses, rewards and rounds, bit for bit; and ZeRO-1 at
+    max_staleness 1 with partial rollouts and token_tis (each share of a data step starts under
+    the older version again, kept by the sampler): the same, with ratio exactly 1 against the
+    sampling version at every step. The weights travel in buckets of 10 KiB (many per version):
+    the learner's publishing rank never held more than one bucket of gathered weights at once
+    (async/weight_peak_bytes, the bytes of its gathered buffers alive at once, measured), far
+    less than a version."""
     args = {"out_dir": str(tmp_path / "out")}
     res = run_ranks(4, [("async_scenarios.data_parallel_roles", args)], tmp_path / "ranks", timeout=1800)
     roles = [result(res, "async_scenarios.data_parallel_roles", args, r) for r in range(4)]
-    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 3] * 2 + [["sampler"] * 3] * 2
-    out = tmp_path / "out"
-    for zero in (1, 3, "1_partial"):
-        a, b = final_params(out / f"roles_z{zero}"), final_params(out / f"colocated_z{zero}")
-        assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert [[x["role"] for x in r] for r in roles] == [["learner"] * 4] * 2 + [["sampler"] * 4] * 2
+    out, bucket = tmp_path / "out", int(BUCKET_MB * (1 << 20))
+    for zero in (1, 3, "3_lora", "1_partial"):
+        if zero != "3_lora":  # under adapters DeepSpeed's shards alone hold them (their fp32 masters, compared next)
+            a, b = final_params(out / f"roles_z{zero}"), final_params(out / f"colocated_z{zero}")
+            assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
         assert_same_optimizer(out / f"roles_z{zero}", out / f"colocated_z{zero}")
         lines, want = logged(out / f"roles_z{zero}"), logged(out / f"colocated_z{zero}")
         assert len(lines) == (3 if zero == "1_partial" else 2)
@@ -172,6 +182,9 @@ def test_data_parallel_learners_fed_by_two_samplers_equal_the_colocated_run(tmp_
         for key in ("train/loss", "reward/mean", "async/staleness_max", *dynamic):
             assert [x[key] for x in lines] == [x[key] for x in want], key
         assert all(x["ratio/onpolicy_max_dev"] == 0.0 for x in lines)
+        for x in lines[:-1]:  # the last step publishes nothing
+            peak, version = x["async/weight_peak_bytes"], x["async/weight_bytes"] / x["async/samplers_alive"]
+            assert 0 < peak <= bucket and version > 4 * bucket, (zero, peak, version)
 
 
 def test_roles_refuse_what_they_cannot_run(tmp_path, monkeypatch):

@@ -6,7 +6,8 @@ checks reporting "skipped: no CUDA"), prints one line per part and writes the JS
 must fail with that reason (the rest of its phases having run), the others pass, the script exit 1.
 Every other part is made to fail the same way (GPU_CHECK_INJECT, or its pure verdict fed what a
 GPU would measure where the CPU cannot: a sync per step, an unstable backend). And
-tools/gpu_check_multi.sh's roles check, on two CPU ranks."""
+tools/gpu_check_multi.sh's roles check, on two CPU ranks; its pool form's items and arguments
+(it needs 4 GPUs: its gloo twin is tests/distributed/test_async_roles.py's dp=2 launch)."""
 
 import importlib.util
 import json
@@ -108,3 +109,25 @@ def test_the_multi_gpu_check_of_the_roles_passes_on_the_cpu(tmp_path):
     assert all(arms[a]["parameters_equal"] and arms[a]["losses_equal"] for a in ("s=0", "s=1 partial"))
     assert arms["s=1 partial"]["staleness_max"] == [0.0, 1.0, 2.0]
     assert arms["s=1 partial"]["onpolicy_max_dev"] == [0.0, 0.0, 0.0]
+
+
+def test_the_multi_gpu_check_lists_the_roles_pool_on_four_gpus_and_checks_its_arguments():
+    """tools/gpu_check_multi.sh --list: the roles' NCCL pool form (roles_pool, 4 processes) runs on
+    a node of 4 GPUs or more, not on 2; a bad argument or a launch of the wrong size is refused in
+    one line naming the fix."""
+    script = str(ROOT / "tools" / "gpu_check_multi.sh")
+    assert subprocess.run(["bash", "-n", script]).returncode == 0
+
+    def items(gpus: int) -> list[str]:
+        done = subprocess.run(["bash", script, "--list", str(gpus)], capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.split()
+
+    assert items(4) == ["tp=2:2", "pp=2:2", "dp=2:2", "tp=2,pp=2:4", "roles:2", "roles_pool:4"]
+    assert "roles_pool:4" not in items(2) and "roles:2" in items(2)
+    bad = subprocess.run(["bash", script, "--list"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--list needs a number of GPUs" in bad.stderr
+    env = dict(os.environ, WORLD_SIZE="2", RANK="0", PYTHONPATH=str(ROOT))
+    wrong = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "roles.py"), "--pool", "--out", "x.json"],
+                           capture_output=True, text=True, env=env, timeout=120)
+    assert wrong.returncode == 2 and "WORLD_SIZE=2: run under torchrun --nproc_per_node 4" in wrong.stderr, wrong.stderr

@@ -58,3 +58,42 @@ def test_the_pool_keys_are_checked():
         GRPOConfig(sampler_replicas=1, sampler_timeout_s=0)
     with pytest.raises(ConfigError, match=r"grpo\.samplers_join=true with grpo\.sampler_replicas=0: set"):
         GRPOConfig(samplers_join=True)
+
+
+class Planted:
+    """A payload that would run code when unpickled (pickle calls os.system on load)."""
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, ("touch planted_by_a_pickle",))
+
+
+def test_a_planted_pickle_in_the_store_is_refused_not_run(tmp_path, monkeypatch):
+    import pickle
+
+    import pytest
+
+    from rlt_mega.parallel.roles import UntrustedMessage
+    from rlt_mega.train.async_grpo import Generated, RolesStart, roles_types
+
+    monkeypatch.chdir(tmp_path)
+    s = store()
+    s.trusted = roles_types()
+    for payload in (pickle.dumps(Planted()), pickle.dumps({"ok": torch.ones(2), "bad": Planted()})):
+        s.store.set("roll/0/0/0/0", payload)
+        s.store.set("roll/0/0/0", "1")
+        with pytest.raises(UntrustedMessage, match=r"roll/0/0/0.* refused, not run"):
+            s.take("roll/0/0/0")
+    assert not (tmp_path / "planted_by_a_pickle").exists()
+    # what the roles write comes back: their records, tensors bit for bit
+    start = RolesStart(first=2, end=5, version=1, order={"epoch": 0, "cursor": 4}, last=4)
+    s.put("start", start)
+    assert s.take("start", keep=True) == start and s.has("start")
+    item = Generated(step=3, version=2, rounds=[], sampling={"rounds": 1.0}, order={"epoch": 1, "cursor": 2})
+    s.put("roll/3/0/0", item)
+    assert s.take("roll/3/0/0") == item
+    s.trusted = ()  # a record type the reader does not list is refused as well
+    s.put("start", start)
+    with pytest.raises(UntrustedMessage):
+        s.take("start")

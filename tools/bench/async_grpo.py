@@ -20,6 +20,9 @@ budget. Wall clock (the roles overlap in time): run it on a quiet machine, one t
                                                                     # 2 processes colocated, 4 with the roles
     PYTHONPATH=. python tools/bench/async_grpo.py --pool            # a learner of dp=2 colocated, and fed
                                                                     # by R=2 samplers (4 processes)
+    PYTHONPATH=. python tools/bench/async_grpo.py --pool --zero 3 --bucket-mb 1
+                                                                    # its learner under ZeRO-3, the weights
+                                                                    # in 1 MiB buckets (the peak printed)
 
 What a GPU cluster would see (the cost model, not measured here): with s = 1 a step takes
 max(sample, learn + sync) instead of sample + learn, so the ratio is (sample + learn) /
@@ -33,7 +36,6 @@ steps before the switch (while the learner is the slower role, the wait moves to
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -64,8 +66,9 @@ def job_config(args, out: Path, s: int, roles: int, partial: int = 0, dp: int = 
         "sampling": {"temperature": 1.0, "max_new_tokens": args.max_new_tokens,
                      "stop_strings": [chr(ord("a") + i) for i in range(args.stops)]},
         "grpo": {"prompts_per_step": args.prompts, "group_size": args.group, "eval_size": 0, "eval_every": 0,
-                 "max_staleness": s, "sampler_replicas": int(roles), "partial_rollouts": partial},
-        "parallel": {"tp": args.tp, "dp": dp, "zero_stage": 1 if dp > 1 else 0},
+                 "max_staleness": s, "sampler_replicas": int(roles), "partial_rollouts": partial,
+                 "publish_bucket_mb": args.bucket_mb},
+        "parallel": {"tp": args.tp, "dp": dp, "zero_stage": args.zero if dp > 1 else 0},
         "checkpoint": {"dir": str(out / "ckpt"), "every": 0},
         "logging": {"dir": str(out / "log"), "progress": False},
     }
@@ -123,7 +126,8 @@ def run_arm(args, name: str, s: int, roles: int, base: Path, partial: int = 0, d
     cmd = [sys.executable, __file__, "--worker", "--out", str(out), "--s", str(s), "--partial", str(partial),
            "--roles", str(int(roles)), "--dp", str(dp)]
     cmd += ["--config", args.config, "--tp", str(args.tp), "--steps", str(args.steps), "--prompts", str(args.prompts),
-            "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--stops", str(args.stops)]
+            "--group", str(args.group), "--max-new-tokens", str(args.max_new_tokens), "--stops", str(args.stops),
+            "--zero", str(args.zero), "--bucket-mb", str(args.bucket_mb)]
     procs = []
     for rank in range(nprocs):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank),
@@ -144,6 +148,7 @@ def run_arm(args, name: str, s: int, roles: int, base: Path, partial: int = 0, d
             "learner_idle": mean("async/learner_idle_fraction"), "sampler_idle": mean("async/sampler_idle_fraction"),
             "sync_s": mean("async/weight_sync_s"), "length": mean("completion/length_mean"),
             "weight_bytes": mean("async/weight_bytes") if roles else 0.0,
+            "weight_peak": max(x["async/weight_peak_bytes"] for x in lines) if roles else 0.0,
             "replicas": sorted({int(x["async/sampler_replica"]) for x in lines}) if roles else [],
             "stopped": mean("completion/stopped_fraction")}
 
@@ -188,20 +193,23 @@ def report_pool(res: harness.Results, args, arms: dict[str, dict]) -> None:
     replicas (4 x tp processes), with the replicas that sampled, the weights' bytes a step and
     the learner's idle fraction at s=1 against the 15% target."""
     n = args.tp
-    print(f"{args.config}, tp {n}: a learner of dp=2 (ZeRO-1) colocated on {2 * n} processes, and fed by 2 sampler "
-          f"replicas on {4 * n}; {args.prompts} x {args.group} rows a step and data-parallel rank, {args.steps} "
-          f"steps; load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{args.config}, tp {n}: a learner of dp=2 (ZeRO-{args.zero}) colocated on {2 * n} processes, and fed by 2 "
+          f"sampler replicas on {4 * n}; {args.prompts} x {args.group} rows a step and data-parallel rank, "
+          f"{args.steps} steps; weights in buckets of {args.bucket_mb:g} MiB; load average "
+          f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
     table = (f"asynchronous GRPO pool, {args.config}, tp {n}, dp 2, {args.prompts} x {args.group} rows, "
              f"{args.steps} steps")
     for name, r in arms.items():
         speed = r["steps"] / r["seconds"]
         print(f"{name:22s} {speed:.3f} steps/s  learner idle {r['learner_idle']:.1%}  sampler idle "
               f"{r['sampler_idle']:.1%}  weight sync {r['sync_s'] * 1e3:.1f} ms/step, "
-              f"{r['weight_bytes'] / 2**20:.2f} MiB/step  replicas {r['replicas']}")
+              f"{r['weight_bytes'] / 2**20:.2f} MiB/step, peak gathered {r['weight_peak'] / 2**20:.3f} MiB  "
+              f"replicas {r['replicas']}")
         res.row(table, arm=name, **{"steps/s": round(speed, 3), "learner idle": f"{r['learner_idle']:.1%}",
                                     "sampler idle": f"{r['sampler_idle']:.1%}",
                                     "weight sync ms/step": round(r["sync_s"] * 1e3, 1),
-                                    "weight MiB/step": round(r["weight_bytes"] / 2**20, 2)})
+                                    "weight MiB/step": round(r["weight_bytes"] / 2**20, 2),
+                                    "peak gathered MiB": round(r["weight_peak"] / 2**20, 3)})
     r1 = arms["roles dp=2 R=2 s=1"]
     res.target("learner idle fraction, dp=2, R=2, s=1", "<= 15%", f"{r1['learner_idle']:.1%}",
                r1["learner_idle"] <= 0.15)
@@ -224,6 +232,8 @@ def main() -> None:
     ap.add_argument("--dp", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--pool", action="store_true",
                     help="the pool's arms only: a learner of dp=2 (ZeRO-1) colocated and fed by R=2 samplers")
+    ap.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3), help="--pool: the learner's ZeRO stage")
+    ap.add_argument("--bucket-mb", type=float, default=64.0, help="grpo.publish_bucket_mb of the roles")
     ap.add_argument("--s", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--out", help=argparse.SUPPRESS)
     harness.add_json_arg(ap)
