@@ -19,14 +19,15 @@ TIERS = ("unit", "distributed", "e2e")  # the folders, and their markers (pytest
 
 
 # Under pytest-xdist (`--dist loadgroup`, launch/test.sh) a group runs whole on one worker: a test
-# file is a group (its module fixtures are built once), and the distributed tier is one group (its
-# scenarios share one launch per rank count, tests/distributed/conftest.py). tryfirst: xdist reads
-# the groups in its own collection hook.
+# file is a group (its module fixtures are built once), and the distributed files that declare
+# SCENARIOS are one group (they share one launch per rank count, tests/distributed/conftest.py);
+# a distributed file that launches its own ranks is a group of its own, free to run beside them.
+# tryfirst: xdist reads the groups in its own collection hook.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS).parts
         if parts and parts[0] in TIERS:
             item.add_marker(getattr(pytest.mark, parts[0]))
-        group = "distributed" if parts and parts[0] == "distributed" else "/".join(parts)
-        item.add_marker(pytest.mark.xdist_group(group))
+        shares = parts and parts[0] == "distributed" and hasattr(getattr(item, "module", None), "SCENARIOS")
+        item.add_marker(pytest.mark.xdist_group("distributed" if shares else "/".join(parts)))
