@@ -1,3 +1,4 @@
+import json
 import os
 import sys
 from pathlib import Path
@@ -31,3 +32,28 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(getattr(pytest.mark, parts[0]))
         shares = parts and parts[0] == "distributed" and hasattr(getattr(item, "module", None), "SCENARIOS")
         item.add_marker(pytest.mark.xdist_group("distributed" if shares else "/".join(parts)))
+
+
+# A launch of gloo ranks is one test's setup in --durations: what it spent where is in its rank
+# files (tests/distributed/worker.py records each scenario's seconds). Listed after the slowest
+# tests, the slowest scenarios of the launches this session ran (the workers' folders included).
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter, config):
+    factory = getattr(config, "_tmp_path_factory", None)
+    if factory is None or config.getoption("collectonly"):
+        return
+    try:
+        base = factory.getbasetemp()
+    except OSError:
+        return
+    seconds = []
+    for path in base.glob("**/rank0.json"):
+        try:
+            seconds += [(s, name, path.parent.name) for name, s in json.loads(path.read_text()).get(
+                "_seconds", {}).items()]
+        except (OSError, ValueError, AttributeError):
+            continue
+    if seconds:
+        terminalreporter.write_sep("=", "slowest 10 scenarios of the rank launches (rank 0)")
+        for s, name, launch in sorted(seconds, reverse=True)[:10]:
+            terminalreporter.write_line(f"{s:8.2f}s {launch}: {name[:150]}")
