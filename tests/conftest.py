@@ -46,8 +46,8 @@ def pytest_terminal_summary(terminalreporter, config):
         base = factory.getbasetemp()
     except OSError:
         return
-    seconds = []
-    for path in base.glob("**/rank0.json"):
+    seconds = []  # (a launch's folder is at most three below a worker's: no walk of the whole tree)
+    for path in (p for depth in range(1, 5) for p in base.glob("*/" * depth + "rank0.json")):
         try:
             seconds += [(s, name, path.parent.name) for name, s in json.loads(path.read_text()).get(
                 "_seconds", {}).items()]
