@@ -47,7 +47,8 @@ def pytest_terminal_summary(terminalreporter, config):
     except OSError:
         return
     seconds = []  # (a launch's folder is at most three below a worker's: no walk of the whole tree)
-    for path in (p for depth in range(1, 5) for p in base.glob("*/" * depth + "rank0.json")):
+    # (each once: pytest's "<name>current" links lead to the same files)
+    for path in {p.resolve() for depth in range(1, 5) for p in base.glob("*/" * depth + "rank0.json")}:
         try:
             seconds += [(s, name, path.parent.name) for name, s in json.loads(path.read_text()).get(
                 "_seconds", {}).items()]
