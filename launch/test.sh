@@ -2,7 +2,10 @@
 # The whole test suite: creates or reuses .venv, installs rlt_mega and its dependencies, runs pytest.
 # The 15 slowest tests are listed at the end (the suite has a 15-minute budget, the unit tier 90 s).
 # It runs on RLT_TEST_WORKERS pytest-xdist workers (default 2, this machine's cores): each test file
-# runs whole on one worker, the distributed tier on one (tests/conftest.py); `-n 0` runs in-process.
+# runs whole on one worker, the distributed files that share their launches on one (tests/conftest.py);
+# `-n 0` runs in-process. The files go out in collection order (distributed, e2e, unit), not xdist's
+# default of the most tests first: the long launches start first and the many short unit files come
+# last, so that neither worker is left alone at the end with a two-minute e2e file.
 # Extra arguments go to pytest (e.g. `bash launch/test.sh tests/unit/test_model.py -k visibility`);
 # `bash launch/test.sh -m unit` runs one tier (unit, distributed, e2e: pytest.ini).
 set -euo pipefail
@@ -31,4 +34,4 @@ fi
 export RLT_CHROMIUM_DIR="$CHROMIUM_DIR"
 export PYTHONUNBUFFERED=1  # the log shows progress as it comes (CI writes it to a file)
 exec python -m pytest -q -p no:cacheprovider --timeout=900 --durations=15 \
-  -n "${RLT_TEST_WORKERS:-2}" --dist loadgroup "${@:-tests}"
+  -n "${RLT_TEST_WORKERS:-2}" --dist loadgroup --no-loadscope-reorder "${@:-tests}"

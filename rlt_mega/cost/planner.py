@@ -205,6 +205,18 @@ def peak_memory(cfg: ModelConfig, layout: Layout) -> float:
     return max(estimate_memory(cfg, layout, s).peak for s in _stages_to_check(layout.pp))
 
 
+def _peak_within(cfg: ModelConfig, layout: Layout, capacity: float) -> Optional[float]:
+    """``peak_memory`` when it is at most ``capacity``, else None: the stages one at a time (the
+    last first, whose logits most often set the peak), stopping at the first over ``capacity``.
+    Most candidates do not fit: this skips about half of the planner's memory estimates."""
+    peak = 0.0
+    for s in sorted(_stages_to_check(layout.pp), key=lambda s: s != layout.pp - 1):
+        peak = max(peak, estimate_memory(cfg, layout, s).peak)
+        if peak > capacity:
+            return None
+    return peak
+
+
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -283,8 +295,8 @@ def plan_layouts(cfg: ModelConfig, hw: Hardware, seq_len: int, global_batch: int
     candidates = candidate_layouts(cfg, hw, seq_len, global_batch, dtype, max_global_batch, head_chunk)
     plans = []
     for lay in candidates:
-        mem = peak_memory(cfg, lay)
-        if mem <= hw.capacity_bytes:
+        mem = _peak_within(cfg, lay, hw.capacity_bytes)
+        if mem is not None:
             plans.append(evaluate(cfg, lay, hw, mem))
     plans.sort(key=lambda p: (-p.tokens_per_s, p.peak_memory))
     return (plans[:top] if top else plans), len(candidates)

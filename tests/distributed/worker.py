@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import sys
+import time
 import traceback
 from pathlib import Path
 
@@ -25,11 +26,14 @@ def main() -> None:
     torch.use_deterministic_algorithms(True)  # as the suite (tests/conftest.py) and train.deterministic
 
     rank = int(os.environ["RANK"])
-    results = {}
+    results, seconds = {}, {}
+    results["_seconds"] = seconds  # each scenario's wall time on this rank (what a launch spends where)
     out = out_dir / f"rank{rank}.json"
     for name, args in json.loads(spec.read_text()):
+        start = time.perf_counter()
         try:
             results[key(name, args)] = resolve(name)(**args)
+            seconds[key(name, args)] = round(time.perf_counter() - start, 2)
         except Exception:  # recorded; the test that reads it fails with this traceback
             results[key(name, args)] = {"error": traceback.format_exc()}
             out.write_text(json.dumps(results))

@@ -66,8 +66,9 @@ def test_verify_onpolicy_fails_loudly_on_a_replay_that_is_not_mu(monkeypatch):
     # One replay call a minibatch (its 2 batches together), 4 a step: call 4 is step 1's first minibatch.
     with pytest.raises(RuntimeError, match=r"GRPO step 1: grpo\.verify_onpolicy.*max \|replay - mu\| = [1-9]"):
         run({"verify_onpolicy": True}, monkeypatch, corrupt_call=4)
-    # A deviation off the first minibatch is the policy's own drift, not a failure.
-    run({"verify_onpolicy": True}, monkeypatch, corrupt_call=5)
+    # A deviation off the first minibatch (call 1: step 0's second minibatch) is the policy's own
+    # drift, not a failure.
+    run({"verify_onpolicy": True}, monkeypatch, steps=1, corrupt_call=1)
 
 
 def test_onpolicy_deviation():
