@@ -63,23 +63,24 @@ def run_buffer_bytes(cfg: ModelConfig, layout: Layout, stage: int, grad: bool = 
     schedule (or a pipeline stage) builds for B = micro_batch_size rows of T = seq_len positions,
     from the list it allocates (model/run_buffers.py). scratch: {"scratch": the backward's part}."""
     n = len(stage_layers(cfg.n_layers, layout.pp, layout.pp_split)[stage])
-    return dict(_run_buffer_bytes(_shapes(cfg, layout), n, layout.micro_batch_size, layout.seq_len,
-                                  layout.act_bytes, segment_of(layout), stage == 0, grad, scratch,
-                                  run_buffers_module.WGRAD_ROWS))
+    by_purpose, backward = _run_buffer_bytes(_shapes(cfg, layout), n, layout.micro_batch_size, layout.seq_len,
+                                             layout.act_bytes, segment_of(layout), stage == 0, grad,
+                                             run_buffers_module.WGRAD_ROWS)
+    return {"scratch": backward} if scratch else dict(by_purpose)
 
 
 @functools.lru_cache(maxsize=4096)  # the planner asks for the same shapes across its thousands of layouts
 def _run_buffer_bytes(shapes: tuple, n: int, B: int, T: int, a: int, checkpoint, first: bool, grad: bool,
-                      scratch: bool, wgrad_rows: int) -> tuple:
-    """(wgrad_rows: part of the key only; run_buffers reads it, and tests change it)"""
+                      wgrad_rows: int) -> tuple:
+    """-> (bytes by purpose, the backward's part): one list of buffers serves both.
+    (wgrad_rows: part of the key only; run_buffers reads it, and tests change it)"""
     d, Dh, h, h_kv, F = shapes
     # the stream and compute dtypes are the run's activation dtype; statistics fp32
     roles = {"compute": a, "stream": a, "stat": 4}
     buffers = run_buffers(range(n), B, T, 1 + T, d, Dh, h, h_kv, F, grad=grad, with_input=first,
                           checkpoint=checkpoint)
-    if scratch:
-        return (("scratch", sum(bytes_by_purpose(buffers, roles, backward=True).values())),)
-    return tuple(bytes_by_purpose(buffers, roles).items())
+    return (tuple(bytes_by_purpose(buffers, roles).items()),
+            sum(bytes_by_purpose(buffers, roles, backward=True).values()))
 
 
 def run_scratch_bytes(cfg: ModelConfig, layout: Layout, stage: int) -> int:
