@@ -237,7 +237,7 @@ def _optimizer_step_extra(layout: Layout, trained: int, trained_numels: list, pa
     return step_extra
 
 
-def _decoder_held(cfg: ModelConfig, layout: Layout, stage: int, act: dict, dkv_grad: float, tok: int,
+def _decoder_held(cfg: ModelConfig, layout: Layout, stage: int, act: dict, tok: int,
                   fused: bool) -> tuple[float, float, float, float]:
     """(retained per position, weight copies, accumulators, scratch per position) of the decoder.
     Retained: live until the loss is dropped. The fused decoder's slab (act["decoder"]) and its
@@ -245,11 +245,23 @@ def _decoder_held(cfg: ModelConfig, layout: Layout, stage: int, act: dict, dkv_g
     (cost/fused_memory.py); the backward's scratch is freed at the end of the dense schedule's
     decoder backward, and a pipeline stage's runs keep theirs."""
     if not fused:
-        return act["decoder_kv"] + dkv_grad, 0.0, 0.0, 0.0
+        return act["decoder_kv"], 0.0, 0.0, 0.0
     scratch = run_scratch_bytes(cfg, layout, stage) / tok
     copies = fused_weight_bytes(cfg, layout, stage)
     retained = act["decoder"] + (scratch if layout.pp > 1 else 0.0)
     return retained, copies["weights"], copies["accumulators"], scratch
+
+
+def _head_working(cfg: ModelConfig, layout: Layout, head_params: int, chunk: int, tok: int, w: int) -> float:
+    """What the last stage's head backward holds beside the saved activations: whole (chunk 0),
+    the log-softmax's output, its gradient and the logits' gradient of every position; chunked,
+    the last chunk recomputed (final_norm, logits, log-softmax) in its log-softmax backward,
+    beside the head weight's gradient of the chunks before it."""
+    V = cfg.vocab_size / layout.tp
+    if not chunk:
+        return tok * 2 * 4 * V
+    head_grad = head_params * w if chunk < tok else 0.0
+    return chunk * (_norm(cfg.d_model, layout.act_bytes, layout.fused_rms_norm) + 3 * 4 * V) + head_grad
 
 
 def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryReport:
@@ -279,8 +291,7 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     logits_kept = 4 * V if (last and layout.keep_logits and not chunk) else 0.0
     logsoftmax = 4 * V if (last and not chunk) else 0.0
     fused = not baseline
-    dkv_grad = 0.0 if (baseline or fused) else n * 2 * 4 * kv  # (the fused run's are in its slab)
-    retained, held, accumulators, scratch = _decoder_held(cfg, layout, stage, act, dkv_grad, tok, fused)
+    retained, held, accumulators, scratch = _decoder_held(cfg, layout, stage, act, tok, fused)  # (K/V grads: the slab's)
     embed_grad_params = counts["embed"] if not cfg.tie_embeddings else 0
     grads_in_backward = (psi - embed_grad_params) * w if not lora else trained * w  # shared weights: full, see docstring
     static = weights + master + moments + zero_buffers + rope_tables
@@ -290,17 +301,13 @@ def estimate_memory(cfg: ModelConfig, layout: Layout, stage: int) -> MemoryRepor
     round_acc = accumulators if pp > 1 else 0.0
 
     phases = {}
-    if last and not chunk:  # log-softmax backward: its output, its gradient and the logits' gradient
-        phases["head_backward"] = after_decoder + round_acc + in_flight * tok * saved + tok * 2 * 4 * V
-    elif last:  # the last chunk recomputed (final_norm, logits, log-softmax) in its log-softmax
-        # backward, beside the head weight's gradient of the chunks before it
-        head_grad = (counts["lm_head"] or counts["embed"]) * w if chunk < tok else 0.0
+    if last:
         phases["head_backward"] = (after_decoder + round_acc + in_flight * tok * saved
-                                   + chunk * (_norm(d, a, layout.fused_rms_norm) + 3 * 4 * V) + head_grad)
+                                   + _head_working(cfg, layout, counts["lm_head"] or counts["embed"], chunk, tok, w))
     # the memory K/V gradients handed back (the fused run frees each layer's K/V gradients once
     # its copies are made: one layer's copies beside them at most), the embeddings' and z's
     mem_grads = (1 if fused else n) * 2 * a * kv * (T + 1) / T
-    dec_extra = (dkv_grad + mem_grads + a * d * (first + last) + scratch)
+    dec_extra = mem_grads + a * d * (first + last) + scratch
     dec_transient = 4 * a * kv * (T + 1) / T  # one layer's K/V gradients + a full-size slice grad
     if fused:
         # At the end of the fused Function's backward: no decoder parameter has a gradient yet
