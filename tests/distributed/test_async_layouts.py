@@ -94,9 +94,9 @@ def test_kept_policy_versions_move_to_another_tp_and_pp(ranks, shared_dir):
         moved, whole = logged[name], logged[whole]  # the uninterrupted one-process run
         assert [x["async/staleness_max"] for x in moved] == [x["async/staleness_max"] for x in whole[1:]]
         assert [x["reward/mean"] for x in moved] == [x["reward/mean"] for x in whole[1:]]  # the same samples
-        # measured: within 3e-8 (a kept version off by 1e-3 moves moved_tp's step 3 by 1e-5)
+        # measured: within 8e-8 (a kept version off by 1e-3 moves moved_tp's step 3 by 1e-5)
         assert [x["train/loss"] for x in moved] == pytest.approx([x["train/loss"] for x in whole[1:]], rel=1e-5,
-                                                                  abs=1e-7), name
+                                                                  abs=2e-7), name
         source = name.replace("moved", "source")
         continued, where = worst(ckpt(name, last), ckpt(source, last))  # where the saved layout goes on
         assert continued < CONTINUED["fp32"], (name, continued, where)
