@@ -119,8 +119,9 @@ def queue_moves(run_cfg, manifest: dict, step_dir: Path) -> Optional[str]:
     layout = manifest.get("rank_files_layout") or training.layout_of(manifest)
     dp = layout.get("dp", 1) or 1
     partial = f", partial_rollouts={g.partial_rollouts}" if g.partial_rollouts else ""
-    kept = (" Its kept policy versions (grpo.partial_rollouts, grpo.verify_onpolicy) move to a layout of the same tp "
-            "and pp (any dp, ZeRO stage)." if g.partial_rollouts or g.verify_onpolicy else "")
+    kept = (" Its kept policy versions (grpo.partial_rollouts, grpo.verify_onpolicy) move with it, re-cut by the TP "
+            "plan for another tp, pp or stage split; the on-policy check (grpo.verify_onpolicy) of its queued samples "
+            f"holds on tp={layout.get('tp', 1) or 1} only." if g.partial_rollouts or g.verify_onpolicy else "")
     return (f"{g.max_staleness} data step{'s' if g.max_staleness > 1 else ''} sampled ahead (grpo.max_staleness={g.max_staleness}{partial}) on each "
             f"of {dp} data-parallel replicas, in {len(files)} job_rank<r>.pt written on {reshard.format_layout(layout)}; "
             f"it moves to any layout with the checkpoint (train.resume, or rlt-mega reshard first): each data step's "

@@ -325,6 +325,80 @@ class LayoutFreeState:
 
 
 # ------------------------------------------------------------------------------------------
+# Flat per-rank copies of parameters (GRPO's kept policy versions) on another layout
+# ------------------------------------------------------------------------------------------
+
+def flat_entries(cfg: ModelConfig, tp: int, pp: int, pp_split) -> list[list[list[tuple[str, tuple[int, ...], int]]]]:
+    """Per pipeline stage and tensor-parallel rank of a layout, (name, shape of its TP slice,
+    offset) of each parameter in a flat copy of that rank's module (its parameters in order)."""
+    out = []
+    for stage in _stage_params(cfg, pp, pp_split):
+        ranks = []
+        for tp_rank in range(tp):
+            entries, offset = [], 0
+            for name, shape in stage:
+                cut = list(shape)
+                dim = shard_dim(name)
+                if dim is not None:
+                    a, b = bounds(shape[dim], tp)[tp_rank]
+                    cut[dim] = b - a
+                entries.append((name, tuple(cut), offset))
+                offset += math.prod(cut)
+            ranks.append(entries)
+        out.append(ranks)
+    return out
+
+
+def recut_flat(cfg: ModelConfig, saved: dict, flats: dict[tuple[int, int], torch.Tensor],
+               named: Iterable[tuple[str, tuple[int, ...]]], tp: int, tp_rank: int) -> torch.Tensor:
+    """A flat copy of a module's parameters written by the ranks of layout ``saved`` (``flats``:
+    (pp_rank, tp_rank) -> that rank's flat copy, one replica's) -> the flat copy of the module
+    whose parameters are ``named`` ((name, shape) in order) on tensor-parallel rank ``tp_rank``
+    of ``tp``: each parameter made whole from the saved slices of the first stage that holds it
+    (a pipeline replica is the first stage's copy; a tied lm_head the embedding) and cut by the
+    same TP plan the layout-free state uses (:func:`shard_dim`, :func:`bounds`), one parameter
+    at a time."""
+    s_tp, s_pp = int(saved.get("tp", 1) or 1), int(saved.get("pp", 1) or 1)
+    entries = flat_entries(cfg, s_tp, s_pp, saved.get("pp_split"))
+    where: dict[str, tuple[int, int]] = {}  # name -> (stage, index in its entries)
+    for stage, ranks in enumerate(entries):
+        for i, (name, _, _) in enumerate(ranks[0]):
+            where.setdefault(name, (stage, i))
+    for (p, t), flat in flats.items():
+        last = entries[p][t][-1] if entries[p][t] else None
+        size = 0 if last is None else last[2] + math.prod(last[1])
+        if flat.numel() != size:
+            raise CheckpointError(f"a flat copy of parameters of pipeline stage {p}, tensor-parallel rank {t} of "
+                                  f"layout {format_layout(saved)} holds {flat.numel()} values, {size} by the model's "
+                                  "config: the checkpoint and its config.yaml do not belong together")
+    tied = bool(getattr(cfg, "tie_embeddings", False))
+    named = [(n, tuple(shape)) for n, shape in named]
+    dtype = next(iter(flats.values())).dtype if flats else torch.float32
+    out, at = torch.empty(sum(math.prod(shape) for _, shape in named), dtype=dtype), 0
+    for name, shape in named:
+        stored = "embed.weight" if name not in where and tied and name == "lm_head.weight" else name
+        if stored not in where:
+            raise CheckpointError(f"no stage of layout {format_layout(saved)} holds parameter '{name}' "
+                                  "(model.lora or the model differ?)")
+        stage, i = where[stored]
+        dim = shard_dim(stored)
+        parts = []
+        for t in range(s_tp) if dim is not None else (0,):
+            _, cut, offset = entries[stage][t][i]
+            parts.append(flats[(stage, t)][offset:offset + math.prod(cut)].view(cut))
+        full = parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
+        if dim is not None:
+            a, b = bounds(full.shape[dim], tp)[tp_rank]
+            full = full.narrow(dim, a, b - a)
+        if tuple(full.shape) != tuple(shape):
+            raise CheckpointError(f"parameter '{name}' is {tuple(full.shape)} when re-cut from layout "
+                                  f"{format_layout(saved)} for tp rank {tp_rank} of {tp}, {tuple(shape)} in this model")
+        out[at:at + full.numel()] = full.reshape(-1)
+        at += full.numel()
+    return out
+
+
+# ------------------------------------------------------------------------------------------
 # DeepSpeed's universal checkpoint (interoperability: the tests compare our merge with its)
 # ------------------------------------------------------------------------------------------
 

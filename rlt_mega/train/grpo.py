@@ -54,7 +54,7 @@ from rlt_mega.data.tokenizer import Tokenizer, load_tokenizer
 from rlt_mega.learner.distill import distill_step_metrics
 from rlt_mega.log import get_logger
 from rlt_mega.metrics import Timers
-from rlt_mega.checkpoint import CheckpointManager
+from rlt_mega.checkpoint import CheckpointError, CheckpointManager
 from rlt_mega.determinism import configure as configure_determinism
 from rlt_mega.parallel.dims import ParallelDims, init_distributed, launcher_store, replica_of
 from rlt_mega.parallel.roles import RoleChannel
@@ -74,7 +74,7 @@ from rlt_mega.train.grpo_sample import Policy, SamplePhase
 # (loss_settings, request_seeds: imported from here by the tests' scenarios)
 from rlt_mega.train.grpo_settings import (batches_per_minibatch, engine_config, environments, grpo_config,  # noqa: F401
                                           loss_settings, request_seeds)
-from rlt_mega.train.loop import Interval, StepFailed, StopAfter, Trainer
+from rlt_mega.train.loop import Interval, SavedReplica, StepFailed, StopAfter, Trainer
 from rlt_mega.train.supervised import phase_timers
 
 log = get_logger(__name__)
@@ -237,27 +237,54 @@ class GRPOJob:
         self.pipeline.load_state_dict(None if state is None else state["pipeline"], step)
         self._load_history(state, step)
 
-    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: Optional[dict], step: int) -> None:
+    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: Optional[dict] | SavedReplica,
+                              step: int) -> None:
         """On another layout: every saved replica's queue re-split into this replica's share
         (train/async_grpo.py ``resplit``); the kept policy versions from ``own``, the saved rank at
-        this rank's place in the model (None where the saved layout cuts the model otherwise:
-        another tp, pp or stage split)."""
+        this rank's place in the model, or where the saved layout cuts the model otherwise
+        (another tp, pp or stage split) re-cut from every place of one saved replica by the TP
+        plan the layout-free state uses (parallel/reshard.py ``recut_flat``). Refused: the
+        on-policy check of queued samples on another tp (their mu summed in another order)."""
         g, cut = self.cfg.grpo, self.phases.cut
         self.pipeline.load_moved([None if s is None else s["pipeline"] for s in replicas], step,
                                  ShareCut(self.dims.dp, self.dims.dp_rank, cut.minibatch_rows, cut.batch_rows,
                                           g.group_size))
-        kept = None if own is None else {"previous": own.get("previous"), "versions": own.get("versions")}
-        if own is None and any(s is not None and (s.get("versions") or s.get("previous") is not None)
-                               for s in replicas):
-            saved = next(s for s in replicas if s is not None)["pipeline"]["layout"]  # (dp, tp, pp, rank)
-            if g.verify_onpolicy or g.partial_rollouts:
+        if isinstance(own, SavedReplica):
+            tp = int(own.layout.get("tp", 1) or 1)
+            if g.verify_onpolicy and self.pipeline.queue and tp != self.dims.tp:
                 raise ConfigError(
-                    f"the checkpoint at step {step} keeps policy versions as the parameters of its ranks on tp="
-                    f"{saved[1]}, pp={saved[2]} (grpo.verify_onpolicy, grpo.partial_rollouts), which this run cuts as "
-                    f"tp={self.dims.tp}, pp={self.dims.pp}: resume with parallel.tp={saved[1]} parallel.pp={saved[2]} "
-                    "and the same stage split (any dp or ZeRO stage)"
-                    + ("" if g.partial_rollouts else ", or with grpo.verify_onpolicy=false"))
+                    f"the checkpoint at step {step} queues samples drawn on tp={tp}, which grpo.verify_onpolicy "
+                    f"replays bit for bit against their mu: on tp={self.dims.tp} the replay sums in another order "
+                    f"and cannot equal it: resume with grpo.verify_onpolicy=false (the kept policy versions move) "
+                    f"or with parallel.tp={tp}")
+            own = self._recut_history(own, step) if g.verify_onpolicy or g.partial_rollouts else None
+        kept = None if own is None else {"previous": own.get("previous"), "versions": own.get("versions")}
         self._load_history(kept, step)
+
+    def _recut_history(self, saved: SavedReplica, step: int) -> dict:
+        """The kept versions of every place of one saved replica, each made whole and cut for this
+        rank's place (one version and one parameter at a time)."""
+        from rlt_mega.parallel.reshard import recut_flat
+
+        tp, pp = (int(saved.layout.get(k, 1) or 1) for k in ("tp", "pp"))
+        states = {}
+        for p in range(pp):
+            for t in range(tp):
+                history = PolicyHistory(self.history.plan, self.history.verify)
+                history.load_state_dict(saved.read(p, t), step)
+                states[(p, t)] = history.kept
+        held = {frozenset(v) for v in states.values()}
+        if len(held) != 1:
+            raise CheckpointError(f"the checkpoint at step {step} keeps policy versions "
+                                  f"{sorted(sorted(v) for v in held)} on the ranks of one replica: a job_rank<r>.pt "
+                                  "is missing or from another save")
+        module = self.policy.module()
+        named = [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+        device = next(module.parameters()).device
+        versions = {v: recut_flat(self.cfg.model, saved.layout, {k: s[v] for k, s in states.items()}, named,
+                                  self.dims.tp, self.dims.tp_rank).to(device)
+                    for v in sorted(held.pop())}
+        return {"previous": versions.get(step - 1), "versions": versions}
 
     def _load_history(self, state: Optional[dict], step: int) -> None:
         self.steps_done = step

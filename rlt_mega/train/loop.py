@@ -14,7 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 from tqdm import tqdm
@@ -103,8 +103,27 @@ class Job(Protocol):
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None: ...
     # On another layout: ``replicas`` every saved replica's source rank's state (``source_ranks``;
     # None where its file is missing), ``own`` the state of the saved rank at this rank's place
-    # (``position_rank``; None where the model is cut otherwise)
-    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: Optional[dict], step: int) -> None: ...
+    # (``position_rank``; None where its file is missing), or where the model is cut otherwise a
+    # ``SavedReplica`` that reads every place of one saved replica (to re-cut per-rank copies of
+    # parameters: GRPO's kept policy versions)
+    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: "Optional[dict] | SavedReplica",
+                              step: int) -> None: ...
+
+
+@dataclass
+class SavedReplica:
+    """The per-rank files of a saved layout's first data-parallel replica: ``layout`` (the saved
+    one) and ``read(pp_rank, tp_rank)``, that place's job state (memory-mapped; None where its file
+    is missing)."""
+
+    layout: dict
+    read: Callable[[int, int], Optional[dict]]
+
+
+def replica_rank(saved: dict, pp_rank: int, tp_rank: int) -> int:
+    """The rank of layout ``saved`` at (``pp_rank``, ``tp_rank``) of data-parallel replica 0."""
+    tp, dp = int(saved.get("tp", 1) or 1), int(saved.get("dp", 1) or 1)
+    return tp_rank + tp * dp * pp_rank
 
 
 def source_ranks(saved: dict) -> list[int]:
@@ -223,9 +242,9 @@ class Trainer:
         log.info("saved checkpoint %s", path)
         return path
 
-    def _rank_state(self, path: Path, rank: int) -> Optional[dict]:
+    def _rank_state(self, path: Path, rank: int, mmap: bool = False) -> Optional[dict]:
         file = path / f"job_rank{rank}.pt"
-        return load_torch(file, allow=self.job.rank_state_types) if file.is_file() else None
+        return load_torch(file, mmap=mmap, allow=self.job.rank_state_types) if file.is_file() else None
 
     def resume(self) -> Optional[Path]:
         """Loads the checkpoint train.resume names (None: there is none) into the engine, the
@@ -251,8 +270,10 @@ class Trainer:
         moved = saved_layout is not None and not same_layout(saved_layout, self.engine.layout())
         if moved:  # every saved replica's job state (GRPO: each replica's queue, re-split) and this place's
             own = position_rank(saved_layout, self.engine.layout(), self.dims)
-            self.job.load_moved_rank_state([self._rank_state(path, r) for r in source_ranks(saved_layout)],
-                                           None if own is None else self._rank_state(path, own), self.state.step)
+            place = SavedReplica(saved_layout, lambda p, t: self._rank_state(
+                path, replica_rank(saved_layout, p, t), mmap=True)) if own is None else self._rank_state(path, own)
+            self.job.load_moved_rank_state([self._rank_state(path, r) for r in source_ranks(saved_layout)], place,
+                                           self.state.step)
         else:
             self.job.load_rank_state_dict(self._rank_state(path, self.dims.rank), self.state.step)
         rng_file = path / f"rng_rank{self.dims.rank}.pt"

@@ -197,7 +197,8 @@ def reshard_then_run(root: str, checkpoint: str, layout: str, dtype: str = "fp32
 # batches of one group (train.grad_accum = prompts_per_step), so that a queue saved on one
 # data-parallel size is dealt into the shares of any other as that one samples them.
 GRPO_LAYOUTS = {"pp2dp2z1": ({"pp": 2, "dp": 2, "zero_stage": 1}, 2), "tp4z3": ({"tp": 4, "zero_stage": 3}, 1),
-                "dp4z1": ({"dp": 4, "zero_stage": 1}, 4), "dp2": ({"dp": 2}, 2), "one": (None, 1)}
+                "dp4z1": ({"dp": 4, "zero_stage": 1}, 4), "dp2": ({"dp": 2}, 2), "tp2": ({"tp": 2}, 1), "pp2": ({"pp": 2, "micro_batches": 2}, 1),
+                "one": (None, 1)}
 GRPO = {"max_staleness": 1, "is_correction": "token_tis"}  # a queue in every checkpoint
 PROMPTS = 4  # the global batch's prompts
 

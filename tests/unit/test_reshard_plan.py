@@ -211,38 +211,118 @@ def test_a_queued_data_step_is_re_split_into_the_shares_of_another_data_parallel
         moved.load_moved([p.state_dict() for p in saved], 3, ShareCut(1, 0, 8, 2, G))
 
 
-def test_kept_policy_versions_move_to_a_layout_that_cuts_the_model_alike_only():
+def _rank_flats(cfg, model, tp: int, pp: int) -> dict:
+    """(pp_rank, tp_rank) -> the flat copy of that rank's module, cut as parallel/tp.py cuts a
+    parameter (torch.chunk along its TP dimension) on the stage's pruned model."""
+    out = {}
+    full = dict(model.named_parameters())
+    for p, stage in enumerate(_stages(cfg, pp)):
+        for t in range(tp):
+            parts = []
+            for name, _ in stage.named_parameters():
+                x = full[name if name in full else "embed.weight"]
+                dim = shard_dim(name)
+                parts.append((x if dim is None else x.chunk(tp, dim)[t]).reshape(-1))
+            out[(p, t)] = torch.cat(parts)
+    return out
+
+
+def _stages(cfg, pp: int) -> list:
+    from rlt_mega.parallel.dims import split_layers
+    from rlt_mega.parallel.stage import prune_to_stage
+
+    out = []
+    for p, layers in enumerate(split_layers(cfg.n_layers, pp)):
+        stage = build_model(cfg, "meta")
+        if pp > 1:
+            prune_to_stage(stage, layers, p == 0, p == pp - 1)
+        out.append(stage)
+    return out
+
+
+def _tiny():
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=32, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden=64)
+    model = build_model(cfg, "cpu")
+    with torch.no_grad():
+        for q in model.parameters():
+            q.copy_(torch.randn_like(q))
+    return cfg, model
+
+
+def test_a_flat_copy_of_parameters_is_recut_for_another_tp_and_pp_by_the_tp_plan():
+    """parallel/reshard.py recut_flat: the flat copies of one replica's ranks made whole per
+    parameter and cut for any other place; a flat copy of another model refused."""
+    from rlt_mega.parallel.reshard import recut_flat
+
+    cfg, model = _tiny()
+    whole = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    named = [(n, tuple(q.shape)) for n, q in model.named_parameters()]
+    one = _rank_flats(cfg, model, 1, 1)
+    for tp, pp in ((2, 1), (1, 2), (2, 2)):
+        flats = _rank_flats(cfg, model, tp, pp)
+        assert torch.equal(recut_flat(cfg, layout(tp, pp), flats, named, 1, 0), whole)
+        for p, stage in enumerate(_stages(cfg, pp)):  # one process's copy -> each place of (tp, pp)
+            for t in range(tp):
+                mine = []
+                for n, q in stage.named_parameters():
+                    shape, dim = list(q.shape), shard_dim(n)
+                    if dim is not None:
+                        a, b = bounds(shape[dim], tp)[t]
+                        shape[dim] = b - a
+                    mine.append((n, tuple(shape)))
+                assert torch.equal(recut_flat(cfg, layout(), one, mine, tp, t), flats[(p, t)])
+    with pytest.raises(CheckpointError, match=r"holds 3 values, \d+ by the model's config: the checkpoint and its "
+                                              r"config.yaml do not belong together"):
+        recut_flat(cfg, layout(), {(0, 0): torch.zeros(3)}, named, 1, 0)
+
+
+def test_kept_policy_versions_move_to_any_layout():
     """train/grpo.py load_moved_rank_state: the queue re-split, and the policy versions kept for
-    partial rollouts taken from the saved rank at this rank's place (same tp and pp), or refused
-    in one line naming the layout to resume on."""
+    partial rollouts taken from the saved rank at this rank's place (same tp and pp), or re-cut
+    from every place of one saved replica (another tp); a replica whose places keep different
+    versions refused, and the on-policy check of samples queued on another tp."""
     from types import SimpleNamespace
 
     from rlt_mega.config import ConfigError
     from rlt_mega.train.async_grpo import PolicyHistory, StalenessPipeline, VersionPlan
     from rlt_mega.train.grpo import GRPOJob
+    from rlt_mega.train.loop import SavedReplica
 
+    cfg, model = _tiny()
+    whole = torch.cat([q.detach().reshape(-1) for q in model.parameters()])
+    flats = _rank_flats(cfg, model, 2, 1)
     saved = []
     for d, item in enumerate(_queued(2, 4, 2, 2)):
         pipe = StalenessPipeline(1, (2, 1, 1, d), 1)
         pipe.push(item)
-        kept = torch.full((3,), 2.0)  # version 2's parameters on the saved rank
-        saved.append({"pipeline": pipe.state_dict(), "previous": kept, "versions": {2: kept}})
+        saved.append({"pipeline": pipe.state_dict(), "previous": whole, "versions": {2: whole}})
 
-    def job(tp: int):
+    def job():
         grpo = SimpleNamespace(group_size=2, verify_onpolicy=False, partial_rollouts=1)
         cut = SimpleNamespace(minibatch_rows=8, batch_rows=2)
-        j = SimpleNamespace(cfg=SimpleNamespace(grpo=grpo), phases=SimpleNamespace(cut=cut),
-                            dims=SimpleNamespace(dp=1, dp_rank=0, tp=tp, pp=1),
-                            pipeline=StalenessPipeline(1, (1, tp, 1, 0), 1),
+        j = SimpleNamespace(cfg=SimpleNamespace(grpo=grpo, model=cfg), phases=SimpleNamespace(cut=cut),
+                            dims=SimpleNamespace(dp=1, dp_rank=0, tp=1, tp_rank=0, pp=1),
+                            pipeline=StalenessPipeline(1, (1, 1, 1, 0), 1), policy=SimpleNamespace(module=lambda: model),
                             history=PolicyHistory(VersionPlan(1, 1, 2), False))
         j._load_history = lambda state, step: GRPOJob._load_history(j, state, step)
+        j._recut_history = lambda state, step: GRPOJob._recut_history(j, state, step)
         return j
 
-    moved = job(1)
+    moved = job()
     GRPOJob.load_moved_rank_state(moved, saved, saved[0], 3)
     assert sorted(moved.history.kept) == [2] and moved.steps_done == 3
     assert [_rows(x) for x in moved.pipeline.queue] == [[[0, 1], [2, 3], [4, 5], [6, 7]]]
-    with pytest.raises(ConfigError, match=r"on tp=1, pp=1 \(grpo.verify_onpolicy, grpo.partial_rollouts\), which this "
-                                          r"run cuts as tp=2, pp=1: resume with parallel.tp=1 parallel.pp=1 and the "
-                                          r"same stage split \(any dp or ZeRO stage\)$"):
-        GRPOJob.load_moved_rank_state(job(2), saved, None, 3)
+    places = {(0, t): {"previous": flats[(0, t)], "versions": {2: flats[(0, t)]}} for t in range(2)}
+    recut = job()  # saved on tp=2 (replica 0's two places), resumed in one process
+    GRPOJob.load_moved_rank_state(recut, saved, SavedReplica(layout(2), lambda p, t: places[(p, t)]), 3)
+    assert sorted(recut.history.kept) == [2] and torch.equal(recut.history.kept[2], whole)
+    checked = job()
+    checked.cfg.grpo.verify_onpolicy = True
+    with pytest.raises(ConfigError, match=r"queues samples drawn on tp=2, which grpo.verify_onpolicy replays bit for "
+                                          r"bit against their mu: on tp=1 .*: resume with grpo.verify_onpolicy=false "
+                                          r"\(the kept policy versions move\) or with parallel.tp=2$"):
+        GRPOJob.load_moved_rank_state(checked, saved, SavedReplica(layout(2), lambda p, t: places[(p, t)]), 3)
+    places[(0, 1)] = {"previous": None, "versions": {}}
+    with pytest.raises(CheckpointError, match=r"keeps policy versions \[\[\], \[2\]\] on the ranks of one replica"):
+        GRPOJob.load_moved_rank_state(job(), saved, SavedReplica(layout(2), lambda p, t: places[(p, t)]), 3)
