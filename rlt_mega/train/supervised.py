@@ -22,7 +22,7 @@ from rlt_mega.parallel.dims import ParallelDims
 from rlt_mega.parallel.engine import Engine, StepStats
 from rlt_mega.parallel.launch import launch
 from rlt_mega.train.builders import build_engine, check_vocab
-from rlt_mega.train.loop import Interval, StepFailed, Trainer
+from rlt_mega.train.loop import Interval, SavedReplica, StepFailed, Trainer
 
 log = get_logger(__name__)
 
@@ -130,7 +130,8 @@ class SupervisedJob:
     def load_rank_state_dict(self, state: Optional[dict], step: int) -> None:
         pass
 
-    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: Optional[dict], step: int) -> None:
+    def load_moved_rank_state(self, replicas: list[Optional[dict]], own: Optional[dict] | SavedReplica,
+                              step: int) -> None:
         pass
 
 
