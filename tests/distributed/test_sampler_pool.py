@@ -90,7 +90,9 @@ def test_a_killed_sampler_costs_time_never_the_run_and_a_restarted_one_rejoins(t
     assert len(lines) == 7
     replicas = [x["async/sampler_replica"] for x in lines]
     assert 1.0 not in replicas[3:], replicas  # step 3 redone by another replica
-    assert 2.0 in replicas[4:], replicas  # the replacement sampled data steps the learner learned
+    # the replacement sampled data steps the learner learned (the lost step 3 itself, when it was
+    # admitted while the learner waited for it: as likely as a later one, by timing)
+    assert 2.0 in replicas[3:], replicas
     assert lines[0]["async/samplers_alive"] == 2.0 and lines[-1]["async/samplers_alive"] == 2.0
     colocated({"max_staleness": 1}, {"steps": 7}, tmp_path / "colocated")
     a, b = final_params(tmp_path / "roles"), final_params(tmp_path / "colocated")
